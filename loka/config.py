@@ -1,0 +1,219 @@
+"""Frozen configuration dataclasses shared by every part of LoKA.
+
+Each field carries its meaning in a comment-docstring beneath it (torchtitan style), so
+that ``help(ProbeConfig)`` and the generated API reference say what a knob does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Tuple
+
+
+class Role(str, enum.Enum):
+    """The three GEMMs of a Linear ``y = x Wᵀ``.
+
+    ``fwd``   : ``x (M, K) @ Wᵀ (K, N) -> y (M, N)``
+    ``dgrad`` : ``dy (M, N) @ W (N, K) -> dx (M, K)``
+    ``wgrad`` : ``dyᵀ (N, M) @ x (M, K) -> dW (N, K)``
+    """
+
+    FWD = "fwd"
+    DGRAD = "dgrad"
+    WGRAD = "wgrad"
+
+    def __str__(self) -> str:  # "fwd", not "Role.FWD", in tables and JSON
+        return self.value
+
+    @classmethod
+    def parse(cls, value: "Role | str") -> "Role":
+        if isinstance(value, Role):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            raise ValueError(
+                f"unknown role {value!r}; expected one of {[r.value for r in cls]}"
+            ) from None
+
+
+ROLES: Tuple[Role, ...] = (Role.FWD, Role.DGRAD, Role.WGRAD)
+
+
+def role_shape(role: Role | str, m: int, k: int, n: int) -> Tuple[int, int, int]:
+    """(M, K, N) of the GEMM ``a (M, K) @ b (K, N)`` a role runs, for a Linear of
+    ``in_features=k``, ``out_features=n`` applied to ``m`` rows."""
+    role = Role.parse(role)
+    if role is Role.FWD:
+        return (m, k, n)
+    if role is Role.DGRAD:
+        return (m, n, k)
+    return (n, m, k)
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """Which registered kernel runs each GEMM role of one ``loka.Linear``."""
+
+    fwd: str = "bf16"
+    """kernel name for the forward GEMM ``x @ Wᵀ``"""
+    dgrad: str = "bf16"
+    """kernel name for the input gradient ``dy @ W``"""
+    wgrad: str = "bf16"
+    """kernel name for the weight gradient ``dyᵀ @ x``"""
+
+    def kernel(self, role: Role | str) -> str:
+        return getattr(self, Role.parse(role).value)
+
+    @classmethod
+    def uniform(cls, name: str) -> "LinearConfig":
+        return cls(fwd=name, dgrad=name, wgrad=name)
+
+    def to_dict(self) -> dict:
+        return {"fwd": self.fwd, "dgrad": self.dgrad, "wgrad": self.wgrad}
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """How the Probe learns statistics and measures kernels."""
+
+    every_n_steps: int = 100
+    """update online statistics on every N-th training step (the first step always)"""
+    max_full_cov_dim: int = 1024
+    """feature dims up to this keep a full covariance; larger ones use ``block_size`` blocks"""
+    block_size: int = 256
+    """block size of the block-diagonal covariance used above ``max_full_cov_dim``"""
+    max_rows_per_update: int = 4096
+    """rows of a captured activation/gradient used per statistics update (random subset)"""
+    weight_ema: float = 0.9
+    """exponential moving-average factor of the matrix-normal weight model"""
+    num_samples: int = 64
+    """synthetic (A, B) pairs drawn per site and role (the paper uses 50-100)"""
+    sample_rows: Optional[int] = None
+    """rows M of each synthetic sample; None: the site's observed row count, capped at 4096"""
+    source: str = "learned"
+    """'learned' (sample from statistics), 'captured' (use real captured tensors)"""
+    compare_naive: bool = True
+    """also measure every kernel on N(0, 1) inputs, for the learned-vs-naive comparison"""
+    kernels: Optional[Tuple[str, ...]] = None
+    """restrict measurement to these kernel names; None: every available kernel"""
+    roles: Tuple[Role, ...] = ROLES
+    """roles to measure"""
+    max_error: float = 0.2
+    """budget on MERE's upper 95% bound used for the report's ``safe`` flag"""
+    min_speedup: float = 1.05
+    """speedup over the bf16 baseline above which a kernel is flagged ``fast``"""
+    bootstrap: int = 1000
+    """bootstrap resamples for the confidence intervals"""
+    timing: bool = True
+    """measure speed (CUDA graphs on GPU, wall-clock on CPU); False: errors only"""
+    timing_rows: Optional[int] = None
+    """M used for timing; None: the observed token count of the site"""
+    seed: int = 0
+    """seed of the sampler and the bootstrap"""
+    module_filter: Optional[str] = None
+    """regular expression: only Linears whose fully qualified name matches are probed"""
+
+    def __post_init__(self) -> None:
+        if self.every_n_steps < 1:
+            raise ValueError("ProbeConfig.every_n_steps must be >= 1")
+        if self.num_samples < 2:
+            raise ValueError("ProbeConfig.num_samples must be >= 2 (a CI needs two samples)")
+        if self.source not in ("learned", "captured"):
+            raise ValueError("ProbeConfig.source must be 'learned' or 'captured'")
+        if not 0.0 <= self.weight_ema < 1.0:
+            raise ValueError("ProbeConfig.weight_ema must be in [0, 1)")
+        object.__setattr__(self, "roles", tuple(Role.parse(r) for r in self.roles))
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    """How a plan is chosen from a report (the arguments of ``loka.plan``)."""
+
+    max_error: float = 0.2
+    """global budget on the error metric's upper confidence bound"""
+    min_speedup: float = 1.05
+    """a kernel must beat the bf16 baseline by this factor to be chosen"""
+    metric: str = "mere"
+    """error metric the budget applies to: 'mere', 'relfro' or 'neg_sqnr' (-SQNR dB)"""
+    role_budgets: Mapping[str, float] = field(default_factory=dict)
+    """per-role budget overriding ``max_error``, e.g. {'wgrad': 0.1}"""
+    site_budgets: Mapping[str, float] = field(default_factory=dict)
+    """per-site budget by regular expression on the site name, overriding both"""
+    baseline: str = "bf16"
+    """kernel used where no FP8 kernel qualifies"""
+
+    def __post_init__(self) -> None:
+        if self.metric not in ("mere", "relfro", "neg_sqnr"):
+            raise ValueError(f"unknown metric {self.metric!r}")
+        if self.min_speedup <= 0:
+            raise ValueError("min_speedup must be positive")
+        for r in self.role_budgets:
+            Role.parse(r)
+
+
+@dataclass(frozen=True)
+class ModsConfig:
+    """Model adaptations ("Mods") that make a model FP8-friendly and cheaper."""
+
+    no_bias: bool = False
+    """drop the bias of every Linear except the final (logit) layer"""
+    blocknorm: Optional[int] = None
+    """replace LayerNorm/SwishNorm with parameter-free BlockNorm of this block size (e.g. 256)"""
+    hardswish: bool = False
+    """replace Swish/SiLU (and the Swish of SwishNorm) with Hard Swish"""
+    fuse_norm_quant: bool = False
+    """on GPU, fuse norm -> activation -> FP8 quantization into one kernel where it feeds FP8"""
+    pad_to: Optional[int] = None
+    """pad Linear feature dims to a multiple of this (16 for FP8 GEMMs); None: no padding"""
+    merge_siblings: bool = False
+    """merge sibling Linears that read the same input into one GEMM"""
+
+    def __post_init__(self) -> None:
+        if self.blocknorm is not None and self.blocknorm < 1:
+            raise ValueError("ModsConfig.blocknorm must be a positive block size or None")
+        if self.pad_to is not None and self.pad_to < 1:
+            raise ValueError("ModsConfig.pad_to must be positive or None")
+
+    @classmethod
+    def paper(cls) -> "ModsConfig":
+        """The paper's Mods: No Bias, BlockNorm(256), Hard Swish."""
+        return cls(no_bias=True, blocknorm=256, hardswish=True)
+
+    @property
+    def any(self) -> bool:
+        return any(
+            (self.no_bias, self.blocknorm is not None, self.hardswish,
+             self.fuse_norm_quant, self.pad_to is not None, self.merge_siblings)
+        )
+
+
+def config_to_dict(cfg: Any) -> dict:
+    """A JSON-ready dict of a config dataclass (enums as their values)."""
+    out = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if isinstance(v, enum.Enum):
+            v = v.value
+        elif isinstance(v, tuple):
+            v = [x.value if isinstance(x, enum.Enum) else x for x in v]
+        elif isinstance(v, Mapping):
+            v = dict(v)
+        out[f.name] = v
+    return out
+
+
+def config_from_dict(cls, data: Mapping[str, Any]):
+    """Inverse of :func:`config_to_dict`, rejecting unknown keys."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} fields: {sorted(unknown)}")
+    kwargs = {}
+    for k, v in data.items():
+        if isinstance(v, list):
+            v = tuple(v)
+        kwargs[k] = v
+    return cls(**kwargs)

@@ -1,0 +1,5 @@
+"""Dispatch: plans, ``loka.Linear`` and applying plans to models."""
+
+from .linear import Linear
+
+__all__ = ["Linear"]

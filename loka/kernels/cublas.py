@@ -1,0 +1,89 @@
+"""cuBLAS (and the CPU build's) FP8 GEMMs through ``torch._scaled_mm``.
+
+Quantization is plain PyTorch (the recipe's), so under ``torch.compile`` Inductor fuses
+it into the op that produces the operand; only the GEMM itself is a library call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import Role
+from ..numerics import Granularity, QTensor
+from . import capabilities as caps
+from .emulated import GRAD_ROLES
+from .recipes import Recipe, check_gemm_operands
+from .registry import YES, Capability, Kernel, register
+
+
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    """``_scaled_mm`` wants its second operand column-major; a free view when it is."""
+    return t if t.stride(0) == 1 else t.t().contiguous().t()
+
+
+def _scaled_mm(qa: QTensor, qb: QTensor, out_dtype: torch.dtype, fast_accum: bool,
+               scaling: Granularity) -> torch.Tensor:
+    b = _col_major(qb.data)
+    if scaling is Granularity.BLOCKWISE:
+        import torch.nn.functional as F
+
+        # 1x128 scales must be outer-dim-major: (M, K/128) stored column-major.
+        sa = qa.scale.t().contiguous().t()
+        return F.scaled_mm(qa.data, b, sa, F.ScalingType.BlockWise1x128, qb.scale,
+                           F.ScalingType.BlockWise128x128, output_dtype=out_dtype,
+                           use_fast_accum=fast_accum)
+    sa, sb = qa.scale, qb.scale
+    if scaling is Granularity.TENSORWISE:
+        sa, sb = sa.reshape(()), sb.reshape(())
+    return torch._scaled_mm(qa.data, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
+
+
+def make_scaled_mm_kernel(name: str, recipe: Recipe, *, fast_accum: bool = False,
+                          roles=None, gemm_out_dtype=None, description: str = "") -> Kernel:
+    """A ``torch._scaled_mm`` kernel. ``gemm_out_dtype`` forces the library's output
+    dtype (rowwise and blockwise produce bf16 only); the result is cast to the caller's."""
+    scaling = recipe.scaling
+
+    def fn(a, b, out_dtype):
+        check_gemm_operands(a, b, out_dtype)
+        qa, qb = recipe.operands(a, b)
+        lib_dtype = gemm_out_dtype or (out_dtype if out_dtype != torch.float64 else torch.float32)
+        out = _scaled_mm(qa, qb, lib_dtype, fast_accum, scaling)
+        return out if out.dtype == out_dtype else out.to(out_dtype)
+
+    fn.__name__ = name.replace("-", "_")
+    probe_out = gemm_out_dtype or torch.bfloat16
+    a_dtype = torch.float8_e5m2 if recipe.a_format == "e5m2" else torch.float8_e4m3fn
+
+    def requires(device: torch.device) -> Capability:
+        if fast_accum and device.type != "cuda":
+            return Capability(False, "fast accumulation exists on CUDA tensor cores only")
+        if not caps.has_scaled_mm(device, str(scaling), a_dtype, torch.float8_e4m3fn, probe_out):
+            return Capability(False, f"this torch build has no {scaling} _scaled_mm for "
+                                     f"{recipe.a_format}x{recipe.b_format} on {device.type}")
+        return YES
+
+    align = 128 if scaling is Granularity.BLOCKWISE else 16
+    return Kernel(
+        name=name, fn=fn, library="cublas", formats=recipe.formats, scaling=str(scaling),
+        roles=frozenset(roles) if roles else frozenset(Role), devices=("cpu", "cuda"),
+        min_capability=(8, 9), vendor="any", align=align, requires=requires,
+        quantize_a=recipe.quantize_a, quantize_b=recipe.quantize_b, fast_accum=fast_accum,
+        description=description or f"torch._scaled_mm {scaling} {recipe.a_format}x{recipe.b_format}"
+                                   + (" fast-accum" if fast_accum else ""),
+    )
+
+
+TW, RW, BW = Granularity.TENSORWISE, Granularity.ROWWISE, Granularity.BLOCKWISE
+for _name, _recipe, _fast, _roles, _out in (
+    ("cublas-tensorwise", Recipe(TW), False, None, None),
+    ("cublas-tensorwise-fastacc", Recipe(TW), True, None, None),
+    ("cublas-tensorwise-e5m2", Recipe(TW, "e5m2", "e4m3"), False, GRAD_ROLES, None),
+    ("cublas-rowwise", Recipe(RW), False, None, torch.bfloat16),
+    ("cublas-rowwise-fastacc", Recipe(RW), True, None, torch.bfloat16),
+    ("cublas-rowwise-e5m2", Recipe(RW, "e5m2", "e4m3"), False, GRAD_ROLES, torch.bfloat16),
+    ("cublas-blockwise", Recipe(BW), False, None, torch.bfloat16),
+):
+    register(make_scaled_mm_kernel(_name, _recipe, fast_accum=_fast, roles=_roles,
+                                   gemm_out_dtype=_out))

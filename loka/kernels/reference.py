@@ -1,0 +1,53 @@
+"""High-precision kernels: the bf16 baseline and float32 references."""
+
+from __future__ import annotations
+
+import torch
+
+from ..numerics import QTensor
+from .recipes import check_gemm_operands
+from .registry import Kernel, register
+
+
+def _plain(x):
+    return x.dequantize() if isinstance(x, QTensor) else x
+
+
+def _baseline(a, b, out_dtype):
+    """The GEMM in the operands' own dtype (bf16 in a bf16 model): what FP8 replaces."""
+    a, b = _plain(a), _plain(b)
+    check_gemm_operands(a, b, out_dtype)
+    if a.dtype != b.dtype:
+        b = b.to(a.dtype)
+    return torch.mm(a, b).to(out_dtype)
+
+
+def _fp32(a, b, out_dtype):
+    """float32 GEMM with TF32 disabled."""
+    a, b = _plain(a), _plain(b)
+    check_gemm_operands(a, b, out_dtype)
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return torch.mm(a.float(), b.float()).to(out_dtype)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def _tf32(a, b, out_dtype):
+    a, b = _plain(a), _plain(b)
+    check_gemm_operands(a, b, out_dtype)
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        return torch.mm(a.float(), b.float()).to(out_dtype)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+register(Kernel("bf16", _baseline, library="torch", formats=("bf16", "bf16"),
+                description="baseline: torch.mm in the model's dtype (bf16 in bf16 models)"))
+register(Kernel("fp32", _fp32, library="torch", formats=("fp32", "fp32"),
+                description="float32 reference, TF32 off"))
+register(Kernel("tf32", _tf32, library="torch", formats=("tf32", "tf32"), devices=("cuda",),
+                min_capability=(8, 0), description="float32 inputs on TF32 tensor cores"))

@@ -1,0 +1,188 @@
+"""The one registry of GEMM kernels.
+
+A kernel computes ``a (M, K) @ b (K, N)`` and does its own quantization: the Probe
+enumerates kernels, the Dispatch picks one per site and role, ``loka.Linear`` calls it.
+Adding a kernel library means adding one module that calls :func:`register`.
+
+Operands may arrive already quantized (a :class:`~loka.numerics.QTensor`, e.g. from a
+fused norm→quantize producer or a weight quantized once); a kernel whose ``quantize_a``
+/ ``quantize_b`` produced it uses it as is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple, Union
+
+import torch
+
+from ..config import ROLES, Role
+from ..numerics import QTensor
+from . import capabilities as caps
+
+Operand = Union[torch.Tensor, QTensor]
+GemmFn = Callable[[Operand, Operand, torch.dtype], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Capability:
+    """A predicate's answer: ``ok`` or the reason it is not."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+YES = Capability(True)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One registered GEMM kernel."""
+
+    name: str
+    """unique name, e.g. 'bf16', 'emulated-rowwise-e4m3', 'cublas-rowwise'"""
+    fn: GemmFn
+    """``fn(a, b, out_dtype) -> (M, N)``; quantizes its own operands"""
+    library: str
+    """'torch', 'emulated', 'cublas', 'triton', 'torchao', 'fbgemm'"""
+    formats: Tuple[str, str] = ("bf16", "bf16")
+    """number formats of operand a and operand b"""
+    scaling: str = "none"
+    """'none', 'tensorwise', 'rowwise', 'blockwise', 'mx'"""
+    roles: FrozenSet[Role] = frozenset(ROLES)
+    """roles this kernel may serve"""
+    devices: Tuple[str, ...] = ("cpu", "cuda")
+    """device types it runs on"""
+    min_capability: Optional[Tuple[int, int]] = None
+    """minimum CUDA compute capability (None: any, or not CUDA)"""
+    max_capability: Optional[Tuple[int, int]] = None
+    """maximum CUDA compute capability (exclusive upper bound, for arch-specific kernels)"""
+    vendor: str = "any"
+    """'nvidia', 'amd' or 'any': which GPU vendor's hardware the format targets"""
+    align: int = 1
+    """K and N must be multiples of this (M is free); see ``pads``"""
+    pads: bool = False
+    """pads misaligned K/N internally instead of refusing them"""
+    requires: Optional[Callable[[torch.device], Capability]] = None
+    """extra device-level check (library present, torch build supports the recipe)"""
+    quantize_a: Optional[Callable[[torch.Tensor], QTensor]] = None
+    """quantizes an a operand the way ``fn`` would (for producers that quantize ahead)"""
+    quantize_b: Optional[Callable[[torch.Tensor], QTensor]] = None
+    """quantizes a b operand the way ``fn`` would (weights quantized once)"""
+    emulates: Optional[str] = None
+    """for an emulated kernel: the name of the real kernel whose numerics it reproduces"""
+    fast_accum: bool = False
+    """uses reduced-precision (fast) tensor-core accumulation"""
+    description: str = ""
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.scaling != "none"
+
+    @property
+    def is_emulated(self) -> bool:
+        return self.library == "emulated"
+
+    def device_ok(self, device: "torch.device | str") -> Capability:
+        """Can this kernel run on ``device`` at all (any shape)?"""
+        device = torch.device(device)
+        if device.type not in self.devices:
+            return Capability(False, f"runs on {'/'.join(self.devices)}, not {device.type}")
+        if self.vendor == "amd" and device.type == "cuda" and not caps.is_rocm():
+            return Capability(False, "AMD-only format (fnuz); this is an NVIDIA GPU")
+        if self.vendor == "nvidia" and caps.is_rocm():
+            return Capability(False, "NVIDIA-only kernel; this is a ROCm GPU")
+        cc = caps.cuda_capability(device)
+        if self.min_capability is not None and device.type == "cuda":
+            if cc is None or cc < self.min_capability:
+                need = ".".join(map(str, self.min_capability))
+                return Capability(False, f"needs compute capability >= {need}, have {cc}")
+        if self.max_capability is not None and cc is not None and cc >= self.max_capability:
+            return Capability(False, f"built for compute capability < {self.max_capability}")
+        if self.requires is not None:
+            return self.requires(device)
+        return YES
+
+    def supports(self, device: "torch.device | str", m: int, k: int, n: int,
+                 role: "Role | str | None" = None) -> Capability:
+        """Can this kernel run ``(M, K) @ (K, N)`` on ``device`` (for ``role``)?"""
+        if role is not None and Role.parse(role) not in self.roles:
+            return Capability(False, f"does not serve role {Role.parse(role)}")
+        ok = self.device_ok(device)
+        if not ok:
+            return ok
+        if min(m, k, n) <= 0:
+            return Capability(False, f"empty GEMM {m}x{k}x{n}")
+        if not self.pads and (k % self.align or n % self.align):
+            return Capability(False, f"K={k} and N={n} must be multiples of {self.align}")
+        return YES
+
+    def __call__(self, a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
+        return self.fn(a, b, out_dtype)
+
+
+_REGISTRY: Dict[str, Kernel] = {}
+
+
+def register(kernel: Kernel, *, override: bool = False) -> Kernel:
+    """Add a kernel; re-registering a name is an error unless ``override``."""
+    if kernel.name in _REGISTRY and not override:
+        raise ValueError(f"kernel {kernel.name!r} is already registered")
+    _REGISTRY[kernel.name] = kernel
+    return kernel
+
+
+def unregister(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def get(name: str) -> Kernel:
+    """The kernel registered under ``name`` (KeyError listing the known names)."""
+    _ensure_loaded()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"no kernel named {name!r}; registered: {sorted(_REGISTRY)}") from None
+
+
+def all_kernels() -> List[Kernel]:
+    _ensure_loaded()
+    return list(_REGISTRY.values())
+
+
+def available(device: "torch.device | str" = "cpu", shape: Optional[Tuple[int, int, int]] = None,
+              role: "Role | str | None" = None, fp8_only: bool = False,
+              names: Optional[Iterable[str]] = None) -> List[Kernel]:
+    """Registered kernels that can run on ``device`` (and ``shape`` (M, K, N), ``role``)."""
+    wanted = set(names) if names is not None else None
+    out = []
+    for kern in all_kernels():
+        if wanted is not None and kern.name not in wanted:
+            continue
+        if fp8_only and not kern.is_fp8:
+            continue
+        ok = kern.supports(device, *shape, role=role) if shape else kern.device_ok(device)
+        if ok and (role is None or Role.parse(role) in kern.roles):
+            out.append(kern)
+    return out
+
+
+def unavailable(device: "torch.device | str" = "cpu") -> Dict[str, str]:
+    """name -> reason, for every registered kernel that cannot run on ``device``."""
+    return {k.name: k.device_ok(device).reason for k in all_kernels() if not k.device_ok(device)}
+
+
+_LOADED = False
+
+
+def _ensure_loaded() -> None:
+    """Import the kernel modules (each registers itself) on first use."""
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    from . import reference, emulated, cublas  # noqa: F401
+    from . import adapters  # noqa: F401  (optional libraries; registers what loads)
