@@ -115,16 +115,53 @@ class ProbeConfig:
     """seed of the sampler and the bootstrap"""
     module_filter: Optional[str] = None
     """regular expression: only Linears whose fully qualified name matches are probed"""
+    weight_source: str = "model"
+    """synthetic weights for source='learned': 'model' draws fresh W ~ MN(0, U, V) from the
+    matrix-normal model, 'mean' uses the EMA of the weight snapshots as it is"""
+    timing_warmup: int = 10
+    """untimed calls before each timing"""
+    timing_iters: int = 50
+    """timed repetitions (CUDA-graph replays on GPU) whose median is reported, at most"""
+    timing_budget_ms: Optional[float] = 100.0
+    """time budget of one timing after its warm-up: slow calls get fewer repetitions (never
+    below 5); None: always ``timing_iters``"""
+    progress: bool = True
+    """show a progress bar over sites while ``report()`` measures"""
+    graph_updates: bool = False
+    """on CUDA, replay each statistics update as a CUDA graph (captured at the second
+    update of a shape; eager where capture fails): removes the host work of a statistics
+    step (its GPU work stays; on the Wukong paper model it saved ~2 of ~34 ms) and holds
+    the graphs' temporaries in one memory pool"""
+    naive_samples: int = 16
+    """N(0, 1) samples per site and role for ``naive_mere`` (its spread is small)"""
+    skip_emulated_twins: bool = True
+    """on GPUs, skip an emulated kernel where the real kernel it emulates runs too (same
+    quantization numerics, no speed to offer; saves measurement time); ignored on the CPU
+    and when ``kernels`` is given"""
 
     def __post_init__(self) -> None:
         if self.every_n_steps < 1:
             raise ValueError("ProbeConfig.every_n_steps must be >= 1")
-        if self.num_samples < 2:
-            raise ValueError("ProbeConfig.num_samples must be >= 2 (a CI needs two samples)")
+        if self.num_samples < 2 or self.naive_samples < 2:
+            raise ValueError("ProbeConfig.num_samples and naive_samples must be >= 2 "
+                             "(a CI needs two samples)")
         if self.source not in ("learned", "captured"):
             raise ValueError("ProbeConfig.source must be 'learned' or 'captured'")
         if not 0.0 <= self.weight_ema < 1.0:
             raise ValueError("ProbeConfig.weight_ema must be in [0, 1)")
+        if self.weight_source not in ("model", "mean"):
+            raise ValueError("ProbeConfig.weight_source must be 'model' or 'mean'")
+        if self.timing_budget_ms is not None and self.timing_budget_ms <= 0:
+            raise ValueError("ProbeConfig.timing_budget_ms must be positive or None")
+        if self.bootstrap < 0 or self.timing_warmup < 0 or self.timing_iters < 1:
+            raise ValueError("ProbeConfig needs bootstrap >= 0, timing_warmup >= 0, timing_iters >= 1")
+        if self.max_full_cov_dim < 1 or self.block_size < 1 or self.max_rows_per_update < 1:
+            raise ValueError("ProbeConfig.max_full_cov_dim, block_size and max_rows_per_update "
+                             "must be >= 1")
+        if self.sample_rows is not None and self.sample_rows < 1:
+            raise ValueError("ProbeConfig.sample_rows must be >= 1 or None")
+        if self.timing_rows is not None and self.timing_rows < 1:
+            raise ValueError("ProbeConfig.timing_rows must be >= 1 or None")
         object.__setattr__(self, "roles", tuple(Role.parse(r) for r in self.roles))
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib.resources
 import math
 import os
-from typing import Dict, Iterator, List, Optional, Sequence, Union
+from typing import Dict, Iterator, List, Sequence, Union
 
 import torch
 

@@ -1,5 +1,24 @@
-"""Dispatch: plans, ``loka.Linear`` and applying plans to models."""
+"""Dispatch: plans, ``loka.Linear`` and applying plans to models.
+
+>>> plan = loka.plan(report, max_error=0.2, min_speedup=1.05)
+>>> loka.apply(model, plan)            # nn.Linear -> loka.Linear where the plan says
+>>> guard = loka.dispatch.Guard(model, plan, check_every=100)
+
+``plan`` and ``apply`` are both submodules and functions; the package exports the
+functions, which also carry their module's helpers (``loka.dispatch.plan.
+tighten_end_to_end``, ``loka.dispatch.apply.check``).
+"""
 
 from .linear import Linear
+from .plan import (Fallback, Plan, PlanMismatchError, RoleChoice, SitePlan, plan,
+                   tighten_end_to_end)
+from .apply import ApplyReport, Change, amax_from_report, applied_plan, apply, check, unapply
+from .guard import Guard, GuardEvent
 
-__all__ = ["Linear"]
+plan.tighten_end_to_end = tighten_end_to_end
+apply.check = check
+apply.amax_from_report = amax_from_report
+
+__all__ = ["Linear", "Plan", "SitePlan", "RoleChoice", "Fallback", "PlanMismatchError", "plan",
+           "tighten_end_to_end", "apply", "unapply", "check", "applied_plan", "ApplyReport",
+           "Change", "amax_from_report", "Guard", "GuardEvent"]

@@ -16,6 +16,17 @@ An FP8 producer (a fused norm→quantize kernel) may pass its output twice:
 ``linear(x, x_q=q)`` with ``x`` the high-precision tensor (the autograd edge) and ``q``
 its :class:`~loka.numerics.QTensor`. The forward kernel consumes ``q`` without quantizing
 again and only ``q`` is saved for the weight gradient, so the activation is kept in FP8.
+
+Graph-safety: the hot path has no host synchronization and no branch on tensor values
+(branches are on shapes and on the config, fixed between calls), so ``torch.compile(...,
+fullgraph=True)`` traces it and a training step can be captured in a CUDA graph.
+Traceable kernels run inline (Inductor fuses their quantization into the producer);
+opaque ones (see :mod:`loka.dispatch.ops`) run as the custom op ``loka::gemm``.
+
+Inference: :meth:`Linear.quantize_weight` stores Wᵀ in FP8 once; :meth:`drop_weight`
+then frees the high-precision weight (the state_dict then holds ``weight_fp8`` and
+``weight_scale`` in place of ``weight``); :meth:`set_input_amax` switches the forward's
+activation quantization from dynamic to a static scale.
 """
 
 from __future__ import annotations
@@ -29,7 +40,9 @@ from torch import nn
 from ..config import LinearConfig, Role, role_shape
 from ..kernels import registry
 from ..kernels.registry import Kernel
-from ..numerics import QTensor
+from ..numerics import (AMAX_EPS, Granularity, QTensor, get_format, operand_block, quantize,
+                        round_scale_to_power_of_two)
+from . import ops
 
 BASELINE = "bf16"
 
@@ -44,7 +57,7 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2d, x_q, weight, bias, kernels: Tuple[Kernel, Kernel, Kernel],
-                weight_q: Optional[QTensor]):
+                weight_q: Optional[QTensor], grad_flags: Optional[torch.Tensor] = None):
         kf, kd, kw = kernels
         out_dtype = x2d.dtype
         a = x_q if x_q is not None else x2d
@@ -59,6 +72,7 @@ class _LinearFunction(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.out_dtype = out_dtype
         ctx.x_is_q = x_q is not None
+        ctx.check_grads = grad_flags is not None
         if ctx.x_is_q:  # keep the FP8 activation, not a high-precision copy
             ctx.x_q = x_q
             ctx.save_for_backward(weight)
@@ -85,11 +99,73 @@ class _LinearFunction(torch.autograd.Function):
             if kw.name == BASELINE:
                 dw = x2d.t().mm(dy).t()  # the formula of addmm's backward, for bit-equality
             else:
-                # zero rows add nothing to dyᵀ·x: pad M for kernels that need K-alignment
-                dw = kw(_pad_rows(dy, kw.align).t(), _pad_rows(x2d, kw.align), weight.dtype)
+                # zero rows add nothing to dyᵀ·x: pad M for kernels that need K-alignment;
+                # dyᵀ row-major, as FP8 GEMMs (cuBLAS: TN layout) need for their a operand
+                dw = kw(_pad_rows(dy, kw.align).t().contiguous(), _pad_rows(x2d, kw.align),
+                        weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[3]:
             db = dy.sum(0)
-        return dx, None, dw, db, None, None
+        d_flags = None
+        if ctx.check_grads:  # the guard: did a gradient GEMM turn finite into non-finite?
+            dy_ok = torch.isfinite(dy).all()
+            no = torch.zeros_like(dy_ok)
+            dgrad_bad = no if dx is None else dy_ok & ~torch.isfinite(dx).all()
+            wgrad_bad = (no if dw is None else
+                         dy_ok & torch.isfinite(x2d).all() & ~torch.isfinite(dw).all())
+            d_flags = torch.stack([dgrad_bad, wgrad_bad]).float()
+        return dx, None, dw, db, None, None, d_flags
+
+
+class SiteMonitor:
+    """Health flags of one Linear, recorded only while ``armed`` (on the steps a
+    :class:`~loka.dispatch.guard.Guard` checks). Everything stays on the device: reading
+    the flags is the only synchronization, and the guard does it outside the hot path.
+
+    ``fwd_bad``: a call turned a finite input into a non-finite output.
+    ``saturation``: the largest fraction of input elements beyond a static input scale.
+    ``grad_flags``: a (2,) leaf whose gradient counts calls whose dgrad / wgrad turned a
+    finite gradient into a non-finite one (the backward writes it like any gradient, so
+    this works under torch.compile and in CUDA graphs).
+    """
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.clear()
+
+    def clear(self) -> None:
+        self.fwd_bad: Optional[torch.Tensor] = None
+        self.saturation: Optional[torch.Tensor] = None
+        self.grad_flags: Optional[torch.Tensor] = None
+
+    def arm(self, device: torch.device) -> None:
+        self.clear()
+        self.grad_flags = torch.zeros(2, device=device, requires_grad=True)
+        self.armed = True
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def record(self, x2d: torch.Tensor, y: torch.Tensor, input_amax: Optional[torch.Tensor]) -> None:
+        bad = torch.isfinite(x2d).all() & ~torch.isfinite(y).all()
+        self.fwd_bad = bad if self.fwd_bad is None else self.fwd_bad | bad
+        if input_amax is not None:
+            sat = (x2d.detach().abs() > input_amax).float().mean()
+            self.saturation = sat if self.saturation is None else torch.maximum(self.saturation, sat)
+
+
+# attributes loka.Linear adds to an nn.Linear (dropped again by to_linear)
+_OWN_ATTRS = ("config", "_kernels", "_all_baseline", "weight_q", "input_amax", "monitor")
+
+
+def _rehome(dst: nn.Module, src: nn.Module) -> None:
+    """Make ``dst`` the same module as ``src`` under another class: same Parameters, same
+    hook dicts (so hooks and their handles keep working), same flags and attributes; its
+    own parameter/buffer/child containers."""
+    dst.__dict__.update(src.__dict__)
+    for key in ("_parameters", "_buffers", "_modules"):
+        dst.__dict__[key] = type(src.__dict__[key])(src.__dict__[key])
+    dst._non_persistent_buffers_set = set(src._non_persistent_buffers_set)
+    dst.__dict__.pop("_compiled_call_impl", None)  # a compiled forward of the old class
 
 
 class Linear(nn.Linear):
@@ -108,14 +184,20 @@ class Linear(nn.Linear):
                  device=None, dtype=None, config: LinearConfig = LinearConfig()):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.weight_q: Optional[QTensor] = None
+        self.input_amax: Optional[torch.Tensor] = None
+        self.monitor: Optional[SiteMonitor] = None
         self.set_config(config)
 
     # -- configuration -------------------------------------------------------------
     def set_config(self, config: LinearConfig) -> None:
         """Resolve and check the kernels once; raises for unknown kernels, roles they do
-        not serve, or feature dims they cannot align."""
+        not serve, or feature dims they cannot align. Clears a quantized weight and a
+        static input scale (they belong to the previous forward kernel)."""
         if not isinstance(config, LinearConfig):
             raise TypeError(f"config must be a LinearConfig, got {type(config).__name__}")
+        if self.weight is None:
+            raise ValueError("this Linear's high-precision weight was dropped (inference); "
+                             "its kernels cannot change")
         kernels = []
         for role in (Role.FWD, Role.DGRAD, Role.WGRAD):
             kern = registry.get(config.kernel(role))
@@ -129,11 +211,12 @@ class Linear(nn.Linear):
                     f"{role}, but this Linear is {self.in_features}->{self.out_features}; "
                     "pad the features (loka.mods, ModsConfig(pad_to=16)) or keep this "
                     "role on the baseline")
-            kernels.append(kern)
+            kernels.append(ops.runnable(kern))
         self.config = config
         self._kernels = tuple(kernels)
         self._all_baseline = all(k.name == BASELINE for k in kernels)
         self.weight_q = None
+        self.input_amax = None
 
     @property
     def kernels(self) -> Tuple[Kernel, Kernel, Kernel]:
@@ -142,36 +225,109 @@ class Linear(nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: LinearConfig = LinearConfig()) -> "Linear":
         """Wrap an existing ``nn.Linear``, sharing its Parameter objects (optimizers that
-        hold them keep working)."""
+        hold them keep working) and its hooks."""
         new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight = linear.weight
-        new.bias = linear.bias
+        _rehome(new, linear)
         new.weight_q = None
-        new.training = linear.training
-        for name, hook_dict in (("_forward_hooks", linear._forward_hooks),
-                                ("_forward_pre_hooks", linear._forward_pre_hooks)):
-            getattr(new, name).update(hook_dict)
+        new.input_amax = None
+        new.monitor = None
         new.set_config(config)
         return new
 
     def to_linear(self) -> nn.Linear:
-        """A plain ``nn.Linear`` sharing this module's parameters."""
+        """A plain ``nn.Linear`` sharing this module's parameters and hooks."""
+        if self.weight is None:
+            raise ValueError("this Linear's high-precision weight was dropped (inference); "
+                             "reload the original state_dict to get an nn.Linear back")
         lin = nn.Linear.__new__(nn.Linear)
-        nn.Module.__init__(lin)
-        lin.in_features, lin.out_features = self.in_features, self.out_features
-        lin.weight, lin.bias = self.weight, self.bias
-        lin.training = self.training
+        _rehome(lin, self)
+        for key in _OWN_ATTRS:
+            lin.__dict__.pop(key, None)
         return lin
 
+    # -- inference -----------------------------------------------------------------
     def quantize_weight(self) -> None:
         """Quantize Wᵀ once for the forward kernel (inference: reused by every call)."""
         kf = self._kernels[0]
         if kf.quantize_b is None:
             raise ValueError(f"forward kernel {kf.name!r} has no weight quantizer")
+        if self.weight is None:
+            raise ValueError("the high-precision weight was dropped; it cannot be requantized")
         with torch.no_grad():
             self.weight_q = kf.quantize_b(self.weight.detach().t())
+
+    def drop_weight(self) -> None:
+        """Free the high-precision weight, keeping only its FP8 copy (forward only from
+        then on). The state_dict then has ``weight_fp8`` and ``weight_scale`` instead of
+        ``weight``; :meth:`to_linear` and :meth:`set_config` refuse."""
+        if self.weight_q is None:
+            raise ValueError("quantize_weight() first: there is no FP8 weight to keep")
+        self.weight = None
+
+    def set_input_amax(self, amax: "float | torch.Tensor | None") -> None:
+        """Quantize the forward's activation with the static scale ``amax / fmt.max``
+        (values beyond ``amax`` saturate) instead of a dynamic one; None: dynamic."""
+        if amax is None:
+            self.input_amax = None
+            return
+        kf = self._kernels[0]
+        if not kf.is_fp8 or kf.quantize_a is None or kf.scaling not in set(Granularity):
+            raise ValueError(f"forward kernel {kf.name!r} does not take a static input scale")
+        amax = torch.as_tensor(amax, dtype=torch.float32).detach()
+        if amax.numel() != 1 or not bool(torch.isfinite(amax)) or float(amax) <= 0:
+            raise ValueError(f"input amax must be one finite positive number, got {amax.tolist()}")
+        device = self.weight.device if self.weight is not None else self.weight_q.device
+        self.input_amax = amax.reshape(()).to(device)
+
+    def _quantize_input(self, x2d: torch.Tensor) -> QTensor:
+        """Static quantization of ``x2d`` (M, K) for the forward kernel."""
+        kf = self._kernels[0]
+        fmt, gran = get_format(kf.formats[0]), Granularity(kf.scaling)
+        br, bc = operand_block(gran, "a")
+        m, k = x2d.shape
+        grid = (1 if br == -1 else -(-m // br), 1 if bc == -1 else -(-k // bc))
+        scale = self.input_amax.clamp(min=AMAX_EPS) / fmt.max
+        if gran is Granularity.MX:
+            scale = round_scale_to_power_of_two(scale)
+        return quantize(x2d, fmt, gran, "a", scale=scale.expand(grid))
+
+    def _apply(self, fn, recurse=True):
+        # the FP8 weight and the static scale are plain attributes, not buffers (a dtype
+        # cast must not touch them): follow the parameters' device only
+        super()._apply(fn, recurse)
+        held = [t for t in (self.weight_q, self.input_amax) if t is not None]
+        if held:
+            device = fn(torch.empty(0, device=held[0].device)).device
+            if self.weight_q is not None:
+                q = self.weight_q
+                self.weight_q = QTensor(q.data.to(device), q.scale.to(device), q.fmt, q.block,
+                                        q.granularity)
+            if self.input_amax is not None:
+                self.input_amax = self.input_amax.to(device)
+        return self
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.weight is None and self.weight_q is not None:
+            destination[prefix + "weight_fp8"] = self.weight_q.data
+            destination[prefix + "weight_scale"] = self.weight_q.scale
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        if self.weight is None and self.weight_q is not None:
+            state_dict = dict(state_dict)
+            for key, dst in (("weight_fp8", self.weight_q.data), ("weight_scale", self.weight_q.scale)):
+                src = state_dict.pop(prefix + key, None)
+                if src is None:
+                    missing_keys.append(prefix + key)
+                elif src.shape != dst.shape or src.dtype != dst.dtype:
+                    error_msgs.append(f"{prefix + key}: expected {dst.dtype} {tuple(dst.shape)}, "
+                                      f"got {src.dtype} {tuple(src.shape)}")
+                else:
+                    with torch.no_grad():
+                        dst.copy_(src)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
 
     # -- hot path ------------------------------------------------------------------
     def forward(self, x: torch.Tensor, x_q: Optional[QTensor] = None) -> torch.Tensor:
@@ -180,13 +336,21 @@ class Linear(nn.Linear):
         if not x.is_floating_point():
             raise TypeError(f"loka.Linear expects a floating-point input, got {x.dtype}")
         if self._all_baseline or x.numel() == 0:
+            if self.weight is None:  # weight dropped (inference): empty in, empty out
+                return x.new_zeros(*x.shape[:-1], self.out_features)
             return F.linear(x, self.weight, self.bias)
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
         if x_q is not None and tuple(x_q.shape) != tuple(x2d.shape):
             raise ValueError(f"x_q has shape {tuple(x_q.shape)}, expected {tuple(x2d.shape)}")
+        if x_q is None and self.input_amax is not None:
+            x_q = self._quantize_input(x2d)
+        mon = self.monitor
+        armed = mon is not None and mon.armed  # a Python flag: compiled graphs guard on it
         y = _LinearFunction.apply(x2d, x_q, self.weight, self.bias, self._kernels,
-                                  self.weight_q)
+                                  self.weight_q, mon.grad_flags if armed else None)
+        if armed:
+            mon.record(x2d, y, self.input_amax)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:

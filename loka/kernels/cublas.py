@@ -23,19 +23,20 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
 
 def _scaled_mm(qa: QTensor, qb: QTensor, out_dtype: torch.dtype, fast_accum: bool,
                scaling: Granularity) -> torch.Tensor:
+    a = qa.data if qa.data.is_contiguous() else qa.data.contiguous()  # row-major A
     b = _col_major(qb.data)
     if scaling is Granularity.BLOCKWISE:
         import torch.nn.functional as F
 
         # 1x128 scales must be outer-dim-major: (M, K/128) stored column-major.
         sa = qa.scale.t().contiguous().t()
-        return F.scaled_mm(qa.data, b, sa, F.ScalingType.BlockWise1x128, qb.scale,
+        return F.scaled_mm(a, b, sa, F.ScalingType.BlockWise1x128, qb.scale,
                            F.ScalingType.BlockWise128x128, output_dtype=out_dtype,
                            use_fast_accum=fast_accum)
     sa, sb = qa.scale, qb.scale
     if scaling is Granularity.TENSORWISE:
         sa, sb = sa.reshape(()), sb.reshape(())
-    return torch._scaled_mm(qa.data, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype,
+    return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype,
                             use_fast_accum=fast_accum)
 
 

@@ -8,6 +8,10 @@ The JSON layout (schema ``loka.probe-report``, version :data:`SCHEMA_VERSION`)::
                      "stats": {...summary...},
                      "roles": {"fwd"|"dgrad"|"wgrad": {"role", "shape": [M, K, N],
                                "baseline_us", "kernels": {name: KernelResult}}}}}}
+
+Loading validates every field (types, shapes, keys that must agree) and raises a
+one-line :class:`ReportError` naming the offending path, e.g.
+``sites['top.0'].roles['fwd'].shape: expected 3 positive integers, got [4096, -1, 8]``.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import json
 import math
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..config import Role
@@ -54,6 +58,53 @@ def _unnum(x) -> Optional[float]:
     return float(x)
 
 
+def _where(where: str, key) -> str:
+    return f"{where}.{key}" if where else str(key)
+
+
+def _int(d: Mapping, key: str, where: str, minimum: int = 0) -> int:
+    x = d[key]
+    if isinstance(x, bool) or not isinstance(x, int) or x < minimum:
+        raise ReportError(f"{_where(where, key)}: expected an integer >= {minimum}, got {x!r}")
+    return x
+
+
+def _str(d: Mapping, key: str, where: str, default: Optional[str] = None,
+         optional: bool = False) -> Optional[str]:
+    x = d.get(key, default)
+    if x is None and optional:
+        return None
+    if not isinstance(x, str):
+        raise ReportError(f"{_where(where, key)}: expected a string, got {x!r}")
+    return x
+
+
+def _bool(d: Mapping, key: str, where: str, default: bool = False) -> bool:
+    x = d.get(key, default)
+    if not isinstance(x, bool):
+        raise ReportError(f"{_where(where, key)}: expected true or false, got {x!r}")
+    return x
+
+
+def _number(d: Mapping, key: str, where: str, optional: bool = True, default=None):
+    x = d.get(key, default)
+    if x is None:
+        if optional:
+            return None
+        raise ReportError(f"{_where(where, key)}: missing number")
+    try:
+        return _unnum(x)
+    except ReportError:
+        raise ReportError(f"{_where(where, key)}: expected a number, got {x!r}") from None
+
+
+def _mapping(d: Mapping, key: str, where: str, default=None) -> Mapping:
+    x = d.get(key, default)
+    if not isinstance(x, Mapping):
+        raise ReportError(f"{_where(where, key)}: expected a JSON object, got {type(x).__name__}")
+    return x
+
+
 @dataclass
 class ErrorStat:
     """A sample statistic with its bootstrap 95% confidence interval."""
@@ -68,11 +119,21 @@ class ErrorStat:
         return {"mean": _num(self.mean), "lo": _num(self.lo), "hi": _num(self.hi),
                 "n": int(self.n), "std": _num(self.std)}
 
+    @property
+    def width(self) -> float:
+        """``hi - lo``, the width of the 95% interval."""
+        return self.hi - self.lo
+
+    def format(self, digits: int = 3) -> str:
+        """``'0.091 [0.085, 0.097]'``."""
+        return f"{self.mean:.{digits}g} [{self.lo:.{digits}g}, {self.hi:.{digits}g}]"
+
     @classmethod
-    def from_dict(cls, d: Mapping) -> "ErrorStat":
-        _require(d, ("mean", "lo", "hi", "n"), "error statistic")
-        return cls(_unnum(d["mean"]), _unnum(d["lo"]), _unnum(d["hi"]), int(d["n"]),
-                   _unnum(d.get("std", 0.0)))
+    def from_dict(cls, d: Mapping, where: str = "error statistic") -> "ErrorStat":
+        _require(d, ("mean", "lo", "hi", "n"), where)
+        return cls(_number(d, "mean", where, False), _number(d, "lo", where, False),
+                   _number(d, "hi", where, False), _int(d, "n", where),
+                   _number(d, "std", where, default=0.0))
 
 
 @dataclass
@@ -112,14 +173,18 @@ class KernelResult:
         return d
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "KernelResult":
-        _require(d, ("kernel",), "kernel result")
-        stats = {k: (None if d.get(k) is None else ErrorStat.from_dict(d[k]))
+    def from_dict(cls, d: Mapping, where: str = "kernel result") -> "KernelResult":
+        _require(d, ("kernel",), where)
+        stats = {k: (None if d.get(k) is None else ErrorStat.from_dict(d[k], _where(where, k)))
                  for k in ("mere", "sqnr", "relfro", "naive_mere")}
-        return cls(kernel=str(d["kernel"]), time_us=_unnum(d.get("time_us")),
-                   speedup=_unnum(d.get("speedup")), timing=str(d.get("timing", "none")),
-                   safe=bool(d.get("safe", False)), fast=bool(d.get("fast", False)),
-                   error=d.get("error"), **stats)
+        name = _str(d, "kernel", where)
+        if not name:
+            raise ReportError(f"{_where(where, 'kernel')}: empty kernel name")
+        return cls(kernel=name, time_us=_number(d, "time_us", where),
+                   speedup=_number(d, "speedup", where),
+                   timing=_str(d, "timing", where, "none"), safe=_bool(d, "safe", where),
+                   fast=_bool(d, "fast", where), error=_str(d, "error", where, optional=True),
+                   **stats)
 
 
 @dataclass
@@ -135,14 +200,43 @@ class RoleReport:
                 "baseline_us": _num(self.baseline_us),
                 "kernels": {k: v.to_dict() for k, v in self.kernels.items()}}
 
+    def best(self, max_error: Optional[float] = None, metric: str = "mere"
+             ) -> Optional[KernelResult]:
+        """The fastest safe kernel (ties and untimed kernels: the lowest error bound).
+
+        Safe means no failure and, with ``max_error``, ``metric``'s upper bound below it;
+        without ``max_error`` the recorded ``safe`` flag (the Probe's budget).
+        """
+        candidates = []
+        for kr in self.kernels.values():
+            stat = kr.metric(metric)
+            if kr.error is not None or stat is None:
+                continue
+            ok = kr.safe if max_error is None else (math.isfinite(stat.hi) and stat.hi < max_error)
+            if ok:
+                speed = kr.speedup if kr.speedup is not None and math.isfinite(kr.speedup) else -math.inf
+                candidates.append((-speed, stat.hi, kr.kernel, kr))
+        return min(candidates, key=lambda c: c[:3])[3] if candidates else None
+
     @classmethod
-    def from_dict(cls, d: Mapping) -> "RoleReport":
-        _require(d, ("role", "shape", "kernels"), "role report")
-        shape = tuple(int(x) for x in d["shape"])
-        if len(shape) != 3:
-            raise ReportError(f"role shape must be [M, K, N], got {d['shape']!r}")
-        return cls(Role.parse(d["role"]), shape, _unnum(d.get("baseline_us")),
-                   {k: KernelResult.from_dict(v) for k, v in d["kernels"].items()})
+    def from_dict(cls, d: Mapping, where: str = "role report") -> "RoleReport":
+        _require(d, ("role", "shape", "kernels"), where)
+        try:
+            role = Role.parse(d["role"])
+        except ValueError as e:
+            raise ReportError(f"{_where(where, 'role')}: {e}") from None
+        shape = d["shape"]
+        if (not isinstance(shape, list) or len(shape) != 3
+                or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in shape)):
+            raise ReportError(f"{_where(where, 'shape')}: expected [M, K, N] of 3 positive "
+                              f"integers, got {shape!r}")
+        kernels = {}
+        for k, v in _mapping(d, "kernels", where).items():
+            kr = KernelResult.from_dict(v, f"{_where(where, 'kernels')}[{k!r}]")
+            if kr.kernel != k:
+                raise ReportError(f"{_where(where, 'kernels')}[{k!r}]: holds kernel {kr.kernel!r}")
+            kernels[k] = kr
+        return cls(role, tuple(shape), _number(d, "baseline_us", where), kernels)
 
 
 @dataclass
@@ -170,11 +264,18 @@ class SiteReport:
                 "roles": {r.value: rr.to_dict() for r, rr in self.roles.items()}}
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "SiteReport":
-        _require(d, ("name", "in_features", "out_features", "tokens", "roles"), "site report")
-        return cls(str(d["name"]), int(d["in_features"]), int(d["out_features"]),
-                   int(d["tokens"]), str(d.get("dtype", "bfloat16")), dict(d.get("stats", {})),
-                   {Role.parse(r): RoleReport.from_dict(v) for r, v in d["roles"].items()})
+    def from_dict(cls, d: Mapping, where: str = "site report") -> "SiteReport":
+        _require(d, ("name", "in_features", "out_features", "tokens", "roles"), where)
+        roles = {}
+        for r, v in _mapping(d, "roles", where).items():
+            rr = RoleReport.from_dict(v, f"{_where(where, 'roles')}[{r!r}]")
+            if rr.role.value != r:
+                raise ReportError(f"{_where(where, 'roles')}[{r!r}]: holds role {rr.role.value!r}")
+            roles[rr.role] = rr
+        return cls(_str(d, "name", where), _int(d, "in_features", where, 1),
+                   _int(d, "out_features", where, 1), _int(d, "tokens", where),
+                   _str(d, "dtype", where, "bfloat16"), dict(_mapping(d, "stats", where, {})),
+                   roles)
 
 
 def _clean(obj):
@@ -254,22 +355,85 @@ class ProbeReport:
     def from_dict(cls, d: Mapping) -> "ProbeReport":
         _require(d, ("sites",), "probe report")
         try:
-            sites = {k: SiteReport.from_dict(v) for k, v in d["sites"].items()}
+            sites = {}
+            for k, v in _mapping(d, "sites", "").items():
+                site = SiteReport.from_dict(v, f"sites[{k!r}]")
+                if site.name != k:
+                    raise ReportError(f"sites[{k!r}]: holds site {site.name!r}")
+                sites[k] = site
+            return cls(sites=sites, device=_str(d, "device", "", "cpu"),
+                       device_name=_str(d, "device_name", "", ""),
+                       torch_version=_str(d, "torch", "", ""),
+                       config=dict(_mapping(d, "config", "", {})),
+                       created=_str(d, "created", "", ""), meta=dict(_mapping(d, "meta", "", {})))
+        except ReportError:
+            raise
         except (TypeError, ValueError, KeyError, AttributeError) as e:
-            if isinstance(e, ReportError):
-                raise
-            raise ReportError(f"probe report: invalid content ({e})") from None
-        return cls(sites=sites, device=str(d.get("device", "cpu")),
-                   device_name=str(d.get("device_name", "")), torch_version=str(d.get("torch", "")),
-                   config=dict(d.get("config", {})), created=str(d.get("created", "")),
-                   meta=dict(d.get("meta", {})))
+            raise ReportError(f"probe report: invalid content ({type(e).__name__}: {e})") from None
 
     def save(self, path: "str | os.PathLike") -> None:
         atomic_write_text(path, json.dumps(self.to_dict(), indent=1, sort_keys=False))
 
     @classmethod
     def load(cls, path: "str | os.PathLike") -> "ProbeReport":
-        return cls.from_dict(read_json(path, SCHEMA, SCHEMA_VERSION))
+        data = read_json(path, SCHEMA, SCHEMA_VERSION)
+        try:
+            return cls.from_dict(data)
+        except ReportError as e:
+            raise ReportError(f"{path}: {e}") from None
+
+    # -- summaries ---------------------------------------------------------------------
+    def summary_table(self, max_error: Optional[float] = None, metric: str = "mere") -> str:
+        """One line per site and role: shape, the best safe kernel (fastest; see
+        :meth:`RoleReport.best`), its error ``mean [lo, hi]`` and speedup.
+
+        Args:
+            max_error: budget on ``metric``'s upper bound; None: the recorded ``safe`` flags.
+        """
+        head = ("site", "M x K x N", "role", "best safe kernel", f"{metric} [95% CI]", "speedup")
+        lines = [head]
+        for name, site in self.sites.items():
+            for role, rr in site.roles.items():
+                best = rr.best(max_error, metric)
+                stat = None if best is None else best.metric(metric)
+                speed = None if best is None else best.speedup
+                lines.append((name, "x".join(map(str, rr.shape)), role.value,
+                              "-" if best is None else best.kernel,
+                              "-" if stat is None else stat.format(),
+                              "-" if speed is None else f"{speed:.2f}x"))
+        widths = [max(len(r[i]) for r in lines) for i in range(len(head))]
+        text = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in lines]
+        text.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(text)
+
+    def geomean_error(self, kernel: str, role: "Role | str | None" = None,
+                      metric: str = "mere") -> float:
+        """Geometric mean across sites (and roles, unless ``role`` is given) of ``kernel``'s
+        mean error, where it ran without failure: the paper's cross-layer summary.
+
+        Args:
+            metric: 'mere', 'relfro' or 'naive_mere' (positive metrics only).
+        """
+        if metric not in ("mere", "relfro", "naive_mere"):
+            raise ValueError(f"geomean_error needs a positive metric (mere, relfro, naive_mere), "
+                             f"not {metric!r}")
+        roles = None if role is None else {Role.parse(role)}
+        values = []
+        for site in self.sites.values():
+            for r, rr in site.roles.items():
+                kr = rr.kernels.get(kernel)
+                if (roles is None or r in roles) and kr is not None and kr.error is None:
+                    stat = getattr(kr, metric)
+                    if stat is not None:
+                        values.append(stat.mean)
+        if not values:
+            raise ValueError(f"kernel {kernel!r} has no {metric} in this report"
+                             + ("" if role is None else f" for role {Role.parse(role)}"))
+        if any(math.isnan(v) for v in values):
+            return math.nan
+        if any(v <= 0 for v in values):
+            return 0.0
+        return math.exp(sum(math.log(v) for v in values) / len(values))
 
     def kernel_names(self) -> List[str]:
         names = []
@@ -279,3 +443,61 @@ class ProbeReport:
                     if k not in names:
                         names.append(k)
         return names
+
+
+def compare_reports(a: ProbeReport, b: ProbeReport, *, max_error: Optional[float] = None,
+                    metric: str = "mere", as_text: bool = False):
+    """What changed from report ``a`` to report ``b``.
+
+    Per site and role present in both: the best safe kernel in each (see
+    :meth:`RoleReport.best`) and, for every kernel measured in both, the error means and
+    their difference ``b - a``, and the speedups.
+
+    Returns:
+        ``{"only_in_a": [site], "only_in_b": [site], "best_changed": int,
+        "roles": [{"site", "role", "best_a", "best_b", "changed", "kernels": {name:
+        {"a", "b", "delta", "speedup_a", "speedup_b", "safe_a", "safe_b"}}}]}``, or with
+        ``as_text`` a readable summary of the same.
+    """
+    out = {"metric": metric, "only_in_a": sorted(set(a.sites) - set(b.sites)),
+           "only_in_b": sorted(set(b.sites) - set(a.sites)), "roles": []}
+    for name in (n for n in a.sites if n in b.sites):
+        sa, sb = a.sites[name], b.sites[name]
+        for role in (r for r in sa.roles if r in sb.roles):
+            ra, rb = sa.roles[role], sb.roles[role]
+            ba, bb = ra.best(max_error, metric), rb.best(max_error, metric)
+            kernels = {}
+            for k in (k for k in ra.kernels if k in rb.kernels):
+                ka, kb = ra.kernels[k], rb.kernels[k]
+                ea, eb = ka.metric(metric), kb.metric(metric)
+                va = None if ea is None else ea.mean
+                vb = None if eb is None else eb.mean
+                kernels[k] = {"a": va, "b": vb,
+                              "delta": None if va is None or vb is None else vb - va,
+                              "speedup_a": ka.speedup, "speedup_b": kb.speedup,
+                              "safe_a": ka.safe, "safe_b": kb.safe}
+            best_a = None if ba is None else ba.kernel
+            best_b = None if bb is None else bb.kernel
+            out["roles"].append({"site": name, "role": role.value, "best_a": best_a,
+                                 "best_b": best_b, "changed": best_a != best_b,
+                                 "kernels": kernels})
+    out["best_changed"] = sum(r["changed"] for r in out["roles"])
+    return _comparison_text(out) if as_text else out
+
+
+def _comparison_text(cmp: Mapping) -> str:
+    lines = [f"{len(cmp['roles'])} site-role(s) in both reports; best safe kernel changed in "
+             f"{cmp['best_changed']}"]
+    for key, label in (("only_in_a", "only in a"), ("only_in_b", "only in b")):
+        if cmp[key]:
+            lines.append(f"sites {label}: {', '.join(cmp[key])}")
+    for r in cmp["roles"]:
+        mark = "*" if r["changed"] else " "
+        lines.append(f"{mark} {r['site']} {r['role']}: {r['best_a'] or '-'} -> {r['best_b'] or '-'}")
+        for k, v in r["kernels"].items():
+            if v["delta"] is not None and v["delta"] != 0:
+                flip = "" if v["safe_a"] == v["safe_b"] else (
+                    " (now safe)" if v["safe_b"] else " (now unsafe)")
+                lines.append(f"    {k}: {cmp['metric']} {v['a']:.4g} -> {v['b']:.4g} "
+                             f"({v['delta']:+.3g}){flip}")
+    return "\n".join(lines)

@@ -1,11 +1,25 @@
 """Optional kernel libraries. Each adapter module registers its kernels only when
-``loka.kernels.capabilities`` says its library is importable."""
+``loka.kernels.capabilities`` says its library is importable. A library that imports but
+whose adapter then fails (a version mismatch, say) registers nothing; the reason is kept
+in :data:`FAILED` and shown by ``loka kernels``, and the core registry keeps working."""
+
+import importlib
+from typing import Dict
 
 from .. import capabilities as _caps
 
-if _caps.module_available("triton"):
-    from . import triton_kernels  # noqa: F401
-if _caps.torchao_available():
-    from . import torchao  # noqa: F401
-if _caps.fbgemm_genai_available():
-    from . import fbgemm  # noqa: F401
+FAILED: Dict[str, str] = {}
+"""adapter module -> why it did not load"""
+
+_ADAPTERS = (
+    ("triton_kernels", lambda: _caps.module_available("triton")),
+    ("torchao", _caps.torchao_available),
+    ("fbgemm", _caps.fbgemm_genai_available),
+)
+
+for _name, _wanted in _ADAPTERS:
+    if _wanted():
+        try:
+            importlib.import_module(f"{__name__}.{_name}")
+        except Exception as _e:  # noqa: BLE001 - an optional library must not break the core
+            FAILED[_name] = f"{type(_e).__name__}: {_e}"

@@ -1,0 +1,40 @@
+#!/usr/bin/env python3
+"""Render the tables of bench/BENCHMARKS.md from result JSONs (numbers are never typed by
+hand): `python bench/make_benchmarks_md.py bench/results/<run>.json [...]` prints Markdown."""
+
+import json
+import sys
+
+
+def bench_table(path: str) -> str:
+    r = json.load(open(path))
+    env, cfg = r["env"], r["config"]
+    out = [f"### {cfg['model']} `{cfg['preset']}` on {env.get('gpu', env['device'])} "
+           f"({env['date'][:10]}, commit {env.get('commit')})", "",
+           f"torch {env['torch']}, triton {env.get('triton', '-')}, torchao {env.get('torchao', '-')}; "
+           f"source: `{path}`", ""]
+    for mode in ("train", "infer"):
+        rows = r.get(mode, [])
+        if not rows:
+            continue
+        out += [f"**{'training step' if mode == 'train' else 'inference forward'}** "
+                f"(median of {cfg['steps']} steps)", "",
+                "| variant | FP8 Linears | ms | samples/s | vs bf16 | vs bf16+Mods | vs bf16+Mods+graphs | peak GiB |",
+                "|---|---|---|---|---|---|---|---|"]
+        for row in rows:
+            if "error" in row:
+                out.append(f"| {row['variant']} | failed: {row['error'][:80]} | | | | | | |")
+                continue
+            f = lambda k, fmt="{:.3f}": fmt.format(row[k]) if k in row else "-"  # noqa: E731
+            out.append(f"| {row['variant']} | {row.get('fp8_sites', 0)} | {f('median_ms')} | "
+                       f"{f('samples_per_s', '{:,.0f}')} | {f('speedup_vs_bf16')} | "
+                       f"{f('speedup_vs_bf16+mods')} | {f('speedup_vs_bf16+mods+graphs')} | "
+                       f"{f('peak_mem_gb', '{:.2f}')} |")
+        out.append("")
+    for note in r.get("notes", []):
+        out.append(f"- {note}")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print("\n\n".join(bench_table(p) for p in sys.argv[1:]))

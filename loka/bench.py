@@ -1,0 +1,555 @@
+"""The benchmark harness behind ``loka bench`` and ``bench/run_all.py``.
+
+One process, one device, every variant side by side: bf16, bf16 + CUDA graphs, bf16 +
+Mods, torchao's float8 recipes (all eligible Linears and torchao's auto filter, with and
+without Mods) and LoKA (Probe -> plan -> apply, with Mods), for the training step and the
+inference forward. Ratios are only meaningful within one run: the baselines are always
+re-measured beside LoKA. Each finished variant is written to the JSON at once, so a crash
+or a time-out loses nothing that was measured.
+
+Timing: the median of per-step CUDA-event times (a full step: forward, BCE loss, backward,
+optimizer) after warm-up; on the CPU, wall-clock medians (a smoke test, not a result).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from .config import ModsConfig, ProbeConfig
+from .kernels import capabilities as caps
+
+TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+TRAIN_VARIANTS = (
+    ["bf16", "bf16+graphs", "bf16+mods", "bf16+mods+graphs"]
+    + [f"torchao-{r}{a}{m}" for m in ("", "+mods") for r in TORCHAO_RECIPES for a in ("", "-auto")]
+    + ["loka+mods", "loka+mods+graphs"]
+)
+INFER_VARIANTS = (
+    ["bf16", "bf16+mods"]
+    + [f"torchao-{r}{m}" for m in ("", "+mods") for r in ("tensorwise", "rowwise")]
+    + ["loka+mods"]
+)
+
+
+@dataclass
+class BenchConfig:
+    model: str = "wukong"
+    """reference model name (loka.models)"""
+    preset: str = "paper"
+    """model preset: tiny (CPU smoke), small, paper (GPU)"""
+    device: str = "cuda"
+    batch_size: Optional[int] = None
+    """None: the preset's default batch size"""
+    steps: int = 30
+    """timed steps per variant"""
+    warmup: int = 5
+    """untimed steps (compilation happens here)"""
+    compile: bool = True
+    """torch.compile the model (all variants alike)"""
+    train_variants: List[str] = field(default_factory=lambda: list(TRAIN_VARIANTS))
+    infer_variants: List[str] = field(default_factory=lambda: list(INFER_VARIANTS))
+    max_error: float = 0.2
+    min_speedup: float = 1.05
+    probe_steps: int = 3
+    probe_samples: int = 16
+    table_rows: Optional[int] = 1000
+    """cap on embedding-table rows, so that the optimizer update of huge tables does not
+    drown the dense part the benchmark is about (None: the preset's tables)"""
+    fused_embeddings: bool = True
+    """stack all embedding tables into one (loka.models.fused_embedding) in every variant"""
+    out: Optional[str] = None
+    plot: bool = True
+    seed: int = 0
+
+
+# -- environment ----------------------------------------------------------------------
+def environment(device: torch.device) -> dict:
+    env = {"torch": torch.__version__, "python": platform.python_version(),
+           "device": str(device), "date": _dt.datetime.now(_dt.timezone.utc).isoformat()}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+        env["cuda"] = torch.version.cuda
+    for mod in ("triton", "torchao"):
+        if caps.module_available(mod):
+            env[mod] = getattr(__import__(mod), "__version__", "?")
+    env["commit"] = os.environ.get("LOKA_COMMIT", "")
+    try:
+        env["commit"] = env["commit"] or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                       text=True, timeout=5,
+                                       cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
+    except Exception:  # noqa: BLE001 - not a git checkout
+        env["commit"] = "unknown"
+    return env
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- building blocks ----------------------------------------------------------------
+def build_model(cfg: BenchConfig, mods: Optional[ModsConfig], device: torch.device) -> torch.nn.Module:
+    from . import models
+
+    from .data.batch import FeatureSpec, TableSpec
+
+    torch.manual_seed(cfg.seed)
+    base = models.presets(cfg.model)[cfg.preset] if hasattr(models, "presets") else None
+    overrides = {}
+    if base is not None and hasattr(base, "sparse_embeddings"):
+        overrides["sparse_embeddings"] = False  # dense grads: fused AdamW, CUDA graphs
+    if cfg.table_rows and base is not None and hasattr(base, "features"):
+        f = base.features
+        overrides["features"] = FeatureSpec(f.num_dense, tuple(
+            TableSpec(t.name, min(t.num_embeddings, cfg.table_rows), t.mean_bag_length)
+            for t in f.tables))
+    model = models.build(cfg.model, cfg.preset, mods=mods, **overrides)
+    if cfg.fused_embeddings:
+        from .models.fused_embedding import fuse_embeddings
+        fuse_embeddings(model)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return model.to(device=device, dtype=dtype)
+
+
+def make_batch(model, cfg: BenchConfig, device: torch.device):
+    from .data.synthetic import SyntheticCTR
+
+    bs = cfg.batch_size or getattr(model, "default_batch_size", 4096)
+    batch = SyntheticCTR(model.feature_spec, bs, seed=cfg.seed, device=device).batch(0)
+    if device.type == "cuda":
+        batch = batch.to(device)
+    return batch
+
+
+def _cast_batch(batch, dtype):
+    from dataclasses import replace
+    return replace(batch, dense=batch.dense.to(dtype), labels=batch.labels.to(dtype))
+
+
+def _loss(model, batch):
+    logits = model(batch)
+    return torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), batch.labels.float())
+
+
+def _optimizer(model, device, capturable: bool):
+    kw = {"lr": 1e-3}
+    if device.type == "cuda":
+        kw["fused"] = True
+        if capturable:
+            kw["capturable"] = True
+    return torch.optim.AdamW(model.parameters(), **kw)
+
+
+class GraphedStep:
+    """A whole training step (forward, loss, backward, optimizer) captured in one CUDA
+    graph: the step never waits on the host. Inputs are copied into static buffers."""
+
+    def __init__(self, model, opt, batch, warmup: int = 3):
+        self.model, self.opt, self.batch = model, opt, batch
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(warmup):
+                opt.zero_grad(set_to_none=True)
+                _loss(model, batch).backward()
+                opt.step()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        opt.zero_grad(set_to_none=True)
+        with torch.cuda.graph(self.graph):
+            self.loss = _loss(model, batch)
+            self.loss.backward()
+            opt.step()
+
+    def __call__(self):
+        self.graph.replay()
+        return self.loss
+
+
+def _time_steps(step: Callable[[], object], device: torch.device, steps: int, warmup: int) -> dict:
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    warm_s = time.perf_counter() - t0
+    times = []
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(steps)]
+        for start, end in events:
+            start.record()
+            step()
+            end.record()
+        _sync(device)
+        times = [s.elapsed_time(e) for s, e in events]
+    else:
+        for _ in range(steps):
+            t = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t) * 1e3)
+    return {"median_ms": statistics.median(times), "min_ms": min(times),
+            "max_ms": max(times), "warmup_s": warm_s,
+            "timing": "cuda-events" if device.type == "cuda" else "cpu-wallclock"}
+
+
+def _maybe_compile(model, cfg: BenchConfig):
+    return torch.compile(model) if cfg.compile else model
+
+
+def _count_fp8(model) -> int:
+    from .dispatch.linear import Linear
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Linear) and any(k.is_fp8 for k in m.kernels):
+            n += 1
+        elif type(m).__name__ == "Float8Linear":
+            n += 1
+        elif isinstance(m, torch.nn.Linear) and hasattr(m.weight, "tensor_impl"):
+            n += 1  # torchao inference-quantized weight
+    return n
+
+
+# -- variant preparation --------------------------------------------------------------
+def _torchao_convert(model, recipe: str, auto: bool):
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    last = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)][-1:]
+    if auto:
+        filt = _auto_filter_for_recipe(recipe, filter_fqns=last)
+    else:
+        def filt(mod, fqn):  # every Linear torchao can take (dims % 16), except the logit
+            return (isinstance(mod, torch.nn.Linear) and fqn not in last
+                    and mod.in_features % 16 == 0 and mod.out_features % 16 == 0)
+    convert_to_float8_training(model, config=config, module_filter_fn=filt)
+    return model
+
+
+def _torchao_inference(model, recipe: str):
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor, quantize_
+
+    gran = PerRow() if recipe == "rowwise" else PerTensor()
+    last = [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1:]
+
+    def filt(mod, fqn):
+        return (isinstance(mod, torch.nn.Linear) and mod not in last
+                and mod.in_features % 16 == 0 and mod.out_features % 16 == 0)
+    quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=gran), filter_fn=filt)
+    return model
+
+
+def _loka_plan(model, batch, cfg: BenchConfig, device, log: dict):
+    """Probe the Mods model on a few real steps, plan under the budget."""
+    from . import dispatch, probe as probe_mod
+
+    opt = _optimizer(model, device, capturable=False)
+    pcfg = ProbeConfig(every_n_steps=1, num_samples=cfg.probe_samples, bootstrap=200,
+                       seed=cfg.seed)
+    t0 = time.perf_counter()
+    report = probe_mod.probe(model, [batch] * cfg.probe_steps, _loss, config=pcfg, optimizer=opt)
+    log["probe_s"] = time.perf_counter() - t0
+    plan = dispatch.plan(report, max_error=cfg.max_error, min_speedup=cfg.min_speedup)
+    log["plan"] = plan.to_dict() if hasattr(plan, "to_dict") else str(plan)
+    return report, plan
+
+
+def _uniform_spec(name: str):
+    """'loka-uniform-<kernel>[-big][+mods][+graphs]' -> (kernel, big_only)."""
+    body = name[len("loka-uniform-"):].split("+")[0]
+    big = body.endswith("-big")
+    return body.removesuffix("-big"), big
+
+
+def uniform_fp8(model, kernel: str, big_only: bool = False, min_dim: int = 1024) -> int:
+    """One kernel on every role of every eligible Linear (a fixed, per-model choice, the
+    yardstick a per-site plan must beat). ``big_only``: only Linears with K, N >= min_dim.
+    The logit Linear and Linears the kernel cannot align stay on the baseline."""
+    from .config import LinearConfig
+    from .dispatch.linear import Linear
+    from .kernels import get
+
+    kern = get(kernel)
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    count = 0
+    for fqn, lin in linears[:-1]:
+        k, n = lin.in_features, lin.out_features
+        if k % kern.align or n % kern.align or (big_only and min(k, n) < min_dim):
+            continue
+        grad_kernel = kernel
+        cfg = LinearConfig(fwd=kernel, dgrad=grad_kernel, wgrad=grad_kernel)
+        parent, _, child = fqn.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, Linear.from_linear(lin, cfg))
+        count += 1
+    return count
+
+
+# -- the runs -------------------------------------------------------------------------
+def prepare_train(name: str, cfg: BenchConfig, device: torch.device, shared: dict):
+    """Build variant ``name`` and return ``(step, row, batch)``: ``step()`` runs one full
+    training step; ``row`` holds what was learned while building (FP8 sites, plan)."""
+    mods = ModsConfig.paper() if "+mods" in name else None
+    model = build_model(cfg, mods, device)
+    batch = _cast_batch(make_batch(model, cfg, device), next(model.parameters()).dtype)
+    row = {"variant": name, "mode": "train"}
+    if name.startswith("torchao-"):
+        recipe = name[len("torchao-"):].split("+")[0]
+        auto = recipe.endswith("-auto")
+        _torchao_convert(model, recipe.removesuffix("-auto"), auto)
+    elif name.startswith("loka-uniform-"):
+        kernel, big = _uniform_spec(name)
+        uniform_fp8(model, kernel, big_only=big)
+    elif name.startswith("loka"):
+        report, plan = _loka_plan(model, batch, cfg, device, row)
+        shared["loka_plan"] = plan
+        from .dispatch import apply
+        apply(model, plan)
+    row["fp8_sites"] = _count_fp8(model)
+    graphs = name.endswith("+graphs") and device.type == "cuda"
+    model.train()
+    compiled = _maybe_compile(model, cfg)
+    opt = _optimizer(model, device, capturable=graphs)
+    if graphs:
+        step = GraphedStep(compiled, opt, batch)
+    else:
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss = _loss(compiled, batch)
+            loss.backward()
+            opt.step()
+            return loss
+    return step, row, batch
+
+
+def run_train_variant(name: str, cfg: BenchConfig, device: torch.device, shared: dict) -> dict:
+    step, row, batch = prepare_train(name, cfg, device, shared)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    row.update(_time_steps(step, device, cfg.steps, cfg.warmup))
+    loss = step()
+    _sync(device)
+    row["final_loss"] = float(loss.detach())
+    if device.type == "cuda":
+        row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+    row["samples_per_s"] = batch.labels.shape[0] / (row["median_ms"] / 1e3)
+    return row
+
+
+def run_infer_variant(name: str, cfg: BenchConfig, device: torch.device, shared: dict) -> dict:
+    mods = ModsConfig.paper() if "+mods" in name else None
+    model = build_model(cfg, mods, device).eval()
+    batch = _cast_batch(make_batch(model, cfg, device), next(model.parameters()).dtype)
+    row = {"variant": name, "mode": "infer"}
+    if name.startswith("torchao-"):
+        _torchao_inference(model, name[len("torchao-"):].split("+")[0])
+    elif name.startswith("loka"):
+        plan = shared.get("loka_plan")
+        if plan is None:
+            model.train()
+            _, plan = _loka_plan(model, batch, cfg, device, row)
+            model.eval()
+        from .dispatch import apply
+        apply(model, plan, inference=True)
+    row["fp8_sites"] = _count_fp8(model)
+    compiled = _maybe_compile(model, cfg)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def step():
+        with torch.inference_mode():
+            return compiled(batch)
+    row.update(_time_steps(step, device, cfg.steps, cfg.warmup))
+    if device.type == "cuda":
+        row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+    row["samples_per_s"] = batch.labels.shape[0] / (row["median_ms"] / 1e3)
+    return row
+
+
+def _ratios(rows: List[dict]) -> None:
+    by = {r["variant"]: r for r in rows if "median_ms" in r}
+    for r in rows:
+        if "median_ms" not in r:
+            continue
+        for ref in ("bf16", "bf16+mods", "bf16+mods+graphs"):
+            if ref in by:
+                r[f"speedup_vs_{ref}"] = by[ref]["median_ms"] / r["median_ms"]
+
+
+def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
+    device = torch.device(cfg.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda asked for, but no CUDA device is visible")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    env = environment(device)
+    out = cfg.out or _default_out(env)
+    result = {"schema": "loka.bench", "version": 1, "env": env,
+              "config": {k: v for k, v in cfg.__dict__.items()}, "train": [], "infer": [],
+              "notes": []}
+    if not caps.torchao_available():
+        skipped = [v for v in cfg.train_variants + cfg.infer_variants if v.startswith("torchao")]
+        if skipped:
+            result["notes"].append("torchao is not installed: torchao rows skipped")
+        cfg.train_variants = [v for v in cfg.train_variants if not v.startswith("torchao")]
+        cfg.infer_variants = [v for v in cfg.infer_variants if not v.startswith("torchao")]
+    shared: dict = {}
+    for mode, names, fn in (("train", cfg.train_variants, run_train_variant),
+                            ("infer", cfg.infer_variants, run_infer_variant)):
+        for name in names:
+            progress(f"[{mode}] {name} ...")
+            t0 = time.perf_counter()
+            try:
+                row = fn(name, cfg, device, shared)
+            except Exception as e:  # noqa: BLE001 - one variant's failure must not lose the rest
+                row = {"variant": name, "mode": mode, "error": f"{type(e).__name__}: {e}",
+                       "traceback": traceback.format_exc(limit=8)}
+            row["wall_s"] = time.perf_counter() - t0
+            result[mode].append(row)
+            _ratios(result[mode])
+            progress("   " + _row_text(row))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            torch._dynamo.reset()
+            _write(result, out)
+    if "loka_plan" in shared:
+        plan = shared["loka_plan"]
+        result["loka_plan"] = plan.to_dict() if hasattr(plan, "to_dict") else str(plan)
+    _write(result, out)
+    if cfg.plot:
+        with contextlib.suppress(Exception):
+            plot(result, out.removesuffix(".json") + ".png")
+    result["out"] = out
+    return result
+
+
+def _row_text(row: dict) -> str:
+    if "error" in row:
+        return f"{row['variant']:<34} FAILED {row['error'][:120]}"
+    s = f"{row['variant']:<34} {row['median_ms']:8.3f} ms  fp8={row.get('fp8_sites', 0):<3}"
+    for ref in ("bf16", "bf16+mods"):
+        if f"speedup_vs_{ref}" in row:
+            s += f"  x{row[f'speedup_vs_{ref}']:.3f} vs {ref}"
+    if "peak_mem_gb" in row:
+        s += f"  {row['peak_mem_gb']:.1f} GiB"
+    return s
+
+
+def table(result: dict) -> str:
+    lines = []
+    for mode in ("train", "infer"):
+        lines.append(f"== {mode} ({result['config']['model']} {result['config']['preset']}, "
+                     f"{result['env'].get('gpu', result['env']['device'])}) ==")
+        lines += [_row_text(r) for r in result[mode]]
+    return "\n".join(lines)
+
+
+def _default_out(env: dict) -> str:
+    gpu = env.get("gpu", "cpu").replace(" ", "-").replace("/", "-")
+    date = env["date"][:10]
+    return os.path.join("bench", "results", f"{date}-{gpu}-{env.get('commit', 'unknown')}.json")
+
+
+def _write(result: dict, path: str) -> None:
+    from .probe.report import atomic_write_text
+
+    atomic_write_text(path, json.dumps(result, indent=1, default=str))
+
+
+def plot(result: dict, path: str) -> str:
+    """A bar chart of each variant's speedup against bf16 (training and inference)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(14, 6))
+    for ax, mode in zip(axes, ("train", "infer")):
+        rows = [r for r in result[mode] if "speedup_vs_bf16" in r]
+        names = [r["variant"] for r in rows]
+        vals = [r["speedup_vs_bf16"] for r in rows]
+        colors = ["tab:green" if n.startswith("loka") else "tab:orange" if n.startswith("torchao")
+                  else "tab:blue" for n in names]
+        ax.barh(names, vals, color=colors)
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.set_title(f"{mode}: speedup vs bf16")
+        ax.invert_yaxis()
+        for y, v in enumerate(vals):
+            ax.text(v, y, f" {v:.2f}", va="center", fontsize=8)
+    fig.suptitle(f"{result['config']['model']} {result['config']['preset']} on "
+                 f"{result['env'].get('gpu', result['env']['device'])} ({result['env']['date'][:10]})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# -- command line -----------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="wukong", help="reference model (default: wukong)")
+    p.add_argument("--preset", default=None, help="preset (default: paper on GPU, tiny on CPU)")
+    p.add_argument("--batch-size", type=int, default=None, help="default: the preset's")
+    p.add_argument("--steps", type=int, default=30, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps per variant")
+    p.add_argument("--no-compile", action="store_true", help="run eager (default: torch.compile)")
+    p.add_argument("--train-variants", default=None,
+                   help=f"comma list, or 'none' (default: all of {','.join(TRAIN_VARIANTS)})")
+    p.add_argument("--infer-variants", default=None,
+                   help=f"comma list, or 'none' (default: all of {','.join(INFER_VARIANTS)})")
+    p.add_argument("--max-error", type=float, default=0.2, help="LoKA plan budget (MERE)")
+    p.add_argument("--min-speedup", type=float, default=1.05, help="LoKA plan speed threshold")
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/<date>-<gpu>-<commit>.json)")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
+
+
+def _variants(text: Optional[str], default, allowed) -> List[str]:
+    if text is None:
+        return list(default)
+    if text.strip() == "none":
+        return []
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in allowed and not n.startswith("loka-uniform-")]
+    if bad:
+        raise ValueError(f"unknown variant(s) {bad}; choose from {list(allowed)}")
+    return names
+
+
+def config_from_args(args) -> BenchConfig:
+    device = getattr(args, "device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+    on_cpu = torch.device(device).type == "cpu"
+    preset = args.preset or ("tiny" if on_cpu else "paper")
+    return BenchConfig(
+        model=args.model, preset=preset, device=device, batch_size=args.batch_size,
+        steps=args.steps, warmup=args.warmup,
+        compile=not args.no_compile and not on_cpu,
+        train_variants=_variants(args.train_variants, TRAIN_VARIANTS, TRAIN_VARIANTS),
+        infer_variants=_variants(args.infer_variants, INFER_VARIANTS, INFER_VARIANTS),
+        max_error=args.max_error, min_speedup=args.min_speedup, out=args.out,
+        plot=not args.no_plot)
+
+
+def run_from_args(args) -> dict:
+    cfg = config_from_args(args)
+    result = run(cfg)
+    print(table(result))
+    print(f"wrote {result['out']}")
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="bench/run_all.py", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default=None)
+    add_arguments(p)
+    run_from_args(p.parse_args(argv))
+    return 0

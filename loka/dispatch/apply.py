@@ -1,0 +1,338 @@
+"""Applying a plan: ``nn.Linear`` -> ``loka.Linear`` in place, and back.
+
+``apply`` swaps each Linear whose plan uses a non-baseline kernel for a ``loka.Linear``
+made by :meth:`~loka.dispatch.linear.Linear.from_linear`: the same Parameter objects
+(optimizers built earlier keep working), the same hooks, the same ``state_dict`` keys and
+values. Other Linears are left alone. ``unapply`` restores plain ``nn.Linear`` modules.
+Kernels are chosen here, once; nothing is looked up per call.
+
+For a compiled model (``torch.compile(model)``) both operate on ``model._orig_mod``; the
+compiled wrapper notices the changed modules and recompiles on its next call.
+
+Inference (``inference=True``): only the forward role matters, so only sites with an
+FP8 forward are swapped; their weights are quantized once (``Linear.quantize_weight``)
+and reused by every call. ``drop_weights=True`` then frees the high-precision weights
+(the ``state_dict`` changes: ``<site>.weight`` is replaced by ``<site>.weight_fp8`` and
+``<site>.weight_scale``, and ``unapply`` refuses). Activations are quantized dynamically
+(per row for rowwise kernels) unless ``static_scales`` gives a per-site input amax
+(see :func:`amax_from_report`). Weights must not change afterwards: apply again to
+requantize.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..config import LinearConfig
+from ..kernels import registry
+from .linear import Linear
+from .plan import Plan, PlanMismatchError
+
+_STATE_ATTR = "_loka_dispatch"
+_MAX_LISTED = 6
+
+
+@dataclass(frozen=True)
+class Change:
+    """What ``apply`` does (or did) to one site."""
+
+    site: str
+    action: str
+    """'swap' (nn.Linear -> loka.Linear), 'reconfigure' (a loka.Linear's kernels change),
+    'keep' (left as it is)"""
+    before: Optional[LinearConfig]
+    """kernels before; None for a plain nn.Linear"""
+    after: Optional[LinearConfig]
+    """kernels after; None for a plain nn.Linear"""
+
+    def __str__(self) -> str:
+        def fmt(c):
+            return "nn.Linear" if c is None else f"fwd={c.fwd} dgrad={c.dgrad} wgrad={c.wgrad}"
+        return f"{self.action:<11} {self.site}: {fmt(self.before)} -> {fmt(self.after)}"
+
+
+@dataclass
+class ApplyReport:
+    """Which sites ``apply`` changed, to what, and what it skipped."""
+
+    changes: List[Change] = field(default_factory=list)
+    skipped: Dict[str, str] = field(default_factory=dict)
+    """site -> why it was not applied (``strict=False`` only)"""
+    inference: bool = False
+    compiled: bool = False
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def changed(self) -> List[str]:
+        return [c.site for c in self.changes if c.action != "keep"]
+
+    def summary(self) -> str:
+        lines = [f"{len(self.changed)} site(s) changed" + (" (inference)" if self.inference else "")]
+        lines += [str(c) for c in self.changes if c.action != "keep"]
+        lines += [f"skipped {s}: {why}" for s, why in self.skipped.items()]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _root(model: nn.Module) -> Tuple[nn.Module, bool]:
+    """The module to edit, and whether ``model`` is a torch.compile wrapper."""
+    orig = getattr(model, "_orig_mod", None)
+    if isinstance(orig, nn.Module):
+        return orig, True
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
+    return model, False
+
+
+def _state(root: nn.Module, create: bool = False) -> dict:
+    """The bookkeeping ``apply`` keeps on the root module (not in its state_dict)."""
+    if create:
+        return root.__dict__.setdefault(_STATE_ATTR, {})
+    return root.__dict__.get(_STATE_ATTR, {})
+
+
+def _aliases(root: nn.Module) -> Dict[str, List[str]]:
+    """fqn -> every fqn of the same module object (shared modules have several)."""
+    by_id: Dict[int, List[str]] = {}
+    for name, mod in root.named_modules(remove_duplicate=False):
+        by_id.setdefault(id(mod), []).append(name)
+    return {name: by_id[id(mod)] for name, mod in root.named_modules(remove_duplicate=False)}
+
+
+def _is_plain_linear(mod: nn.Module) -> bool:
+    # subclasses with their own forward compute something else: never swap them
+    return isinstance(mod, Linear) or type(mod).forward is nn.Linear.forward
+
+
+def _listed(items: List[str]) -> str:
+    more = len(items) - _MAX_LISTED
+    return ", ".join(items[:_MAX_LISTED]) + (f" and {more} more" if more > 0 else "")
+
+
+def _target_config(plan: Plan, site: str, inference: bool) -> LinearConfig:
+    cfg = plan.config(site)
+    if inference:  # forward only: the gradient kernels never run
+        return LinearConfig(fwd=cfg.fwd, dgrad=plan.baseline, wgrad=plan.baseline)
+    return cfg
+
+
+def _plan_changes(root: nn.Module, plan: Plan, inference: bool,
+                  strict: bool) -> Tuple[List[Change], Dict[str, str]]:
+    """Validate ``plan`` against ``root`` and list the changes, touching nothing."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"expected a loka.Plan, got {type(plan).__name__}")
+    modules = dict(root.named_modules(remove_duplicate=False))
+    missing, wrong_type, wrong_shape, bad_kernel = [], {}, {}, []
+    for site, sp in plan.sites.items():
+        mod = modules.get(site)
+        if mod is None:
+            missing.append(site)
+        elif not isinstance(mod, nn.Linear) or not _is_plain_linear(mod):
+            wrong_type[site] = f"a {type(mod).__name__}, not an nn.Linear"
+        elif (mod.in_features, mod.out_features) != (sp.in_features, sp.out_features):
+            wrong_shape[site] = (f"plan {sp.in_features}->{sp.out_features}, "
+                                 f"model {mod.in_features}->{mod.out_features}")
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} site(s) not in the model: {_listed(missing)}")
+    if wrong_type:
+        problems.append(f"not an nn.Linear: {_listed([f'{s} ({t})' for s, t in wrong_type.items()])}")
+    if wrong_shape:
+        problems.append(f"shape mismatch: {_listed([f'{s} ({t})' for s, t in wrong_shape.items()])}")
+    if problems and strict:
+        raise PlanMismatchError("plan does not match this model: " + "; ".join(problems))
+    skipped: Dict[str, str] = {s: "not in the model" for s in missing}
+    skipped.update(wrong_type)
+    skipped.update(wrong_shape)
+    records = _state(root).get("sites") or {}
+    changes: List[Change] = []
+    for site in plan.sites:
+        if site in skipped:
+            continue
+        mod = modules[site]
+        if site == "" and not isinstance(mod, Linear):
+            raise PlanMismatchError("the plan's site '' is the model itself: a root Linear "
+                                    "cannot be replaced in place; wrap it in a module")
+        after = _target_config(plan, site, inference)
+        if site in records:  # apply undoes an earlier apply first: compare with that state
+            before = records[site]["previous"]
+        else:
+            before = mod.config if isinstance(mod, Linear) else None
+        baseline_only = all(k == plan.baseline for k in after.to_dict().values())
+        why = None if baseline_only else _device_problem(mod, after)
+        if why is not None:
+            bad_kernel.append(f"{site} ({why})")
+            skipped[site] = why
+        elif before is None:
+            changes.append(Change(site, "keep" if baseline_only else "swap", None,
+                                  None if baseline_only else after))
+        else:
+            changes.append(Change(site, "keep" if before == after else "reconfigure", before, after))
+    if bad_kernel and strict:
+        raise PlanMismatchError(f"kernels that cannot run on the model's device: {_listed(bad_kernel)}")
+    return changes, skipped
+
+
+def _device_problem(mod: nn.Linear, config: LinearConfig) -> Optional[str]:
+    """Why a kernel of ``config`` cannot run where ``mod``'s weight lives, or None."""
+    weight = mod.weight if mod.weight is not None else getattr(mod, "weight_q", None)
+    if weight is None or weight.device.type == "meta":
+        return None
+    for kname in dict.fromkeys(config.to_dict().values()):
+        try:
+            ok = registry.get(kname).device_ok(weight.device)
+        except KeyError as e:
+            return str(e.args[0])
+        if not ok:
+            return f"{kname}: {ok.reason}"
+    return None
+
+
+def check(model: nn.Module, plan: Plan, inference: bool = False,
+          strict: bool = True) -> List[Change]:
+    """Dry run of :func:`apply`: the changes it would make, without modifying ``model``.
+
+    Raises :class:`~loka.dispatch.plan.PlanMismatchError` (with ``strict``) when the plan
+    names sites the model lacks, or whose shapes or kernels do not fit.
+    """
+    root, _ = _root(model)
+    return _plan_changes(root, plan, inference, strict)[0]
+
+
+def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = True,
+          drop_weights: bool = False,
+          static_scales: Optional[Mapping[str, "float | torch.Tensor"]] = None) -> ApplyReport:
+    """Apply ``plan`` to ``model`` in place (see the module docstring).
+
+    Args:
+        model: the model, or its ``torch.compile`` wrapper.
+        plan: a :class:`~loka.dispatch.plan.Plan` made for this model.
+        inference: forward only; weights quantized once.
+        strict: raise on sites the model lacks or whose shapes differ; False skips them.
+        drop_weights: with ``inference``, free the high-precision weights.
+        static_scales: with ``inference``, site -> input amax for static activation scales
+            (sites not listed stay dynamic).
+
+    Returns:
+        An :class:`ApplyReport`. Applying again first undoes the previous apply.
+    """
+    root, compiled = _root(model)
+    if (drop_weights or static_scales) and not inference:
+        raise ValueError("drop_weights and static_scales need inference=True")
+    for site, amax in (static_scales or {}).items():
+        if site not in plan.sites:
+            raise KeyError(f"static_scales names sites not in the plan: {site}")
+        value = torch.as_tensor(amax, dtype=torch.float64)
+        if value.numel() != 1 or not bool(torch.isfinite(value)) or float(value) <= 0:
+            raise ValueError(f"static_scales[{site!r}] must be one finite positive amax, "
+                             f"got {value.tolist()}")
+    # validate everything before touching the model, so that a bad plan changes nothing
+    changes, _ = _plan_changes(root, plan, inference, strict)
+    for c in changes:
+        if c.action != "keep":
+            Linear.from_linear(root.get_submodule(c.site), c.after)  # raises for bad kernels
+    if _state(root).get("sites"):
+        unapply(root)
+    changes, skipped = _plan_changes(root, plan, inference, strict)
+    aliases = _aliases(root)
+    records: Dict[str, dict] = {}
+    swapped: Dict[int, Linear] = {}
+    for c in changes:
+        if c.action == "keep":
+            continue
+        mod = root.get_submodule(c.site)
+        if c.action == "swap":
+            new = swapped.get(id(mod))
+            if new is None:
+                new = swapped[id(mod)] = Linear.from_linear(mod, c.after)
+            for name in aliases[c.site]:
+                root.set_submodule(name, new)
+            records[c.site] = {"created": True, "previous": None, "aliases": aliases[c.site]}
+        else:
+            records[c.site] = {"created": False, "previous": c.before, "aliases": aliases[c.site]}
+            mod.set_config(c.after)
+    report = ApplyReport(changes, skipped, inference, compiled)
+    if inference:
+        for site in records:
+            mod = root.get_submodule(site)
+            if mod.config.fwd == plan.baseline:
+                continue
+            mod.quantize_weight()
+            if static_scales and site in static_scales:
+                mod.set_input_amax(static_scales[site])
+            if drop_weights:
+                mod.drop_weight()
+        if drop_weights:
+            report.notes.append("high-precision weights dropped: state_dict keys changed "
+                                "(weight -> weight_fp8, weight_scale); unapply is not possible")
+    if compiled:
+        report.notes.append("compiled model: changes were made on model._orig_mod; it "
+                            "recompiles on its next call")
+    state = _state(root, create=True)
+    state.update(sites=records, plan=plan,
+                 options={"inference": inference, "strict": strict, "drop_weights": drop_weights,
+                          "static_scales": dict(static_scales or {})})
+    return report
+
+
+def unapply(model: nn.Module) -> List[str]:
+    """Undo :func:`apply`: plain ``nn.Linear`` modules again (same Parameters and hooks),
+    and loka.Linear modules that existed before back on their previous kernels.
+
+    Returns:
+        The sites restored.
+    """
+    root, _ = _root(model)
+    records = _state(root).get("sites") or {}
+    dropped = [s for s, rec in records.items() if rec["created"]
+               and root.get_submodule(s).weight is None]
+    if dropped:
+        raise ValueError(f"cannot unapply: the high-precision weights of {_listed(dropped)} "
+                         "were dropped (drop_weights=True); reload the original state_dict")
+    restored = []
+    for site, rec in records.items():
+        mod = root.get_submodule(site)
+        if rec["created"]:
+            plain = mod.to_linear()
+            for name in rec["aliases"]:
+                root.set_submodule(name, plain)
+        else:
+            mod.set_config(rec["previous"])
+        restored.append(site)
+    root.__dict__.pop(_STATE_ATTR, None)
+    return restored
+
+
+def applied_plan(model: nn.Module) -> Optional[Plan]:
+    """The plan last applied to ``model`` (None if none is applied)."""
+    return _state(_root(model)[0]).get("plan")
+
+
+def amax_from_report(report, key: str = "act.amax", margin: float = 1.0) -> Dict[str, float]:
+    """Per-site input amax for ``apply(..., static_scales=...)`` from a Probe report.
+
+    Args:
+        report: a :class:`~loka.probe.report.ProbeReport`.
+        key: dotted path into each site's ``stats`` to the observed input amax (the
+            Probe's summary keeps it at ``stats['act']['amax']``).
+        margin: multiply the amax by this (> 1 leaves headroom for unseen outliers).
+
+    Returns:
+        {site: amax} for every site whose stats have a finite positive value at ``key``.
+    """
+    if not margin > 0:
+        raise ValueError(f"margin must be positive, got {margin!r}")
+    out = {}
+    for name, site in report.sites.items():
+        v = site.stats
+        for part in key.split("."):
+            v = v.get(part) if isinstance(v, Mapping) else None
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf"):
+            out[name] = float(v) * margin
+    if not out and report.sites:
+        raise KeyError(f"no site of the report has a finite positive stats value at {key!r}")
+    return out

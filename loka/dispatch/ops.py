@@ -1,0 +1,91 @@
+"""``torch.library`` custom ops: opaque GEMM kernels as single graph nodes.
+
+Most kernels (the emulated ones, ``cublas-*``, torchao's) are plain PyTorch around one
+library call: ``torch.compile`` traces them, and Inductor fuses their quantization (amax,
+scale, cast) into the op that produced the operand. That is the preferred path and needs
+nothing here. LoKA's Triton kernels are custom ops of their own and trace as well.
+
+Kernels that Dynamo cannot trace (C++ library ops without fake implementations, as FBGEMM's
+may be, hand-written launchers, anything with Python-side work) would break the graph.
+They are *opaque*: ``loka.Linear`` calls them through ``torch.ops.loka.gemm``, a custom
+op taking the kernel's registry name as a string, with a fake (meta) implementation that
+gives the output's shape and dtype.
+The kernel is looked up by name inside the op, so the choice is still made once, when
+the Linear's config is set: the name is a constant of the compiled graph.
+
+A kernel is opaque when its library is in :data:`OPAQUE_LIBRARIES` or its name was
+passed to :func:`mark_opaque`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional, Set
+
+import torch
+
+from ..kernels import registry
+from ..kernels.registry import Kernel
+from ..numerics import Granularity, QTensor, get_format, operand_block
+
+OPAQUE_LIBRARIES = frozenset({"fbgemm"})
+"""kernel libraries whose calls are not traced by Dynamo"""
+_OPAQUE_NAMES: Set[str] = set()
+
+
+def mark_opaque(name: str) -> None:
+    """Route the kernel ``name`` through ``torch.ops.loka.gemm`` (set before applying)."""
+    _OPAQUE_NAMES.add(name)
+
+
+def unmark_opaque(name: str) -> None:
+    _OPAQUE_NAMES.discard(name)
+
+
+def is_opaque(kernel: Kernel) -> bool:
+    return kernel.name in _OPAQUE_NAMES or kernel.library in OPAQUE_LIBRARIES
+
+
+def _qtensor(data: torch.Tensor, scale: torch.Tensor, kernel: Kernel, operand: str) -> QTensor:
+    """Rebuild the QTensor a kernel's quantizer made, from its two tensors."""
+    fmt = get_format(kernel.formats[0 if operand == "a" else 1])
+    gran = Granularity(kernel.scaling)
+    br, bc = operand_block(gran, operand)
+    r, c = data.shape
+    return QTensor(data, scale, fmt, (r if br == -1 else br, c if bc == -1 else bc), gran)
+
+
+@torch.library.custom_op("loka::gemm", mutates_args=())
+def gemm(a: torch.Tensor, a_scale: Optional[torch.Tensor], b: torch.Tensor,
+         b_scale: Optional[torch.Tensor], kernel: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a (M, K) @ b (K, N) -> (M, N)`` on the registered kernel ``kernel``.
+
+    An operand with a scale is FP8 data quantized by that kernel's quantizer (a weight
+    quantized once, or an activation from a fused producer); without, high precision.
+    """
+    kern = registry.get(kernel)
+    qa = a if a_scale is None else _qtensor(a, a_scale, kern, "a")
+    qb = b if b_scale is None else _qtensor(b, b_scale, kern, "b")
+    return kern(qa, qb, out_dtype)
+
+
+@gemm.register_fake
+def _(a, a_scale, b, b_scale, kernel, out_dtype):
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"loka::gemm shapes do not match: a {tuple(a.shape)} @ b {tuple(b.shape)}")
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def _call_op(name: str, a, b, out_dtype: torch.dtype) -> torch.Tensor:
+    a_data, a_scale = (a.data, a.scale) if isinstance(a, QTensor) else (a, None)
+    b_data, b_scale = (b.data, b.scale) if isinstance(b, QTensor) else (b, None)
+    return torch.ops.loka.gemm(a_data, a_scale, b_data, b_scale, name, out_dtype)
+
+
+def runnable(kernel: Kernel) -> Kernel:
+    """The kernel as ``loka.Linear`` calls it: itself when traceable, else a copy whose
+    ``fn`` goes through ``torch.ops.loka.gemm`` (same name, quantizers and alignment)."""
+    if not is_opaque(kernel):
+        return kernel
+    return dataclasses.replace(kernel, fn=functools.partial(_call_op, kernel.name))

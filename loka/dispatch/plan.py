@@ -1,0 +1,641 @@
+"""Planning: from a Probe report and an accuracy budget to one kernel per site and role.
+
+Shaped like a sharding planner: *enumerate* the kernels the report measured at each site
+and role, *estimate* with the report's numbers, *propose* per role the fastest kernel
+whose error bound meets its budget, else the baseline.
+
+Selection rule for one (site, role):
+
+1. A candidate is a registered kernel other than the baseline that the report measured
+   there without failing, that runs on the target device, serves the role, fits the
+   role's GEMM shape (alignment), and is in ``allowed_kernels`` if given.
+2. It is *safe* when the upper end of the confidence interval of the error metric is at
+   most the budget (``hi <= budget``). The budget is the site's (``site_budgets``, the
+   strictest matching pattern), else the role's (``role_budgets``), else ``max_error``.
+3. Its speed counts (is *decisive*) only when it was timed on the same device type as
+   the target, on a GPU (``timing`` not 'none' or 'cpu-wallclock'), and the kernel is not
+   emulated. CPU wall-clock and emulated timings say nothing about FP8 on a GPU.
+4. Among safe candidates with a decisive speedup ``>= min_speedup`` the fastest wins
+   (ties: lower error bound, then name).
+5. No such candidate: with ``assume_fast=True`` a safe candidate without a decisive
+   timing wins: a real kernel before any emulated one (emulated kernels are numerical
+   references, never fast), then the lowest error bound, then the name; otherwise the
+   baseline. This makes CPU reports without
+   timings (``ProbeConfig(timing=False)``) plan bf16 everywhere unless the caller opts in.
+
+The JSON layout (schema ``loka.plan``, version :data:`SCHEMA_VERSION`)::
+
+    {"schema": "loka.plan", "version": 1, "created": ISO-8601, "device": "cuda:0",
+     "budget": {DispatchConfig fields, "assume_fast", "allowed_kernels",
+                "max_output_change"},
+     "source": {"report_created", "report_device", "device_name", "torch"},
+     "notes": [str, ...],
+     "sites": {fqn: {"name", "in_features", "out_features", "tokens",
+                     "roles": {"fwd"|"dgrad"|"wgrad": {"kernel", "error", "error_mean",
+                               "speedup", "budget", "reason"}}}},
+     "fallbacks": [{"site", "step", "reason", "previous": {"fwd", "dgrad", "wgrad"}}]}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..config import ROLES, DispatchConfig, LinearConfig, Role, config_to_dict, role_shape
+from ..kernels import registry
+from ..probe.report import (ProbeReport, ReportError, _num, _require, _unnum,
+                            atomic_write_text, read_json)
+
+SCHEMA = "loka.plan"
+SCHEMA_VERSION = 1
+_UNTRUSTED_TIMINGS = ("none", "cpu-wallclock")
+
+
+class PlanMismatchError(ValueError):
+    """A plan applied to a model whose Linears it was not made for."""
+
+
+# -- the plan as data --------------------------------------------------------------------
+@dataclass
+class RoleChoice:
+    """The kernel chosen for one role of one site, and the evidence behind it."""
+
+    kernel: str
+    error: Optional[float] = None
+    """upper confidence bound of the budget's metric for ``kernel`` (None: not measured)"""
+    error_mean: Optional[float] = None
+    speedup: Optional[float] = None
+    """decisive speedup over the baseline (None: not timed, or timing not decisive)"""
+    budget: Optional[float] = None
+    """the error budget that applied to this role at this site"""
+    reason: str = ""
+
+    def to_dict(self) -> dict:
+        return {"kernel": self.kernel, "error": _num(self.error),
+                "error_mean": _num(self.error_mean), "speedup": _num(self.speedup),
+                "budget": _num(self.budget), "reason": self.reason}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "RoleChoice":
+        _require(d, ("kernel",), "role choice")
+        if not isinstance(d["kernel"], str) or not d["kernel"]:
+            raise ReportError(f"role choice: kernel must be a name, got {d['kernel']!r}")
+        return cls(d["kernel"], _unnum(d.get("error")), _unnum(d.get("error_mean")),
+                   _unnum(d.get("speedup")), _unnum(d.get("budget")), str(d.get("reason", "")))
+
+
+@dataclass
+class SitePlan:
+    """The plan of one Linear (keyed by its fully qualified name)."""
+
+    name: str
+    in_features: int
+    out_features: int
+    tokens: int
+    """rows M per step the report observed"""
+    roles: Dict[Role, RoleChoice] = field(default_factory=dict)
+
+    def kernel(self, role: Role | str, baseline: str = "bf16") -> str:
+        choice = self.roles.get(Role.parse(role))
+        return baseline if choice is None else choice.kernel
+
+    def config(self, baseline: str = "bf16") -> LinearConfig:
+        return LinearConfig(*(self.kernel(r, baseline) for r in ROLES))
+
+    def uses_baseline_only(self, baseline: str = "bf16") -> bool:
+        return all(self.kernel(r, baseline) == baseline for r in ROLES)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "in_features": self.in_features,
+                "out_features": self.out_features, "tokens": self.tokens,
+                "roles": {r.value: c.to_dict() for r, c in self.roles.items()}}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "SitePlan":
+        _require(d, ("name", "in_features", "out_features", "tokens", "roles"), "site plan")
+        if not isinstance(d["roles"], Mapping):
+            raise ReportError(f"site plan {d['name']!r}: roles must be an object")
+        dims = [d["in_features"], d["out_features"], d["tokens"]]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in dims):
+            raise ReportError(f"site plan {d['name']!r}: features and tokens must be "
+                              f"non-negative integers, got {dims}")
+        try:
+            roles = {Role.parse(r): RoleChoice.from_dict(c) for r, c in d["roles"].items()}
+        except ValueError as e:
+            raise ReportError(f"site plan {d['name']!r}: {e}") from None
+        return cls(str(d["name"]), *dims, roles)
+
+
+@dataclass
+class Fallback:
+    """A site switched to the baseline during a run (by the guard)."""
+
+    site: str
+    step: int
+    reason: str
+    previous: Dict[str, str] = field(default_factory=dict)
+    """the site's kernels per role before the switch"""
+
+    def to_dict(self) -> dict:
+        return {"site": self.site, "step": int(self.step), "reason": self.reason,
+                "previous": dict(self.previous)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Fallback":
+        _require(d, ("site", "step", "reason"), "fallback")
+        return cls(str(d["site"]), int(d["step"]), str(d["reason"]),
+                   {str(k): str(v) for k, v in dict(d.get("previous", {})).items()})
+
+
+@dataclass
+class Plan:
+    """Per site and role, the name of the kernel to run; JSON in and out.
+
+    Build one with :func:`plan`; apply it with :func:`loka.apply`.
+    """
+
+    sites: Dict[str, SitePlan] = field(default_factory=dict)
+    device: str = "cpu"
+    """the device the plan was made for (kernels unavailable there were excluded)"""
+    budget: Dict[str, Any] = field(default_factory=dict)
+    """the budget and options the plan was made with"""
+    source: Dict[str, Any] = field(default_factory=dict)
+    """where the evidence came from (the report's creation time, device, torch)"""
+    notes: List[str] = field(default_factory=list)
+    fallbacks: List[Fallback] = field(default_factory=list)
+    created: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat())
+
+    @property
+    def baseline(self) -> str:
+        return str(self.budget.get("baseline", "bf16"))
+
+    def config(self, site: str) -> LinearConfig:
+        """The LinearConfig of ``site`` (KeyError for a site the plan does not know)."""
+        if site not in self.sites:
+            raise KeyError(f"site {site!r} is not in the plan")
+        return self.sites[site].config(self.baseline)
+
+    def fp8_sites(self) -> List[str]:
+        """Sites where at least one role runs an FP8 kernel, in plan order."""
+        out = []
+        for name, sp in self.sites.items():
+            kernels = {sp.kernel(r, self.baseline) for r in ROLES}
+            if any(_is_fp8(k) for k in kernels):
+                out.append(name)
+        return out
+
+    def record_fallback(self, site: str, step: int, reason: str) -> Fallback:
+        """Switch ``site`` to the baseline in this plan and log why (used by the guard)."""
+        sp = self.sites[site]
+        previous = sp.config(self.baseline).to_dict()
+        for role in ROLES:
+            old = sp.roles.get(role)
+            sp.roles[role] = RoleChoice(self.baseline, budget=None if old is None else old.budget,
+                                        reason=f"fallback at step {step}: {reason}")
+        fb = Fallback(site, int(step), reason, previous)
+        self.fallbacks.append(fb)
+        return fb
+
+    @classmethod
+    def uniform(cls, model: nn.Module, config: "LinearConfig | str",
+                module_filter: Optional[str] = None,
+                device: "torch.device | str | None" = None) -> "Plan":
+        """A plan without a report: every Linear (whose name matches ``module_filter``)
+        on the same kernels, each role falling back to the baseline where its kernel
+        cannot serve the Linear's shape or the device (naive FP8, for comparisons).
+
+        Args:
+            model: the model (or its torch.compile wrapper).
+            config: a LinearConfig, or one kernel name for all three roles.
+            module_filter: regular expression searched in each Linear's name.
+            device: the target device; default: the model's first parameter's.
+        """
+        if isinstance(config, str):
+            config = LinearConfig.uniform(config)
+        root = getattr(model, "_orig_mod", model)
+        if device is None:
+            first = next(root.parameters(), None)
+            device = first.device if first is not None else "cpu"
+        target = torch.device(device)
+        sites, notes = {}, []
+        for name, mod in root.named_modules():
+            if not isinstance(mod, nn.Linear) or (module_filter and not re.search(module_filter, name)):
+                continue
+            sp = SitePlan(name, mod.in_features, mod.out_features, 0)
+            for role in ROLES:
+                kern = registry.get(config.kernel(role))
+                _, k, n = role_shape(role, kern.align, mod.in_features, mod.out_features)
+                ok = kern.supports(target, kern.align, k, n, role=role)
+                if ok:
+                    sp.roles[role] = RoleChoice(kern.name, reason="uniform plan")
+                else:
+                    sp.roles[role] = RoleChoice("bf16", reason=f"uniform plan: {kern.name} "
+                                                               f"cannot run here ({ok.reason})")
+                    notes.append(f"{name} {role}: {kern.name} cannot run here ({ok.reason})")
+            sites[name] = sp
+        return cls(sites=sites, device=str(target), notes=notes,
+                   budget={"baseline": "bf16", "uniform": config.to_dict()})
+
+    def copy(self) -> "Plan":
+        return Plan.from_dict(self.to_dict())
+
+    def summary(self) -> str:
+        """A text table: one row per site, kernel and evidence per role."""
+        rows = []
+        for name, sp in self.sites.items():
+            cells = []
+            for r in ROLES:
+                c = sp.roles.get(r)
+                ev = []
+                if c is not None and c.error is not None:
+                    ev.append(f"e<={c.error:.3g}")
+                if c is not None and c.speedup is not None:
+                    ev.append(f"{c.speedup:.2f}x")
+                kernel = self.baseline if c is None else c.kernel
+                cells.append(kernel + (f" ({', '.join(ev)})" if ev else ""))
+            rows.append([name, f"{sp.in_features}->{sp.out_features}", str(sp.tokens)] + cells)
+        header = ["site", "K->N", "M"] + [r.value for r in ROLES]
+        widths = [max(len(row[i]) for row in rows + [header]) for i in range(len(header))]
+
+        def fmt(row):
+            return "  ".join(v.rjust(w) if i in (1, 2) else v.ljust(w)
+                             for i, (v, w) in enumerate(zip(row, widths))).rstrip()
+
+        if "uniform" in self.budget:
+            how = "uniform: " + ", ".join(f"{r}={k}" for r, k in self.budget["uniform"].items())
+        else:
+            how = (f"{self.budget.get('metric', 'mere')} <= {self.budget.get('max_error')}, "
+                   f"speedup >= {self.budget.get('min_speedup')}")
+        lines = [f"plan for {self.device}: {len(self.fp8_sites())}/{len(self.sites)} sites "
+                 f"with FP8 ({how})", fmt(header), "-" * len(fmt(header))]
+        lines += [fmt(row) for row in rows]
+        for fb in self.fallbacks:
+            lines.append(f"fallback: {fb.site} at step {fb.step}: {fb.reason}")
+        for n in self.notes:
+            lines.append(f"note: {n}")
+        return "\n".join(lines)
+
+    # -- JSON ------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"schema": SCHEMA, "version": SCHEMA_VERSION, "created": self.created,
+                "device": self.device, "budget": _json_safe(self.budget),
+                "source": _json_safe(self.source), "notes": list(self.notes),
+                "sites": {k: v.to_dict() for k, v in self.sites.items()},
+                "fallbacks": [f.to_dict() for f in self.fallbacks]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "Plan":
+        _require(d, ("sites",), "plan")
+        try:
+            if not isinstance(d["sites"], Mapping):
+                raise ReportError("plan: sites must be an object")
+            sites = {k: SitePlan.from_dict(v) for k, v in d["sites"].items()}
+            for k, sp in sites.items():
+                if sp.name != k:
+                    raise ReportError(f"plan: site key {k!r} holds site {sp.name!r}")
+            fallbacks = [Fallback.from_dict(f) for f in d.get("fallbacks", [])]
+            budget = dict(d.get("budget", {}))
+        except ReportError:
+            raise
+        except (TypeError, ValueError, KeyError, AttributeError) as e:
+            raise ReportError(f"plan: invalid content ({e})") from None
+        return cls(sites=sites, device=str(d.get("device", "cpu")), budget=budget,
+                   source=dict(d.get("source", {})), notes=[str(n) for n in d.get("notes", [])],
+                   fallbacks=fallbacks, created=str(d.get("created", "")))
+
+    def save(self, path: "str | os.PathLike") -> None:
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: "str | os.PathLike") -> "Plan":
+        """Load and validate a plan file (ReportError for corrupt/foreign/unknown version)."""
+        data = read_json(path, SCHEMA, SCHEMA_VERSION)
+        try:
+            return cls.from_dict(data)
+        except ReportError as e:
+            raise ReportError(f"{path}: {e}") from None
+
+
+def _json_safe(obj):
+    if isinstance(obj, Mapping):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    if isinstance(obj, float):
+        return _num(obj)
+    return obj
+
+
+def _is_fp8(name: str) -> bool:
+    try:
+        return registry.get(name).is_fp8
+    except KeyError:
+        return name not in ("bf16", "fp32", "tf32")
+
+
+# -- planning ----------------------------------------------------------------------------
+def resolve_budget(config: DispatchConfig, site: str, role: Role | str) -> float:
+    """The error budget of ``role`` at ``site``: the strictest matching site pattern, else
+    the role's budget, else the global one."""
+    matches = [float(b) for pat, b in config.site_budgets.items() if re.search(pat, site)]
+    if matches:
+        return min(matches)
+    role = Role.parse(role)
+    for r, b in config.role_budgets.items():
+        if Role.parse(r) is role:
+            return float(b)
+    return float(config.max_error)
+
+
+def _check_budgets(config: DispatchConfig) -> None:
+    values = [("max_error", config.max_error)]
+    values += [(f"role_budgets[{r!r}]", b) for r, b in config.role_budgets.items()]
+    values += [(f"site_budgets[{p!r}]", b) for p, b in config.site_budgets.items()]
+    for what, b in values:
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b):
+            raise ValueError(f"{what} must be a finite number, got {b!r}")
+    for pat in config.site_budgets:
+        try:
+            re.compile(pat)
+        except re.error as e:
+            raise ValueError(f"site_budgets pattern {pat!r} is not a regular expression ({e})") from None
+    if not math.isfinite(config.min_speedup):
+        raise ValueError(f"min_speedup must be finite, got {config.min_speedup!r}")
+
+
+def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] = None,
+         min_speedup: Optional[float] = None, metric: Optional[str] = None,
+         role_budgets: Optional[Mapping[str, float]] = None,
+         site_budgets: Optional[Mapping[str, float]] = None,
+         config: Optional[DispatchConfig] = None,
+         allowed_kernels: Optional[Iterable[str]] = None,
+         device: "torch.device | str | None" = None, assume_fast: bool = False) -> Plan:
+    """Choose per site and role the fastest kernel that meets the error budget.
+
+    Args:
+        report: a :class:`~loka.probe.report.ProbeReport` or the path of a saved one.
+        max_error, min_speedup, metric, role_budgets, site_budgets: override the fields of
+            ``config`` (a :class:`~loka.config.DispatchConfig`, default: its defaults:
+            MERE <= 0.2, speedup >= 1.05).
+        allowed_kernels: consider only these kernel names (the baseline is always allowed).
+        device: the device the plan is for; default: the report's.
+        assume_fast: where no decisive timing exists (CPU or emulated timings, or none),
+            choose the lowest-error safe real kernel (else emulated); see the module
+            docstring.
+
+    Returns:
+        A :class:`Plan`; ``plan.notes`` says which kernels were excluded and why.
+    """
+    if not isinstance(report, ProbeReport):
+        report = ProbeReport.load(report)
+    overrides = {k: v for k, v in (("max_error", max_error), ("min_speedup", min_speedup),
+                                   ("metric", metric), ("role_budgets", role_budgets),
+                                   ("site_budgets", site_budgets)) if v is not None}
+    cfg = dataclasses.replace(config or DispatchConfig(), **overrides)
+    _check_budgets(cfg)
+    allowed = None if allowed_kernels is None else set(allowed_kernels)
+    if allowed is not None:
+        unknown = sorted(n for n in allowed if n not in {k.name for k in registry.all_kernels()})
+        if unknown:
+            raise KeyError(f"allowed_kernels names unregistered kernels: {unknown}")
+    target = torch.device(device if device is not None else report.device)
+    same_device_type = torch.device(report.device).type == target.type
+    registry.get(cfg.baseline)  # the baseline must exist
+
+    notes: List[str] = []
+    excluded: Dict[str, str] = {}  # kernel name -> why it was never considered
+    undecided = 0  # safe site-roles left on the baseline for want of a decisive timing
+
+    def usable(name: str) -> bool:
+        if name in excluded:
+            return False
+        try:
+            kern = registry.get(name)
+        except KeyError:
+            excluded[name] = "not registered in this installation"
+            return False
+        ok = kern.device_ok(target)
+        if not ok:
+            excluded[name] = f"unavailable on {target}: {ok.reason}"
+            return False
+        return True
+
+    sites: Dict[str, SitePlan] = {}
+    for name, site in report.sites.items():
+        sp = SitePlan(name, site.in_features, site.out_features, site.tokens)
+        for role in ROLES:
+            budget = resolve_budget(cfg, name, role)
+            rr = site.roles.get(role)
+            base_stat = None
+            if rr is not None and cfg.baseline in rr.kernels:
+                base_stat = rr.kernels[cfg.baseline].metric(cfg.metric)
+            baseline_choice = RoleChoice(
+                cfg.baseline, None if base_stat is None else base_stat.hi,
+                None if base_stat is None else base_stat.mean, None, budget,
+                "not measured" if rr is None else "no kernel meets the budget")
+            if rr is None:
+                sp.roles[role] = baseline_choice
+                continue
+            timed, untimed = [], []
+            for kname, kr in rr.kernels.items():
+                if kname == cfg.baseline or (allowed is not None and kname not in allowed):
+                    continue
+                if not usable(kname):
+                    continue
+                kern = registry.get(kname)
+                # loka.Linear pads wgrad's reduction (the token count) to the alignment
+                m_pad = -(-max(site.tokens, 1) // kern.align) * kern.align
+                shape = role_shape(role, m_pad, site.in_features, site.out_features)
+                if not kern.supports(target, *shape, role=role):
+                    continue
+                stat = kr.metric(cfg.metric)
+                if kr.error or stat is None or stat.hi is None or not math.isfinite(stat.hi):
+                    continue
+                if stat.hi > budget:
+                    continue
+                decisive = (same_device_type and not kern.is_emulated
+                            and kr.timing not in _UNTRUSTED_TIMINGS
+                            and kr.speedup is not None and math.isfinite(kr.speedup))
+                if decisive:
+                    if kr.speedup >= cfg.min_speedup:
+                        timed.append((kr.speedup, stat, kname))
+                else:
+                    untimed.append((stat, kern, kname))
+            if timed:
+                speed, stat, kname = min(timed, key=lambda t: (-t[0], t[1].hi, t[2]))
+                sp.roles[role] = RoleChoice(kname, stat.hi, stat.mean, speed, budget,
+                                            "fastest kernel within the budget")
+            elif untimed and assume_fast:
+                stat, kern, kname = min(untimed, key=lambda t: (t[1].is_emulated, t[0].hi, t[2]))
+                sp.roles[role] = RoleChoice(kname, stat.hi, stat.mean, None, budget,
+                                            "lowest error within the budget (assume_fast)")
+            else:
+                if untimed:
+                    undecided += 1
+                    baseline_choice.reason = "safe kernels have no decisive timing"
+                sp.roles[role] = baseline_choice
+        sites[name] = sp
+
+    for kname, why in sorted(excluded.items()):
+        notes.append(f"kernel {kname!r} excluded: {why}")
+    if undecided:
+        notes.append(f"{undecided} site-role(s) kept on {cfg.baseline}: their safe kernels have "
+                     "no decisive timing (CPU wall-clock, emulated, untimed, or measured on "
+                     "another device type); pass assume_fast=True to choose the lowest-error "
+                     "safe kernel")
+    budget_dict = config_to_dict(cfg)
+    budget_dict.update(assume_fast=bool(assume_fast),
+                       allowed_kernels=None if allowed is None else sorted(allowed))
+    source = {"report_created": report.created, "report_device": report.device,
+              "device_name": report.device_name, "torch": report.torch_version}
+    return Plan(sites=sites, device=str(target), budget=budget_dict, source=source, notes=notes)
+
+
+# -- end-to-end budget -------------------------------------------------------------------
+Batch = Any
+
+
+def _default_forward(model: nn.Module, batch: Batch):
+    return model(batch)
+
+
+def _tensors(out) -> List[torch.Tensor]:
+    """The floating-point tensors of a model output (a tensor, tuple/list or dict)."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() else []
+    if isinstance(out, Mapping):
+        return [t for v in out.values() for t in _tensors(v)]
+    if isinstance(out, (list, tuple)):
+        return [t for v in out for t in _tensors(v)]
+    return []
+
+
+class _Measure:
+    """Baseline outputs on held-out batches, and the change of a configured model."""
+
+    def __init__(self, model, batches, loss_fn, forward):
+        self.model, self.batches, self.loss_fn = model, list(batches), loss_fn
+        self.forward = forward or _default_forward
+        if not self.batches:
+            raise ValueError("tighten_end_to_end needs at least one held-out batch")
+        self.reference = [self._run(b) for b in self.batches]
+
+    @torch.no_grad()
+    def _run(self, batch):
+        if self.loss_fn is not None:
+            loss = self.loss_fn(self.model, batch)
+            return [torch.as_tensor(loss).detach().double().reshape(())]
+        outs = _tensors(self.forward(self.model, batch))
+        if not outs:
+            raise ValueError("the model's output has no floating-point tensor to compare; "
+                             "pass loss_fn or forward")
+        return [o.detach().double() for o in outs]
+
+    def change(self) -> float:
+        """Relative output change ||y - y_ref|| / ||y_ref|| over all batches, or with a
+        loss_fn the mean relative change of the loss per batch; inf if non-finite."""
+        if self.loss_fn is not None:
+            rel = []
+            for b, (ref,) in zip(self.batches, self.reference):
+                (got,) = self._run(b)
+                rel.append(float((got - ref).abs() / ref.abs().clamp_min(1e-30)))
+            val = sum(rel) / len(rel)
+        else:
+            num = den = 0.0
+            for b, ref in zip(self.batches, self.reference):
+                for g, r in zip(self._run(b), ref):
+                    num += float((g - r).square().sum())
+                    den += float(r.square().sum())
+            val = math.sqrt(num / den) if den > 0 else (0.0 if num == 0 else math.inf)
+        return val if math.isfinite(val) else math.inf
+
+
+def tighten_end_to_end(plan: Plan, model: nn.Module, batches: Iterable[Batch],
+                       max_output_change: float, loss_fn: Optional[Callable] = None,
+                       forward: Optional[Callable] = None) -> Tuple[Plan, List[dict]]:
+    """Move sites back to the baseline until the model's output changes by at most
+    ``max_output_change`` (relative) on held-out batches.
+
+    Each FP8 site's *contribution* is measured one at a time (only that site's forward
+    on FP8); sites are then reverted, largest contribution first, re-measuring the whole
+    plan after each, until the bound holds. Only the forward pass is observable this way:
+    a site with FP8 only in dgrad/wgrad contributes zero and is kept.
+
+    Args:
+        plan: the plan to tighten (not modified).
+        model: the model the plan is for, unplanned or planned; it is left as found.
+        batches: held-out inputs; ``forward(model, batch)`` (default ``model(batch)``)
+            gives the output, or ``loss_fn(model, batch)`` a scalar loss.
+        max_output_change: bound on the relative output (or loss) change, >= 0.
+        loss_fn: compare the loss instead of the outputs.
+        forward: how to run a batch (default ``model(batch)``).
+
+    Returns:
+        (new plan, log): the log has one dict per measurement with ``site``, ``action``
+        ('measure', 'contribution', 'revert'), ``change``.
+    """
+    from .apply import _state, apply, unapply  # apply imports this module
+
+    if not (isinstance(max_output_change, (int, float)) and max_output_change >= 0
+            and math.isfinite(max_output_change)):
+        raise ValueError(f"max_output_change must be a finite number >= 0, got {max_output_change!r}")
+    root = getattr(model, "_orig_mod", model)
+    prev_state = _state(root)
+    previous, prev_options = prev_state.get("plan"), dict(prev_state.get("options", {}))
+    was_training = root.training
+    new = plan.copy()
+    log: List[dict] = []
+    try:
+        unapply(root)
+        root.eval()
+        measure = _Measure(root, batches, loss_fn, forward)
+        apply(root, new)
+        modules = dict(root.named_modules())
+        fwd_sites = [s for s in new.fp8_sites() if new.sites[s].kernel(Role.FWD, new.baseline)
+                     != new.baseline]
+        total = measure.change()
+        log.append({"site": None, "action": "measure", "change": total})
+        if total > max_output_change and fwd_sites:
+            full = {s: modules[s].config for s in fwd_sites}
+            off = {s: dataclasses.replace(c, fwd=new.baseline) for s, c in full.items()}
+            for s in fwd_sites:
+                modules[s].set_config(off[s])
+            contribution = {}
+            for s in fwd_sites:
+                modules[s].set_config(full[s])
+                contribution[s] = measure.change()
+                modules[s].set_config(off[s])
+                log.append({"site": s, "action": "contribution", "change": contribution[s]})
+            for s in fwd_sites:
+                modules[s].set_config(full[s])
+            for s in sorted(fwd_sites, key=lambda s: -contribution[s]):
+                if total <= max_output_change:
+                    break
+                modules[s].set_config(LinearConfig.uniform(new.baseline))
+                total = measure.change()
+                for role in ROLES:
+                    old = new.sites[s].roles.get(role)
+                    new.sites[s].roles[role] = RoleChoice(
+                        new.baseline, budget=None if old is None else old.budget,
+                        reason=f"end-to-end budget: contributed {contribution[s]:.3g} of "
+                               f"output change")
+                log.append({"site": s, "action": "revert", "change": total})
+        reverted = [e["site"] for e in log if e["action"] == "revert"]
+        new.budget["max_output_change"] = float(max_output_change)
+        new.notes.append(f"end-to-end: output change {total:.4g} (bound {max_output_change:g}) "
+                         f"after reverting {len(reverted)} site(s) to {new.baseline}")
+    finally:
+        unapply(root)
+        root.train(was_training)
+        if previous is not None:
+            apply(root, previous, **prev_options)
+    return new, log

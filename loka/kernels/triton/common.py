@@ -1,0 +1,190 @@
+"""Pieces shared by the Triton kernels: FP8 format constants, the NaN-propagating amax,
+the exact scale-and-cast, and the autotuning helpers.
+
+Numerics follow :func:`loka.numerics.quantize` bit for bit on the kernel's device: the
+scale is ``max(amax, AMAX_EPS) / fmt.max`` in float32 as torch computes it there (see
+:func:`amax_to_scale`), the value is
+``x / scale`` (IEEE division), clamped to ``±fmt.max`` and cast round-to-nearest-even.
+Triton's plain ``/`` is an approximate division on NVIDIA GPUs, hence ``tl.math.div_rn``.
+
+Under Triton's CPU interpreter (``TRITON_INTERPRET=1``) the float-to-FP8 cast is not
+round-to-nearest-even (it truncates, and a mantissa carry does not reach the exponent), so
+the kernels then round to the FP8 grid in float32 first (``SOFT_ROUND``); the cast of a
+value already on the grid is exact. On the GPU ``SOFT_ROUND`` is off and the hardware
+cast (``cvt.rn.satfinite``) rounds.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from ...numerics import AMAX_EPS, get_format
+
+_FP8_DTYPES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+AMAX_EPS_CONST = tl.constexpr(AMAX_EPS)
+
+
+def interpreted() -> bool:
+    """Whether Triton kernels run under the CPU interpreter (decided when they are defined)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def patch_interpreter() -> None:
+    """Make Triton 3.6's interpreter work with numpy >= 2.4: it turns a scalar kernel
+    argument (a 1-element array) into a loop bound with ``int(array)``, which numpy 2.4
+    rejects; this takes the element instead. A no-op for a fixed interpreter."""
+    from triton.runtime import interpreter as interp
+
+    if getattr(interp._patch_lang_tensor, "_loka_patched", False):
+        return
+    original = interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._loka_patched = True
+    interp._patch_lang_tensor = patched
+
+
+if interpreted():
+    patch_interpreter()
+
+
+def fp8_meta(fmt) -> Dict[str, object]:
+    """The ``tl.constexpr`` arguments that describe an FP8 format to a kernel.
+
+    Only the OCP formats (e4m3fn, e5m2) have Triton kernels here; the AMD ``fnuz`` formats
+    are refused with a one-line error.
+    """
+    f = get_format(fmt)
+    if f.dtype not in _FP8_DTYPES:
+        raise ValueError(f"Triton kernels support e4m3 and e5m2, not {f.name}")
+    min_exp = 1 - (2 ** (f.exponent_bits - 1) - 1)  # exponent of the smallest normal
+    # the kernels' float32 reciprocal 1/FMT_MAX is torch's (no double-rounding surprise)
+    assert np.float32(1.0) / np.float32(f.max) == np.float32(1.0 / f.max)
+    return {"FMT_MAX": f.max, "MANT_BITS": f.mantissa_bits, "MIN_EXP": min_exp,
+            "SOFT_ROUND": interpreted()}
+
+
+def check_fp8(t: torch.Tensor, name: str) -> None:
+    if t.dtype not in _FP8_DTYPES:
+        raise TypeError(f"{name} must be float8_e4m3fn or float8_e5m2, got {t.dtype}")
+
+
+def check_float_input(x: torch.Tensor, name: str = "x") -> None:
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be 2-D, got shape {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else triton.next_power_of_2(int(n))
+
+
+def _bench(kernel_call, quantiles=None):
+    """Autotuning benchmark: short (the sweep tunes many shapes); a no-op when interpreted."""
+    if interpreted():
+        return [0.0, 0.0, 0.0] if quantiles else 0.0
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+
+
+def _tile_area(cfg: triton.Config) -> int:
+    area = 1
+    for key, value in cfg.kwargs.items():
+        if key.startswith("BLOCK_"):
+            area *= value
+    return area
+
+
+def autotune(configs: List[triton.Config], key: List[str], prune=None):
+    """``triton.autotune`` with LoKA's pruning and benchmark. Under the interpreter, or
+    with ``LOKA_TRITON_AUTOTUNE=0`` (numerical self-tests), only the surviving config with
+    the largest tile is kept: nothing to tune on a CPU, the interpreter's cost grows with the
+    number of programs, and every compiled config costs seconds."""
+
+    def early_prune(cfgs, named_args, **kwargs):
+        kept = prune(cfgs, named_args, **kwargs) if prune is not None else list(cfgs)
+        kept = kept or list(cfgs[:1])
+        if interpreted() or os.environ.get("LOKA_TRITON_AUTOTUNE", "1") == "0":
+            return [max(kept, key=_tile_area)]
+        return kept
+
+    return triton.autotune(configs=configs, key=key, do_bench=_bench,
+                           prune_configs_by={"early_config_prune": early_prune})
+
+
+@triton.jit
+def nan_max(a, b):
+    """Elementwise max that propagates NaN, as ``torch.amax`` does."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def abs_amax(x, axis: tl.constexpr):
+    """``amax(|x|)`` along ``axis``, NaN if any element is NaN (``tl.max`` alone drops NaN;
+    a reduction with a NaN-propagating combine is as fast on the GPU but crawls under the
+    interpreter, hence the separate NaN count)."""
+    a = tl.abs(x)
+    has_nan = tl.sum((a != a).to(tl.int32), axis) > 0
+    return tl.where(has_nan, float("nan"), tl.max(a, axis))
+
+
+@triton.jit
+def amax_to_scale(amax, FMT_MAX: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """``max(amax, AMAX_EPS) / FMT_MAX`` in float32, as torch computes it on the kernel's
+    device: on CUDA, torch divides by a Python scalar as a product with its float32
+    reciprocal (``div_true_kernel_cuda``); on the CPU (the interpreter's reference) it
+    divides, IEEE-rounded."""
+    amax = tl.maximum(amax, AMAX_EPS_CONST, propagate_nan=tl.PropagateNan.ALL)
+    if SOFT_ROUND:
+        return tl.math.div_rn(amax, tl.zeros_like(amax) + FMT_MAX)
+    return amax * (1.0 / FMT_MAX)
+
+
+@triton.jit
+def round_to_fp8_grid(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
+    """Round float32 ``y`` (already clamped to the format's range) to the nearest value of
+    an FP8 grid with ``MANT_BITS`` mantissa bits, ties to even, subnormals included."""
+    bits = y.to(tl.int32, bitcast=True)
+    exp = ((bits >> 23) & 0xFF) - 127
+    exp = tl.maximum(exp, MIN_EXP)
+    ulp = ((exp - MANT_BITS + 127) << 23).to(tl.float32, bitcast=True)
+    t = y / ulp  # exact: ulp is a power of two
+    r = (t + 12582912.0) - 12582912.0  # 1.5 * 2**23: rounds |t| < 2**22 to an integer, RNE
+    return r * ulp
+
+
+@triton.jit
+def round_to(y, dtype: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """float32 ``y`` rounded to ``dtype`` (bf16/fp16/fp32), returned as float32. Under the
+    interpreter (``SOFT_ROUND``), whose float casts truncate, it rounds to nearest-even
+    first, with integer arithmetic for bf16."""
+    if SOFT_ROUND:
+        if dtype == tl.bfloat16:
+            bits = y.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+            y = bits.to(tl.float32, bitcast=True)
+        elif dtype == tl.float16:
+            y = round_to_fp8_grid(y, 10, -14)
+    return y.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def scale_and_clamp(x, scale, FMT_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
+                    MIN_EXP: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """``clamp(x / scale, ±FMT_MAX)`` in float32, ready for the cast to FP8 (``scale``
+    broadcasts against ``x``)."""
+    y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
+    y = tl.clamp(y, -FMT_MAX, FMT_MAX, propagate_nan=tl.PropagateNan.ALL)
+    if SOFT_ROUND:
+        y = round_to_fp8_grid(y, MANT_BITS, MIN_EXP)
+    return y
+

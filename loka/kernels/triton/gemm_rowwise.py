@@ -1,0 +1,236 @@
+"""FP8 GEMM with rowwise (or tensorwise) scales applied in the epilogue.
+
+``c = (a @ b) * scale_a * scale_b`` with ``a`` (M, K) FP8, ``b`` (K, N) FP8 (K-major,
+i.e. column-major, is the fast layout for FP8 tensor cores), ``scale_a`` (M, 1) or (1, 1),
+``scale_b`` (1, N) or (1, 1) float32. A tensorwise scale is the rowwise kernel with a zero
+scale stride. Optional fused epilogue, in float32 before the single rounding: ``+ bias``,
+Hard Swish, and the output either in bf16/fp16/fp32 or in FP8 with rowwise scales for the
+next layer (the high-precision value is rounded to bf16 first, so that the FP8 output equals
+:func:`loka.numerics.quantize` of the bf16 output bit for bit).
+
+Accumulation: on Hopper, Triton's FP8 ``tl.dot`` accumulates in the tensor cores'
+reduced-precision accumulator unless told otherwise; ``FAST_ACC=False`` promotes to
+float32 every ``BLOCK_K`` (as DeepGEMM does every 128), ``FAST_ACC=True`` never does (the
+analogue of ``_scaled_mm(use_fast_accum=True)``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+import triton
+import triton.language as tl
+
+from ...numerics import get_format
+from .common import (abs_amax, amax_to_scale, autotune, check_fp8, fp8_meta, next_pow2,
+                     round_to, scale_and_clamp)
+
+ACTIVATIONS = {None: 0, "identity": 0, "hardswish": 1}
+MAX_FP8_OUT_N = 256
+"""widest N whose FP8 output is quantized in the epilogue (one program holds a whole row)"""
+
+
+def _cfg(bm, bn, bk, stages, warps, group=8):
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group},
+                         num_stages=stages, num_warps=warps)
+
+
+# Large tiles for the big GEMMs, thin ones (N or K of 32-64) for the LRM shapes.
+GEMM_CONFIGS = [
+    _cfg(128, 256, 128, 3, 8), _cfg(256, 128, 128, 3, 8), _cfg(128, 128, 128, 4, 8),
+    _cfg(64, 128, 128, 4, 4), _cfg(128, 64, 128, 4, 4), _cfg(64, 64, 128, 4, 4),
+    _cfg(128, 32, 64, 4, 4), _cfg(256, 32, 64, 3, 4), _cfg(256, 64, 64, 3, 8),
+]
+SPLIT_K_UNIT = 1024
+"""K range of one split is a multiple of this (and so of every BLOCK_K)"""
+
+
+def _prune(configs, named_args, **kwargs):
+    m, n, k = named_args["M"], named_args["N"], named_args["K"]
+    if kwargs.get("FP8_OUT"):
+        # The whole row in one tile: BLOCK_N is fixed by N, the rest is tuned.
+        bn = max(32, next_pow2(n))
+        return [_cfg(bm, bn, bk, s, w) for bm, bk, s, w in
+                ((64, 128, 4, 4), (128, 64, 4, 4 if bn <= 64 else 8), (128, 128, 3, 8),
+                 (64, 64, 4, 4)) if bm * bn <= 128 * 256]
+    keep = [c for c in configs
+            if c.kwargs["BLOCK_N"] <= max(32, next_pow2(n))
+            and c.kwargs["BLOCK_K"] <= max(64, next_pow2(k))
+            and c.kwargs["BLOCK_M"] <= max(64, next_pow2(m))]
+    return keep
+
+
+@autotune(configs=GEMM_CONFIGS, key=["M", "N", "K", "K_SPLIT", "FP8_OUT", "FAST_ACC"],
+          prune=_prune)
+@triton.jit
+def rowwise_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, cs_ptr, M, N, K,
+                        K_SPLIT, stride_am, stride_ak, stride_bk, stride_bn, stride_cs,
+                        stride_cm, stride_cn, stride_sa, stride_sb, HAS_BIAS: tl.constexpr,
+                        ACT: tl.constexpr,
+                        FP8_OUT: tl.constexpr, FAST_ACC: tl.constexpr, FMT_MAX: tl.constexpr,
+                        MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
+                        SOFT_ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """One (BLOCK_M, BLOCK_N) tile of c over the K range ``[pid_k * K_SPLIT, +K_SPLIT)``;
+    grouped launch order for L2 reuse of b. With several K splits each writes its scaled
+    partial sum to slice ``pid_k`` of c (stride_cs) and the caller adds them."""
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m, num_pid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % group) % group_m)
+    pid_n = (pid % group) // group_m
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    # Wrapped indices keep the loads in bounds without masks on M and N (Triton tutorial).
+    k0 = pid_k * K_SPLIT
+    a_ptrs = (a_ptr + (rows % M)[:, None].to(tl.int64) * stride_am
+              + (k0 + ks[None, :]).to(tl.int64) * stride_ak)
+    b_ptrs = (b_ptr + (k0 + ks[:, None]).to(tl.int64) * stride_bk
+              + (cols % N)[None, :].to(tl.int64) * stride_bn)
+    k_end = tl.minimum(K - k0, K_SPLIT)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, tl.cdiv(k_end, BLOCK_K)):
+        k_left = k_end - kk * BLOCK_K
+        a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs, mask=ks[:, None] < k_left, other=0.0)
+        if FAST_ACC:
+            acc = tl.dot(a, b, acc)
+        else:
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    row_ok, col_ok = rows < M, cols < N
+    sa = tl.load(sa_ptr + rows * stride_sa, mask=row_ok, other=0.0)
+    sb = tl.load(sb_ptr + cols * stride_sb, mask=col_ok, other=0.0)
+    acc = acc * sa[:, None] * sb[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if ACT == 1:  # Hard Swish, x * relu6(x + 3) / 6, as torch computes it
+        acc = tl.math.div_rn(acc * tl.clamp(acc + 3.0, 0.0, 6.0), tl.zeros_like(acc) + 6.0)
+    mask = row_ok[:, None] & col_ok[None, :]
+    c_off = pid_k * stride_cs + rows[:, None].to(tl.int64) * stride_cm + cols[None, :] * stride_cn
+    if FP8_OUT:
+        # Quantize what the next layer would see: the bf16 output, scaled per row.
+        y = tl.where(mask, round_to(acc, tl.bfloat16, SOFT_ROUND), 0.0)
+        scale = amax_to_scale(abs_amax(y, 1), FMT_MAX, SOFT_ROUND)
+        q = scale_and_clamp(y, scale[:, None], FMT_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND)
+        tl.store(c_ptr + c_off, q.to(c_ptr.dtype.element_ty), mask=mask)
+        tl.store(cs_ptr + rows, scale, mask=row_ok & (pid_n == 0))
+    else:
+        out = round_to(acc, c_ptr.dtype.element_ty, SOFT_ROUND)
+        tl.store(c_ptr + c_off, out.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+def _scale_stride(scale: torch.Tensor, length: int, name: str, axis: int) -> int:
+    """Stride of a (length,)-indexed scale vector; 0 for a tensorwise (single) scale."""
+    if scale.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32, got {scale.dtype}")
+    if scale.numel() == 1:
+        return 0
+    want = (length, 1) if axis == 0 else (1, length)
+    if tuple(scale.shape) != want:
+        raise ValueError(f"{name} must have shape {want} or (1, 1), got {tuple(scale.shape)}")
+    return scale.stride(axis)
+
+
+def gemm_rowwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                 scale_b: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
+                 activation: Optional[str] = None, out_dtype: torch.dtype = torch.bfloat16,
+                 fp8_out: Optional[str] = None, fast_accum: bool = False
+                 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """``act((a @ b) * scale_a * scale_b + bias)``.
+
+    Args:
+        a: (M, K) float8_e4m3fn/e5m2, K contiguous preferred.
+        b: (K, N) FP8, column-major (K contiguous) preferred.
+        scale_a: (M, 1) or (1, 1) float32 dequantization scales of ``a``.
+        scale_b: (1, N) or (1, 1) float32 dequantization scales of ``b``.
+        bias: optional (N,) added in float32.
+        activation: None / 'identity' or 'hardswish'.
+        out_dtype: bf16, fp16 or fp32 output (ignored with ``fp8_out``).
+        fp8_out: 'e4m3'/'e5m2': return the output quantized rowwise instead. For N up to
+            :data:`MAX_FP8_OUT_N` the epilogue quantizes; wider outputs go through bf16 and
+            :func:`~loka.kernels.triton.quantize.quantize_rowwise` (two kernels).
+        fast_accum: never promote the FP8 accumulator to float32 (faster, less accurate).
+
+    Returns:
+        (M, N) in ``out_dtype``; with ``fp8_out``: (q (M, N) FP8, scale (M, 1) float32).
+    """
+    for name, t in (("a", a), ("b", b)):
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+        check_fp8(t, name)
+    m, k = a.shape
+    if b.shape[0] != k:
+        raise ValueError(f"GEMM shapes do not match: a {tuple(a.shape)} @ b {tuple(b.shape)}")
+    n = b.shape[1]
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(map(str, ACTIVATIONS))}, got {activation!r}")
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+    if fp8_out is not None and n > MAX_FP8_OUT_N:
+        from .quantize import quantize_rowwise
+
+        y = gemm_rowwise(a, b, scale_a, scale_b, bias=bias, activation=activation,
+                         out_dtype=torch.bfloat16, fast_accum=fast_accum)
+        return quantize_rowwise(y, fp8_out)
+    sa_stride = _scale_stride(scale_a, m, "scale_a", 0)
+    sb_stride = _scale_stride(scale_b, n, "scale_b", 1)
+    meta = fp8_meta(fp8_out or "e4m3")
+    if m == 0 or n == 0 or k == 0:
+        if k == 0 and m and n:
+            raise ValueError("FP8 GEMM with K = 0 is undefined")
+        c = torch.empty((m, n), dtype=get_format(fp8_out).dtype if fp8_out else out_dtype,
+                        device=a.device)
+        return (c, torch.empty((m, 1), device=a.device)) if fp8_out is not None else c
+    split = 1 if (bias is not None or activation not in (None, "identity") or fp8_out) \
+        else split_k(m, n, k)
+    k_split = triton.cdiv(triton.cdiv(k, split), SPLIT_K_UNIT) * SPLIT_K_UNIT if split > 1 else k
+    split = triton.cdiv(k, k_split)
+    if fp8_out is not None:
+        c = torch.empty((m, n), dtype=get_format(fp8_out).dtype, device=a.device)
+        cs = torch.empty((m, 1), dtype=torch.float32, device=a.device)
+    elif split > 1:  # float32 partial sums, added below
+        c = torch.empty((split, m, n), dtype=torch.float32, device=a.device)
+        cs = c
+    else:
+        c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+        cs = c  # unused
+    grid = lambda meta_: (triton.cdiv(m, meta_["BLOCK_M"]) * triton.cdiv(n, meta_["BLOCK_N"]), split)  # noqa: E731
+    rowwise_gemm_kernel[grid](
+        a, b, c, scale_a, scale_b, bias if bias is not None else scale_a, cs, m, n, k, k_split,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0) if split > 1 else 0,
+        c.stride(-2), c.stride(-1), sa_stride, sb_stride, HAS_BIAS=bias is not None,
+        ACT=ACTIVATIONS[activation], FP8_OUT=fp8_out is not None, FAST_ACC=fast_accum, **meta)
+    if fp8_out is not None:
+        return c, cs
+    return c.sum(0).to(out_dtype) if split > 1 else c
+
+
+def split_k(m: int, n: int, k: int) -> int:
+    """K splits for GEMMs with few output tiles and a long K (the wgrad of a Linear over a
+    large batch: M, N of 32-64, K of a million): enough programs for two waves of SMs."""
+    tiles = triton.cdiv(m, 128) * triton.cdiv(n, 128)
+    if tiles >= 66 or k < 8 * SPLIT_K_UNIT:
+        return 1
+    return max(1, min(triton.cdiv(k, SPLIT_K_UNIT), triton.cdiv(264, tiles)))
+
+
+def reference(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+              *, bias=None, activation=None, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """float32 reference of :func:`gemm_rowwise` (without ``fp8_out``)."""
+    y = (a.float() @ b.float()) * scale_a.float().reshape(-1, 1) * scale_b.float().reshape(1, -1)
+    if bias is not None:
+        y = y + bias.float()
+    if activation == "hardswish":
+        y = torch.nn.functional.hardswish(y)
+    return y.to(out_dtype)

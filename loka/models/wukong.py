@@ -1,0 +1,193 @@
+"""Wukong (Zhang et al., 2024, "Wukong: Towards a Scaling Law for Large-Scale
+Recommendation"): stacked layers of a Factorization Machine Block and a Linear
+Compression Block over n embeddings of width d, then a top MLP."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from loka.config import ModsConfig
+from loka.data.batch import Batch, FeatureSpec
+from loka.mods import MergedLinear
+from loka.mods._swap import ModuleChange, describe
+
+from .arch import (DenseTokenArch, EmbeddingArch, OverArch, RecModel, make_activation,
+                   make_linear, make_norm)
+
+
+@dataclass(frozen=True)
+class WukongConfig:
+    """A Wukong model. n = num_dense + len(tables) embeddings enter the first layer."""
+
+    features: FeatureSpec
+    """data the model reads: each dense feature and each table becomes one embedding"""
+    embedding_dim: int = 16
+    """d, the width of every embedding"""
+    num_layers: int = 2
+    """stacked Wukong layers"""
+    num_fm: int = 4
+    """nF, embeddings produced by each FMB"""
+    num_lcb: int = 4
+    """nL, embeddings produced by each LCB"""
+    fm_rank: int = 4
+    """k, rank of the FMB's projection over the n axis"""
+    fm_hidden: int = 64
+    """hidden width of the FMB's MLP"""
+    top_hidden: Tuple[int, ...] = (64, 32)
+    """hidden widths of the top MLP (then one logit)"""
+    batch_size: int = 256
+    """default batch size B"""
+    sparse_embeddings: bool = False
+    """sparse embedding gradients (large tables)"""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "top_hidden", tuple(self.top_hidden))
+        dims = (self.embedding_dim, self.num_layers, self.fm_rank, self.fm_hidden, self.batch_size)
+        if min(dims) < 1 or self.num_fm < 0 or self.num_lcb < 0 or self.num_fm + self.num_lcb < 1:
+            raise ValueError(f"WukongConfig needs positive dims and nF + nL >= 1, got {self}")
+        if self.num_embeddings < 1:
+            raise ValueError("WukongConfig.features must have dense features or tables")
+
+    @property
+    def num_embeddings(self) -> int:
+        """n, embeddings entering the first layer."""
+        return self.features.num_dense + len(self.features.tables)
+
+
+class FactorizationMachineBlock(nn.Module):
+    """FMB: ``MLP(norm(flatten(X · proj(Xᵀ))))`` reshaped to nF embeddings.
+
+    ``proj`` is a Linear over the n axis to rank k, so ``X · proj(Xᵀ) = X Xᵀ P`` is the
+    factorization machine's all-pairs interaction ``X Xᵀ`` compressed by P (n, k), computed
+    right to left so that the (n, n) matrix is never formed.
+
+    Shapes:
+        x: (B, n, d) -> (B, nF, d)
+    """
+
+    def __init__(self, n: int, d: int, num_out: int, rank: int, hidden: int,
+                 mods: Optional[ModsConfig] = None) -> None:
+        super().__init__()
+        self.num_out, self.d = num_out, d
+        self.proj = make_linear(n, rank, mods)
+        self.norm = make_norm(n * rank, mods)
+        self.mlp = nn.Sequential(make_linear(n * rank, hidden, mods), make_activation(mods),
+                                 make_linear(hidden, num_out * d, mods))
+
+    def interact(self, x: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
+        """Args: x (B, n, d), projected = proj(xᵀ) (B, d, k). Returns: (B, nF, d)."""
+        inter = torch.bmm(x, projected)  # (B, n, k)
+        return self.mlp(self.norm(inter.flatten(1))).view(x.shape[0], self.num_out, self.d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args: x (B, n, d). Returns: (B, nF, d)."""
+        return self.interact(x, self.proj(x.transpose(1, 2)))
+
+
+class LinearCompressionBlock(nn.Module):
+    """LCB: a Linear over the n axis, n -> nL embeddings.
+
+    Shapes:
+        x: (B, n, d) -> (B, nL, d)
+    """
+
+    def __init__(self, n: int, num_out: int, mods: Optional[ModsConfig] = None) -> None:
+        super().__init__()
+        self.proj = make_linear(n, num_out, mods)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args: x (B, n, d). Returns: (B, nL, d)."""
+        return self.proj(x.transpose(1, 2)).transpose(1, 2)
+
+
+class WukongLayer(nn.Module):
+    """``norm(concat(FMB(X), LCB(X)) + residual(X))``, the norm over d.
+
+    The residual is X itself when nF + nL == n, else a Linear over the n axis. The FMB
+    projection, the LCB and the residual projection all read ``Xᵀ``: ``_loka_merge_siblings``
+    turns them into one ``MergedLinear`` (one GEMM of width k + nL (+ nF + nL)).
+
+    Shapes:
+        x: (B, n, d) -> (B, nF + nL, d)
+    """
+
+    def __init__(self, n: int, d: int, num_fm: int, num_lcb: int, rank: int, hidden: int,
+                 mods: Optional[ModsConfig] = None) -> None:
+        super().__init__()
+        self.n, self.n_out = n, num_fm + num_lcb
+        self.fmb = FactorizationMachineBlock(n, d, num_fm, rank, hidden, mods)
+        self.lcb = LinearCompressionBlock(n, num_lcb, mods)
+        self.residual = make_linear(n, self.n_out, mods) if n != self.n_out else None
+        self.norm = make_norm(d, mods)
+        self.merged: Optional[MergedLinear] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args: x (B, n, d). Returns: (B, nF + nL, d)."""
+        xt = x.transpose(1, 2)  # (B, d, n): the Linears below act on the n axis
+        if self.merged is not None:
+            outs = self.merged(xt)
+            fm_proj, lcb = outs[0], outs[1]
+            res = outs[2].transpose(1, 2) if len(outs) == 3 else x
+        else:
+            fm_proj, lcb = self.fmb.proj(xt), self.lcb.proj(xt)
+            res = self.residual(xt).transpose(1, 2) if self.residual is not None else x
+        out = torch.cat([self.fmb.interact(x, fm_proj), lcb.transpose(1, 2)], dim=1)
+        return self.norm(out + res)
+
+    def _loka_merge_siblings(self) -> List[ModuleChange]:
+        if self.merged is not None:
+            return []
+        names = ["fmb.proj", "lcb.proj"] + (["residual"] if self.residual is not None else [])
+        siblings = [self.get_submodule(n) for n in names]
+        self.merged = MergedLinear(siblings)
+        self.fmb.proj = None
+        self.lcb.proj = None
+        if self.residual is not None:
+            self.residual = None
+        new = describe(self.merged)
+        return [ModuleChange(n, describe(m), f"merged: {new}") for n, m in zip(names, siblings)]
+
+
+class Wukong(RecModel):
+    """Wukong: embeddings X (B, n, d) -> L Wukong layers -> top MLP over (B, n_L * d).
+
+    Dense features become one embedding each (``DenseTokenArch``), tables one pooled
+    embedding each, so n = num_dense + len(tables).
+
+    Args:
+        config: the architecture.
+        mods: Mods honoured at construction (None: plain bf16 model).
+    """
+
+    def __init__(self, config: WukongConfig, mods: Optional[ModsConfig] = None) -> None:
+        super().__init__(config, mods)
+        c, mods = config, self.mods
+        self.dense_arch = DenseTokenArch(c.features.num_dense, c.embedding_dim) \
+            if c.features.num_dense else None
+        self.embedding_arch = EmbeddingArch(c.features.tables, c.embedding_dim,
+                                            sparse=c.sparse_embeddings)
+        n_out = c.num_fm + c.num_lcb
+        self.layers = nn.ModuleList(
+            WukongLayer(c.num_embeddings if i == 0 else n_out, c.embedding_dim, c.num_fm,
+                        c.num_lcb, c.fm_rank, c.fm_hidden, mods) for i in range(c.num_layers))
+        self.over_arch = OverArch(n_out * c.embedding_dim, c.top_hidden, mods)
+        self._finish()
+
+    def embed(self, batch: Batch) -> torch.Tensor:
+        """Args: batch. Returns: X (B, n, d), the dense tokens first."""
+        parts = [self.dense_arch(batch.dense)] if self.dense_arch is not None else []
+        if self.embedding_arch.names:
+            parts.append(self.embedding_arch(batch.sparse))
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Args: batch with dense (B, n_dense) and the tables of ``feature_spec``.
+        Returns: logits (B,)."""
+        x = self.embed(batch)
+        for layer in self.layers:
+            x = layer(x)
+        return self.over_arch(x.flatten(1))

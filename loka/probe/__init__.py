@@ -1,0 +1,28 @@
+"""The Probe: per-site statistics learned during training, and every kernel's error and
+speed measured on operands drawn from them (``loka.Probe``, ``loka.probe``)."""
+
+from .probe import BASELINE, Probe, probe
+from .report import (ErrorStat, KernelResult, ProbeReport, ReportError, RoleReport, SiteReport,
+                     compare_reports)
+from .sampler import (GaussianSampler, MatrixNormalSampler, OperandSampler, naive_pair,
+                      sample_matrix_normal)
+from .stats import (ChannelMoments, FP8RangeStats, MatrixNormal, SiteStats, TensorStats,
+                    WeightModel, Welford, bootstrap_stat, flip_flop)
+from .timing import TimingResult, time_fn
+
+__all__ = ["Probe", "probe", "BASELINE", "ProbeReport", "SiteReport", "RoleReport",
+           "KernelResult", "ErrorStat", "ReportError", "compare_reports", "Welford",
+           "ChannelMoments", "FP8RangeStats", "TensorStats", "MatrixNormal", "flip_flop",
+           "WeightModel", "SiteStats", "bootstrap_stat", "GaussianSampler", "OperandSampler",
+           "naive_pair", "sample_matrix_normal", "MatrixNormalSampler", "TimingResult", "time_fn"]
+
+
+class _CallablePackage(__import__("types").ModuleType):
+    """``loka.probe`` is this package *and* the one-call :func:`probe` of the public API:
+    importing the package binds ``loka.probe`` to it, so calling it must run the Probe."""
+
+    def __call__(self, *args, **kwargs):
+        return probe(*args, **kwargs)
+
+
+__import__("sys").modules[__name__].__class__ = _CallablePackage

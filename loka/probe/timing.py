@@ -1,0 +1,134 @@
+"""Timing of one GEMM call (quantization included), the way LoKA runs it.
+
+On CUDA the call is captured ``calls_per_graph`` times into a CUDA graph and the graph is
+replayed, each replay timed by CUDA events (``'cuda-graph'``): host launch overhead is
+removed, as it is in a graph-captured training step, so small shapes are judged by their
+GPU time. If capture fails (a host sync inside the call, an op that cannot be captured)
+each call is timed by events instead (``'cuda-events'``, which includes launch gaps). On
+the CPU it is the wall-clock median of single calls (``'cpu-wallclock'``): useful for
+smoke tests, not for decisions about GPUs. Inputs stay in cache between calls (the same
+buffers every call), for the kernel and for its baseline alike.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["TimingResult", "time_fn"]
+
+
+@dataclass(frozen=True)
+class TimingResult:
+    median_us: float
+    """median time of one call, microseconds"""
+    method: str
+    """'cuda-graph', 'cuda-events' or 'cpu-wallclock'"""
+    iters: int = 0
+    """timed repetitions the median is taken over"""
+    note: str = ""
+    """why a fallback was taken, if one was"""
+
+
+MIN_ITERS = 5
+"""a time budget never cuts the repetitions below this"""
+GRAPH_REPLAY_US = 200.0
+"""with a budget, enough calls go into one graph for a replay to last about this long"""
+
+
+def time_fn(fn: Callable[[], object], device: "torch.device | str", *, warmup: int = 10,
+            iters: int = 50, calls_per_graph: int = 10,
+            budget_ms: Optional[float] = None) -> TimingResult:
+    """Median time of ``fn()``.
+
+    Args:
+        fn: a closure over its inputs; its outputs are discarded.
+        device: where it runs ('cpu' or a CUDA device).
+        warmup: untimed calls first (allocator, cuBLAS handles, autotuning).
+        iters: timed repetitions (graph replays on CUDA), at most.
+        calls_per_graph: calls captured in one graph, at most; the replay time is divided
+            by the number captured.
+        budget_ms: if given, a call is timed once after the warm-up and ``iters`` (and
+            the calls per graph) are reduced so the timed part takes about this long, but
+            never below :data:`MIN_ITERS` repetitions: slow calls are not timed 500 times.
+
+    Returns:
+        TimingResult with the median per call.
+    """
+    if warmup < 0 or iters < 1 or calls_per_graph < 1 or (budget_ms is not None and budget_ms <= 0):
+        raise ValueError(f"time_fn needs warmup >= 0, iters >= 1, calls_per_graph >= 1, "
+                         f"budget_ms > 0; got {warmup}, {iters}, {calls_per_graph}, {budget_ms}")
+    device = torch.device(device)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            return _time_cuda(fn, warmup, iters, calls_per_graph, budget_ms)
+    if device.type != "cpu":
+        raise ValueError(f"time_fn supports cpu and cuda devices, not {device.type}")
+    for _ in range(warmup):
+        fn()
+    if budget_ms is not None:
+        t0 = time.perf_counter()
+        fn()
+        iters = _fit(iters, budget_ms * 1e3, (time.perf_counter() - t0) * 1e6)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return TimingResult(statistics.median(times), "cpu-wallclock", iters)
+
+
+def _fit(iters: int, budget_us: float, call_us: float) -> int:
+    return max(min(iters, int(budget_us / max(call_us, 1e-3))), min(MIN_ITERS, iters))
+
+
+def _events_median(run: Callable[[], None], iters: int, per: int) -> float:
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+             for _ in range(iters)]
+    for start, end in pairs:
+        start.record()
+        run()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) * 1e3 / per for s, e in pairs)
+
+
+def _time_cuda(fn, warmup: int, iters: int, per_graph: int, budget_ms) -> TimingResult:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the default stream, as capture requires
+        for _ in range(max(warmup, 1)):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    if budget_ms is not None:
+        call_us = _events_median(fn, 2, 1)  # eager, so an upper bound of the graphed call
+        per_graph = max(1, min(per_graph, math.ceil(GRAPH_REPLAY_US / max(call_us, 1e-3))))
+        iters = _fit(iters, budget_ms * 1e3, call_us * per_graph)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        # capture_begin/end in try/finally (not torch.cuda.graph(), whose exit skips
+        # restoring the stream when capture_end raises); thread-local, so that other
+        # threads' CUDA calls neither break the capture nor fail because of it
+        with torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                for _ in range(per_graph):
+                    fn()
+            finally:
+                graph.capture_end()
+    except Exception as exc:  # noqa: BLE001 - any capture failure means: time eagerly
+        failure = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+    else:
+        graph.replay()  # the first replay uploads the graph
+        torch.cuda.synchronize()
+        return TimingResult(_events_median(graph.replay, iters, per_graph), "cuda-graph", iters)
+    graph = None  # release the failed capture before timing eagerly
+    torch.cuda.synchronize()
+    return TimingResult(_events_median(fn, iters, 1), "cuda-events", iters,
+                        f"graph capture failed: {failure}")

@@ -1,0 +1,89 @@
+"""``summary.md``: the few numbers a pull request needs, in GitHub Markdown (the figures
+stay in ``report.html``)."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+from ..config import ROLES
+from ..probe.report import ProbeReport, atomic_write_text
+from .tables import (curve_arms, decision_rows, fmt, fp8_fraction, geomean, plan_budget, rows,
+                     timing_note)
+
+
+def _md_table(headers: Sequence[str], body: Sequence[Sequence[Any]]) -> str:
+    def cell(x: Any) -> str:
+        return str(x).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(cell(h) for h in headers) + " |",
+             "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(c) for c in r) + " |" for r in body]
+    return "\n".join(lines)
+
+
+def render_markdown(report: Optional[ProbeReport] = None, plan=None,
+                    curves: Optional[Mapping[str, Mapping]] = None,
+                    summary: Optional[Mapping[str, Any]] = None,
+                    title: str = "LoKA report") -> str:
+    """The summary as Markdown: run summary, budget, per-site decisions with the chosen
+    kernels' error and speedup, and the learned-vs-N(0, 1) error ratio.
+
+    Args: as :func:`loka.reporting.html.render_html`.
+    """
+    max_error, min_speedup, metric = plan_budget(plan, report)
+    out = [f"## {title}", ""]
+    if report is not None:
+        out.append(f"{len(report.sites)} GEMM site(s) probed on `{report.device}`"
+                   f"{' (' + report.device_name + ')' if report.device_name else ''}, "
+                   f"torch {report.torch_version or '?'}; budget {metric} < {max_error:g}, "
+                   f"speedup > {min_speedup:g}.")
+        note = timing_note(report)
+        if note:
+            out += ["", f"> **Note:** {note}"]
+        out.append("")
+    if summary:
+        out += [_md_table(summary.get("headers", []), summary.get("rows", [])), ""]
+        out += [f"> {n}" for n in summary.get("notes", [])]
+        out.append("")
+    if plan is not None:
+        fp8, total = fp8_fraction(plan)
+        out += [f"**Plan:** {fp8} of {total} GEMM roles off the bf16 baseline.", ""]
+        chosen = {(r.site, r.role): r for r in rows(report, plan, metric) if r.chosen} \
+            if report is not None else {}
+        body = []
+        for site, *kernels in decision_rows(report, plan):
+            cells = [f"`{site}`"]
+            for role, k in zip(ROLES, kernels):
+                r = chosen.get((site, role.value))
+                extra = f" ({fmt(r.error)}, {fmt(r.speedup)}x)" if r is not None else ""
+                cells.append(f"{k}{extra}")
+            body.append(cells)
+        out += [_md_table(["site"] + [r.value for r in ROLES], body), ""]
+        if chosen:
+            out += [f"Cells: kernel ({metric}, speedup over bf16).", ""]
+    elif report is not None:
+        out += ["No plan yet: `loka plan report.json -o plan.json`.", ""]
+    if report is not None:
+        data = [r for r in rows(report, None, "mere") if r.naive]
+        learned, naive = geomean(r.error for r in data), geomean(r.naive for r in data)
+        if learned and naive:
+            out += [f"Learned-distribution MERE is {learned / naive:.2f}x the N(0, 1) MERE "
+                    f"(geometric mean over {len(data)} kernel results).", ""]
+    arms, _ = curve_arms(curves)
+    if arms:
+        body = []
+        for arm, c in arms.items():
+            ev = c.get("eval", {})
+            if ev.get("step"):
+                body.append([arm, ev["step"][-1], fmt(ev["ne"][-1], ".5f")])
+        if body:
+            out += [_md_table(["arm", "last eval step", "NE"], body), ""]
+    out.append("Figures: `report.html`.")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def write_markdown(path, report=None, plan=None, curves=None, summary=None,
+                   title: str = "LoKA report") -> str:
+    """Render and write the Markdown atomically; returns ``path``."""
+    atomic_write_text(path, render_markdown(report, plan, curves, summary, title))
+    return str(path)

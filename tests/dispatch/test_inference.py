@@ -1,0 +1,210 @@
+import io
+
+import pytest
+import torch
+import torch._dynamo
+import torch._inductor.config
+from torch import nn
+
+import loka
+from loka.config import LinearConfig
+from loka.dispatch import Plan
+from loka.dispatch.apply import amax_from_report
+from loka.numerics import sqnr
+from loka.probe.report import ProbeReport, SiteReport
+
+KERNELS = ["emulated-rowwise-e4m3", "emulated-tensorwise-e4m3", "cublas-rowwise",
+           "cublas-tensorwise", "emulated-blockwise-e4m3"]
+
+
+class MLP(nn.Module):
+    def __init__(self, dims=(128, 256, 128, 128), dtype=torch.float32):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        self.to(dtype)
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x
+
+
+def _reference(model, x):
+    """The unquantized model in float64."""
+    layers = [(l.weight.detach().double(), l.bias.detach().double()) for l in model.layers]
+    x = x.double()
+    for i, (w, b) in enumerate(layers):
+        x = x @ w.t() + b
+        if i < len(layers) - 1:
+            x = torch.relu(x)
+    return x
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
+def test_inference_matches_training_forward_exactly(kernel, dtype, grad_mode):
+    model = MLP(dtype=dtype)
+    x = torch.randn(4, 16, 128, dtype=dtype)
+    ref = _reference(model, x)
+    plan = Plan.uniform(model, kernel)
+    loka.apply(model, plan)
+    train_out = model(x).detach()  # training mode: the weight quantized per call
+    report = loka.apply(model, plan, inference=True)
+    assert report.inference and all(m.weight_q is not None for m in model.layers)
+    assert all(m.config == LinearConfig(fwd=kernel) for m in model.layers)
+    with getattr(torch, grad_mode)():
+        out = model(x)
+    # same kernels, same (dynamic) scales, weights quantized once instead of per call
+    torch.testing.assert_close(out, train_out, rtol=0, atol=0)
+    assert 18 < sqnr(out, ref) < 45  # and that is FP8 error against float64
+
+
+def test_weights_are_quantized_once():
+    model = MLP()
+    x = torch.randn(32, 128)
+    loka.apply(model, Plan.uniform(model, "cublas-rowwise"), inference=True)
+    with torch.no_grad():
+        before = model(x)
+        for layer in model.layers:
+            layer.weight.zero_()  # the FP8 copy is what the forward reads
+        torch.testing.assert_close(model(x), before, rtol=0, atol=0)
+        loka.apply(model, Plan.uniform(model, "cublas-rowwise"), inference=True)  # requantize
+        assert torch.equal(model(x), model.layers[-1].bias.expand(32, -1))
+
+
+def test_gradient_only_sites_are_not_swapped_for_inference():
+    model = MLP()
+    plan = Plan.uniform(model, LinearConfig(wgrad="emulated-rowwise-e4m3"))
+    assert plan.fp8_sites() == ["layers.0", "layers.1", "layers.2"]
+    report = loka.apply(model, plan, inference=True)
+    assert report.changed == [] and all(type(m) is nn.Linear for m in model.layers)
+
+
+def test_drop_weights_changes_the_state_dict_and_round_trips():
+    torch.manual_seed(3)
+    model = MLP()
+    x = torch.randn(32, 128)
+    plan = Plan.uniform(model, "emulated-rowwise-e4m3")
+    loka.apply(model, plan, inference=True)
+    with torch.no_grad():
+        kept = model(x)
+    report = loka.apply(model, plan, inference=True, drop_weights=True)
+    assert any("state_dict keys changed" in n for n in report.notes)
+    keys = list(model.state_dict())
+    assert "layers.0.weight" not in keys and "layers.0.weight_fp8" in keys
+    assert model.state_dict()["layers.0.weight_fp8"].dtype == torch.float8_e4m3fn
+    assert all(m.weight is None for m in model.layers)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), kept, rtol=0, atol=0)
+        assert model(torch.randn(0, 128)).shape == (0, 128)
+    # save the FP8 model and load it into another dropped model of other weights
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    other = MLP()
+    loka.apply(other, plan, inference=True, drop_weights=True)
+    buf.seek(0)
+    other.load_state_dict(torch.load(buf))
+    with torch.no_grad():
+        torch.testing.assert_close(other(x), kept, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="weights of layers.0, layers.1, layers.2 were dropped"):
+        loka.unapply(model)
+    with pytest.raises(ValueError, match="dropped"):
+        model.layers[0].set_config(LinearConfig())
+    bad = dict(model.state_dict())
+    bad["layers.0.weight_scale"] = bad["layers.0.weight_scale"].double()
+    with pytest.raises(RuntimeError, match="layers.0.weight_scale: expected torch.float32"):
+        other.load_state_dict(bad)
+    missing = {k: v for k, v in model.state_dict().items() if k != "layers.1.weight_fp8"}
+    with pytest.raises(RuntimeError, match="Missing key.*layers.1.weight_fp8"):
+        other.load_state_dict(missing)
+
+
+def test_static_scales_equal_dynamic_ones_at_the_observed_amax():
+    model = MLP()
+    x = torch.randn(64, 128)
+    plan = Plan.uniform(model, "emulated-tensorwise-e4m3")
+    loka.apply(model, plan, inference=True)
+    with torch.no_grad():
+        dynamic = model(x)
+        h0 = torch.relu(model.layers[0](x))
+        h1 = torch.relu(model.layers[1](h0))
+    amax = {"layers.0": x.abs().max(), "layers.1": h0.abs().max(), "layers.2": h1.abs().max()}
+    loka.apply(model, plan, inference=True, static_scales=amax)
+    assert float(model.layers[1].input_amax) == float(h0.abs().max())
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), dynamic, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kernel", ["emulated-rowwise-e4m3", "cublas-tensorwise",
+                                    "emulated-blockwise-e4m3", "emulated-mx-e4m3"])
+def test_static_scales_saturate_beyond_the_amax(kernel):
+    amax = 448 * 2.0 ** -8  # 1.75: its scale is a power of two, so MX does not round it
+    model = MLP()
+    loka.apply(model, Plan.uniform(model, kernel, module_filter="layers.0"), inference=True,
+               static_scales={"layers.0": amax})
+    lin = model.layers[0]
+    x = torch.randn(64, 128) * 2
+    with torch.no_grad():
+        clipped = lin(x.clamp(-amax, amax))
+        torch.testing.assert_close(lin(x), clipped, rtol=0, atol=0)  # beyond amax: saturated
+        assert not torch.equal(lin(x), lin(x.clamp(-amax / 2, amax / 2)))
+        ref = (x.clamp(-amax, amax).double() @ lin.weight.double().t() + lin.bias.double())
+    assert sqnr(clipped, ref) > 18  # and within the range, ordinary FP8 error
+
+
+def test_static_scale_input_is_validated():
+    lin = loka.Linear(64, 32, config=LinearConfig(fwd="emulated-rowwise-e4m3"))
+    for bad in (0.0, -1.0, float("nan"), float("inf"), [1.0, 2.0]):
+        with pytest.raises(ValueError, match="finite positive"):
+            lin.set_input_amax(bad)
+    with pytest.raises(ValueError, match="does not take a static input scale"):
+        loka.Linear(64, 32).set_input_amax(1.0)
+
+
+def test_amax_from_report():
+    report = ProbeReport(sites={
+        "a": SiteReport("a", 64, 64, 8, stats={"act": {"amax": 3.0}, "grad": {"amax": 9.0}}),
+        "b": SiteReport("b", 64, 64, 8, stats={"act": {"amax": float("inf")}}),
+        "c": SiteReport("c", 64, 64, 8, stats={"act": {"updates": 0}}),
+        "d": SiteReport("d", 64, 64, 8, stats={}),
+    })
+    assert amax_from_report(report, margin=1.5) == {"a": 4.5}
+    assert amax_from_report(report, key="grad.amax") == {"a": 9.0}
+    with pytest.raises(KeyError, match="at 'x_amax'"):
+        amax_from_report(report, key="x_amax")
+    with pytest.raises(ValueError, match="margin"):
+        amax_from_report(report, margin=0)
+
+
+def test_fp8_weight_follows_device_moves_but_not_dtype_casts():
+    model = MLP()
+    loka.apply(model, Plan.uniform(model, "emulated-rowwise-e4m3"), inference=True,
+               static_scales={"layers.0": 3.0})
+    model.double()
+    q = model.layers[0].weight_q
+    assert q.data.dtype == torch.float8_e4m3fn and q.scale.dtype == torch.float32
+    assert model.layers[0].input_amax.dtype == torch.float32
+    model.to("meta")
+    assert model.layers[0].weight_q.data.device.type == "meta"
+    assert model.layers[0].input_amax.device.type == "meta"
+
+
+def test_compiled_bf16_inference_within_fp8_error():
+    torch._dynamo.reset()
+    model = MLP(dtype=torch.bfloat16)
+    x = torch.randn(32, 128, dtype=torch.bfloat16)
+    ref = _reference(model, x)
+    loka.apply(model, Plan.uniform(model, "cublas-rowwise"), inference=True)
+    with torch.inference_mode():
+        eager = model(x)
+        with torch._inductor.config.patch(compile_threads=1):
+            compiled = torch.compile(model, fullgraph=True)(x)
+    torch._dynamo.reset()
+    # Inductor rounds bf16 differently inside fused kernels, which may move an FP8 code:
+    # both are FP8 error away from float64, and equally far
+    err_e = float((eager.double() - ref).norm() / ref.norm())
+    err_c = float((compiled.double() - ref).norm() / ref.norm())
+    assert err_e < 0.1 and err_c < 0.1 and abs(err_c - err_e) < 0.25 * err_e

@@ -1,0 +1,438 @@
+import json
+import math
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import loka
+from loka.config import DispatchConfig, LinearConfig, Role
+from loka.dispatch import Plan, plan
+from loka.dispatch.plan import resolve_budget, tighten_end_to_end
+from loka.kernels import Kernel, get, register, unregister
+from loka.probe.report import (ErrorStat, KernelResult, ProbeReport, ReportError, RoleReport,
+                               SiteReport)
+
+# Test kernels: real (not emulated) entries that run on any device, so that reports
+# "measured on a GPU" can be planned on this CPU machine.
+FAKE = ["t-slow-exact", "t-mid", "t-fast-coarse", "t-faster"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fake_kernels():
+    base = get("emulated-tensorwise-e4m3")
+    for name in FAKE:
+        register(Kernel(name, base.fn, library="test", scaling="tensorwise",
+                        formats=("e4m3", "e4m3"), align=16, quantize_a=base.quantize_a,
+                        quantize_b=base.quantize_b), override=True)
+    yield
+    for name in FAKE:
+        unregister(name)
+
+
+def stat(hi, mean=None, n=64):
+    mean = hi * 0.8 if mean is None else mean
+    return ErrorStat(mean, mean * 0.9, hi, n, 0.01)
+
+
+def make_report(sites, device="cuda:0", timing="cuda-graph"):
+    """sites: {name: (in, out, tokens, {role: {kernel: (mere_hi, speedup)}})}."""
+    out = {}
+    for name, (k, n, m, roles) in sites.items():
+        rr = {}
+        for role, kernels in roles.items():
+            role = Role.parse(role)
+            results = {"bf16": KernelResult("bf16", mere=stat(0.01), speedup=1.0, timing=timing)}
+            for kname, (hi, speed) in kernels.items():
+                results[kname] = KernelResult(
+                    kname, mere=None if hi is None else stat(hi),
+                    relfro=None if hi is None else stat(hi / 4),
+                    sqnr=None if hi is None else ErrorStat(30 - 40 * hi, 29 - 40 * hi, 31 - 40 * hi, 64),
+                    speedup=speed, timing="none" if speed is None else timing,
+                    time_us=None if speed is None else 10.0 / speed)
+            rr[role] = RoleReport(role, loka.config.role_shape(role, m, k, n), 10.0, results)
+        out[name] = SiteReport(name, k, n, m, roles=rr)
+    return ProbeReport(sites=out, device=device, device_name="test", torch_version=torch.__version__)
+
+
+THREE = {"t-slow-exact": (0.05, 1.10), "t-mid": (0.15, 1.40), "t-fast-coarse": (0.30, 1.80)}
+
+
+@pytest.mark.parametrize("budget, want", [(0.01, "bf16"), (0.05, "t-slow-exact"),
+                                          (0.2, "t-mid"), (0.3, "t-fast-coarse"),
+                                          (1.0, "t-fast-coarse")])
+@pytest.mark.parametrize("role", list(Role))
+def test_fastest_kernel_within_the_budget(budget, want, role):
+    report = make_report({"enc": (64, 128, 256, {role: THREE})})
+    p = plan(report, max_error=budget, min_speedup=1.05)
+    choice = p.sites["enc"].roles[role]
+    assert choice.kernel == want
+    if want != "bf16":
+        assert choice.error <= budget and choice.speedup == THREE[want][1]
+    other = [r for r in Role if r != role]
+    assert all(p.sites["enc"].kernel(r) == "bf16" for r in other)  # not measured: baseline
+
+
+@pytest.mark.parametrize("min_speedup, want", [(1.0, "t-mid"), (1.4, "t-mid"),
+                                               (1.5, "bf16"), (2.0, "bf16")])
+def test_speedup_threshold(min_speedup, want):
+    report = make_report({"s": (64, 64, 128, {"fwd": THREE})})
+    assert plan(report, max_error=0.2, min_speedup=min_speedup).sites["s"].kernel("fwd") == want
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("metric", ["mere", "relfro"])
+def test_random_reports_match_brute_force(seed, metric):
+    rng = random.Random(seed)
+    sites = {}
+    for i in range(12):
+        roles = {}
+        for role in Role:
+            roles[role] = {k: (rng.uniform(0.0, 0.4), rng.choice([None, rng.uniform(0.6, 2.0)]))
+                           for k in rng.sample(FAKE, rng.randint(1, len(FAKE)))}
+        sites[f"layer{i}.proj"] = (64, 32, 4096, roles)
+    report = make_report(sites)
+    budget, min_speed = rng.uniform(0.05, 0.35), rng.uniform(1.0, 1.5)
+    p = plan(report, max_error=budget, min_speedup=min_speed, metric=metric)
+    scale = 1.0 if metric == "mere" else 0.25
+    chosen_fp8 = 0
+    for name, (_, _, _, roles) in sites.items():
+        for role, kernels in roles.items():
+            ok = {k: s for k, (hi, s) in kernels.items()
+                  if hi * scale <= budget and s is not None and s >= min_speed}
+            want = max(ok, key=lambda k: (ok[k], -kernels[k][0])) if ok else "bf16"
+            choice = p.sites[name].roles[role]
+            assert choice.kernel == want, (name, role, kernels)
+            if want != "bf16":
+                chosen_fp8 += 1
+                assert choice.error <= budget and choice.speedup >= min_speed
+    assert chosen_fp8 > 0  # the draw exercises the selection, not only the fallback
+
+
+def test_per_role_budget_makes_wgrad_stricter():
+    report = make_report({"s": (64, 64, 128, {r: THREE for r in Role})})
+    p = plan(report, max_error=0.2, role_budgets={"wgrad": 0.06})
+    assert p.config("s") == LinearConfig("t-mid", "t-mid", "t-slow-exact")
+    assert p.sites["s"].roles[Role.WGRAD].budget == 0.06
+    assert resolve_budget(DispatchConfig(role_budgets={Role.DGRAD: 0.1}), "x", "dgrad") == 0.1
+
+
+def test_per_site_budget_by_regex_strictest_match_wins():
+    sites = {name: (64, 64, 128, {r: THREE for r in Role})
+             for name in ("over.0", "over.1", "inter.proj", "top")}
+    report = make_report(sites)
+    p = plan(report, max_error=0.35, role_budgets={"wgrad": 0.2},
+             site_budgets={r"^over\.": 0.16, r"over\.1$": 0.06, "proj": 0.02})
+    assert p.config("over.0") == LinearConfig.uniform("t-mid")          # site beats role
+    assert p.config("over.1") == LinearConfig.uniform("t-slow-exact")   # strictest of two
+    assert p.config("inter.proj") == LinearConfig.uniform("bf16")
+    assert p.config("top") == LinearConfig("t-fast-coarse", "t-fast-coarse", "t-mid")
+
+
+def test_failed_nan_and_unmeasured_kernels_are_never_chosen():
+    report = make_report({"s": (64, 64, 128, {"fwd": {"t-faster": (0.01, 3.0),
+                                                      "t-mid": (math.nan, 2.5),
+                                                      "t-fast-coarse": (None, 2.0),
+                                                      "t-slow-exact": (0.05, 1.2)}})})
+    report.sites["s"].roles[Role.FWD].kernels["t-faster"].error = "CUDA error: illegal address"
+    assert plan(report).sites["s"].kernel("fwd") == "t-slow-exact"
+
+
+def test_misaligned_site_keeps_the_baseline_for_the_roles_that_need_alignment():
+    # 48 -> 1: fwd needs N=1 aligned, dgrad K=1; wgrad's K is the (padded) token count, N=48
+    report = make_report({"logit": (48, 1, 100, {r: {"t-mid": (0.1, 1.5)} for r in Role})})
+    p = plan(report)
+    assert p.config("logit") == LinearConfig("bf16", "bf16", "t-mid")
+
+
+def test_unavailable_and_unregistered_kernels_are_excluded_with_a_note():
+    kernels = {"cublas-tensorwise-fastacc": (0.01, 3.0), "some-future-kernel": (0.01, 3.0),
+               "cublas-rowwise": (0.05, 1.2)}
+    report = make_report({"s": (64, 64, 128, {"fwd": kernels})}, device="cpu")
+    p = plan(report, assume_fast=True)
+    assert p.sites["s"].kernel("fwd") == "cublas-rowwise"
+    notes = "\n".join(p.notes)
+    assert "'cublas-tensorwise-fastacc' excluded: unavailable on cpu: fast accumulation" in notes
+    assert "'some-future-kernel' excluded: not registered" in notes
+    p = plan(report, assume_fast=True, allowed_kernels=["emulated-rowwise-e4m3"])
+    assert p.sites["s"].kernel("fwd") == "bf16"
+
+
+# -- reports without decisive timings ------------------------------------------------
+CPU_KERNELS = {"emulated-rowwise-e4m3": (0.08, None), "cublas-rowwise": (0.08, None),
+               "emulated-tensorwise-e4m3": (0.12, None), "emulated-blockwise-e4m3": (0.5, None)}
+
+
+@pytest.mark.parametrize("timing, speed", [("none", None), ("cpu-wallclock", 0.3),
+                                           ("cpu-wallclock", 1.5)])
+def test_cpu_reports_plan_the_baseline_unless_assume_fast(timing, speed):
+    kernels = {k: (hi, speed) for k, (hi, _) in CPU_KERNELS.items()}
+    report = make_report({"s": (256, 256, 64, {r: kernels for r in Role})}, device="cpu",
+                         timing=timing)
+    p = plan(report)
+    assert p.config("s") == LinearConfig.uniform("bf16")
+    assert any("assume_fast=True" in n for n in p.notes)
+    assert p.sites["s"].roles[Role.FWD].reason == "safe kernels have no decisive timing"
+    p = plan(report, assume_fast=True)
+    # a real kernel before emulated ones (references, never fast), then the lowest error
+    assert p.config("s") == LinearConfig.uniform("cublas-rowwise")
+    assert p.sites["s"].roles[Role.FWD].speedup is None
+    assert plan(report, assume_fast=True, max_error=0.1,
+                allowed_kernels=["emulated-tensorwise-e4m3"]).config("s").fwd == "bf16"
+    emulated_only = plan(report, assume_fast=True, allowed_kernels=[
+        "emulated-rowwise-e4m3", "emulated-tensorwise-e4m3"])
+    assert emulated_only.config("s") == LinearConfig.uniform("emulated-rowwise-e4m3")
+
+
+def test_assume_fast_prefers_a_real_kernel_to_a_more_accurate_emulated_one():
+    kernels = {"emulated-rowwise-e4m3": (0.05, None), "cublas-tensorwise": (0.15, None),
+               "cublas-rowwise": (0.25, None)}
+    report = make_report({"s": (256, 256, 64, {"fwd": kernels})}, device="cpu", timing="none")
+    assert plan(report, assume_fast=True).sites["s"].kernel("fwd") == "cublas-tensorwise"
+    assert plan(report, assume_fast=True, max_error=0.1).sites["s"].kernel("fwd") == \
+        "emulated-rowwise-e4m3"
+
+
+def test_gpu_timings_do_not_decide_for_another_device_type():
+    report = make_report({"s": (64, 64, 128, {"fwd": THREE})}, device="cuda:0")
+    assert plan(report, device="cpu").sites["s"].kernel("fwd") == "bf16"
+    assert plan(report, device="cpu", assume_fast=True).sites["s"].kernel("fwd") == "t-slow-exact"
+    assert plan(report, device="cuda").sites["s"].kernel("fwd") == "t-mid"
+
+
+def test_timed_kernels_win_over_untimed_ones_under_assume_fast():
+    report = make_report({"s": (64, 64, 128, {"fwd": {"t-mid": (0.15, 1.3),
+                                                      "t-slow-exact": (0.01, None)}})})
+    assert plan(report, assume_fast=True).sites["s"].kernel("fwd") == "t-mid"
+
+
+def test_neg_sqnr_metric():
+    report = make_report({"s": (64, 64, 128, {"fwd": THREE})})
+    # SQNR bounds: t-slow-exact >= 27 dB, t-mid >= 23 dB, t-fast-coarse >= 17 dB
+    assert plan(report, metric="neg_sqnr", max_error=-25.0).sites["s"].kernel("fwd") == "t-slow-exact"
+    assert plan(report, metric="neg_sqnr", max_error=-20.0).sites["s"].kernel("fwd") == "t-mid"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_error": math.nan}, "finite"),
+    ({"site_budgets": {"(": 0.1}}, "regular expression"),
+    ({"role_budgets": {"bwd": 0.1}}, "unknown role"),
+    ({"metric": "l2"}, "unknown metric"),
+    ({"min_speedup": 0.0}, "positive"),
+])
+def test_bad_budgets_are_refused(kwargs, match):
+    report = make_report({"s": (64, 64, 128, {"fwd": THREE})})
+    with pytest.raises(ValueError, match=match):
+        plan(report, **kwargs)
+
+
+def test_unknown_allowed_kernel_is_refused():
+    with pytest.raises(KeyError, match="unregistered"):
+        plan(make_report({}), allowed_kernels=["nope"])
+
+
+def test_config_object_and_overrides():
+    report = make_report({"s": (64, 64, 128, {"fwd": THREE})})
+    cfg = DispatchConfig(max_error=0.3, min_speedup=1.05)
+    assert plan(report, config=cfg).sites["s"].kernel("fwd") == "t-fast-coarse"
+    assert plan(report, config=cfg, max_error=0.1).sites["s"].kernel("fwd") == "t-slow-exact"
+
+
+# -- the plan as data ------------------------------------------------------------------
+def test_json_round_trip(tmp_path):
+    report = make_report({"a.b": (64, 64, 128, {r: THREE for r in Role}),
+                          "c": (48, 1, 100, {"fwd": THREE})})
+    p = plan(report, role_budgets={Role.WGRAD: 0.06}, site_budgets={"^c": 0.2})
+    p.sites["c"].roles[Role.FWD].error = math.inf  # inf survives JSON as a string
+    p.record_fallback("a.b", 17, "non-finite output")
+    path = tmp_path / "plan.json"
+    p.save(path)
+    text = path.read_text()
+    data = json.loads(text)
+    assert data["schema"] == "loka.plan" and data["version"] == 1
+    assert data["sites"]["a.b"]["roles"]["wgrad"]["kernel"] == "bf16"
+    assert data["budget"]["role_budgets"] == {"wgrad": 0.06}
+    q = Plan.load(path)
+    assert q.to_dict() == p.to_dict()
+    assert q.sites["c"].roles[Role.FWD].error == math.inf
+    assert q.fallbacks[0].site == "a.b" and q.fallbacks[0].step == 17
+    assert q.fallbacks[0].previous == {"fwd": "t-mid", "dgrad": "t-mid", "wgrad": "t-slow-exact"}
+    assert q.config("a.b") == LinearConfig.uniform("bf16")
+    assert "pickle" not in text
+
+
+@pytest.mark.parametrize("content, match", [
+    ("{not json", "not valid JSON"),
+    (json.dumps({"schema": "loka.probe-report", "version": 1, "sites": {}}), "not a loka.plan"),
+    (json.dumps([1, 2]), "not a loka.plan"),
+    (json.dumps({"schema": "loka.plan", "version": 2, "sites": {}}), "version 2 is not supported"),
+    (json.dumps({"schema": "loka.plan", "version": 1}), "missing field"),
+    (json.dumps({"schema": "loka.plan", "version": 1, "sites": {"a": {"name": "a"}}}),
+     "missing field"),
+    (json.dumps({"schema": "loka.plan", "version": 1, "sites": {"a": {
+        "name": "a", "in_features": 4, "out_features": 4, "tokens": 1,
+        "roles": {"fwd": {"kernel": 3}}}}}), "kernel must be a name"),
+    (json.dumps({"schema": "loka.plan", "version": 1, "sites": {"a": {
+        "name": "a", "in_features": -4, "out_features": 4, "tokens": 1, "roles": {}}}}),
+     "non-negative integers"),
+    (json.dumps({"schema": "loka.plan", "version": 1, "sites": {"a": {
+        "name": "b", "in_features": 4, "out_features": 4, "tokens": 1, "roles": {}}}}),
+     "holds site"),
+    (json.dumps({"schema": "loka.plan", "version": 1, "sites": {"a": {
+        "name": "a", "in_features": 4, "out_features": 4, "tokens": 1,
+        "roles": {"bwd": {"kernel": "bf16"}}}}}), "unknown role"),
+])
+def test_load_rejects_bad_files_with_one_line_errors(tmp_path, content, match):
+    path = tmp_path / "plan.json"
+    path.write_text(content)
+    with pytest.raises(ReportError, match=match) as info:
+        Plan.load(path)
+    assert "\n" not in str(info.value)
+
+
+def test_summary_and_fp8_sites():
+    report = make_report({"enc.0": (64, 64, 128, {r: THREE for r in Role}),
+                          "logit": (64, 64, 128, {"fwd": {"t-mid": (0.9, 2.0)}})})
+    p = plan(report)
+    assert p.fp8_sites() == ["enc.0"]
+    text = p.summary()
+    assert "enc.0" in text and "logit" in text and "t-mid (e<=0.15, 1.40x)" in text
+    assert "1/2 sites with FP8 (mere <= 0.2, speedup >= 1.05)" in text
+    assert "uniform: fwd=cublas-rowwise" in Plan.uniform(nn.Linear(64, 64), "cublas-rowwise").summary()
+    assert loka.dispatch.plan.tighten_end_to_end is tighten_end_to_end  # the documented spelling
+
+
+def test_uniform_plan_falls_back_per_role_where_the_kernel_cannot_run():
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
+    p = Plan.uniform(model, "cublas-rowwise")
+    assert p.config("0") == LinearConfig.uniform("cublas-rowwise")
+    assert p.config("2") == LinearConfig("bf16", "bf16", "cublas-rowwise")
+    assert p.fp8_sites() == ["0", "2"]
+    assert Plan.uniform(model, "cublas-rowwise", module_filter="^0$").fp8_sites() == ["0"]
+
+
+# -- end-to-end budget -----------------------------------------------------------------
+class MLP(nn.Module):
+    def __init__(self, dims=(64, 128, 64, 32)):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x
+
+
+@pytest.fixture
+def skewed_kernel():
+    """An FP8 kernel whose output is 10% off: a site that dominates the output change."""
+    base = get("emulated-rowwise-e4m3")
+
+    def fn(a, b, out_dtype):
+        return base(a, b, out_dtype) * 1.1
+
+    register(Kernel("t-skewed", fn, library="test", scaling="rowwise", formats=("e4m3", "e4m3"),
+                    align=16, quantize_a=base.quantize_a, quantize_b=base.quantize_b))
+    yield "t-skewed"
+    unregister("t-skewed")
+
+
+def _rel_change(model, p, xs):
+    with torch.no_grad():
+        ref = torch.cat([model(x) for x in xs]).double()
+        loka.apply(model, p)
+        got = torch.cat([model(x) for x in xs]).double()
+        loka.unapply(model)
+    return float((got - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("use_loss", [False, True])
+def test_tighten_end_to_end_reverts_the_largest_contributor_first(skewed_kernel, use_loss):
+    model = MLP()
+    xs = [torch.randn(32, 64) for _ in range(3)]
+    p = Plan.uniform(model, "emulated-rowwise-e4m3")
+    p.sites["layers.1"].roles[Role.FWD].kernel = skewed_kernel
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    loss_fn = (lambda m, x: (m(x) ** 2).mean()) if use_loss else None
+    initial = _rel_change(model, p, xs)
+    assert initial > 0.05  # the skewed site dominates
+    bound = 0.03 if not use_loss else 0.05
+    new, log = tighten_end_to_end(p, model, xs, max_output_change=bound, loss_fn=loss_fn)
+    reverts = [e["site"] for e in log if e["action"] == "revert"]
+    assert reverts[0] == "layers.1"
+    assert new.config("layers.1") == LinearConfig.uniform("bf16")
+    assert [e["change"] for e in log if e["action"] == "revert"][-1] <= bound
+    assert "end-to-end budget" in new.sites["layers.1"].roles[Role.FWD].reason
+    assert new.budget["max_output_change"] == bound
+    if not use_loss:
+        assert _rel_change(model, new, xs) <= bound  # measured independently
+    assert p.config("layers.1").fwd == skewed_kernel  # the input plan is untouched
+    # the model is left as found: plain nn.Linear, same state
+    assert all(type(m) is nn.Linear for m in model.layers)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_tighten_keeps_a_plan_that_already_meets_the_bound():
+    model = MLP()
+    xs = [torch.randn(16, 64)]
+    p = Plan.uniform(model, "emulated-rowwise-e4m3")
+    new, log = tighten_end_to_end(p, model, xs, max_output_change=0.5)
+    assert [e["action"] for e in log] == ["measure"] and 0 < log[0]["change"] < 0.5
+    assert new.fp8_sites() == p.fp8_sites()
+
+
+def test_tighten_to_zero_reverts_every_forward_and_restores_an_applied_model():
+    model = MLP()
+    xs = [torch.randn(16, 64)]
+    p = Plan.uniform(model, "emulated-rowwise-e4m3")
+    loka.apply(model, p)
+    new, log = tighten_end_to_end(p, model, xs, max_output_change=0.0)
+    assert log[-1]["change"] == 0.0
+    assert all(new.sites[s].kernel("fwd") == "bf16" for s in new.sites)
+    assert all(isinstance(m, loka.Linear) for m in model.layers)  # re-applied as found
+    assert loka.dispatch.applied_plan(model) is p
+
+
+def test_tighten_rejects_bad_input():
+    model = MLP()
+    p = Plan.uniform(model, "emulated-rowwise-e4m3")
+    with pytest.raises(ValueError, match="max_output_change"):
+        tighten_end_to_end(p, model, [torch.randn(4, 64)], max_output_change=-1)
+    with pytest.raises(ValueError, match="at least one"):
+        tighten_end_to_end(p, model, [], max_output_change=0.1)
+
+
+def test_probe_plan_apply_guard_end_to_end():
+    """A real (CPU, untimed) Probe report through the whole Dispatch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(),
+                          nn.Linear(64, 1))
+    batches = [(torch.randn(64, 64), torch.randn(64, 1)) for _ in range(3)]
+
+    def loss_fn(m, b):
+        return ((m(b[0]) - b[1]) ** 2).mean()
+
+    config = loka.ProbeConfig(timing=False, num_samples=8, bootstrap=50, compare_naive=False,
+                              kernels=("bf16", "emulated-rowwise-e4m3", "cublas-rowwise"))
+    report = loka.probe(model, batches, loss_fn, config=config)
+    assert plan(report).fp8_sites() == []  # untimed: the baseline, with a note
+    p = plan(report, assume_fast=True)
+    assert p.config("0") == LinearConfig.uniform("cublas-rowwise")
+    assert p.config("4") == LinearConfig("bf16", "bf16", "cublas-rowwise")  # N = 1
+    assert all(c.error <= 0.2 for s in p.sites.values() for c in s.roles.values()
+               if c.kernel != "bf16")
+    loka.apply(model, p)
+    guard = loka.dispatch.Guard(model, p, check_every=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for b in batches * 2:
+        loss = loss_fn(model, b)
+        loss.backward()
+        assert guard.step(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert guard.events == [] and losses[3] < losses[0]  # batch 0 again, after 3 updates

@@ -1,0 +1,261 @@
+"""Kernel-library adapters: the Triton kernels' registration, predicates, custom ops and
+numerics; torchao and FBGEMM when installed."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from loka.config import Role
+from loka.kernels import all_kernels, available, capabilities as caps, get, unavailable
+from loka.numerics import Granularity, QTensor, quantize, relative_frobenius
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+GPU = not INTERPRETED and caps.triton_available("cuda") and (caps.cuda_capability("cuda") or (0, 0)) >= (8, 9)
+DEVICE = "cuda" if GPU else "cpu"
+HAS_TRITON = caps.module_available("triton")
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
+TRITON_NAMES = ["triton-rowwise", "triton-rowwise-fastacc", "triton-rowwise-cublas",
+                "triton-rowwise-e5m2", "triton-tensorwise", "triton-tensorwise-cublas",
+                "triton-blockwise", "triton-blockwise-cublas"]
+TWINS = {"triton-rowwise": "emulated-rowwise-e4m3", "triton-rowwise-fastacc": "emulated-rowwise-e4m3",
+         "triton-rowwise-cublas": "emulated-rowwise-e4m3", "triton-rowwise-e5m2": "emulated-rowwise-e5m2",
+         "triton-tensorwise": "emulated-tensorwise-e4m3",
+         "triton-tensorwise-cublas": "emulated-tensorwise-e4m3",
+         "triton-blockwise": "emulated-blockwise-e4m3",
+         "triton-blockwise-cublas": "emulated-blockwise-e4m3"}
+
+
+def kernels_run_here():
+    if not (GPU or INTERPRETED):
+        pytest.skip("needs an FP8 GPU, or Triton's interpreter (see test_under_interpreter)")
+
+
+# -- registration and predicates (any machine with triton) -------------------------------
+
+@needs_triton
+def test_triton_adapter_imports_and_registers_without_a_gpu():
+    from loka.kernels.adapters import FAILED
+
+    assert "triton_kernels" not in FAILED
+    names = {k.name for k in all_kernels() if k.library == "triton"}
+    assert names == set(TRITON_NAMES)
+
+
+@needs_triton
+@pytest.mark.parametrize("name", TRITON_NAMES)
+def test_triton_kernel_metadata_and_cpu_predicate(name):
+    kern, twin = get(name), get(TWINS[name])
+    assert kern.library == "triton" and kern.devices == ("cuda",)
+    assert kern.min_capability == (8, 9) and kern.vendor == "nvidia"
+    assert (kern.formats, kern.scaling, kern.align) == (twin.formats, twin.scaling, twin.align)
+    assert kern.roles == twin.roles
+    assert kern.quantize_a is not None and kern.quantize_b is not None
+    assert kern.fast_accum == name.endswith("fastacc")
+    if not GPU:
+        assert name in unavailable("cpu") and "cuda" in unavailable("cpu")[name]
+        assert kern not in available("cpu")
+        # the library's own check, for a CUDA device this machine lacks
+        assert not kern.requires(torch.device("cpu"))
+        assert "CUDA" in kern.requires(torch.device("cpu")).reason
+        assert not kern.supports("cuda", 64, 64, 64)
+
+
+@needs_triton
+def test_gradient_only_kernels_refuse_the_forward():
+    kern = get("triton-rowwise-e5m2")
+    assert kern.roles == frozenset({Role.DGRAD, Role.WGRAD})
+    assert not kern.supports("cuda", 64, 64, 64, role="fwd")
+    assert "role fwd" in kern.supports("cuda", 64, 64, 64, role="fwd").reason
+
+
+@needs_triton
+@pytest.mark.parametrize("granularity,scale_shape", [("rowwise", (48, 1)), ("tensorwise", (1, 1)),
+                                                     ("blockwise_1x128", (48, 2)),
+                                                     ("blockwise_128x128", (1, 2))])
+@pytest.mark.parametrize("layout", ["row", "col"])
+def test_custom_op_fake_shapes(granularity, scale_shape, layout):
+    """torch.compile traces the ops through their fake implementations: shapes, dtypes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from loka.kernels.adapters import triton_kernels  # noqa: F401  (registers the ops)
+
+    with FakeTensorMode():
+        x = torch.empty(48, 200, dtype=torch.bfloat16)
+        q, s = torch.ops.loka.triton_quantize(x, "e5m2", granularity, layout)
+        assert q.dtype == torch.float8_e5m2 and s.dtype == torch.float32
+        assert q.shape == ((48, 200) if layout == "row" else (200, 48))
+        assert s.shape == scale_shape
+        a = torch.empty(48, 64, dtype=torch.float8_e4m3fn)
+        b = torch.empty(64, 32, dtype=torch.float8_e4m3fn)
+        y = torch.ops.loka.triton_gemm(a, b, torch.empty(48, 1), torch.empty(1, 32), "rowwise",
+                                       torch.bfloat16, False)
+        assert y.shape == (48, 32) and y.dtype == torch.bfloat16
+
+
+# -- numerics (FP8 GPU, or the interpreter) -----------------------------------------------
+
+def test_under_interpreter():
+    """Without an FP8 GPU the kernels run under Triton's CPU interpreter, which Triton
+    picks when it is first imported: the tests of this file run in a fresh process."""
+    if GPU or INTERPRETED or not HAS_TRITON:
+        pytest.skip("the kernels run in this process" if HAS_TRITON else "no Triton")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+         "-k", "not test_under_interpreter"], cwd=Path(__file__).resolve().parents[2],
+        env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert int(re.search(r"(\d+) passed", out).group(1)) > 10, out[-2000:]
+
+
+def role_operands(role, m=48, k=160, n=64, seed=0):
+    """(a, b) as loka.Linear passes them for ``role`` of a Linear k -> n on m rows."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) * 2).bfloat16().to(DEVICE)
+    w = torch.randn(n, k, generator=g).bfloat16().to(DEVICE)
+    dy = (torch.randn(m, n, generator=g) * 1e-3).bfloat16().to(DEVICE)
+    if role == "fwd":
+        return x, w.t()
+    if role == "dgrad":
+        return dy, w
+    return dy.t().contiguous(), x
+
+
+def runnable_names(role):
+    out = []
+    for name in TRITON_NAMES:
+        kern = get(name)
+        if Role.parse(role) not in kern.roles:
+            continue
+        if name.endswith("-cublas") and not caps.has_scaled_mm(DEVICE, kern.scaling):
+            continue  # F.scaled_mm blockwise: not in the CPU build
+        out.append(name)
+    return out
+
+
+@needs_triton
+@pytest.mark.parametrize("role", ["fwd", "dgrad", "wgrad"])
+def test_quantizers_match_the_recipe_bit_for_bit(role):
+    kernels_run_here()
+    a, b = role_operands(role)
+    seen = set()
+    for name in runnable_names(role):
+        kern, twin = get(name), get(TWINS[name])
+        if (kern.scaling, kern.formats) in seen:
+            continue  # kernels of one recipe share their quantizers
+        seen.add((kern.scaling, kern.formats))
+        for mine, ref in ((kern.quantize_a(a), twin.quantize_a(a)),
+                          (kern.quantize_b(b), twin.quantize_b(b))):
+            assert isinstance(mine, QTensor)
+            assert (mine.fmt, mine.granularity, mine.block) == (ref.fmt, ref.granularity, ref.block)
+            assert torch.equal(mine.scale.cpu(), ref.scale.cpu()), name
+            assert torch.equal(mine.data.float().cpu(), ref.data.float().cpu()), name
+        # b is K-major (column-major), the layout FP8 tensor cores read
+        assert kern.quantize_b(b).data.stride(0) == 1
+
+
+@needs_triton
+@pytest.mark.parametrize("role,out_dtype", [("fwd", torch.float32), ("dgrad", torch.float32),
+                                            ("wgrad", torch.float32), ("fwd", torch.bfloat16)])
+def test_kernels_agree_with_their_emulated_twins(role, out_dtype):
+    kernels_run_here()
+    a, b = role_operands(role)
+    ref = a.double() @ b.double()
+    for name in runnable_names(role):
+        kern, twin = get(name), get(TWINS[name])
+        y = kern(a, b, out_dtype)
+        assert y.shape == ref.shape and y.dtype == out_dtype
+        e = twin(a, b, torch.float32)
+        tol = (2e-2 if kern.fast_accum else 4e-3) if GPU else 1e-5
+        if out_dtype == torch.bfloat16 or kern.scaling != "tensorwise" and name.endswith("cublas"):
+            tol = max(tol, 4e-3)  # a bf16 output (rowwise/blockwise libraries write bf16)
+        assert relative_frobenius(y, e) < tol, name
+        assert relative_frobenius(y, ref) < 0.08, name  # and it is a GEMM of these operands
+
+
+@needs_triton
+def test_prequantized_operands_are_used_as_is_and_checked():
+    kernels_run_here()
+    a, b = role_operands("fwd")
+    kern = get("triton-rowwise")
+    qa, qb = kern.quantize_a(a), kern.quantize_b(b)
+    torch.testing.assert_close(kern(qa, qb, torch.float32), kern(a, b, torch.float32), rtol=0, atol=0)
+    # a QTensor from the torch recipe of the same format and granularity is accepted
+    torch.testing.assert_close(kern(quantize(a, "e4m3", "rowwise", "a"), qb, torch.float32),
+                               kern(a, b, torch.float32), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="tensorwise"):
+        kern(quantize(a, "e4m3", "tensorwise", "a"), qb, torch.float32)
+    with pytest.raises(ValueError, match="e5m2"):
+        kern(quantize(a, "e5m2", "rowwise", "a"), qb, torch.float32)
+    with pytest.raises(ValueError, match="do not match"):
+        kern(a[:, :128], b, torch.float32)
+
+
+@needs_triton
+def test_compiled_call_has_no_graph_break():
+    kernels_run_here()
+    from loka.kernels.adapters.triton_kernels import triton_gemm, triton_quantize
+
+    def f(x, w):
+        qa, sa = triton_quantize(x, "e4m3", "rowwise")
+        qb, sb = triton_quantize(w.t(), "e4m3", "rowwise", layout="col")
+        return triton_gemm(qa, qb, sa, sb, "rowwise", torch.float32)
+
+    x, w = role_operands("fwd")[0], role_operands("fwd")[1].t()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, w), f(x, w), rtol=0, atol=0)
+
+
+# -- torchao and FBGEMM (optional) --------------------------------------------------------
+
+def test_torchao_kernels_and_converter():
+    pytest.importorskip("torchao.float8", reason="torchao is not installed")
+    from loka.kernels.adapters import FAILED
+    from loka.kernels.adapters.torchao import RECIPES, convert_torchao
+
+    assert "torchao" not in FAILED
+    names = {k.name for k in all_kernels() if k.library == "torchao"}
+    assert {"torchao-tensorwise", "torchao-rowwise"} <= names
+    x, w = torch.randn(64, 128).bfloat16(), torch.randn(32, 128).bfloat16()
+    ref = x.double() @ w.double().t()
+    for name in sorted(names):
+        kern = get(name)
+        if not kern.device_ok(DEVICE):
+            assert kern.device_ok(DEVICE).reason
+            continue
+        a, b = x.to(DEVICE), w.t().to(DEVICE)
+        y = kern(a, b, torch.float32)
+        assert 0.005 < relative_frobenius(y, ref) < 0.08, name  # FP8, and the right product
+        qb = kern.quantize_b(b)
+        assert qb.data.stride(0) == 1 and torch.equal(kern(a, qb, torch.float32), y)
+        if kern.scaling == "rowwise":  # torchao's rowwise recipe rounds scales to powers of two
+            s = qb.scale
+            assert torch.equal(torch.exp2(torch.log2(s).round()), s)
+    assert set(RECIPES) == {"tensorwise", "rowwise", "rowwise_with_gw_hp"}
+    model = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    assert convert_torchao(model, "rowwise", False, "cpu") == ["0"]  # 64 -> 8 is not 16-aligned
+    assert type(model[0]).__name__ == "Float8Linear" and type(model[2]) is torch.nn.Linear
+    model(torch.randn(4, 128)).sum().backward()
+    assert model[0].weight.grad is not None
+    big = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.Linear(64, 64))
+    assert convert_torchao(big, "tensorwise", True, "cpu") == ["0"]  # its filter drops tiny ones
+    with pytest.raises(ValueError, match="recipe"):
+        convert_torchao(big, "blockwise", False, "cpu")
+
+
+def test_fbgemm_kernels():
+    pytest.importorskip("fbgemm_gpu.experimental.gen_ai", reason="fbgemm-gpu-genai is not installed")
+    if not caps.fbgemm_genai_available() or not GPU:
+        pytest.skip("FBGEMM GenAI's FP8 ops need an sm_90 GPU")
+    x, w = torch.randn(256, 512, device="cuda").bfloat16(), torch.randn(256, 512, device="cuda").bfloat16()
+    ref = x.double() @ w.double().t()
+    for name in ("fbgemm-rowwise", "fbgemm-tensorwise"):
+        kern = get(name)
+        y = kern(x, w.t(), torch.bfloat16)
+        assert relative_frobenius(y, ref) < 0.08
+        assert torch.equal(kern(x, kern.quantize_b(w.t()), torch.bfloat16), y)

@@ -1,0 +1,164 @@
+"""Triton FP8 GEMMs (rowwise/tensorwise epilogue scaling, blockwise) against float64
+references of the same quantized operands. Compiled on an FP8 GPU; elsewhere the tests
+run under Triton's CPU interpreter in a subprocess (see test_under_interpreter)."""
+
+import importlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="Triton is not installed")
+
+from loka.kernels import capabilities as caps  # noqa: E402
+from loka.numerics import dequantize, quantize, relative_frobenius  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+GPU = not INTERPRETED and caps.triton_available("cuda") and (caps.cuda_capability("cuda") or (0, 0)) >= (8, 9)
+DEVICE = "cuda" if GPU else "cpu"
+# The interpreter multiplies in float32; tensor cores promote their FP8 accumulator to
+# float32 every K tile (fast accumulation: never).
+TOL = 2e-3 if GPU else 1e-5
+FAST_TOL = 2e-2 if GPU else 1e-5
+
+
+def test_under_interpreter():
+    """Without an FP8 GPU the kernels run under Triton's CPU interpreter, which Triton
+    picks when it is first imported: the tests of this file run in a fresh process."""
+    if GPU or INTERPRETED:
+        pytest.skip("the kernels run in this process")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+         "-k", "not test_under_interpreter"], cwd=Path(__file__).resolve().parents[2],
+        env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert int(re.search(r"(\d+) passed", out).group(1)) > 10, out[-2000:]
+
+
+@pytest.fixture(scope="module")
+def G():
+    if not (GPU or INTERPRETED):
+        pytest.skip("needs an FP8 GPU, or Triton's interpreter (see test_under_interpreter)")
+    return importlib.import_module("loka.kernels.triton.gemm_rowwise")
+
+
+@pytest.fixture(scope="module")
+def B():
+    if not (GPU or INTERPRETED):
+        pytest.skip("needs an FP8 GPU, or Triton's interpreter (see test_under_interpreter)")
+    return importlib.import_module("loka.kernels.triton.gemm_blockwise")
+
+
+def operands(m, k, n, granularity="rowwise", a_fmt="e4m3", seed=0):
+    """Quantized a (M, K) row-major and b (K, N) column-major, as the kernels read them."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-4, 4, (m, 1), generator=g).float())
+    w = torch.randn(n, k, generator=g)
+    qa = quantize(a.bfloat16().to(DEVICE), a_fmt, granularity, "a")
+    qb = quantize(w.bfloat16().to(DEVICE), "e4m3", granularity, "a")  # per row of W = column of b
+    return qa, qb
+
+
+def ref64(qa, qb_rows):
+    """float64 product of the dequantized operands, b = Wᵀ."""
+    return dequantize(qa, torch.float64) @ dequantize(qb_rows, torch.float64).t()
+
+
+@pytest.mark.parametrize("shape", [(70, 200, 48), (128, 64, 32), (33, 512, 96), (256, 128, 256)])
+@pytest.mark.parametrize("out_dtype,a_fmt", [(torch.float32, "e4m3"), (torch.bfloat16, "e4m3"),
+                                             (torch.float32, "e5m2")])
+def test_rowwise_gemm_matches_float64(G, shape, out_dtype, a_fmt):
+    m, k, n = shape
+    qa, qw = operands(m, k, n, a_fmt=a_fmt)
+    y = G.gemm_rowwise(qa.data, qw.data.t(), qa.scale, qw.scale.t(), out_dtype=out_dtype)
+    assert y.shape == (m, n) and y.dtype == out_dtype
+    tol = TOL if out_dtype == torch.float32 else 4e-3  # bf16 output: its own rounding
+    assert relative_frobenius(y, ref64(qa, qw)) < tol
+
+
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_tensorwise_scales_and_fast_accumulation(G, fast_accum):
+    qa, qw = operands(96, 256, 64, granularity="tensorwise")
+    assert qa.scale.shape == (1, 1)
+    y = G.gemm_rowwise(qa.data, qw.data.t(), qa.scale, qw.scale, out_dtype=torch.float32,
+                       fast_accum=fast_accum)
+    assert relative_frobenius(y, ref64(qa, qw)) < (FAST_TOL if fast_accum else TOL)
+
+
+@pytest.mark.parametrize("activation", [None, "hardswish"])
+def test_fused_bias_and_hardswish_epilogue(G, activation):
+    qa, qw = operands(64, 128, 80)
+    bias = torch.randn(80).bfloat16().to(DEVICE)
+    y = G.gemm_rowwise(qa.data, qw.data.t(), qa.scale, qw.scale.t(), bias=bias,
+                       activation=activation, out_dtype=torch.float32)
+    ref = ref64(qa, qw) + bias.double()
+    if activation == "hardswish":
+        ref = torch.nn.functional.hardswish(ref)
+        assert (y < 0).any() and (y >= -0.375).all()  # hardswish's minimum is -3/8
+    assert relative_frobenius(y, ref) < TOL
+
+
+@pytest.mark.parametrize("n,fmt", [(48, "e4m3"), (256, "e5m2"), (320, "e4m3")])  # 320: two kernels
+def test_fp8_output_is_the_next_layers_rowwise_quantization(G, n, fmt):
+    qa, qw = operands(64, 64, n)
+    bias = torch.randn(n).bfloat16().to(DEVICE)
+    q, s = G.gemm_rowwise(qa.data, qw.data.t(), qa.scale, qw.scale.t(), bias=bias,
+                          activation="hardswish", fp8_out=fmt)
+    y = G.gemm_rowwise(qa.data, qw.data.t(), qa.scale, qw.scale.t(), bias=bias,
+                       activation="hardswish", out_dtype=torch.bfloat16)
+    ref = quantize(y, fmt, "rowwise", "a")
+    assert q.dtype == ref.data.dtype and s.shape == (64, 1)
+    # same kernel, same values up to the accumulation order of the chosen tiles
+    torch.testing.assert_close(s, ref.scale, rtol=2 ** -7, atol=0)
+    differ = (q.float() != ref.data.float()).float().mean().item()
+    assert differ < 0.01
+    assert relative_frobenius(dequantize(ref).double(), y.double()) < 0.07
+
+
+def test_blockwise_gemm_matches_float64(B):
+    m, k, n = 70, 300, 200  # ragged K and N blocks
+    g = torch.Generator().manual_seed(1)
+    a = (torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-6, 6, (1, k), generator=g).float()))
+    w = torch.randn(n, k, generator=g)
+    qa = quantize(a.bfloat16().to(DEVICE), "e4m3", "blockwise", "a")
+    qb = quantize(w.t().bfloat16().to(DEVICE), "e4m3", "blockwise", "b")
+    y = B.gemm_blockwise(qa.data, qb.data, qa.scale, qb.scale, torch.float32)
+    ref = dequantize(qa, torch.float64) @ dequantize(qb, torch.float64)
+    assert relative_frobenius(y, ref) < TOL
+    torch.testing.assert_close(y, B.reference(qa.data, qb.data, qa.scale, qb.scale, torch.float32),
+                               rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+
+
+def test_bad_inputs_raise(G, B):
+    qa, qw = operands(32, 64, 32)
+    a, b, sa, sb = qa.data, qw.data.t(), qa.scale, qw.scale.t()
+    with pytest.raises(TypeError, match="float8"):
+        G.gemm_rowwise(a.float(), b, sa, sb)
+    with pytest.raises(ValueError, match="do not match"):
+        G.gemm_rowwise(a, b[:32], sa, sb)
+    with pytest.raises(ValueError, match="scale_a"):
+        G.gemm_rowwise(a, b, sa[:16], sb)
+    with pytest.raises(TypeError, match="scale_b"):
+        G.gemm_rowwise(a, b, sa, sb.double())
+    with pytest.raises(ValueError, match="bias"):
+        G.gemm_rowwise(a, b, sa, sb, bias=torch.zeros(31, device=DEVICE))
+    with pytest.raises(ValueError, match="activation"):
+        G.gemm_rowwise(a, b, sa, sb, activation="gelu")
+    with pytest.raises(ValueError, match="blockwise scales"):
+        B.gemm_blockwise(a, b, sa, sb)
+    empty = G.gemm_rowwise(a[:0], b, sa[:0], sb)
+    assert empty.shape == (0, 32)
+
+
+def test_split_k_for_a_long_reduction(G, monkeypatch):
+    """wgrad-like shape (few output tiles, long K): partial sums over K splits, added."""
+    monkeypatch.setattr(G, "SPLIT_K_UNIT", 128)  # small K splits, so the interpreter stays quick
+    assert G.split_k(32, 64, 8192) > 1 and G.split_k(4096, 4096, 8192) == 1
+    qa, qw = operands(32, 1200, 48)
+    y = G.gemm_rowwise(qa.data, qw.data.t(), qa.scale, qw.scale.t(), out_dtype=torch.float32)
+    assert relative_frobenius(y, ref64(qa, qw)) < TOL

@@ -1,0 +1,178 @@
+"""Triton FP8 quantization kernels against loka.numerics.quantize: exact scales, exact FP8
+values. On a GPU with FP8 (sm_89+) they run compiled; elsewhere under Triton's CPU
+interpreter (the same kernels, with the interpreter's non-RNE float cast replaced by an
+exact rounding in float32, see loka.kernels.triton.common)."""
+
+import importlib
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="Triton is not installed")
+
+from loka.kernels import capabilities as caps  # noqa: E402
+from loka.numerics import quantize  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+GPU = not INTERPRETED and caps.triton_available("cuda") and (caps.cuda_capability("cuda") or (0, 0)) >= (8, 9)
+DEVICE = "cuda" if GPU else "cpu"
+FORMATS = ["e4m3", "e5m2"]
+
+
+def test_under_interpreter():
+    """Without an FP8 GPU the kernels run under Triton's CPU interpreter, which Triton
+    picks when it is first imported: the tests of this file run in a fresh process."""
+    if GPU or INTERPRETED:
+        pytest.skip("the kernels run in this process")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+         "-k", "not test_under_interpreter"], cwd=Path(__file__).resolve().parents[2],
+        env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert int(re.search(r"(\d+) passed", out).group(1)) > 10, out[-2000:]
+
+
+@pytest.fixture(scope="module")
+def Q():
+    """The quantize module (compiled on an FP8 GPU, interpreted under TRITON_INTERPRET=1)."""
+    if not (GPU or INTERPRETED):
+        pytest.skip("needs an FP8 GPU, or Triton's interpreter (see test_under_interpreter)")
+    return importlib.import_module("loka.kernels.triton.quantize")
+
+
+def heavy_tailed(r, c, dtype=torch.bfloat16, seed=0):
+    """Rows of very different magnitudes, an outlier column, an all-zero row."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(r, c, generator=g) * torch.exp2(torch.randint(-10, 10, (r, 1), generator=g).float())
+    x[:, c // 3] *= 50
+    x[r // 2] = 0
+    return x.to(dtype).to(DEVICE)
+
+
+def assert_same(q, scale, ref):
+    """Bit-exact scales and FP8 values (NaN where the reference has NaN)."""
+    assert scale.dtype == torch.float32
+    assert torch.equal(scale.reshape(ref.scale.shape).cpu(), ref.scale.cpu())
+    assert q.dtype == ref.data.dtype and tuple(q.shape) == tuple(ref.data.shape)
+    a, b = q.float().cpu(), ref.data.float().cpu()
+    assert torch.equal(torch.isnan(a), torch.isnan(b))
+    assert torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)), (a != b).sum()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape,dtype", [((37, 300), torch.bfloat16), ((1, 64), torch.bfloat16),
+                                         ((130, 16), torch.float16), ((37, 300), torch.float32)])
+def test_rowwise_one_pass_is_exact(Q, fmt, shape, dtype):
+    x = heavy_tailed(*shape, dtype=dtype)
+    q, s = Q.quantize_rowwise(x, fmt)
+    assert q.is_contiguous() and s.shape == (shape[0], 1)
+    assert_same(q, s, quantize(x, fmt, "rowwise", "a"))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("transposed", [True, False])
+def test_rowwise_two_stage_is_exact(Q, fmt, transposed, monkeypatch):
+    # transposed views, and rows longer than MAX_ROW (lowered here), take the split path
+    monkeypatch.setattr(Q, "MAX_ROW", 64)
+    x = heavy_tailed(20, 2100) if not transposed else heavy_tailed(2100, 40).t()  # 3 spans
+    q, s = Q.quantize_rowwise(x, fmt)
+    assert q.is_contiguous()
+    assert_same(q, s, quantize(x, fmt, "rowwise", "a"))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_colwise_gives_the_transposed_operand(Q, fmt):
+    dy = heavy_tailed(200, 48)
+    qt, s = Q.quantize_colwise(dy, fmt)
+    assert qt.shape == (48, 200) and qt.is_contiguous() and s.shape == (48, 1)
+    # a wgrad 'a' operand dyᵀ (N, M), and a 'b' operand x (M, K) scaled along M
+    assert_same(qt, s, quantize(dy.t(), fmt, "rowwise", "a"))
+    ref_b = quantize(dy, fmt, "rowwise", "b")
+    assert torch.equal(s.t().cpu(), ref_b.scale.cpu())
+    assert torch.equal(qt.t().float().cpu(), ref_b.data.float().cpu())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("layout,shape", [("row", (37, 300)), ("col", (37, 300)), ("row", (512, 96))])
+def test_tensorwise_two_stage_is_exact(Q, fmt, layout, shape):
+    x = heavy_tailed(*shape)
+    q, s = Q.quantize_tensorwise(x, fmt, layout)
+    assert s.shape == (1, 1)
+    assert q.is_contiguous() == (layout == "row") and q.t().is_contiguous() == (layout == "col")
+    assert_same(q, s, quantize(x, fmt, "tensorwise"))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("block,operand,layout", [((1, 128), "a", "row"),
+                                                  ((128, 128), "b", "col"),
+                                                  ((128, 128), "b", "row")])
+def test_blockwise_is_exact(Q, fmt, block, operand, layout):
+    x = heavy_tailed(130, 300)  # ragged last blocks in both dims
+    q, s = Q.quantize_blockwise(x, fmt, block, layout)
+    assert s.shape == (-(-130 // block[0]), 3)
+    assert_same(q, s, quantize(x, fmt, "blockwise", operand))
+
+
+@pytest.mark.parametrize("kind", ["rowwise", "tensorwise"])
+def test_non_finite_inputs_give_non_finite_scales(Q, kind):
+    x = torch.randn(8, 64)
+    x[2, 5], x[3, 1] = float("nan"), float("inf")
+    x = x.to(DEVICE)
+    q, s = (Q.quantize_rowwise(x) if kind == "rowwise" else Q.quantize_tensorwise(x))
+    ref = quantize(x, "e4m3", kind, "a")
+    assert torch.equal(s.reshape(ref.scale.shape).cpu().isnan(), ref.scale.cpu().isnan())
+    assert torch.equal(s.reshape(ref.scale.shape).cpu().isinf(), ref.scale.cpu().isinf())
+    if kind == "rowwise":
+        finite = [0, 1, 4, 5, 6, 7]
+        assert torch.equal(s[finite].cpu(), ref.scale[finite].cpu())
+        assert torch.equal(q[finite].float().cpu(), ref.data[finite].float().cpu())
+        if GPU:  # the interpreter casts NaN to a finite value; the GPU keeps it NaN
+            assert q[2].float().isnan().all()
+
+
+def test_zero_rows_quantize_to_zero_with_tiny_scale(Q):
+    x = torch.zeros(4, 32, device=DEVICE)
+    q, s = Q.quantize_rowwise(x)
+    assert torch.equal(q.float().cpu(), torch.zeros(4, 32))
+    assert torch.allclose(s.cpu(), torch.full((4, 1), 1e-12 / 448.0))
+
+
+def test_empty_and_bad_inputs(Q):
+    q, s = Q.quantize_rowwise(torch.empty(0, 16, device=DEVICE))
+    assert q.shape == (0, 16) and s.shape == (0, 1)
+    with pytest.raises(ValueError, match="zero columns"):
+        Q.quantize_rowwise(torch.empty(4, 0, device=DEVICE))
+    with pytest.raises(ValueError, match="empty"):
+        Q.quantize_tensorwise(torch.empty(0, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="2-D"):
+        Q.quantize_rowwise(torch.randn(4, device=DEVICE))
+    with pytest.raises(TypeError, match="float32"):
+        Q.quantize_rowwise(torch.ones(4, 4, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="e4m3 and e5m2"):
+        Q.quantize_rowwise(torch.randn(4, 4, device=DEVICE), "e4m3fnuz")
+    with pytest.raises(ValueError, match="block must be"):
+        Q.quantize_blockwise(torch.randn(4, 4, device=DEVICE), block=(1, 64))
+    with pytest.raises(ValueError, match="layout"):
+        Q.quantize_tensorwise(torch.randn(4, 4, device=DEVICE), layout="diag")
+
+
+def test_interpreter_rounding_matches_torch_cast_everywhere(Q):
+    """The float32 pre-rounding used under the interpreter is the FP8 cast itself: check it
+    against torch on values spanning the whole range, subnormals and ties included."""
+    if GPU:
+        pytest.skip("the soft rounding runs under the interpreter only")
+    for fmt, dtype in (("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)):
+        fmax = torch.finfo(dtype).max
+        grid = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+        grid = grid[torch.isfinite(grid)]
+        mids = (grid.sort().values[1:] + grid.sort().values[:-1]) / 2  # exact ties
+        x = torch.cat([grid, mids, torch.randn(2000) * fmax / 8]).clamp(-fmax, fmax)
+        q, s = Q.quantize_tensorwise(x.reshape(1, -1), fmt)
+        ref = quantize(x.reshape(1, -1), fmt, "tensorwise")
+        assert_same(q, s, ref)

@@ -1,0 +1,244 @@
+"""Fused norm -> activation -> FP8 quantization: the PyTorch path against the unfused
+composition (BlockNorm / LayerNorm, Hard Swish, loka.numerics.quantize), its backward
+against autograd, the module in front of a loka.Linear, and the Triton kernel (on an FP8
+GPU, or under Triton's CPU interpreter in a subprocess)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import loka
+from loka.kernels import capabilities as caps
+from loka.mods.blocknorm import BlockNorm
+from loka.mods.fused import (FusedNormActQuant, fused_norm_act_quant, norm_act_backward,
+                             reference_norm_act)
+from loka.numerics import quantize, relative_frobenius
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+GPU = not INTERPRETED and caps.triton_available("cuda") and (caps.cuda_capability("cuda") or (0, 0)) >= (8, 9)
+DEVICE = "cuda" if GPU else "cpu"
+HAS_TRITON = caps.module_available("triton")
+
+
+def unfused(x, norm, block, act, fmt, granularity, weight=None, bias=None):
+    """The composition the fused op replaces, module by module."""
+    d = x.shape[-1]
+    if norm == "blocknorm":
+        n = BlockNorm(block)(x)
+    elif norm == "layernorm":
+        n = F.layer_norm(x, (d,), weight, bias, 1e-6)
+    else:
+        n = x
+    y = torch.nn.Hardswish()(n) if act == "hardswish" else n
+    return y, quantize(y.reshape(-1, d), fmt, granularity, "a")
+
+
+def assert_q_equal(q, ref):
+    assert (q.fmt, q.granularity, q.block) == (ref.fmt, ref.granularity, ref.block)
+    assert torch.equal(q.scale.cpu(), ref.scale.cpu())
+    assert torch.equal(q.data.float().cpu(), ref.data.float().cpu())
+
+
+# -- the PyTorch path (CPU reference and fallback) ----------------------------------------
+
+@pytest.mark.parametrize("norm,block,shape", [("blocknorm", 256, (64, 512)),
+                                              ("blocknorm", 256, (4, 8, 300)),  # ragged block
+                                              ("blocknorm", 64, (32, 64)),
+                                              ("layernorm", 256, (32, 96)),
+                                              ("none", 256, (16, 48))])
+@pytest.mark.parametrize("act", ["hardswish", "identity"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("granularity", ["rowwise", "tensorwise"])
+def test_torch_path_is_the_unfused_composition(norm, block, shape, act, fmt, granularity):
+    x = (torch.randn(shape) * 3 + 1).bfloat16()
+    y, q = fused_norm_act_quant(x, norm, block, act, fmt, granularity, backend="torch")
+    y_ref, q_ref = unfused(x, norm, block, act, fmt, granularity)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert torch.equal(y, y_ref)
+    assert_q_equal(q, q_ref)
+    assert q.shape == (x.numel() // shape[-1], shape[-1])
+
+
+def test_auto_backend_falls_back_to_torch_off_gpu():
+    x = torch.randn(8, 256).bfloat16()
+    y, q = fused_norm_act_quant(x)  # CPU tensor: the PyTorch composition
+    y_ref, q_ref = unfused(x, "blocknorm", 256, "hardswish", "e4m3", "rowwise")
+    assert torch.equal(y, y_ref)
+    assert_q_equal(q, q_ref)
+    y2, q2 = fused_norm_act_quant(x, return_hp=False)
+    assert y2 is None and torch.equal(q2.data.float(), q.data.float())
+
+
+@pytest.mark.parametrize("norm,d,affine", [("blocknorm", 512, False), ("blocknorm", 300, False),
+                                           ("layernorm", 96, False), ("layernorm", 96, True),
+                                           ("none", 32, False)])
+@pytest.mark.parametrize("act", ["hardswish", "identity"])
+def test_backward_formula_matches_autograd(norm, d, affine, act):
+    x = (torch.randn(16, d, dtype=torch.float64) * 2).requires_grad_()
+    w = (torch.rand(d, dtype=torch.float64) + 0.5).requires_grad_() if affine else None
+    b = torch.randn(d, dtype=torch.float64).requires_grad_() if affine else None
+    dy = torch.randn(16, d, dtype=torch.float64)
+    y = reference_norm_act(x, norm, 128, act, 1e-6, w, b)
+    grads = torch.autograd.grad(y, [t for t in (x, w, b) if t is not None], dy)
+    dx, dw, db = norm_act_backward(x.detach(), dy, norm, 128, act, 1e-6,
+                                   None if w is None else w.detach(),
+                                   None if b is None else b.detach())
+    # the formula computes in float32 (as on the GPU); compare at float32 precision
+    torch.testing.assert_close(dx.double(), grads[0], rtol=1e-4, atol=1e-5)
+    if affine:
+        torch.testing.assert_close(dw.double(), grads[1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(db.double(), grads[2], rtol=1e-4, atol=1e-4)
+
+
+def test_module_feeds_a_loka_linear_without_requantizing():
+    lin = loka.Linear(256, 64, bias=False,
+                      config=loka.LinearConfig(fwd="emulated-rowwise-e4m3", dgrad="bf16", wgrad="bf16"))
+    fused = FusedNormActQuant.for_linear(lin)
+    assert (fused.fmt, fused.granularity) == ("e4m3", "rowwise")
+    x = torch.randn(4, 8, 256, requires_grad=True)
+    y, q = fused(x)
+    out = lin(y, x_q=q)
+    torch.testing.assert_close(out, lin(y), rtol=0, atol=0)  # q is exactly what lin would make
+    out.square().sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    assert lin.weight.grad is not None
+    # a high-precision forward kernel gets no FP8 tensor
+    plain = FusedNormActQuant.for_linear(loka.Linear(256, 64))
+    assert plain(x)[1] is None and plain.granularity is None
+
+
+def test_layernorm_module_with_affine_parameters():
+    mod = FusedNormActQuant("layernorm", act="identity", normalized_dim=32, elementwise_affine=True)
+    assert mod.weight.shape == (32,) and mod.bias.shape == (32,)
+    with torch.no_grad():
+        mod.weight.uniform_(0.5, 1.5)
+        mod.bias.normal_()
+    x = torch.randn(8, 32)
+    y, q = mod(x)
+    torch.testing.assert_close(y, F.layer_norm(x, (32,), mod.weight, mod.bias, 1e-6))
+    y.sum().backward()
+    assert mod.weight.grad is not None and mod.bias.grad is not None
+
+
+def test_non_finite_rows_stay_in_their_row():
+    x = torch.randn(6, 256)
+    x[2, 7] = float("nan")
+    _, q = fused_norm_act_quant(x, backend="torch")
+    assert torch.isnan(q.scale[2]).all() and torch.isfinite(q.scale[[0, 1, 3, 4, 5]]).all()
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    (dict(norm="rmsnorm"), ValueError), (dict(act="gelu"), ValueError),
+    (dict(granularity="blockwise"), ValueError), (dict(backend="cuda"), ValueError),
+    (dict(block=0), ValueError), (dict(fmt="e3m4"), ValueError),
+    (dict(weight=torch.ones(64)), ValueError)])
+def test_bad_arguments_raise(kwargs, error):
+    with pytest.raises(error):
+        fused_norm_act_quant(torch.randn(4, 64), **kwargs)
+
+
+def test_bad_inputs_raise():
+    with pytest.raises(TypeError):
+        fused_norm_act_quant(torch.ones(4, 64, dtype=torch.int64))
+    with pytest.raises(ValueError, match="zero features"):
+        fused_norm_act_quant(torch.randn(4, 0))
+    with pytest.raises(ValueError):
+        FusedNormActQuant(norm="batchnorm")
+    with pytest.raises(ValueError, match="elementwise_affine"):
+        FusedNormActQuant("blocknorm", elementwise_affine=True, normalized_dim=8)
+
+
+def test_custom_op_fake_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(24, 512, dtype=torch.bfloat16)
+        y, q, s = torch.ops.loka.norm_act_quant(x, None, None, "blocknorm", 256, "hardswish",
+                                                "e4m3", "rowwise", 1e-6, True)
+        assert y.shape == x.shape and q.dtype == torch.float8_e4m3fn and s.shape == (24, 1)
+        y, q, s = torch.ops.loka.norm_act_quant(x, None, None, "none", 256, "identity",
+                                                "e5m2", "tensorwise", 1e-6, False)
+        assert y.numel() == 0 and q.dtype == torch.float8_e5m2 and s.shape == (1, 1)
+
+
+# -- the Triton kernel ---------------------------------------------------------------------
+
+def test_under_interpreter():
+    """Without an FP8 GPU the kernel runs under Triton's CPU interpreter, which Triton
+    picks when it is first imported: the tests of this file run in a fresh process."""
+    if GPU or INTERPRETED or not HAS_TRITON:
+        pytest.skip("the kernels run in this process" if HAS_TRITON else "no Triton")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+         "-k", "triton_kernel"], cwd=Path(__file__).resolve().parents[2],
+        env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert int(re.search(r"(\d+) passed", out).group(1)) >= 10, out[-2000:]
+
+
+def kernel_runs_here():
+    if not (GPU or INTERPRETED):
+        pytest.skip("needs an FP8 GPU, or Triton's interpreter (see test_under_interpreter)")
+
+
+@pytest.mark.parametrize("norm,d,affine", [("blocknorm", 512, False), ("blocknorm", 300, False),
+                                           ("layernorm", 96, True), ("layernorm", 160, False),
+                                           ("none", 64, False)])
+@pytest.mark.parametrize("granularity", ["rowwise", "tensorwise"])
+def test_triton_kernel_matches_the_composition(norm, d, affine, granularity):
+    kernel_runs_here()
+    g = torch.Generator().manual_seed(d)
+    x = (torch.randn(37, d, generator=g) * 3 + 0.5).bfloat16().to(DEVICE)
+    w = (torch.rand(d, generator=g) + 0.5).bfloat16().to(DEVICE) if affine else None
+    b = torch.randn(d, generator=g).bfloat16().to(DEVICE) if affine else None
+    y, q = fused_norm_act_quant(x, norm, 256, "hardswish", "e4m3", granularity, weight=w,
+                                bias=b, backend="triton")
+    y_ref, _ = unfused(x, norm, 256, "hardswish", "e4m3", granularity, w, b)
+    # the FP8 tensor is exactly the quantization of the kernel's own activation
+    assert_q_equal(q, quantize(y, "e4m3", granularity, "a"))
+    if GPU:  # rsqrt and the order of the reductions may differ by an ulp
+        differ = (y != y_ref).float().mean().item()
+        assert differ < 0.02
+        torch.testing.assert_close(y.float(), y_ref.float(), rtol=2 ** -7, atol=2 ** -7)
+    else:
+        assert torch.equal(y, y_ref)
+
+
+@pytest.mark.parametrize("act,fmt", [("hardswish", "e4m3"), ("identity", "e5m2")])
+def test_triton_kernel_without_hp_output(act, fmt):
+    kernel_runs_here()
+    x = torch.randn(20, 256).bfloat16().to(DEVICE)
+    y, q = fused_norm_act_quant(x, "blocknorm", 128, act, fmt, "rowwise", backend="triton")
+    none, q2 = fused_norm_act_quant(x, "blocknorm", 128, act, fmt, "rowwise", return_hp=False,
+                                    backend="triton")
+    assert none is None
+    assert_q_equal(q2, q)
+    assert_q_equal(q, quantize(y, fmt, "rowwise", "a"))
+
+
+def test_triton_kernel_backward_and_compile():
+    kernel_runs_here()
+    x = (torch.randn(24, 384) * 2).bfloat16().to(DEVICE).requires_grad_()
+    dy = torch.randn(24, 384).bfloat16().to(DEVICE)
+    y, q = fused_norm_act_quant(x, backend="triton")
+    (dx,) = torch.autograd.grad(y, x, dy)
+    x_ref = x.detach().requires_grad_()  # autograd of the unfused composition, same rounding
+    (dx_ref,) = torch.autograd.grad(reference_norm_act(x_ref), x_ref, dy)
+    assert relative_frobenius(dx, dx_ref) < 3e-2  # the reference's gradients pass through bf16
+    dx_formula, _, _ = norm_act_backward(x.detach(), dy, "blocknorm", 256, "hardswish", 1e-6)
+    assert torch.equal(dx, dx_formula)  # the op's backward is the PyTorch formula
+
+    def f(t):
+        y, q = fused_norm_act_quant(t, backend="triton")
+        return y, q.data, q.scale
+
+    y_c, data_c, scale_c = torch.compile(f, fullgraph=True, backend="aot_eager")(x.detach())
+    assert torch.equal(y_c, y.detach()) and torch.equal(scale_c, q.scale)
+    assert torch.equal(data_c.float(), q.data.float())

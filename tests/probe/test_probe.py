@@ -1,0 +1,385 @@
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import loka
+from loka.config import LinearConfig, ProbeConfig, Role
+from loka.kernels import Kernel, register, unregister
+from loka.kernels.emulated import emulated_gemm
+from loka.kernels.recipes import Recipe
+from loka.numerics import Granularity, mere, relative_frobenius, sqnr
+from loka.probe import Probe, ProbeReport
+from loka.probe.probe import error_metrics
+
+TW = "emulated-tensorwise-e4m3"
+KERNELS = ("bf16", "fp32", TW, "cublas-tensorwise", "emulated-rowwise-e4m3")
+FAST = dict(num_samples=8, naive_samples=6, bootstrap=200, sample_rows=64, timing=False,
+            progress=False, kernels=KERNELS)
+OUTLIER_CHANNELS = [3, 17]
+OUTLIER_SCALE = 1e5
+"""Outlier channels 1e5 larger than the rest set the tensorwise scale so that the other
+channels land below e4m3's smallest subnormal (2^-9 after scaling): they flush to zero.
+Their weight columns are 1e-5 smaller, so every channel contributes alike to the output
+and the loss is visible; on N(0, 1) inputs the same kernel scores MERE ~0.1."""
+
+
+class TwoSites(nn.Module):
+    """One Linear fed well-behaved inputs, one fed inputs with outlier channels."""
+
+    def __init__(self, dim: int = 64):
+        super().__init__()
+        self.good = nn.Linear(dim, dim)
+        self.bad = nn.Linear(dim, dim)
+        with torch.no_grad():
+            self.bad.weight[:, OUTLIER_CHANNELS] /= OUTLIER_SCALE
+
+    def forward(self, batch):
+        good_x, bad_x = batch
+        return self.good(good_x) + self.bad(bad_x)
+
+
+def two_site_batches(n: int, rows: int = 128, dim: int = 64, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        bad = torch.randn(rows, dim, generator=g)
+        bad[:, OUTLIER_CHANNELS] *= OUTLIER_SCALE
+        yield torch.randn(rows, dim, generator=g), bad
+
+
+def loss_fn(model, batch):
+    return model(batch).square().mean()
+
+
+@pytest.fixture(scope="module")
+def outlier_report():
+    torch.manual_seed(0)
+    return loka.probe(TwoSites(), two_site_batches(3), loss_fn,
+                      config=ProbeConfig(every_n_steps=1, **FAST))
+
+
+def test_probe_finds_the_outlier_site_that_naive_inputs_miss(outlier_report):
+    rep = outlier_report
+    assert set(rep.sites) == {"good", "bad"}
+    good = rep.sites["good"].roles[Role.FWD].kernels[TW]
+    bad = rep.sites["bad"].roles[Role.FWD].kernels[TW]
+    assert bad.mere.mean >= 5 * good.mere.mean
+    assert good.safe and good.mere.hi < 0.2
+    assert not bad.safe and bad.mere.lo > 0.2
+    # N(0, 1) operands of the same shape would have called the outlier site safe
+    assert bad.naive_mere.hi < 0.2
+    assert bad.naive_mere.mean == pytest.approx(good.naive_mere.mean, rel=0.3)
+    # the real torch._scaled_mm kernel agrees with its emulated twin
+    real = rep.sites["bad"].roles[Role.FWD].kernels["cublas-tensorwise"]
+    assert not real.safe and real.mere.mean == pytest.approx(bad.mere.mean, rel=0.05)
+    # the statistics that explain it
+    act = rep.sites["bad"].stats["act"]
+    assert act["channel_amax_ratio"] > 1e4 and act["underflow_frac_e4m3"] > 0.9
+    assert rep.sites["good"].stats["act"]["underflow_frac_e4m3"] < 0.01
+
+
+def test_report_fields(outlier_report):
+    rep = outlier_report
+    site = rep.sites["good"]
+    assert (site.in_features, site.out_features, site.tokens) == (64, 64, 128)
+    assert site.dtype == "float32"
+    assert set(site.roles) == {Role.FWD, Role.DGRAD, Role.WGRAD}
+    assert site.roles[Role.WGRAD].shape == (64, 128, 64)
+    for rr in site.roles.values():
+        assert set(rr.kernels) == set(KERNELS)
+        for kr in rr.kernels.values():
+            assert kr.error is None and kr.mere.n == 8 and kr.naive_mere.n == 6
+            assert kr.mere.lo <= kr.mere.mean <= kr.mere.hi
+            assert kr.time_us is None and kr.timing == "none" and not kr.fast
+        fp32 = rr.kernels["fp32"]
+        assert fp32.mere.mean < 1e-5 and fp32.sqnr.mean > 100 and fp32.relfro.mean < 1e-5
+    assert rep.meta["steps"] == 3 and rep.meta["stats_steps"] == 3
+    assert rep.meta["reference"] == "float64" and rep.config["num_samples"] == 8
+    lines = rep.summary_table().splitlines()
+    assert len(lines) == 2 + 6 and lines[2].split()[:3] == ["good", "128x64x64", "fwd"]
+    # without timings the best safe kernel is the most accurate one
+    assert all(line.split()[3] in ("bf16", "fp32") for line in lines[2:])
+
+
+def test_report_round_trips_through_json(outlier_report, tmp_path):
+    path = tmp_path / "report.json"
+    outlier_report.save(path)
+    again = ProbeReport.load(path)
+    assert again.to_dict() == outlier_report.to_dict()
+
+
+@pytest.fixture
+def wrong_kernel():
+    recipe = Recipe(Granularity.TENSORWISE)
+    name = "test-wrong-scale-2x"
+    register(Kernel(name, lambda a, b, out: 2 * emulated_gemm(recipe, a, b, out),
+                    library="emulated", formats=("e4m3", "e4m3"), scaling="tensorwise",
+                    description="mis-scales its output by 2"))
+    yield name
+    unregister(name)
+
+
+def test_a_wrong_kernel_is_unsafe_everywhere(wrong_kernel):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 32), nn.Tanh(),
+                          nn.Linear(32, 16))
+    batches = [torch.randn(96, 32) for _ in range(2)]
+    rep = loka.probe(model, batches, lambda m, x: m(x).square().mean(), config=ProbeConfig(
+        **{**FAST, "kernels": (wrong_kernel, TW)}))
+    seen = 0
+    for site in rep.sites.values():
+        for rr in site.roles.values():
+            kr = rr.kernels[wrong_kernel]
+            assert not kr.safe and kr.mere.lo > 0.9 and kr.naive_mere.lo > 0.9
+            seen += 1
+    assert seen == 9
+    assert rep.geomean_error(wrong_kernel) > 5 * rep.geomean_error(TW)
+
+
+def test_a_failing_kernel_is_recorded_and_never_safe():
+    def boom(a, b, out):
+        raise RuntimeError("no kernel image\nsecond line")
+
+    register(Kernel("test-raises", boom, library="emulated", scaling="tensorwise"))
+    try:
+        rep = loka.probe(TwoSites(), two_site_batches(1), loss_fn, config=ProbeConfig(
+            **{**FAST, "kernels": ("test-raises", "bf16"), "timing": True, "timing_iters": 2,
+               "timing_warmup": 0}))
+    finally:
+        unregister("test-raises")
+    for site in rep.sites.values():
+        for rr in site.roles.values():
+            kr = rr.kernels["test-raises"]
+            assert kr.error == "RuntimeError: no kernel image" and not kr.safe
+            assert kr.mere is None and kr.time_us is None
+            assert rr.kernels["bf16"].safe and rr.kernels["bf16"].timing == "cpu-wallclock"
+
+
+def test_confidence_interval_shrinks_with_more_samples():
+    def run(n):
+        torch.manual_seed(0)
+        rep = loka.probe(TwoSites(), two_site_batches(1), loss_fn, config=ProbeConfig(
+            **{**FAST, "num_samples": n, "kernels": (TW,), "roles": ("fwd",),
+               "compare_naive": False, "module_filter": "^good$"}))
+        return rep.sites["good"].roles[Role.FWD].kernels[TW].mere
+
+    few, many = run(4), run(48)
+    assert (few.n, many.n) == (4, 48)
+    assert many.width < few.width / 2  # ~ 1 / sqrt(n): sqrt(12) = 3.5
+    assert abs(many.mean - few.mean) < few.width
+
+
+def test_timing_is_shared_by_identical_shapes_and_gives_speedups():
+    rep = loka.probe(TwoSites(), two_site_batches(1), loss_fn, config=ProbeConfig(
+        **{**FAST, "kernels": ("bf16", TW), "timing": True, "timing_iters": 3,
+           "timing_warmup": 1, "roles": ("fwd",)}))
+    g, b = rep.sites["good"].roles[Role.FWD], rep.sites["bad"].roles[Role.FWD]
+    assert g.baseline_us == b.baseline_us > 0          # timed once for both sites
+    for name in ("bf16", TW):
+        kg = g.kernels[name]
+        assert kg.time_us == b.kernels[name].time_us
+        assert kg.timing == "cpu-wallclock"
+        assert kg.speedup == pytest.approx(g.baseline_us / kg.time_us)
+        assert kg.fast == (kg.speedup > 1.05)
+    assert g.kernels["bf16"].speedup == 1.0
+
+
+class Counting(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = loka.Linear(16, 8)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _train(model, steps, probe=None, manual=False, extra=None):
+    for i in range(steps):
+        model(torch.randn(32, 16)).sum().backward()
+        if extra:
+            extra(model)
+        if manual:
+            probe.step()
+
+
+@pytest.mark.parametrize("every,steps", [(1, 4), (3, 10), (4, 4), (100, 7)])
+@pytest.mark.parametrize("manual", [False, True])
+def test_statistics_are_taken_only_on_stats_steps(every, steps, manual):
+    model = Counting()
+    cfg = ProbeConfig(every_n_steps=every, progress=False)
+    with Probe(model, cfg) as p:
+        seen_hooks = []
+
+        def check(m):  # after each step's backward: site hooks only while a stats step runs
+            seen_hooks.append(len(m.a._forward_hooks))
+        _train(model, steps, p, manual, extra=check)
+    expected = len(range(0, steps, every))
+    for site in p.sites.values():
+        assert site.act.updates == expected and site.grad.updates == expected
+        assert site.weight.snapshots == expected
+    assert p.steps == steps and p.stats_steps == list(range(0, steps, every))
+    assert seen_hooks == [1 if i % every == 0 else 0 for i in range(steps)]
+    assert not model.a._forward_hooks and not model._forward_pre_hooks  # all removed
+
+
+def test_eval_no_grad_and_repeated_calls_are_not_counted():
+    model = Counting()
+    with Probe(model, ProbeConfig(every_n_steps=2, progress=False)) as p:
+        model.eval()
+        model(torch.randn(4, 16))
+        model.train()
+        with torch.no_grad():
+            model(torch.randn(4, 16))
+        assert p.steps == 0
+        x = torch.randn(32, 16)
+        model.a(x)  # a submodule called on its own during step 0: counted once with it
+        model(x).sum().backward()
+        model(x).sum().backward()  # step 1: off
+    assert p.steps == 2
+    assert p.sites["a"].act.updates == 1 and p.sites["b"].act.updates == 1
+    assert p.sites["a"].tokens == 32
+
+
+def test_sites_filter_and_loka_linear():
+    model = Counting()
+    assert set(Probe(model).sites) == {"a", "b"}          # loka.Linear is an nn.Linear
+    assert set(Probe(model, ProbeConfig(module_filter="^b")).sites) == {"b"}
+    with pytest.raises(ValueError, match="no nn.Linear matching"):
+        Probe(model, ProbeConfig(module_filter="nothing"))
+    with pytest.raises(ValueError, match="regular expression"):
+        Probe(model, ProbeConfig(module_filter="(["))
+    with pytest.raises(KeyError, match="no kernel named"):
+        Probe(model, ProbeConfig(kernels=("no-such-kernel",)))
+    with pytest.raises(TypeError, match="nn.Module"):
+        Probe("model")
+    p = Probe(model).attach()
+    with pytest.raises(RuntimeError, match="already attached"):
+        p.attach()
+    p.detach()
+
+
+def test_probe_does_not_change_training():
+    def run(with_probe):
+        torch.manual_seed(0)
+        model = Counting()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(1)
+        batches = [torch.randn(300, 16) for _ in range(3)]
+        ctx = Probe(model, ProbeConfig(every_n_steps=1, max_rows_per_update=64))
+        if with_probe:
+            ctx.attach()
+        for x in batches:
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        ctx.detach()
+        return [p.detach().clone() for p in model.parameters()], torch.randn(3)
+
+    (w1, r1), (w2, r2) = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(w1, w2))
+    assert torch.equal(r1, r2)  # the global random stream is untouched too
+
+
+def test_row_subsampling_and_token_count():
+    model = Counting()
+    with Probe(model, ProbeConfig(every_n_steps=1, max_rows_per_update=50)) as p:
+        model(torch.randn(6, 40, 16)).sum().backward()  # 240 rows of 16 features
+    assert p.sites["a"].tokens == 240
+    assert p.sites["a"].act.moments.count == 50 and p.sites["b"].grad.moments.count == 50
+
+
+def test_nonfinite_inputs_are_skipped_and_reported():
+    model = Counting()
+    with Probe(model, ProbeConfig(every_n_steps=1, progress=False, num_samples=4,
+                                  bootstrap=50, kernels=("bf16",), timing=False)) as p:
+        x = torch.randn(64, 16)
+        x[3, 0] = float("nan")
+        model(x)  # no backward: gradients unobserved
+    rep = p.report()
+    a = rep.sites["a"]
+    assert a.stats["act"]["nonfinite_rows"] == 1 and a.stats["act"]["rows"] == 63
+    assert a.stats["act"]["channel_amax_ratio"] < 10  # the NaN row did not poison the range
+    assert set(a.roles) == {Role.FWD}
+    assert set(a.stats["skipped_roles"]) == {"dgrad", "wgrad"}
+
+
+def test_unobserved_sites_and_misaligned_shapes():
+    model = nn.Sequential(nn.Linear(16, 24), nn.Linear(24, 10), nn.Linear(10, 3))
+    cfg = ProbeConfig(every_n_steps=1, progress=False, num_samples=4, bootstrap=50, timing=False)
+    with Probe(model, cfg) as p:
+        model[0](torch.randn(32, 16)).sum().backward()  # only the first Linear runs
+    rep = p.report()
+    assert rep.meta["unobserved_sites"] == ["1", "2"] and set(rep.sites) == {"0"}
+    # 16 -> 24: FP8 kernels need K, N multiples of 16; fwd N = 24 rules them out
+    names = set(rep.sites["0"].roles[Role.FWD].kernels)
+    assert "bf16" in names and not any(n.startswith(("emulated", "cublas")) for n in names)
+
+
+def test_captured_source_also_flags_the_outlier_site():
+    torch.manual_seed(0)
+    rep = loka.probe(TwoSites(), two_site_batches(2, rows=128), loss_fn, config=ProbeConfig(
+        **{**FAST, "source": "captured", "kernels": (TW,), "compare_naive": False}))
+    good = rep.sites["good"].roles[Role.FWD].kernels[TW]
+    bad = rep.sites["bad"].roles[Role.FWD].kernels[TW]
+    assert good.safe and not bad.safe and bad.mere.mean > 5 * good.mere.mean
+    assert rep.sites["bad"].roles[Role.WGRAD].shape == (64, 128, 64)
+
+
+def test_bf16_model_reports_bf16_dtype_and_errors():
+    model = Counting().to(torch.bfloat16)
+    with Probe(model, ProbeConfig(every_n_steps=1, progress=False, num_samples=4, bootstrap=50,
+                                  timing=False, kernels=("bf16", TW))) as p:
+        model(torch.randn(64, 16, dtype=torch.bfloat16)).sum().backward()
+    rep = p.report()
+    assert [s.dtype for s in rep.sites.values()] == ["bfloat16", "bfloat16"]
+    fwd = rep.sites["a"].roles[Role.FWD].kernels
+    assert 1e-4 < fwd["bf16"].mere.mean < 0.05 < fwd[TW].mere.mean < 0.2
+    assert TW not in rep.sites["b"].roles[Role.FWD].kernels  # N = 8 is no multiple of 16
+
+
+def test_loka_linear_with_fp8_kernels_is_probed():
+    lin = loka.Linear(32, 32, config=LinearConfig.uniform(TW))
+    with Probe(lin, ProbeConfig(every_n_steps=1, progress=False)) as p:
+        lin(torch.randn(16, 32)).sum().backward()
+    assert set(p.sites) == {""} and p.sites[""].grad.updates == 1
+
+
+@pytest.mark.parametrize("case", ["random", "exact", "zero-signal", "nan", "inf"])
+def test_error_metrics_match_numerics(case):
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(16, 8, generator=g, dtype=torch.float64)
+    approx = (ref + 0.01 * torch.randn(16, 8, generator=g, dtype=torch.float64)).float()
+    if case == "exact":
+        approx = ref.clone()
+    elif case == "zero-signal":
+        ref = torch.zeros_like(ref)
+    elif case == "nan":
+        approx[2, 3] = float("nan")
+    elif case == "inf":
+        approx[0, 0] = float("inf")
+    got = list(error_metrics(approx, ref))
+    want = [mere(approx, ref), sqnr(approx, ref), relative_frobenius(approx, ref)]
+    for g_, w_ in zip(got, want):
+        assert (math.isnan(g_) and math.isnan(w_)) or g_ == pytest.approx(w_, rel=1e-12)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        error_metrics(approx, ref[:, :4])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_probe_on_cuda_bf16():
+    torch.manual_seed(0)
+    model = TwoSites().cuda().to(torch.bfloat16)
+    batches = [tuple(t.cuda().to(torch.bfloat16) for t in b) for b in two_site_batches(2)]
+    rep = loka.probe(model, batches, loss_fn, config=ProbeConfig(
+        every_n_steps=1, num_samples=8, bootstrap=200, sample_rows=64, timing_iters=5,
+        progress=False))
+    assert rep.device.startswith("cuda") and rep.meta["reference"] == "float32 (TF32 off)"
+    good, bad = (rep.sites[n].roles[Role.FWD].kernels for n in ("good", "bad"))
+    assert good["cublas-tensorwise"].safe and not bad["cublas-tensorwise"].safe
+    assert TW not in good  # its real twin runs here
+    for name, kr in good.items():
+        assert kr.error is None, (name, kr.error)
+        assert kr.timing in ("cuda-graph", "cuda-events") and kr.time_us > 0
+    assert good["bf16"].speedup == 1.0 and good["bf16"].timing == "cuda-graph"

@@ -1,0 +1,62 @@
+import pytest
+import torch
+
+from loka.probe.timing import TimingResult, time_fn
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("warmup,iters", [(0, 1), (3, 7)])
+def test_cpu_wallclock_calls_and_labels(warmup, iters):
+    calls = []
+    a = torch.randn(32, 32)
+    res = time_fn(lambda: calls.append(a @ a), "cpu", warmup=warmup, iters=iters)
+    assert isinstance(res, TimingResult)
+    assert res.method == "cpu-wallclock" and res.iters == iters
+    assert len(calls) == warmup + iters
+    assert res.median_us > 0
+
+
+@pytest.mark.parametrize("kwargs", [dict(iters=0), dict(warmup=-1), dict(calls_per_graph=0)])
+def test_bad_arguments(kwargs):
+    with pytest.raises(ValueError, match="time_fn needs"):
+        time_fn(lambda: None, "cpu", **kwargs)
+
+
+def test_unsupported_device():
+    with pytest.raises(ValueError, match="cpu and cuda"):
+        time_fn(lambda: None, "meta")
+
+
+@cuda
+def test_cuda_graph_timing():
+    a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    res = time_fn(lambda: a @ a, "cuda", warmup=3, iters=10)
+    assert res.method == "cuda-graph" and res.median_us > 0 and not res.note
+
+
+@cuda
+def test_cuda_falls_back_to_events_when_capture_fails():
+    a = torch.randn(256, 256, device="cuda")
+    res = time_fn(lambda: (a @ a).sum().item(), "cuda", warmup=2, iters=5)  # a host sync
+    assert res.method == "cuda-events" and "capture failed" in res.note and res.median_us > 0
+    # the device is usable afterwards
+    assert float((a @ a).sum()) == pytest.approx(float((a.double() @ a.double()).sum()), rel=1e-3)
+
+
+def test_budget_cuts_iterations_of_slow_calls_but_not_below_the_minimum():
+    import time as _time
+
+    calls = []
+
+    def slow():
+        calls.append(1)
+        _time.sleep(0.004)
+
+    res = time_fn(slow, "cpu", warmup=1, iters=50, budget_ms=20)
+    assert res.iters == 5 and len(calls) == 1 + 1 + 5  # warm-up, estimate, minimum
+    assert res.median_us >= 4000
+    fast = time_fn(lambda: None, "cpu", warmup=0, iters=7, budget_ms=1000)
+    assert fast.iters == 7  # never more than asked
+    with pytest.raises(ValueError, match="budget_ms > 0"):
+        time_fn(lambda: None, "cpu", budget_ms=0)
