@@ -3,12 +3,17 @@
 All metrics are computed in float64 from ``approx`` (any dtype) and ``ref`` (ideally a
 float64 GEMM of the *unquantized* operands).
 
-MERE (mean elementwise relative error) divides by ``|ref| + floor`` where
-``floor = MERE_FLOOR * rms(ref)``: a pure ``|ref|`` denominator is dominated by the few
-outputs that happen to lie near zero (for a Gaussian output its mean even diverges), and
-the floor makes MERE a stable statistic while keeping it elementwise. With the default
-floor of 1 % of the RMS, an e4m3 tensorwise GEMM on N(0, 1) data scores about 0.1 and a
-bf16 GEMM about 0.01; the paper's budget MERE < 0.2 then separates kernels as intended.
+MERE (mean elementwise relative error) divides by ``|ref| + floor``: a pure ``|ref|``
+denominator is dominated by the few outputs that happen to lie near zero (for a Gaussian
+output its mean even diverges), and the floor makes MERE a stable statistic while keeping
+it elementwise. For a 2-D output the floor follows its scale row by row and column by
+column, ``floor_ij = MERE_FLOOR * min(rms(ref_i,:), rms(ref_:,j))`` (an axis of fewer
+than 16 elements gives no scale estimate; the global RMS stands in): GEMM outputs of
+LRMs often have rows (outlier tokens) or columns (outlier channels, in a weight gradient)
+whose scales differ by orders of magnitude, and a single global floor would hide every
+error in the small ones. Other shapes use ``MERE_FLOOR * rms(ref)``. With the default 1 %,
+an e4m3 tensorwise GEMM on N(0, 1) data scores about 0.1 and a bf16 GEMM about 0.01; the
+paper's budget MERE < 0.2 then separates kernels as intended.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import torch
 MERE_FLOOR = 1e-2
 """denominator floor of MERE, relative to the RMS of the reference"""
 _TINY = 1e-300
+_MIN_AXIS = 16
+"""rows (columns) needed before a column's (row's) RMS is trusted as its scale"""
 
 
 def _pair(approx: torch.Tensor, ref: torch.Tensor):
@@ -30,12 +37,27 @@ def _pair(approx: torch.Tensor, ref: torch.Tensor):
     return approx.detach().to(torch.float64), ref.detach().to(torch.float64)
 
 
+def mere_denominator(ref: torch.Tensor, floor: float = MERE_FLOOR) -> torch.Tensor:
+    """``|ref| + floor_ij`` of MERE (module doc), in ``ref``'s dtype; computed once per
+    reference when many approximations are scored against it."""
+    sq = ref.square()
+    scales = []  # an axis estimates a scale only when it holds enough elements
+    if ref.dim() == 2 and ref.shape[1] >= _MIN_AXIS:
+        scales.append(sq.mean(dim=1, keepdim=True))  # per row
+    if ref.dim() == 2 and ref.shape[0] >= _MIN_AXIS:
+        scales.append(sq.mean(dim=0, keepdim=True))  # per column
+    if not scales:
+        scales.append(sq.mean())
+    scale = scales[0] if len(scales) == 1 else torch.minimum(*scales)
+    scale = scale.sqrt()
+    tiny = _TINY if ref.dtype == torch.float64 else torch.finfo(ref.dtype).tiny
+    return ref.abs() + torch.clamp(floor * scale, min=tiny)
+
+
 def mere(approx: torch.Tensor, ref: torch.Tensor, floor: float = MERE_FLOOR) -> float:
-    """Mean elementwise relative error ``mean(|a - r| / (|r| + floor * rms(r)))``."""
+    """Mean elementwise relative error ``mean(|a - r| / (|r| + floor_ij))`` (module doc)."""
     a, r = _pair(approx, ref)
-    rms = r.square().mean().sqrt()
-    denom = r.abs() + torch.clamp(floor * rms, min=_TINY)
-    return float(((a - r).abs() / denom).mean())
+    return float(((a - r).abs() / mere_denominator(r, floor)).mean())
 
 
 def sqnr(approx: torch.Tensor, ref: torch.Tensor) -> float:

@@ -49,7 +49,7 @@ from torch import nn
 
 from ..config import ProbeConfig, Role, config_to_dict, role_shape
 from ..kernels import registry
-from ..numerics import MERE_FLOOR
+from ..numerics import mere_denominator
 from .report import KernelResult, ProbeReport, RoleReport, SiteReport
 from .sampler import OperandSampler, error_rows, naive_pair, seed_for
 from .stats import SiteStats, bootstrap_stat
@@ -79,8 +79,7 @@ class _Reference:
     def __init__(self, ref: torch.Tensor) -> None:
         self.ref = ref.detach()
         self.signal = self.ref.square().sum(dtype=torch.float64)
-        floor = (MERE_FLOOR * (self.signal / max(ref.numel(), 1)).sqrt()).clamp(min=1e-300)
-        self.denom = self.ref.abs() + floor.to(ref.dtype)
+        self.denom = mere_denominator(self.ref)
 
     def measure(self, approx: torch.Tensor) -> torch.Tensor:
         """(2,) float64 ``[MERE, ‖approx - ref‖²]`` on the device."""
