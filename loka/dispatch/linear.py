@@ -52,6 +52,32 @@ def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
     return F.pad(t, (0, 0, 0, extra)) if extra else t
 
 
+def _pad_q_rows(q: QTensor, multiple: int) -> QTensor:
+    """Zero rows appended to a tensorwise QTensor (its one scale is unchanged)."""
+    extra = (-q.shape[0]) % multiple
+    if not extra:
+        return q
+    zeros = torch.zeros(extra, q.shape[1], dtype=q.data.dtype, device=q.data.device)
+    return QTensor(torch.cat([q.data, zeros]), q.scale, q.fmt,
+                   (q.block[0] + extra, q.block[1]), q.granularity)
+
+
+def _fits(kernel: Kernel, q: QTensor, operand: int) -> bool:
+    return kernel.scaling == "tensorwise" and kernel.formats[operand] == q.fmt.name
+
+
+def _shares(producer: Kernel, p_operand: int, consumer: Kernel, c_operand: int) -> bool:
+    """Can the tensorwise FP8 operand ``p_operand`` (0 = a, 1 = b) quantized for
+    ``producer`` feed ``consumer`` as its operand ``c_operand``, as is? Both tensorwise, of
+    one library (so they agree on the layout of the FP8 data), with quantizers, and the
+    same format. The three reuses: fwd x -> wgrad b, fwd Wᵀ -> dgrad b (transposed),
+    dgrad dy -> wgrad a (transposed)."""
+    return (producer.scaling == consumer.scaling == "tensorwise"
+            and producer.library == consumer.library
+            and producer.quantize_a is not None and consumer.quantize_a is not None
+            and producer.formats[p_operand] == consumer.formats[c_operand])
+
+
 class _LinearFunction(torch.autograd.Function):
     """One autograd node for the three role-specific GEMMs of a Linear."""
 
@@ -60,21 +86,32 @@ class _LinearFunction(torch.autograd.Function):
                 weight_q: Optional[QTensor], grad_flags: Optional[torch.Tensor] = None):
         kf, kd, kw = kernels
         out_dtype = x2d.dtype
-        a = x_q if x_q is not None else x2d
-        if kf.name == BASELINE:
-            y = F.linear(x2d, weight, bias)
-        else:
-            b = weight_q if weight_q is not None else weight.t()
-            y = kf(a, b, out_dtype)
-            if bias is not None:
-                y = y + bias
         ctx.kernels = (kd, kw)
         ctx.has_bias = bias is not None
         ctx.out_dtype = out_dtype
-        ctx.x_is_q = x_q is not None
         ctx.check_grads = grad_flags is not None
-        if ctx.x_is_q:  # keep the FP8 activation, not a high-precision copy
-            ctx.x_q = x_q
+        ctx.x_q = ctx.w_q = None
+        if kf.name == BASELINE:
+            y = F.linear(x2d, weight, bias)
+        else:
+            a = x_q if x_q is not None else x2d
+            b = weight_q if weight_q is not None else weight.t()
+            share_w, share_x = _shares(kf, 1, kd, 1), _shares(kf, 0, kw, 1)
+            if share_w or share_x:
+                # tensorwise: one scale per tensor whatever the GEMM, so the FP8 copies of x
+                # and W made here serve the gradient GEMMs too (no requantization)
+                a = a if isinstance(a, QTensor) else kf.quantize_a(a)
+                b = b if isinstance(b, QTensor) else kf.quantize_b(b)
+                if share_w:
+                    ctx.w_q = b
+                if share_x and not ctx.check_grads:
+                    ctx.x_q = a
+            y = kf(a, b, out_dtype)
+            if bias is not None:
+                y = y + bias
+        if x_q is not None and ctx.x_q is None and kw.name != BASELINE and not ctx.check_grads:
+            ctx.x_q = x_q  # keep the producer's FP8 activation, not a high-precision copy
+        if ctx.x_q is not None:
             ctx.save_for_backward(weight)
         else:
             ctx.save_for_backward(x2d, weight)
@@ -83,26 +120,35 @@ class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         kd, kw = ctx.kernels
-        if ctx.x_is_q:
+        if ctx.x_q is not None:
             (weight,) = ctx.saved_tensors
-            x2d = ctx.x_q.dequantize(ctx.out_dtype)
+            x_b = ctx.x_q if ctx.x_q.granularity is Granularity.TENSORWISE and \
+                _fits(kw, ctx.x_q, 1) else None
+            x2d = None if x_b is not None else ctx.x_q.dequantize(ctx.out_dtype)
         else:
             x2d, weight = ctx.saved_tensors
+            x_b = None
         dy = dy.contiguous()
         dx = dw = db = None
+        dy_q = None
+        if _shares(kd, 0, kw, 0):
+            dy_q = kd.quantize_a(dy)  # one FP8 copy of dy for both gradient GEMMs
         if ctx.needs_input_grad[0]:
             if kd.name == BASELINE:
                 dx = dy.mm(weight.to(dy.dtype))
             else:
-                dx = kd(dy, weight, dy.dtype)
+                w_b = ctx.w_q.t() if ctx.w_q is not None else weight
+                dx = kd(dy_q if dy_q is not None else dy, w_b, dy.dtype)
         if ctx.needs_input_grad[2]:
             if kw.name == BASELINE:
                 dw = x2d.t().mm(dy).t()  # the formula of addmm's backward, for bit-equality
             else:
                 # zero rows add nothing to dyᵀ·x: pad M for kernels that need K-alignment;
                 # dyᵀ row-major, as FP8 GEMMs (cuBLAS: TN layout) need for their a operand
-                dw = kw(_pad_rows(dy, kw.align).t().contiguous(), _pad_rows(x2d, kw.align),
-                        weight.dtype)
+                a = (_pad_q_rows(dy_q, kw.align).t() if dy_q is not None
+                     else _pad_rows(dy, kw.align).t().contiguous())
+                b = _pad_q_rows(x_b, kw.align) if x_b is not None else _pad_rows(x2d, kw.align)
+                dw = kw(a, b, weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[3]:
             db = dy.sum(0)
         d_flags = None

@@ -182,3 +182,42 @@ def test_non_finite_input_propagates(bad):
     y = lin(x)
     assert not torch.isfinite(y[2]).all()
     assert torch.isfinite(y[torch.arange(16) != 2]).all()  # rowwise: other rows unharmed
+
+
+# -- tensorwise operands quantized once, shared across roles ---------------------------
+@pytest.mark.parametrize("kernel,grad_kernel", [
+    ("emulated-tensorwise-e4m3", "emulated-tensorwise-e4m3"),
+    ("cublas-tensorwise", "cublas-tensorwise"),
+    ("emulated-tensorwise-e4m3", "emulated-tensorwise-e5m2"),  # dy in e5m2: x, W still shared
+])
+def test_shared_tensorwise_operands_are_bit_identical_and_quantized_once(kernel, grad_kernel,
+                                                                         monkeypatch):
+    import loka.kernels.recipes as recipes
+
+    calls = []
+    real = recipes.quantize
+    monkeypatch.setattr(recipes, "quantize", lambda x, *a, **k: calls.append(x.shape) or real(x, *a, **k))
+    lin = loka.Linear(64, 32, config=LinearConfig(kernel, grad_kernel, grad_kernel))
+    x = torch.randn(40, 64, requires_grad=True)  # 40 rows: wgrad pads M to 48
+    y = lin(x)
+    g = torch.randn_like(y)
+    y.backward(g)
+    # x, Wᵀ and dy: three quantizations instead of six
+    assert len(calls) == 3, calls
+    kf, kg = get(kernel), get(grad_kernel)
+    w = lin.weight.detach()
+    pad = lambda t: torch.cat([t, t.new_zeros(8, t.shape[1])])  # noqa: E731
+    assert torch.equal(y.detach(), kf(x.detach(), w.t(), torch.float32) + lin.bias.detach())
+    assert torch.equal(x.grad, kg(g, w, torch.float32))
+    assert torch.equal(lin.weight.grad, kg(pad(g).t().contiguous(), pad(x.detach()), torch.float32))
+
+
+def test_rowwise_roles_quantize_each_operand_for_its_own_gemm(monkeypatch):
+    import loka.kernels.recipes as recipes
+
+    calls = []
+    real = recipes.quantize
+    monkeypatch.setattr(recipes, "quantize", lambda x, *a, **k: calls.append(x.shape) or real(x, *a, **k))
+    lin = loka.Linear(64, 32, config=LinearConfig.uniform("emulated-rowwise-e4m3"))
+    lin(torch.randn(48, 64, requires_grad=True)).sum().backward()
+    assert len(calls) == 6  # rowwise scales run along K, which differs per role
