@@ -21,8 +21,15 @@ from loka import bench  # noqa: E402
 
 def category(name: str) -> str:
     n = name.lower()
-    if any(t in n for t in ("f8f8", "fp8", "e4m3", "scaled_mm", "sm90_xmma_gemm_e4m3")) and "gemm" in n:
+    # cuBLAS's Hopper kernels are named nvjet_*: "qq" marks FP8 operands (e.g. _qqtst_)
+    if n.startswith("nvjet") and "_qq" in n:
         return "gemm-fp8"
+    if any(t in n for t in ("f8f8", "fp8", "e4m3", "scaled_mm")) and "gemm" in n:
+        return "gemm-fp8"
+    if any(t in n for t in ("radix_sort", "sum_and_scatter", "compute_grad_weight_bags",
+                            "embeddingbag", "embedding_bag", "krn_partials_per_segment",
+                            "segment_offsets")):
+        return "embedding"
     if any(t in n for t in ("gemm", "cutlass", "xmma", "cublas", "nvjet", "sm90_", "matmul")):
         return "gemm-fp8" if "e4m3" in n or "f8" in n else "gemm"
     if "embedding" in n or "index_select" in n or "indexing_backward" in n:

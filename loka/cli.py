@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import itertools
 import json
 import os
 import re
@@ -652,11 +651,12 @@ def cmd_kernels(args) -> int:
           f"{', compute capability ' + '.'.join(map(str, summary['cuda_capability'])) if summary['cuda_capability'] else ''})")
     print()
     print(format_table(headers, body))
-    libs = [("triton", summary["triton"]), ("torchao", summary["torchao"]),
-            ("fbgemm_genai", summary["fbgemm_genai"])]
+    libs = [("triton", capabilities.module_available("triton")),
+            ("torchao", summary["torchao"]), ("fbgemm-gpu-genai", summary["fbgemm_genai"])]
     print()
-    print("optional libraries: " + ", ".join(f"{n} {'yes' if ok else 'no'}" for n, ok in libs)
-          + "  (kernels of a missing library are not registered)")
+    print("optional libraries: " + ", ".join(f"{n} {'installed' if ok else 'not installed'}"
+                                             for n, ok in libs)
+          + " (a library that is not installed registers no kernels)")
     scaled = [s for s in ("tensorwise", "rowwise", "blockwise") if summary[f"scaled_mm_{s}"]]
     print(f"torch._scaled_mm on {device}: {', '.join(scaled) if scaled else 'none'}")
     return EXIT_OK

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional, Sequence
 from ..config import ROLES
 from ..probe.report import ProbeReport, atomic_write_text
 from . import plots
-from .tables import (curve_arms, decision_rows, flat_stats, fmt, fp8_fraction, geomean, plan_budget, rows,
+from .tables import (curve_arms, decision_rows, decisions, flat_stats, fmt, fp8_fraction, geomean, plan_budget, rows,
                      stat_columns, timing_note)
 
 SECTIONS = ("summary", "error-speedup", "decisions", "learned-vs-naive", "activation-stats",
@@ -87,6 +87,9 @@ def render_html(report: Optional[ProbeReport] = None, plan=None,
     """
     max_error, min_speedup, metric = plan_budget(plan, report)
     data = rows(report, plan, metric) if report is not None else []
+    # every figure colors a kernel the same way
+    palette = sorted({r.kernel for r in data} | {k for v in decisions(plan).values()
+                                                 for k in v.values()})
     parts = [f"<h1>{_e(title)}</h1>"]
     meta = []
     if report is not None:
@@ -111,7 +114,7 @@ def render_html(report: Optional[ProbeReport] = None, plan=None,
     parts.append(_section("summary", "Summary", body))
 
     # error vs speedup
-    png = plots.error_vs_speedup(data, max_error, min_speedup, metric)
+    png = plots.error_vs_speedup(data, max_error, min_speedup, metric, palette)
     body = _figure(png, "error versus speedup", "No kernel results with an error in this report.")
     if data:
         body += "<details><summary>All kernel results</summary>" + _table(
@@ -124,7 +127,7 @@ def render_html(report: Optional[ProbeReport] = None, plan=None,
     # decisions
     sites = list(report.sites) if report is not None else []
     if plan is not None:
-        png = plots.decision_map(sites, plan)
+        png = plots.decision_map(sites, plan, palette)
         body = _figure(png, "kernel per site and role", "The plan has no sites.")
         body += _decision_table(decision_rows(report, plan))
     else:
@@ -132,7 +135,7 @@ def render_html(report: Optional[ProbeReport] = None, plan=None,
     parts.append(_section("decisions", "Decisions per site and role", body))
 
     # learned vs naive
-    png = plots.learned_vs_naive(data)
+    png = plots.learned_vs_naive(data, palette)
     body = _figure(png, "learned versus N(0,1) error",
                    "No N(0, 1) comparison in this report (ProbeConfig.compare_naive=False).")
     ratios = _naive_ratios(data)

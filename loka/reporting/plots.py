@@ -41,10 +41,14 @@ def _png(fig) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _kernel_colors(names: Sequence[str]) -> Dict[str, tuple]:
+def _kernel_colors(names: Sequence[str], palette: Optional[Sequence[str]] = None
+                   ) -> Dict[str, tuple]:
+    """One color per kernel; with ``palette`` (every kernel name of the page) a kernel has
+    the same color in every figure."""
     plt = _plt()
-    cmap = plt.get_cmap("tab20" if len(names) > 10 else "tab10")
-    return {n: cmap(i % cmap.N) for i, n in enumerate(names)}
+    order = list(palette or ()) + [n for n in names if n not in (palette or ())]
+    cmap = plt.get_cmap("tab20" if len(order) > 10 else "tab10")
+    return {n: cmap(order.index(n) % cmap.N) for n in names}
 
 
 def _finite(x: Optional[float]) -> bool:
@@ -52,7 +56,8 @@ def _finite(x: Optional[float]) -> bool:
 
 
 def error_vs_speedup(data: List[Row], max_error: float, min_speedup: float,
-                     metric: str = "mere") -> Optional[str]:
+                     metric: str = "mere", palette: Optional[Sequence[str]] = None
+                     ) -> Optional[str]:
     """Per-site error (y, log) against speedup over bf16 (x), one marker per role, one color
     per kernel; the safe-and-fast quadrant (error < budget, speedup > minimum) is shaded.
     Without timings, x is the kernel (a strip plot) and only the error budget is drawn."""
@@ -61,7 +66,7 @@ def error_vs_speedup(data: List[Row], max_error: float, min_speedup: float,
         return None
     plt = _plt()
     kernels = sorted({r.kernel for r in pts})
-    colors = _kernel_colors(kernels)
+    colors = _kernel_colors(kernels, palette)
     timed = any(_finite(r.speedup) for r in pts)
     fig, ax = plt.subplots(figsize=(8.5, 5))
     if timed:
@@ -100,7 +105,8 @@ def _role(role: str):
     return next(r for r in ROLES if r.value == role)
 
 
-def decision_map(sites: Sequence[str], plan) -> Optional[str]:
+def decision_map(sites: Sequence[str], plan, palette: Optional[Sequence[str]] = None
+                 ) -> Optional[str]:
     """Site x role grid colored by the plan's kernel, each cell labelled with its name."""
     picked = decisions(plan)
     if not available() or not picked:
@@ -118,7 +124,7 @@ def decision_map(sites: Sequence[str], plan) -> Optional[str]:
                 grid[i, j] = idx[picked[s][r.value]]
     # pastel versions of the scatter's kernel colors, so that the labels stay readable
     colors = {k: tuple(0.45 * c + 0.55 for c in rgba[:3]) + (1.0,)
-              for k, rgba in _kernel_colors(kernels).items()}
+              for k, rgba in _kernel_colors(kernels, palette).items()}
     if "bf16" in colors:
         colors["bf16"] = (0.9, 0.9, 0.9, 1.0)
     cmap = plt.matplotlib.colors.ListedColormap([colors[k] for k in kernels])
@@ -135,7 +141,7 @@ def decision_map(sites: Sequence[str], plan) -> Optional[str]:
     return _png(fig)
 
 
-def learned_vs_naive(data: List[Row]) -> Optional[str]:
+def learned_vs_naive(data: List[Row], palette: Optional[Sequence[str]] = None) -> Optional[str]:
     """MERE on learned distributions (y) against MERE on N(0, 1) operands (x), log-log, with
     the y = x diagonal: points above it are sites where naive inputs understate the error."""
     pts = [r for r in data if _finite(r.error) and _finite(r.naive) and r.error > 0 and r.naive > 0]
@@ -143,7 +149,7 @@ def learned_vs_naive(data: List[Row]) -> Optional[str]:
         return None
     plt = _plt()
     kernels = sorted({r.kernel for r in pts})
-    colors = _kernel_colors(kernels)
+    colors = _kernel_colors(kernels, palette)
     fig, ax = plt.subplots(figsize=(6.5, 5))
     for r in pts:
         ax.scatter(r.naive, r.error, color=colors[r.kernel], marker=MARKERS.get(r.role, "o"), s=30)
@@ -215,7 +221,8 @@ def training_curves(curves: Mapping[str, Mapping], branch_step: Optional[int] = 
         tr, ev = c.get("train", {}), c.get("eval", {})
         ls = styles[i % len(styles)]  # arms share their history up to the branch: dashes show both
         if tr.get("step"):
-            ax_loss.plot(tr["step"], _smooth(tr["loss"]), label=arm, lw=1.3, ls=ls)
+            window = max(10, len(tr["loss"]) // 20)
+            ax_loss.plot(tr["step"], _smooth(tr["loss"], window), label=arm, lw=1.3, ls=ls)
         if ev.get("step"):
             ax_ne.plot(ev["step"], ev["ne"], label=arm, marker="o", ms=3, lw=1.3, ls=ls)
     for ax, name in ((ax_loss, "training loss (smoothed)"), (ax_ne, "held-out NE")):

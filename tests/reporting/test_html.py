@@ -3,7 +3,6 @@
 import html.parser
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
