@@ -22,27 +22,25 @@ def _baseline(a, b, out_dtype):
     return torch.mm(a, b).to(out_dtype)
 
 
-def _fp32(a, b, out_dtype):
-    """float32 GEMM with TF32 disabled."""
+def _float32_gemm(a, b, out_dtype, allow_tf32: bool):
     a, b = _plain(a), _plain(b)
     check_gemm_operands(a, b, out_dtype)
     prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
     try:
         return torch.mm(a.float(), b.float()).to(out_dtype)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev
+
+
+def _fp32(a, b, out_dtype):
+    """float32 GEMM with TF32 disabled."""
+    return _float32_gemm(a, b, out_dtype, allow_tf32=False)
 
 
 def _tf32(a, b, out_dtype):
-    a, b = _plain(a), _plain(b)
-    check_gemm_operands(a, b, out_dtype)
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
-    try:
-        return torch.mm(a.float(), b.float()).to(out_dtype)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
+    """float32 inputs on TF32 tensor cores."""
+    return _float32_gemm(a, b, out_dtype, allow_tf32=True)
 
 
 register(Kernel("bf16", _baseline, library="torch", formats=("bf16", "bf16"),
