@@ -1,0 +1,156 @@
+"""Fused norm -> activation -> FP8 quantization against the unfused ops, at Wukong's shapes.
+
+Every producer of an FP8 GEMM input in the Wukong ``paper`` model with Mods:
+
+* ``fmb_norm``: the FMB's BlockNorm over n*k = 2048 features, feeding ``fmb.mlp.0``;
+* ``fmb_act``: the Hard Swish between ``fmb.mlp.0`` and ``fmb.mlp.2`` (2048 features);
+* ``top_norm``: the last layer's norm over d = 256, flattened to 16384 features (a
+  BlockNorm of block 256), feeding ``over_arch`` Linear 0;
+* ``top_act``: the Hard Swish after ``over_arch`` Linear 0 (2048) and Linear 1 (1024);
+* ``norm_act``: BlockNorm then Hard Swish over 2048 (the composition the kernel is for).
+
+Each at batch 4096 in bf16, rowwise and tensorwise e4m3, timed with CUDA graphs
+(``loka.probe.timing.time_fn``, median) as:
+
+* ``fused``: ``loka.mods.fused.fused_norm_act_quant`` (one Triton kernel; tensorwise adds a
+  second pass for the global amax);
+* ``eager``: the PyTorch composition, then ``loka.numerics.quantize`` (the eager ops);
+* ``norm_compiled+quant_triton``: Inductor's norm (one kernel), then LoKA's Triton quantizer:
+  the best "separate quantization" pass;
+* ``inductor_fused``: the composition and the quantization in one ``torch.compile``
+  region, Inductor free to fuse them (the strongest baseline).
+
+The target (issue: fused at least 2x faster than norm + separate quantization) is read
+against ``norm_compiled+quant_triton``; the other rows are for context. The fused output is
+checked against the reference first (FP8 bytes of ``quantize`` of its own high-precision
+output, bit for bit; high-precision output within bf16 rounding of the float32
+composition).
+
+    PYTHONPATH=. python bench/bench_fused_norm.py [--out bench/results/fused_norm_h200.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from loka.mods.fused import fused_norm_act_quant, reference_norm_act  # noqa: E402
+from loka.numerics import quantize  # noqa: E402
+from loka.probe.report import atomic_write_text  # noqa: E402
+from loka.probe.timing import time_fn  # noqa: E402
+
+CASES = (  # name, M, D, norm, act
+    ("fmb_norm", 4096, 2048, "blocknorm", "identity"),
+    ("fmb_act", 4096, 2048, "none", "hardswish"),
+    ("top_norm", 4096, 16384, "blocknorm", "identity"),
+    ("top_act_2048", 4096, 2048, "none", "hardswish"),
+    ("top_act_1024", 4096, 1024, "none", "hardswish"),
+    ("norm_act", 4096, 2048, "blocknorm", "hardswish"),
+)
+
+
+def _triton_quant(y: torch.Tensor, gran: str):
+    from loka.kernels.triton import quantize as tq
+    if gran == "rowwise":
+        return tq.quantize_rowwise(y, "e4m3")
+    return tq.quantize_tensorwise(y, "e4m3")
+
+
+def check(x, norm, act, gran) -> dict:
+    """Numerics of the fused kernel against its reference, as numbers."""
+    y, q = fused_norm_act_quant(x, norm, 256, act, "e4m3", gran, backend="triton")
+    ref = reference_norm_act(x.float(), norm, 256, act)
+    q_ref = quantize(y, "e4m3", gran)
+    same_bytes = bool(torch.equal(q.data.view(torch.uint8), q_ref.data.view(torch.uint8)))
+    same_scale = bool(torch.equal(q.scale.float().reshape(-1), q_ref.scale.float().reshape(-1)))
+    hp_err = ((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+    return {"fp8_bytes_equal_quantize_of_output": same_bytes, "scales_equal": same_scale,
+            "hp_max_rel_error_vs_fp32": hp_err}
+
+
+def bench_case(name, m, d, norm, act, gran, device, budget_ms) -> dict:
+    g = torch.Generator(device=device).manual_seed(0)
+    x = (torch.randn(m, d, device=device, generator=g) * 3 + 0.5).to(torch.bfloat16)
+    row = {"case": name, "M": m, "D": d, "norm": norm, "act": act, "granularity": gran}
+    row.update(check(x, norm, act, gran))
+
+    norm_c = torch.compile(lambda t: reference_norm_act(t, norm, 256, act), dynamic=False)
+    both_c = torch.compile(lambda t: quantize(reference_norm_act(t, norm, 256, act), "e4m3", gran),
+                           dynamic=False)
+    fns = {
+        "fused": lambda: fused_norm_act_quant(x, norm, 256, act, "e4m3", gran, backend="triton"),
+        "eager": lambda: quantize(reference_norm_act(x, norm, 256, act), "e4m3", gran),
+        "norm_compiled+quant_triton": lambda: _triton_quant(norm_c(x), gran),
+        "inductor_fused": lambda: both_c(x),
+        "norm_compiled_only": lambda: norm_c(x),
+    }
+    times = {}
+    for k, fn in fns.items():
+        try:
+            r = time_fn(fn, device, warmup=5, iters=100, budget_ms=budget_ms)
+            times[k] = {"us": r.median_us, "method": r.method}
+        except Exception as e:  # noqa: BLE001 - one failing baseline must not lose the rest
+            times[k] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    row["times"] = times
+    # bytes that must move: read x (bf16), write y (bf16) and q (fp8)
+    moved = m * d * (2 + 2 + 1)
+    if "us" in times["fused"]:
+        row["fused_gb_per_s"] = moved / times["fused"]["us"] / 1e3
+        for k in ("eager", "norm_compiled+quant_triton", "inductor_fused"):
+            if "us" in times[k]:
+                row[f"speedup_vs_{k}"] = times[k]["us"] / times["fused"]["us"]
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None)
+    p.add_argument("--budget-ms", type=float, default=20.0, help="timing budget per call")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_fused_norm needs a CUDA GPU (the fused kernel is Triton)", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    gpu = torch.cuda.get_device_name(device)
+    rows = []
+    for name, m, d, norm, act in CASES:
+        for gran in ("rowwise", "tensorwise"):
+            row = bench_case(name, m, d, norm, act, gran, device, args.budget_ms)
+            rows.append(row)
+            t = row["times"]
+            print(f"{name:14s} {gran:10s} " + " ".join(
+                f"{k}={v['us']:.1f}us" if "us" in v else f"{k}=ERR" for k, v in t.items())
+                + f"  x{row.get('speedup_vs_norm_compiled+quant_triton', float('nan')):.2f}",
+                flush=True)
+    sp = [r["speedup_vs_norm_compiled+quant_triton"] for r in rows
+          if "speedup_vs_norm_compiled+quant_triton" in r]
+    out = {
+        "schema": "loka.bench.fused-norm", "version": 1,
+        "env": {"gpu": gpu, "torch": torch.__version__, "python": platform.python_version(),
+                "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                "commit": os.environ.get("LOKA_COMMIT", "")},
+        "rows": rows,
+        "summary": {"min_speedup_vs_separate_quant": min(sp) if sp else None,
+                    "geomean_speedup_vs_separate_quant":
+                        (float(torch.tensor(sp).log().mean().exp()) if sp else None),
+                    "all_numerics_exact": all(r["fp8_bytes_equal_quantize_of_output"]
+                                              and r["scales_equal"] for r in rows)},
+    }
+    path = Path(args.out or f"bench/results/fused_norm_{gpu.split()[-1].lower()}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(out, indent=1))
+    print(f"wrote {path}: {out['summary']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
