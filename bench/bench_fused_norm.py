@@ -82,6 +82,7 @@ def bench_case(name, m, d, norm, act, gran, device, budget_ms) -> dict:
     x = (torch.randn(m, d, device=device, generator=g) * 3 + 0.5).to(torch.bfloat16)
     row = {"case": name, "M": m, "D": d, "norm": norm, "act": act, "granularity": gran}
     row.update(check(x, norm, act, gran))
+    torch._dynamo.reset()  # each case compiles its own baselines, none hits a recompile limit
 
     norm_c = torch.compile(lambda t: reference_norm_act(t, norm, 256, act), dynamic=False)
     both_c = torch.compile(lambda t: quantize(reference_norm_act(t, norm, 256, act), "e4m3", gran),

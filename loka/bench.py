@@ -314,8 +314,10 @@ def prepare_train(name: str, cfg: BenchConfig, device: torch.device, shared: dic
         kernel, big = _uniform_spec(name)
         uniform_fp8(model, kernel, big_only=big)
     elif name.startswith("loka"):
-        report, plan = _loka_plan(model, batch, cfg, device, row)
-        shared["loka_plan"] = plan
+        plan = shared.get("loka_plan")
+        if plan is None:  # one Probe pass serves every LoKA variant of the run
+            _, plan = _loka_plan(model, batch, cfg, device, row)
+            shared["loka_plan"] = plan
         from .dispatch import apply
         apply(model, plan)
     row["fp8_sites"] = _count_fp8(model)

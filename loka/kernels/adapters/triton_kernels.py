@@ -6,9 +6,11 @@ kernel                      quantization (both operands)                GEMM
 triton-rowwise              Triton, one pass (two stages for wgrad)      Triton rowwise
 triton-rowwise-fastacc      same                                         same, fast accum
 triton-rowwise-cublas       same                                         ``_scaled_mm`` rowwise
+triton-rowwise-cublas-fastacc  same                                      same, fast accum
 triton-rowwise-e5m2         same, gradient operand in e5m2 (dgrad/wgrad) Triton rowwise
 triton-tensorwise           Triton, two-stage amax                       Triton (scalar scales)
 triton-tensorwise-cublas    same                                         ``_scaled_mm``
+triton-tensorwise-cublas-fastacc  same                                   same, fast accum
 triton-blockwise            Triton, 1x128 / 128x128                      Triton blockwise
 triton-blockwise-cublas     same                                         ``F.scaled_mm``
 =========================  ==========================================  ====================
@@ -64,8 +66,8 @@ def _(x, fmt, granularity, layout):
     r, c = x.shape
     dtype = get_format(fmt).dtype
     q = x.new_empty((r, c) if layout == "row" else (c, r), dtype=dtype)
-    if granularity == "rowwise":
-        shape = (r, 1)
+    if granularity == "rowwise":  # one scale per row of x; 'col' returns them as (1, C)
+        shape = (r, 1) if layout == "row" else (1, c)
     elif granularity == "tensorwise":
         shape = (1, 1)
     elif granularity == "blockwise_1x128":
@@ -92,7 +94,7 @@ def _quantize_direct(x, fmt, granularity, layout):
         if layout == "row":
             return quantize.quantize_rowwise(x, fmt)
         q, s = quantize.quantize_rowwise(x.t(), fmt)
-        return q.t(), s.t()
+        return q.t(), s.reshape(1, -1)  # (1, C) with canonical strides, as the fake
     if granularity == "tensorwise":
         return quantize.quantize_tensorwise(x, fmt, layout)
     if granularity == "blockwise_1x128":
@@ -220,6 +222,9 @@ TRITON_KERNELS = (
                                    "accumulation"),
     make_triton_kernel("triton-rowwise-cublas", RW, gemm="cublas",
                        description="Triton rowwise quantization + torch._scaled_mm rowwise"),
+    make_triton_kernel("triton-rowwise-cublas-fastacc", RW, gemm="cublas", fast_accum=True,
+                       description="Triton rowwise quantization + torch._scaled_mm rowwise, "
+                                   "fast accumulation"),
     make_triton_kernel("triton-rowwise-e5m2", RW, gemm="triton", a_format="e5m2",
                        roles=GRAD_ROLES,
                        description="Triton rowwise quantization (e5m2 gradient) + Triton GEMM"),
@@ -227,6 +232,9 @@ TRITON_KERNELS = (
                        description="Triton two-stage tensorwise quantization + Triton GEMM"),
     make_triton_kernel("triton-tensorwise-cublas", TW, gemm="cublas",
                        description="Triton tensorwise quantization + torch._scaled_mm"),
+    make_triton_kernel("triton-tensorwise-cublas-fastacc", TW, gemm="cublas", fast_accum=True,
+                       description="Triton tensorwise quantization + torch._scaled_mm, fast "
+                                   "accumulation"),
     make_triton_kernel("triton-blockwise", BW, gemm="triton",
                        description="Triton 1x128/128x128 quantization + Triton blockwise GEMM"),
     make_triton_kernel("triton-blockwise-cublas", BW, gemm="cublas",
