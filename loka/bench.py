@@ -24,7 +24,7 @@ import subprocess
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -32,6 +32,11 @@ from .config import ModsConfig, ProbeConfig
 from .kernels import capabilities as caps
 
 TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+PROBE_KERNELS = ("bf16", "cublas-rowwise", "cublas-tensorwise", "cublas-rowwise-fastacc",
+                 "triton-rowwise", "triton-rowwise-cublas", "triton-rowwise-cublas-fastacc",
+                 "triton-tensorwise-cublas", "fbgemm-rowwise", "torchao-rowwise",
+                 "emulated-rowwise-e4m3", "emulated-tensorwise-e4m3")
+"""the Probe's default shortlist in the benchmark (kernels absent on a device are skipped)"""
 TRAIN_VARIANTS = (
     ["bf16", "bf16+graphs", "bf16+mods", "bf16+mods+graphs"]
     + [f"torchao-{r}{a}{m}" for m in ("", "+mods") for r in TORCHAO_RECIPES for a in ("", "-auto")]
@@ -65,6 +70,16 @@ class BenchConfig:
     min_speedup: float = 1.05
     probe_steps: int = 3
     probe_samples: int = 16
+    probe_kernels: Optional[Tuple[str, ...]] = PROBE_KERNELS
+    """kernels the LoKA variants' Probe measures (None: every available kernel; the
+    default is a shortlist of one kernel per library and scaling, which keeps the Probe
+    to about a minute on the paper preset)"""
+    plan: Optional[str] = None
+    """a plan JSON to apply in the LoKA variants instead of probing (the plan of an
+    earlier run: ``<out>.plan.json``)"""
+    profile: Tuple[str, ...] = ()
+    """variants whose timed step is also profiled (torch.profiler, CUDA only): GPU time
+    per kernel class goes into the row's ``profile``"""
     table_rows: Optional[int] = 1000
     """cap on embedding-table rows, so that the optimizer update of huge tables does not
     drown the dense part the benchmark is about (None: the preset's tables)"""
@@ -257,9 +272,17 @@ def _loka_plan(model, batch, cfg: BenchConfig, device, log: dict):
     """Probe the Mods model on a few real steps, plan under the budget."""
     from . import dispatch, probe as probe_mod
 
+    if cfg.plan:
+        plan = dispatch.Plan.load(cfg.plan)
+        log["plan_source"] = cfg.plan
+        return None, plan
     opt = _optimizer(model, device, capturable=False)
+    kernels = None
+    if cfg.probe_kernels is not None:
+        from .kernels import registry
+        kernels = tuple(k.name for k in registry.available(device, names=cfg.probe_kernels))
     pcfg = ProbeConfig(every_n_steps=1, num_samples=cfg.probe_samples, bootstrap=200,
-                       seed=cfg.seed)
+                       seed=cfg.seed, kernels=kernels, compare_naive=False)
     t0 = time.perf_counter()
     report = probe_mod.probe(model, [batch] * cfg.probe_steps, _loss, config=pcfg, optimizer=opt)
     log["probe_s"] = time.perf_counter() - t0
@@ -316,8 +339,8 @@ def prepare_train(name: str, cfg: BenchConfig, device: torch.device, shared: dic
     elif name.startswith("loka"):
         plan = shared.get("loka_plan")
         if plan is None:  # one Probe pass serves every LoKA variant of the run
-            _, plan = _loka_plan(model, batch, cfg, device, row)
-            shared["loka_plan"] = plan
+            report, plan = _loka_plan(model, batch, cfg, device, row)
+            shared["loka_plan"], shared["loka_report"] = plan, report
         from .dispatch import apply
         apply(model, plan)
     row["fp8_sites"] = _count_fp8(model)
@@ -347,8 +370,68 @@ def run_train_variant(name: str, cfg: BenchConfig, device: torch.device, shared:
     row["final_loss"] = float(loss.detach())
     if device.type == "cuda":
         row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+        if name in cfg.profile:
+            row["profile"] = profile_breakdown(step)
     row["samples_per_s"] = batch.labels.shape[0] / (row["median_ms"] / 1e3)
     return row
+
+
+# -- where the time goes ------------------------------------------------------------------
+KERNEL_CLASSES = ("gemm", "gemm-fp8", "quantize", "triton", "embedding", "optimizer", "other")
+
+
+def kernel_class(name: str) -> str:
+    """The class of a CUDA kernel by its name: GEMM (bf16), FP8 GEMM, LoKA's quantizers,
+    Triton (Inductor-generated), embedding, optimizer, or other."""
+    n = name.lower()
+    # cuBLAS's Hopper kernels are named nvjet_*: "qq" marks FP8 operands (e.g. _qqtst_)
+    if n.startswith("nvjet") and "_qq" in n:
+        return "gemm-fp8"
+    if any(t in n for t in ("f8f8", "fp8", "e4m3", "scaled_mm")) and "gemm" in n:
+        return "gemm-fp8"
+    if "_quantize" in n and ("rowwise" in n or "tensorwise" in n or "blockwise" in n
+                             or "amax" in n):
+        return "quantize"  # LoKA's Triton quantizers (loka/kernels/triton/quantize.py)
+    if any(t in n for t in ("radix_sort", "sum_and_scatter", "compute_grad_weight_bags",
+                            "embeddingbag", "embedding_bag", "krn_partials_per_segment",
+                            "segment_offsets")):
+        return "embedding"
+    if any(t in n for t in ("gemm", "cutlass", "xmma", "cublas", "nvjet", "sm90_", "matmul")):
+        return "gemm-fp8" if "e4m3" in n or "f8" in n else "gemm"
+    if "embedding" in n or "index_select" in n or "indexing_backward" in n:
+        return "embedding"
+    if "adam" in n or "multi_tensor" in n or "foreach" in n:
+        return "optimizer"
+    if n.startswith("triton_") or "triton" in n:
+        return "triton"
+    return "other"
+
+
+def profile_breakdown(step: Callable[[], object], steps: int = 5, top: int = 30) -> dict:
+    """GPU time per step by kernel class (and the ``top`` kernels) over ``steps`` steps of
+    an already warmed-up ``step``, with torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    per_kernel: Dict[str, float] = {}
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        key = evt.key or ""
+        # CPU-op rows summarise their kernels (they would count twice)
+        if not t or key.startswith(("aten::", "cuda", "Torch-Compiled", "CompiledFunction",
+                                    "## ", "ProfilerStep")):
+            continue
+        per_kernel[key] = per_kernel.get(key, 0.0) + t / steps
+    cats = {c: 0.0 for c in KERNEL_CLASSES}
+    for k, v in per_kernel.items():
+        cats[kernel_class(k)] += v
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]
+    return {"gpu_us_per_step": sum(per_kernel.values()), "by_class_us": cats,
+            "top_kernels_us": [[k, v, kernel_class(k)] for k, v in ranked], "steps": steps}
 
 
 def run_infer_variant(name: str, cfg: BenchConfig, device: torch.device, shared: dict) -> dict:
@@ -428,7 +511,10 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
             _write(result, out)
     if "loka_plan" in shared:
         plan = shared["loka_plan"]
-        result["loka_plan"] = plan.to_dict() if hasattr(plan, "to_dict") else str(plan)
+        result["loka_plan"] = plan.to_dict()
+        plan.save(out.removesuffix(".json") + ".plan.json")
+    if shared.get("loka_report") is not None:
+        shared["loka_report"].save(out.removesuffix(".json") + ".report.json")
     _write(result, out)
     if cfg.plot:
         with contextlib.suppress(Exception):
@@ -513,6 +599,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-speedup", type=float, default=1.05, help="LoKA plan speed threshold")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/<date>-<gpu>-<commit>.json)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
+    p.add_argument("--plan", default=None,
+                   help="apply this plan JSON in the LoKA variants instead of probing")
+    p.add_argument("--probe-kernels", default=None,
+                   help="comma list of kernels the Probe measures, or 'all' "
+                        f"(default: {','.join(PROBE_KERNELS)})")
+    p.add_argument("--profile", default="",
+                   help="comma list of training variants to profile by kernel class (CUDA)")
 
 
 def _variants(text: Optional[str], default, allowed) -> List[str]:
@@ -538,7 +631,11 @@ def config_from_args(args) -> BenchConfig:
         train_variants=_variants(args.train_variants, TRAIN_VARIANTS, TRAIN_VARIANTS),
         infer_variants=_variants(args.infer_variants, INFER_VARIANTS, INFER_VARIANTS),
         max_error=args.max_error, min_speedup=args.min_speedup, out=args.out,
-        plot=not args.no_plot)
+        plot=not args.no_plot, plan=args.plan,
+        probe_kernels=(PROBE_KERNELS if args.probe_kernels is None else None
+                       if args.probe_kernels.strip() == "all"
+                       else tuple(k.strip() for k in args.probe_kernels.split(",") if k.strip())),
+        profile=tuple(v.strip() for v in args.profile.split(",") if v.strip()))
 
 
 def run_from_args(args) -> dict:

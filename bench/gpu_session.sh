@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One benchmark session on a GPU machine that cannot reach the network: installs the
+# wheels carried in .whl/ (torchao, fbgemm-gpu-genai) beside the machine's own torch, then
+# runs the stages named on the command line, each under its own time limit, logging
+# everything to $OUT/session.log. Results are JSON files under $OUT.
+#
+#   OUT=/tmp/out LOKA_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_session.sh selftest bench
+#
+# Stages: env, selftest, kernels, bench, fused, quality, probe. Extra arguments for a
+# stage come from the environment: BENCH_ARGS, KERNEL_ARGS, QUALITY_ARGS, PROBE_ARGS.
+set -u
+OUT=${OUT:-bench/results/session}
+mkdir -p "$OUT"
+LOG=$OUT/session.log
+export PYTHONUNBUFFERED=1
+export LOKA_COMMIT=${LOKA_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >>"$LOG" 2>&1 && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+
+stage() {  # stage NAME LIMIT_S CMD...: run CMD under a time limit, log it, never abort
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name start $(date +%T) (limit ${limit}s): $*" | tee -a "$LOG"
+  timeout "$limit" "$@" >>"$LOG" 2>&1
+  echo "=== $name rc=$? end $(date +%T)" | tee -a "$LOG"
+}
+
+for s in "$@"; do
+  case $s in
+    env) stage env 60 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name()); import loka.kernels as k; print([x.name for x in k.available('cuda')]); from loka.kernels.adapters import FAILED; print('adapter failures:', FAILED)" ;;
+    selftest) stage selftest "${SELFTEST_LIMIT:-120}" python3 bench/gpu_selftest.py --out "$OUT/selftest.json" ;;
+    kernels) stage kernels "${KERNELS_LIMIT:-240}" python3 bench/bench_kernels.py --out "$OUT/kernels.json" ${KERNEL_ARGS:-} ;;
+    bench) stage bench "${BENCH_LIMIT:-420}" python3 bench/run_all.py --device cuda --out "$OUT/bench.json" ${BENCH_ARGS:-} ;;
+    fused) stage fused "${FUSED_LIMIT:-90}" python3 bench/bench_fused_norm.py --out "$OUT/fused_norm.json" ;;
+    quality) stage quality "${QUALITY_LIMIT:-300}" python3 bench/quality_at_scale.py --out "$OUT/quality.json" ${QUALITY_ARGS:-} ;;
+    probe) stage probe "${PROBE_LIMIT:-240}" python3 bench/bench_probe.py --out "$OUT/probe.json" ${PROBE_ARGS:-} ;;
+    *) echo "unknown stage $s" | tee -a "$LOG" ;;
+  esac
+done
+grep -E "^(PASS|FAIL)|^===|x[0-9.]+ vs|FAILED|Error" "$LOG" | tail -150
