@@ -31,6 +31,19 @@ def bench_table(path: str) -> str:
                        f"{f('speedup_vs_bf16+mods')} | {f('speedup_vs_bf16+mods+graphs')} | "
                        f"{f('peak_mem_gb', '{:.2f}')} |")
         out.append("")
+    prof = [row for row in r.get("train", []) if "profile" in row]
+    if prof:
+        classes = ("gemm", "gemm-fp8", "quantize", "triton", "embedding", "optimizer", "other")
+        out += ["**where the GPU time goes** (training step, ms per step by kernel class, "
+                "torch.profiler over the timed step)", "",
+                "| variant | GPU ms | " + " | ".join(classes) + " |",
+                "|---|---|" + "---|" * len(classes)]
+        for row in prof:
+            p = row["profile"]
+            by = p["by_class_us"]
+            out.append(f"| {row['variant']} | {p['gpu_us_per_step'] / 1e3:.2f} | "
+                       + " | ".join(f"{by.get(c, 0.0) / 1e3:.2f}" for c in classes) + " |")
+        out.append("")
     for note in r.get("notes", []):
         out.append(f"- {note}")
     return "\n".join(out)

@@ -378,20 +378,26 @@ def run_train_variant(name: str, cfg: BenchConfig, device: torch.device, shared:
 
 # -- where the time goes ------------------------------------------------------------------
 KERNEL_CLASSES = ("gemm", "gemm-fp8", "quantize", "triton", "embedding", "optimizer", "other")
+QUANTIZE_KERNELS = ("rowwise_quant_kernel", "rowwise_amax_split_kernel",
+                    "rowwise_cast_split_kernel", "tensor_amax_kernel", "tensor_cast_kernel",
+                    "block_quant_kernel", "norm_act_quant_kernel")
+"""LoKA's Triton kernels that quantize (loka/kernels/triton/); the fused norm -> quantize
+kernel counts here too: it replaces a norm plus a quantization pass"""
 
 
 def kernel_class(name: str) -> str:
-    """The class of a CUDA kernel by its name: GEMM (bf16), FP8 GEMM, LoKA's quantizers,
-    Triton (Inductor-generated), embedding, optimizer, or other."""
+    """The class of a CUDA kernel by its name: GEMM (bf16), FP8 GEMM, quantization
+    (LoKA's Triton quantizers, FBGEMM's), Triton (Inductor-generated), embedding,
+    optimizer, or other."""
     n = name.lower()
     # cuBLAS's Hopper kernels are named nvjet_*: "qq" marks FP8 operands (e.g. _qqtst_)
     if n.startswith("nvjet") and "_qq" in n:
         return "gemm-fp8"
-    if any(t in n for t in ("f8f8", "fp8", "e4m3", "scaled_mm")) and "gemm" in n:
-        return "gemm-fp8"
-    if "_quantize" in n and ("rowwise" in n or "tensorwise" in n or "blockwise" in n
-                             or "amax" in n):
-        return "quantize"  # LoKA's Triton quantizers (loka/kernels/triton/quantize.py)
+    if n.startswith(QUANTIZE_KERNELS) or "quantize_fp8" in n:
+        return "quantize"  # standalone quantization: LoKA's Triton kernels, FBGEMM's
+    if n.startswith(("rowwise_gemm_kernel", "blockwise_gemm_kernel")) or "f8f8" in n or (
+            any(t in n for t in ("fp8", "e4m3", "scaled_mm")) and "gemm" in n):
+        return "gemm-fp8"  # LoKA's Triton FP8 GEMMs, CUTLASS (FBGEMM's f8f8bf16*), cuBLAS
     if any(t in n for t in ("radix_sort", "sum_and_scatter", "compute_grad_weight_bags",
                             "embeddingbag", "embedding_bag", "krn_partials_per_segment",
                             "segment_offsets")):

@@ -1,0 +1,173 @@
+"""The benchmark harness (``loka bench``, bench/run_all.py) end to end on the CPU, and the
+helpers that turn its output into tables. No time is asserted: CPU timings mean nothing
+for FP8 on a GPU; what is checked is that every row is measured, the ratios are the ratios
+of the rows, and the plan and report it writes load back."""
+
+import importlib.util
+import json
+import math
+import os
+
+import pytest
+
+from loka import bench
+from loka.dispatch.plan import Plan
+from loka.probe.report import ProbeReport
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "bench", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _cfg(tmp_path, **kw):
+    base = dict(model="wukong", preset="tiny", device="cpu", steps=2, warmup=1, compile=False,
+                train_variants=["bf16", "bf16+mods", "loka+mods"],
+                infer_variants=["bf16", "loka+mods"], out=str(tmp_path / "run.json"),
+                plot=False, probe_steps=2, probe_samples=4)
+    base.update(kw)
+    return bench.BenchConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    result = bench.run(_cfg(tmp), progress=lambda s: None)
+    return tmp, result
+
+
+def test_cpu_run_measures_every_row_and_writes_plan_and_report(first_run):
+    tmp, result = first_run
+    assert [r["variant"] for r in result["train"]] == ["bf16", "bf16+mods", "loka+mods"]
+    assert [r["variant"] for r in result["infer"]] == ["bf16", "loka+mods"]
+    for row in result["train"] + result["infer"]:
+        assert "error" not in row, row.get("traceback")
+        assert row["median_ms"] > 0 and row["min_ms"] <= row["median_ms"] <= row["max_ms"]
+        assert row["timing"] == "cpu-wallclock"
+    for mode in ("train", "infer"):
+        rows = {r["variant"]: r for r in result[mode]}
+        base = rows["bf16"]["median_ms"]
+        assert rows["bf16"]["speedup_vs_bf16"] == 1.0
+        for r in rows.values():
+            assert r["speedup_vs_bf16"] == pytest.approx(base / r["median_ms"], rel=1e-12)
+    train = {r["variant"]: r for r in result["train"]}
+    assert train["loka+mods"]["speedup_vs_bf16+mods"] == pytest.approx(
+        train["bf16+mods"]["median_ms"] / train["loka+mods"]["median_ms"], rel=1e-12)
+    assert math.isfinite(train["loka+mods"]["final_loss"])
+    assert train["loka+mods"]["probe_s"] > 0
+    # the JSON on disk is the returned result; the plan and the report load and validate
+    on_disk = json.load(open(tmp / "run.json"))
+    assert [r["variant"] for r in on_disk["train"]] == ["bf16", "bf16+mods", "loka+mods"]
+    plan = Plan.load(str(tmp / "run.plan.json"))
+    report = ProbeReport.load(str(tmp / "run.report.json"))
+    assert set(plan.sites) == set(report.sites)
+    assert len(plan.sites) == 11  # Wukong tiny: 4 Linears in each of 2 layers, 2 top, the logit
+    assert on_disk["loka_plan"] == plan.to_dict()
+    # the Probe measured the benchmark's shortlist only (what of it runs on this machine)
+    measured = {k for s in report.sites.values() for rr in s.roles.values() for k in rr.kernels}
+    assert measured and measured <= set(bench.PROBE_KERNELS)
+
+
+def test_plan_file_replaces_the_probe(first_run, tmp_path):
+    tmp, _ = first_run
+    result = bench.run(_cfg(tmp_path, train_variants=["loka+mods"], infer_variants=[],
+                            plan=str(tmp / "run.plan.json")), progress=lambda s: None)
+    row = result["train"][0]
+    assert "error" not in row, row.get("traceback")
+    assert row["plan_source"] == str(tmp / "run.plan.json") and "probe_s" not in row
+    assert not (tmp_path / "run.report.json").exists()  # nothing was probed
+    assert Plan.load(str(tmp_path / "run.plan.json")).to_dict() == \
+        Plan.load(str(tmp / "run.plan.json")).to_dict()
+
+
+def test_torchao_rows_are_skipped_with_a_note_when_absent(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench.caps, "torchao_available", lambda: False)
+    result = bench.run(_cfg(tmp_path, train_variants=["bf16", "torchao-rowwise"],
+                            infer_variants=["torchao-tensorwise"]), progress=lambda s: None)
+    assert [r["variant"] for r in result["train"]] == ["bf16"] and result["infer"] == []
+    assert result["notes"] == ["torchao is not installed: torchao rows skipped"]
+
+
+def test_a_failing_variant_is_recorded_and_the_rest_still_run(tmp_path, monkeypatch):
+    real = bench.build_model
+
+    def broken(cfg, mods, device):
+        if mods is not None:
+            raise RuntimeError("boom")
+        return real(cfg, mods, device)
+    monkeypatch.setattr(bench, "build_model", broken)
+    result = bench.run(_cfg(tmp_path, train_variants=["bf16+mods", "bf16"], infer_variants=[]),
+                       progress=lambda s: None)
+    bad, good = result["train"]
+    assert bad["error"] == "RuntimeError: boom" and "median_ms" not in bad
+    assert good["median_ms"] > 0 and good["speedup_vs_bf16"] == 1.0
+
+
+def test_unknown_variants_are_refused():
+    with pytest.raises(ValueError, match="unknown variant"):
+        bench._variants("bf16,warp", bench.TRAIN_VARIANTS, bench.TRAIN_VARIANTS)
+    assert bench._variants("none", bench.TRAIN_VARIANTS, bench.TRAIN_VARIANTS) == []
+    assert bench._variants("loka-uniform-cublas-rowwise-big+mods", bench.TRAIN_VARIANTS,
+                           bench.TRAIN_VARIANTS) == ["loka-uniform-cublas-rowwise-big+mods"]
+
+
+@pytest.mark.parametrize("name, cls", [
+    ("nvjet_sm90_qqtst_128x128_64x4_1x2_h_bz_coopA_NNT", "gemm-fp8"),
+    ("nvjet_sm90_tst_192x128_64x4_2x1_v_bz_coopB_TNN", "gemm"),
+    ("sm90_xmma_gemm_e4m3e4m3_e4m3f32_f32_tn_n_tilesize128x128x128", "gemm-fp8"),
+    ("void f8f8bf16_rowwise_impl<128, 128>(...)", "gemm-fp8"),
+    ("rowwise_quant_kernel", "quantize"),
+    ("rowwise_cast_split_kernel", "quantize"),
+    ("norm_act_quant_kernel", "quantize"),
+    ("rowwise_gemm_kernel", "gemm-fp8"),
+    ("void fbgemm_gpu::quantize_fp8_per_row_kernel<...>", "quantize"),
+    ("triton_per_fused_abs_amax_clamp_div_0", "triton"),
+    ("void at::native::(anonymous namespace)::embedding_bag_nbits_rowwise", "embedding"),
+    ("void cub::DeviceRadixSortOnesweepKernel<radix_sort...>", "embedding"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>",
+     "optimizer"),
+    ("void at::native::vectorized_elementwise_kernel<4, FillFunctor<float>>", "other"),
+])
+def test_kernel_classes(name, cls):
+    assert bench.kernel_class(name) == cls
+
+
+def test_benchmarks_md_renders_rows_ratios_and_profile(tmp_path):
+    md = _load("make_benchmarks_md")
+    result = {
+        "env": {"device": "cuda", "gpu": "NVIDIA H200", "date": "2026-12-03T00:00:00",
+                "commit": "abc1234", "torch": "2.11.0", "triton": "3.6.0", "torchao": "0.17.0"},
+        "config": {"model": "wukong", "preset": "paper", "steps": 20},
+        "train": [
+            {"variant": "bf16+mods", "median_ms": 10.0, "fp8_sites": 0, "samples_per_s": 409600.0,
+             "speedup_vs_bf16+mods": 1.0, "peak_mem_gb": 3.0,
+             "profile": {"gpu_us_per_step": 9500.0, "by_class_us": {"gemm": 6000.0, "triton": 2500.0,
+                                                                      "optimizer": 1000.0}}},
+            {"variant": "loka+mods", "error": "RuntimeError: no GPU"},
+        ],
+        "infer": [], "notes": ["torchao is not installed: torchao rows skipped"]}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    text = md.bench_table(str(path))
+    assert "| bf16+mods | 0 | 10.000 | 409,600 | - | 1.000 | - | 3.00 |" in text
+    assert "| loka+mods | failed: RuntimeError: no GPU |" in text
+    assert "| bf16+mods | 9.50 | 6.00 | 0.00 | 0.00 | 2.50 | 0.00 | 1.00 | 0.00 |" in text
+    assert "- torchao is not installed: torchao rows skipped" in text
+
+
+def test_quality_summary_pairs_arms_by_seed():
+    q = _load("quality_at_scale")
+    runs = [{"arm": "bf16+mods", "seed": 0, "final": {"ne": 0.80, "auc": 0.70}},
+            {"arm": "loka+mods", "seed": 0, "final": {"ne": 0.8008, "auc": 0.70}},
+            {"arm": "bf16+mods", "seed": 1, "final": {"ne": 0.82, "auc": 0.72}},
+            {"arm": "loka+mods", "seed": 1, "final": {"ne": 0.82, "auc": 0.72}}]
+    s = q.summarize(runs)
+    assert s["bf16+mods"]["ne_mean"] == pytest.approx(0.81)
+    assert s["bf16+mods"]["ne_std"] == pytest.approx(0.0141421356, rel=1e-6)
+    assert s["paired_ne_change_pct"]["per_seed"] == pytest.approx([0.1, 0.0])
+    assert s["paired_ne_change_pct"]["mean"] == pytest.approx(0.05)
+    assert s["seed_noise_pct"] == pytest.approx(100 * 0.0141421356 / 0.81, rel=1e-6)
