@@ -2,10 +2,6 @@
 numerics; torchao and FBGEMM when installed."""
 
 import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -125,18 +121,12 @@ def test_custom_op_fake_matches_the_real_op(granularity, layout):
 
 # -- numerics (FP8 GPU, or the interpreter) -----------------------------------------------
 
-def test_under_interpreter():
+def test_under_interpreter(run_under_interpreter):
     """Without an FP8 GPU the kernels run under Triton's CPU interpreter, which Triton
     picks when it is first imported: the tests of this file run in a fresh process."""
     if GPU or INTERPRETED or not HAS_TRITON:
         pytest.skip("the kernels run in this process" if HAS_TRITON else "no Triton")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-         "-k", "not test_under_interpreter"], cwd=Path(__file__).resolve().parents[2],
-        env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=900)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    assert int(re.search(r"(\d+) passed", out).group(1)) > 10, out[-2000:]
+    run_under_interpreter(__file__, "not test_under_interpreter", min_passed=11)
 
 
 def role_operands(role, m=48, k=160, n=64, seed=0):

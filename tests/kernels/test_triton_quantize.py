@@ -5,10 +5,6 @@ exact rounding in float32, see loka.kernels.triton.common)."""
 
 import importlib
 import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,18 +20,12 @@ DEVICE = "cuda" if GPU else "cpu"
 FORMATS = ["e4m3", "e5m2"]
 
 
-def test_under_interpreter():
+def test_under_interpreter(run_under_interpreter):
     """Without an FP8 GPU the kernels run under Triton's CPU interpreter, which Triton
     picks when it is first imported: the tests of this file run in a fresh process."""
     if GPU or INTERPRETED:
         pytest.skip("the kernels run in this process")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-         "-k", "not test_under_interpreter"], cwd=Path(__file__).resolve().parents[2],
-        env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=900)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    assert int(re.search(r"(\d+) passed", out).group(1)) > 10, out[-2000:]
+    run_under_interpreter(__file__, "not test_under_interpreter", min_passed=11)
 
 
 @pytest.fixture(scope="module")

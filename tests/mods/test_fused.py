@@ -4,10 +4,6 @@ against autograd, the module in front of a loka.Linear, and the Triton kernel (o
 GPU, or under Triton's CPU interpreter in a subprocess)."""
 
 import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -169,18 +165,12 @@ def test_custom_op_fake_shapes():
 
 # -- the Triton kernel ---------------------------------------------------------------------
 
-def test_under_interpreter():
+def test_under_interpreter(run_under_interpreter):
     """Without an FP8 GPU the kernel runs under Triton's CPU interpreter, which Triton
     picks when it is first imported: the tests of this file run in a fresh process."""
     if GPU or INTERPRETED or not HAS_TRITON:
         pytest.skip("the kernels run in this process" if HAS_TRITON else "no Triton")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-         "-k", "triton_kernel"], cwd=Path(__file__).resolve().parents[2],
-        env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=900)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
-    assert int(re.search(r"(\d+) passed", out).group(1)) >= 10, out[-2000:]
+    run_under_interpreter(__file__, "triton_kernel", min_passed=10)
 
 
 def kernel_runs_here():
