@@ -19,6 +19,17 @@ def _seed():
 
 
 @pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (the folders' conftest.py files and test_train.py
+    ask for it): the CI box has 2 shared cores, and one thread avoids oversubscription
+    stalls."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
 def run_under_interpreter():
     """``run(test_file, select, min_passed)``: run the tests of ``test_file`` chosen by
     ``-k select`` in a fresh process under Triton's CPU interpreter (which Triton picks when

@@ -10,12 +10,7 @@ from loka.train import (CHECKPOINT_NAME, TrainResult, evaluate, loss_fn, make_op
                         train)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _setup(name="wukong", seed=0, batch=64):

@@ -1,11 +1,6 @@
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    # the CI box has 2 shared cores: one intra-op thread avoids oversubscription stalls
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """Every test of this folder runs with one intra-op thread (tests/conftest.py)."""
