@@ -297,46 +297,41 @@ PROBE_HINT = "make one with 'loka probe wukong --preset tiny -o report.json'"
 PLAN_HINT = "make one with 'loka plan report.json -o plan.json'"
 
 
-def load_report(path: str):
-    from .probe.report import ProbeReport, ReportError
+def _load_file(load: Callable[[str], Any], path: str, kind: str,
+               hints: Tuple[Optional[str], Optional[str], Optional[str]]):
+    """``load(path)``, its usual failures turned into one-line CliErrors; ``hints`` for a
+    missing file, a directory, and a file that is not a valid ``kind`` file."""
+    from .probe.report import ReportError
 
+    missing, directory, invalid = hints
     try:
-        return ProbeReport.load(path)
+        return load(path)
     except FileNotFoundError:
-        raise CliError(f"{path}: no such file", PROBE_HINT) from None
+        raise CliError(f"{path}: no such file", missing) from None
     except IsADirectoryError:
-        raise CliError(f"{path} is a directory, not a report file", PROBE_HINT) from None
+        raise CliError(f"{path} is a directory, not a {kind} file", directory) from None
     except ReportError as e:
-        raise CliError(str(e).replace(": not a ", " is not a ", 1), PROBE_HINT) from None
+        raise CliError(str(e).replace(": not a ", " is not a ", 1), invalid) from None
+
+
+def load_report(path: str):
+    from .probe.report import ProbeReport
+
+    return _load_file(ProbeReport.load, path, "report", (PROBE_HINT,) * 3)
 
 
 def load_plan(path: str):
     from .dispatch.plan import Plan
-    from .probe.report import ReportError
 
-    try:
-        return Plan.load(path)
-    except FileNotFoundError:
-        raise CliError(f"{path}: no such file", PLAN_HINT) from None
-    except IsADirectoryError:
-        raise CliError(f"{path} is a directory, not a plan file", PLAN_HINT) from None
-    except ReportError as e:
-        raise CliError(str(e).replace(": not a ", " is not a ", 1), PLAN_HINT) from None
+    return _load_file(Plan.load, path, "plan", (PLAN_HINT,) * 3)
 
 
 def load_any(path: str):
-    from .probe.report import ReportError
     from .reporting import load
 
-    try:
-        return load(path)
-    except FileNotFoundError:
-        raise CliError(f"{path}: no such file", f"{PROBE_HINT}, or {PLAN_HINT}") from None
-    except IsADirectoryError:
-        raise CliError(f"{path} is a directory, not a report or plan file") from None
-    except ReportError as e:
-        raise CliError(str(e).replace(": not a ", " is not a ", 1),
-                       "pass a report.json (loka probe) or a plan.json (loka plan)") from None
+    return _load_file(load, path, "report or plan",
+                      (f"{PROBE_HINT}, or {PLAN_HINT}", None,
+                       "pass a report.json (loka probe) or a plan.json (loka plan)"))
 
 
 def load_curves(path: str) -> Dict[str, Any]:
