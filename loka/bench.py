@@ -43,9 +43,9 @@ TRAIN_VARIANTS = (
     + ["loka+mods", "loka+mods+graphs"]
 )
 INFER_VARIANTS = (
-    ["bf16", "bf16+mods"]
+    ["bf16", "bf16+mods", "bf16+mods+graphs"]
     + [f"torchao-{r}{m}" for m in ("", "+mods") for r in ("tensorwise", "rowwise")]
-    + ["loka+mods"]
+    + ["loka+mods", "loka+mods+graphs"]
 )
 
 
@@ -192,6 +192,25 @@ class GraphedStep:
     def __call__(self):
         self.graph.replay()
         return self.loss
+
+
+class GraphedForward:
+    """An inference forward (under ``torch.inference_mode``) captured in one CUDA graph."""
+
+    def __init__(self, model, batch, warmup: int = 3):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(warmup):
+                model(batch)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(self.graph):
+            self.out = model(batch)
+
+    def __call__(self):
+        self.graph.replay()
+        return self.out
 
 
 def _time_steps(step: Callable[[], object], device: torch.device, steps: int, warmup: int) -> dict:
@@ -448,21 +467,32 @@ def run_infer_variant(name: str, cfg: BenchConfig, device: torch.device, shared:
     if name.startswith("torchao-"):
         _torchao_inference(model, name[len("torchao-"):].split("+")[0])
     elif name.startswith("loka"):
-        plan = shared.get("loka_plan")
-        if plan is None:
+        from .dispatch import apply, plan as make_plan
+
+        if "loka_plan" not in shared:
             model.train()
-            _, plan = _loka_plan(model, batch, cfg, device, row)
+            shared["loka_report"], shared["loka_plan"] = _loka_plan(model, batch, cfg, device, row)
             model.eval()
-        from .dispatch import apply
+        plan, report = shared["loka_plan"], shared.get("loka_report")
+        if report is not None:  # serving: judge the forward with the weight quantized once
+            if "loka_infer_plan" not in shared:
+                shared["loka_infer_plan"] = make_plan(report, max_error=cfg.max_error,
+                                                      min_speedup=cfg.min_speedup,
+                                                      inference=True)
+            plan = shared["loka_infer_plan"]
+        row["plan_fwd_fp8_sites"] = len(plan.fp8_sites())
         apply(model, plan, inference=True)
     row["fp8_sites"] = _count_fp8(model)
     compiled = _maybe_compile(model, cfg)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    def step():
-        with torch.inference_mode():
-            return compiled(batch)
+    if name.endswith("+graphs") and device.type == "cuda":
+        step = GraphedForward(compiled, batch)
+    else:
+        def step():
+            with torch.inference_mode():
+                return compiled(batch)
     row.update(_time_steps(step, device, cfg.steps, cfg.warmup))
     if device.type == "cuda":
         row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
@@ -519,6 +549,9 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
         plan = shared["loka_plan"]
         result["loka_plan"] = plan.to_dict()
         plan.save(out.removesuffix(".json") + ".plan.json")
+    if "loka_infer_plan" in shared:
+        result["loka_infer_plan"] = shared["loka_infer_plan"].to_dict()
+        shared["loka_infer_plan"].save(out.removesuffix(".json") + ".infer-plan.json")
     if shared.get("loka_report") is not None:
         shared["loka_report"].save(out.removesuffix(".json") + ".report.json")
     _write(result, out)

@@ -67,6 +67,13 @@ def test_cpu_run_measures_every_row_and_writes_plan_and_report(first_run):
     assert set(plan.sites) == set(report.sites)
     assert len(plan.sites) == 11  # Wukong tiny: 4 Linears in each of 2 layers, 2 top, the logit
     assert on_disk["loka_plan"] == plan.to_dict()
+    # serving gets a plan of its own from the same report: forward only
+    serve = Plan.load(str(tmp / "run.infer-plan.json"))
+    assert set(serve.sites) == set(plan.sites) and serve.budget["inference"] is True
+    assert all(sp.kernel(r) == "bf16" for sp in serve.sites.values() for r in ("dgrad", "wgrad"))
+    assert on_disk["loka_infer_plan"] == serve.to_dict()
+    infer = {r["variant"]: r for r in result["infer"]}
+    assert infer["loka+mods"]["plan_fwd_fp8_sites"] == len(serve.fp8_sites())
     # the Probe measured the benchmark's shortlist only (what of it runs on this machine)
     measured = {k for s in report.sites.values() for rr in s.roles.values() for k in rr.kernels}
     assert measured and measured <= set(bench.PROBE_KERNELS)

@@ -26,7 +26,7 @@ Selection rule for one (site, role):
 The JSON layout (schema ``loka.plan``, version :data:`SCHEMA_VERSION`)::
 
     {"schema": "loka.plan", "version": 1, "created": ISO-8601, "device": "cuda:0",
-     "budget": {DispatchConfig fields, "assume_fast", "allowed_kernels",
+     "budget": {DispatchConfig fields, "assume_fast", "inference", "allowed_kernels",
                 "max_output_change"},
      "source": {"report_created", "report_device", "device_name", "torch"},
      "notes": [str, ...],
@@ -378,7 +378,8 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
          site_budgets: Optional[Mapping[str, float]] = None,
          config: Optional[DispatchConfig] = None,
          allowed_kernels: Optional[Iterable[str]] = None,
-         device: "torch.device | str | None" = None, assume_fast: bool = False) -> Plan:
+         device: "torch.device | str | None" = None, assume_fast: bool = False,
+         inference: bool = False) -> Plan:
     """Choose per site and role the fastest kernel that meets the error budget.
 
     Args:
@@ -391,6 +392,10 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
         assume_fast: where no decisive timing exists (CPU or emulated timings, or none),
             choose the lowest-error safe real kernel (else emulated); see the module
             docstring.
+        inference: plan for serving (``loka.apply(model, plan, inference=True)``): only
+            the forward role is planned, and a kernel's speed is the one the Probe
+            measured with the weight quantized beforehand (``speedup_weight_q``), since
+            serving quantizes weights once; dgrad and wgrad stay on the baseline.
 
     Returns:
         A :class:`Plan`; ``plan.notes`` says which kernels were excluded and why.
@@ -445,6 +450,10 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
             if rr is None:
                 sp.roles[role] = baseline_choice
                 continue
+            if inference and role is not Role.FWD:
+                baseline_choice.reason = "inference plan: forward only"
+                sp.roles[role] = baseline_choice
+                continue
             timed, untimed = [], []
             for kname, kr in rr.kernels.items():
                 if kname == cfg.baseline or (allowed is not None and kname not in allowed):
@@ -462,12 +471,15 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
                     continue
                 if stat.hi > budget:
                     continue
+                speedup = kr.speedup
+                if inference and kr.speedup_weight_q is not None:
+                    speedup = kr.speedup_weight_q
                 decisive = (same_device_type and not kern.is_emulated
                             and kr.timing not in _UNTRUSTED_TIMINGS
-                            and kr.speedup is not None and math.isfinite(kr.speedup))
+                            and speedup is not None and math.isfinite(speedup))
                 if decisive:
-                    if kr.speedup >= cfg.min_speedup:
-                        timed.append((kr.speedup, stat, kname))
+                    if speedup >= cfg.min_speedup:
+                        timed.append((speedup, stat, kname))
                 else:
                     untimed.append((stat, kern, kname))
             if timed:
@@ -493,7 +505,7 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
                      "another device type); pass assume_fast=True to choose the lowest-error "
                      "safe kernel")
     budget_dict = config_to_dict(cfg)
-    budget_dict.update(assume_fast=bool(assume_fast),
+    budget_dict.update(assume_fast=bool(assume_fast), inference=bool(inference),
                        allowed_kernels=None if allowed is None else sorted(allowed))
     source = {"report_created": report.created, "report_device": report.device,
               "device_name": report.device_name, "torch": report.torch_version}

@@ -32,6 +32,10 @@ with TF32 off on GPUs); MERE, SQNR and relative Frobenius error get bootstrap 95
 same with N(0, 1) operands gives ``naive_mere``. Times are taken at the site's real row
 count M with CUDA graphs (:mod:`loka.probe.timing`), once per distinct (role, shape,
 dtype, kernel), against the ``bf16`` baseline kernel (the GEMM in the site's own dtype).
+Forward kernels are timed twice: with both operands quantized per call (training, where
+the weight changes every step) and with the weight quantized beforehand (inference,
+``time_us_weight_q``), so that ``loka.plan(..., inference=True)`` judges a serving plan
+by what serving costs.
 """
 
 from __future__ import annotations
@@ -404,6 +408,14 @@ class Probe:
                     kr.time_us, kr.timing = t.median_us, t.method
                     if base_us is not None and t.median_us > 0:
                         kr.speedup = base_us / t.median_us
+                    if role is Role.FWD and k.is_fp8 and k.quantize_b is not None:
+                        with self._phase("timing", dev):
+                            tq = self._time(k.name, role, shape, dev, dtype, timings,
+                                            weight_q=True)
+                        if not isinstance(tq, str):
+                            kr.time_us_weight_q = tq.median_us
+                            if base_us is not None and tq.median_us > 0:
+                                kr.speedup_weight_q = base_us / tq.median_us
             kr.safe = (kr.error is None and kr.mere is not None and math.isfinite(kr.mere.hi)
                        and kr.mere.hi < cfg.max_error)
             kr.fast = kr.speedup is not None and kr.speedup > cfg.min_speedup
@@ -466,9 +478,10 @@ class Probe:
         out = self._run_samples(pairs, kernels, dtype)
         return {k: v if isinstance(v, str) else v[0] for k, v in out.items()}
 
-    def _time(self, kernel: str, role: Role, shape, dev, dtype, cache):
-        """TimingResult (cached per role, shape, dtype, device) or a failure message."""
-        key = (kernel, role, tuple(shape), dtype, str(dev))
+    def _time(self, kernel: str, role: Role, shape, dev, dtype, cache, weight_q: bool = False):
+        """TimingResult (cached per role, shape, dtype, device) or a failure message.
+        ``weight_q``: the b operand (the weight) is quantized before timing (inference)."""
+        key = (kernel, role, tuple(shape), dtype, str(dev), weight_q)
         if key in cache:
             return cache[key]
         okey = ("operands", role, tuple(shape), dtype, str(dev))
@@ -479,6 +492,9 @@ class Probe:
         a, b = cache[okey]
         kern = registry.get(kernel)
         try:
+            if weight_q:
+                with torch.no_grad():
+                    b = kern.quantize_b(b)
             with torch.no_grad():
                 result = time_fn(lambda: kern(a, b, dtype), dev, warmup=self.config.timing_warmup,
                                  iters=self.config.timing_iters,

@@ -152,6 +152,11 @@ class KernelResult:
     """baseline time / this kernel's time"""
     timing: str = "none"
     """'cuda-graph', 'cuda-events', 'cpu-wallclock' or 'none'"""
+    time_us_weight_q: Optional[float] = None
+    """forward role only: median time with the weight (operand b) quantized beforehand,
+    as in inference, where weights are quantized once"""
+    speedup_weight_q: Optional[float] = None
+    """baseline time / ``time_us_weight_q``"""
     safe: bool = False
     fast: bool = False
     error: Optional[str] = None
@@ -167,6 +172,9 @@ class KernelResult:
         d = {"kernel": self.kernel, "time_us": _num(self.time_us), "speedup": _num(self.speedup),
              "timing": self.timing, "safe": bool(self.safe), "fast": bool(self.fast),
              "error": self.error}
+        if self.time_us_weight_q is not None:
+            d["time_us_weight_q"] = _num(self.time_us_weight_q)
+            d["speedup_weight_q"] = _num(self.speedup_weight_q)
         for k in ("mere", "sqnr", "relfro", "naive_mere"):
             v = getattr(self, k)
             d[k] = None if v is None else v.to_dict()
@@ -182,7 +190,10 @@ class KernelResult:
             raise ReportError(f"{_where(where, 'kernel')}: empty kernel name")
         return cls(kernel=name, time_us=_number(d, "time_us", where),
                    speedup=_number(d, "speedup", where),
-                   timing=_str(d, "timing", where, "none"), safe=_bool(d, "safe", where),
+                   timing=_str(d, "timing", where, "none"),
+                   time_us_weight_q=_number(d, "time_us_weight_q", where),
+                   speedup_weight_q=_number(d, "speedup_weight_q", where),
+                   safe=_bool(d, "safe", where),
                    fast=_bool(d, "fast", where), error=_str(d, "error", where, optional=True),
                    **stats)
 

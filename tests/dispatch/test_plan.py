@@ -436,3 +436,44 @@ def test_probe_plan_apply_guard_end_to_end():
         opt.zero_grad()
         losses.append(loss.item())
     assert guard.events == [] and losses[3] < losses[0]  # batch 0 again, after 3 updates
+
+
+def test_inference_plan_judges_the_forward_by_its_weight_quantized_once_speed():
+    # t-mid: 0.95x when both operands are quantized per call (training), 1.30x with the
+    # weight quantized beforehand (serving); t-fast-coarse has no weight-q timing
+    roles = {r: {"t-mid": (0.15, 0.95), "t-fast-coarse": (0.15, 1.10)} for r in Role}
+    report = make_report({"enc": (64, 128, 256, roles)})
+    report.sites["enc"].roles[Role.FWD].kernels["t-mid"].speedup_weight_q = 1.30
+    train = plan(report, max_error=0.2, min_speedup=1.05)
+    assert [train.sites["enc"].kernel(r) for r in Role] == ["t-fast-coarse"] * 3
+    serve = plan(report, max_error=0.2, min_speedup=1.05, inference=True)
+    assert serve.sites["enc"].kernel(Role.FWD) == "t-mid"
+    assert serve.sites["enc"].roles[Role.FWD].speedup == 1.30
+    assert serve.sites["enc"].kernel(Role.DGRAD) == serve.sites["enc"].kernel(Role.WGRAD) == "bf16"
+    assert serve.sites["enc"].roles[Role.WGRAD].reason == "inference plan: forward only"
+    assert serve.budget["inference"] is True and train.budget["inference"] is False
+    # above the weight-q speed nothing qualifies; without weight-q timings the training
+    # speed decides
+    assert plan(report, max_error=0.2, min_speedup=1.35, inference=True).sites["enc"].kernel(
+        Role.FWD) == "bf16"
+    report.sites["enc"].roles[Role.FWD].kernels["t-mid"].speedup_weight_q = None
+    assert plan(report, max_error=0.2, min_speedup=1.05, inference=True).sites["enc"].kernel(
+        Role.FWD) == "t-fast-coarse"
+
+
+def test_weight_q_timings_round_trip_through_the_report_json(tmp_path):
+    report = make_report({"enc": (64, 128, 256, {"fwd": THREE})})
+    kr = report.sites["enc"].roles[Role.FWD].kernels["t-mid"]
+    kr.time_us_weight_q, kr.speedup_weight_q = 5.0, 2.0
+    path = tmp_path / "r.json"
+    report.save(str(path))
+    back = ProbeReport.load(str(path)).sites["enc"].roles[Role.FWD].kernels
+    assert (back["t-mid"].time_us_weight_q, back["t-mid"].speedup_weight_q) == (5.0, 2.0)
+    assert back["t-slow-exact"].time_us_weight_q is None
+    assert "time_us_weight_q" not in json.loads(path.read_text())["sites"]["enc"]["roles"][
+        "fwd"]["kernels"]["t-slow-exact"]
+    data = json.loads(path.read_text())
+    data["sites"]["enc"]["roles"]["fwd"]["kernels"]["t-mid"]["speedup_weight_q"] = "fast"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ReportError, match="speedup_weight_q"):
+        ProbeReport.load(str(path))

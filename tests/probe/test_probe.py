@@ -183,6 +183,12 @@ def test_timing_is_shared_by_identical_shapes_and_gives_speedups():
         assert kg.speedup == pytest.approx(g.baseline_us / kg.time_us)
         assert kg.fast == (kg.speedup > 1.05)
     assert g.kernels["bf16"].speedup == 1.0
+    # the forward is timed again with the weight quantized beforehand (inference); the
+    # baseline has no weight quantizer
+    kq = g.kernels[TW]
+    assert kq.time_us_weight_q > 0 and kq.time_us_weight_q == b.kernels[TW].time_us_weight_q
+    assert kq.speedup_weight_q == pytest.approx(g.baseline_us / kq.time_us_weight_q)
+    assert g.kernels["bf16"].time_us_weight_q is None and g.kernels["bf16"].speedup_weight_q is None
 
 
 class Counting(nn.Module):
