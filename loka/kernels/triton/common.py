@@ -1,5 +1,5 @@
 """Pieces shared by the Triton kernels: FP8 format constants, the NaN-propagating amax,
-the exact scale-and-cast, and the autotuning helpers.
+the exact scale-and-cast, the GEMMs' grouped tile order, and the autotuning helpers.
 
 Numerics follow :func:`loka.numerics.quantize` bit for bit on the kernel's device: the
 scale is ``max(amax, AMAX_EPS) / fmt.max`` in float32 as torch computes it there (see
@@ -17,7 +17,7 @@ cast (``cvt.rn.satfinite``) rounds.
 from __future__ import annotations
 
 import os
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import numpy as np
 import torch
@@ -78,6 +78,18 @@ def check_fp8(t: torch.Tensor, name: str) -> None:
         raise TypeError(f"{name} must be float8_e4m3fn or float8_e5m2, got {t.dtype}")
 
 
+def check_gemm_operands(a: torch.Tensor, b: torch.Tensor) -> Tuple[int, int, int]:
+    """``(M, K, N)`` of ``a @ b`` for 2-D FP8 ``a`` (M, K) and ``b`` (K, N)."""
+    for name, t in (("a", a), ("b", b)):
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+        check_fp8(t, name)
+    m, k = a.shape
+    if b.shape[0] != k:
+        raise ValueError(f"GEMM shapes do not match: a {tuple(a.shape)} @ b {tuple(b.shape)}")
+    return m, k, b.shape[1]
+
+
 def check_float_input(x: torch.Tensor, name: str = "x") -> None:
     if x.dim() != 2:
         raise ValueError(f"{name} must be 2-D, got shape {tuple(x.shape)}")
@@ -119,6 +131,20 @@ def autotune(configs: List[triton.Config], key: List[str], prune=None):
 
     return triton.autotune(configs=configs, key=key, do_bench=_bench,
                            prune_configs_by={"early_config_prune": early_prune})
+
+
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    """``(pid_m, pid_n)``, the output tile of GEMM program ``pid`` in grouped launch order:
+    ``GROUP_M`` consecutive row tiles sweep the columns together, for L2 reuse of b."""
+    num_pid_m, num_pid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    group_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % group) % group_m)
+    pid_n = (pid % group) // group_m
+    return pid_m, pid_n
 
 
 @triton.jit

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ...numerics import BLOCK
-from .common import autotune, check_fp8, next_pow2
+from .common import autotune, check_gemm_operands, grouped_tile, next_pow2
 
 
 def _cfg(bm, bn, stages, warps, group=8):
@@ -40,12 +40,7 @@ def blockwise_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K, stride_a
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) tile; BLOCK_K == 128 == the scale block, BLOCK_N divides 128."""
     pid = tl.program_id(0)
-    num_pid_m, num_pid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_pid_n
-    first_m = (pid // group) * GROUP_M
-    group_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % group) % group_m)
-    pid_n = (pid % group) // group_m
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -83,14 +78,7 @@ def gemm_blockwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
     Returns:
         (M, N) in ``out_dtype``.
     """
-    for name, t in (("a", a), ("b", b)):
-        if t.dim() != 2:
-            raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
-        check_fp8(t, name)
-    m, k = a.shape
-    if b.shape[0] != k:
-        raise ValueError(f"GEMM shapes do not match: a {tuple(a.shape)} @ b {tuple(b.shape)}")
-    n = b.shape[1]
+    m, k, n = check_gemm_operands(a, b)
     kb, nb = triton.cdiv(k, BLOCK), triton.cdiv(n, BLOCK)
     if tuple(scale_a.shape) != (m, kb) or tuple(scale_b.shape) != (kb, nb):
         raise ValueError(f"blockwise scales must be ({m}, {kb}) and ({kb}, {nb}), got "

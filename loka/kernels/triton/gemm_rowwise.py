@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from ...numerics import get_format
-from .common import (abs_amax, amax_to_scale, autotune, check_fp8, fp8_meta, next_pow2,
-                     round_to, scale_and_clamp)
+from .common import (abs_amax, amax_to_scale, autotune, check_gemm_operands, fp8_meta,
+                     grouped_tile, next_pow2, round_to, scale_and_clamp)
 
 ACTIVATIONS = {None: 0, "identity": 0, "hardswish": 1}
 MAX_FP8_OUT_N = 256
@@ -77,12 +77,7 @@ def rowwise_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, cs_ptr, M
     partial sum to slice ``pid_k`` of c (stride_cs) and the caller adds them."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
-    num_pid_m, num_pid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_pid_n
-    first_m = (pid // group) * GROUP_M
-    group_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % group) % group_m)
-    pid_n = (pid % group) // group_m
+    pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -163,14 +158,7 @@ def gemm_rowwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
     Returns:
         (M, N) in ``out_dtype``; with ``fp8_out``: (q (M, N) FP8, scale (M, 1) float32).
     """
-    for name, t in (("a", a), ("b", b)):
-        if t.dim() != 2:
-            raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
-        check_fp8(t, name)
-    m, k = a.shape
-    if b.shape[0] != k:
-        raise ValueError(f"GEMM shapes do not match: a {tuple(a.shape)} @ b {tuple(b.shape)}")
-    n = b.shape[1]
+    m, k, n = check_gemm_operands(a, b)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(map(str, ACTIVATIONS))}, got {activation!r}")
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
