@@ -34,7 +34,7 @@ from .kernels import capabilities as caps
 TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 PROBE_KERNELS = ("bf16", "cublas-rowwise", "cublas-tensorwise", "cublas-rowwise-fastacc",
                  "triton-rowwise", "triton-rowwise-cublas", "triton-rowwise-cublas-fastacc",
-                 "triton-tensorwise-cublas", "fbgemm-rowwise", "torchao-rowwise",
+                 "triton-tensorwise-cublas", "fbgemm-rowwise",
                  "emulated-rowwise-e4m3", "emulated-tensorwise-e4m3")
 """the Probe's default shortlist in the benchmark (kernels absent on a device are skipped)"""
 TRAIN_VARIANTS = (

@@ -134,6 +134,12 @@ class ProbeConfig:
     the graphs' temporaries in one memory pool"""
     naive_samples: int = 16
     """N(0, 1) samples per site and role for ``naive_mere`` (its spread is small)"""
+    timing_compile: str = "auto"
+    """how kernels whose quantization is plain PyTorch (``cublas-*``, ``torchao-*``) are
+    timed: 'on' under ``torch.compile`` (Inductor fuses their quantization into one or two
+    kernels, as it does inside a compiled model), 'off' eagerly (one kernel per op),
+    'auto' compiled on CUDA and eager elsewhere. Kernels with their own quantization
+    kernels (Triton, FBGEMM) and the baseline are always timed as they are"""
     skip_emulated_twins: bool = True
     """on GPUs, skip an emulated kernel where the real kernel it emulates runs too (same
     quantization numerics, no speed to offer; saves measurement time); ignored on the CPU
@@ -149,6 +155,8 @@ class ProbeConfig:
             raise ValueError("ProbeConfig.source must be 'learned' or 'captured'")
         if not 0.0 <= self.weight_ema < 1.0:
             raise ValueError("ProbeConfig.weight_ema must be in [0, 1)")
+        if self.timing_compile not in ("auto", "on", "off"):
+            raise ValueError("ProbeConfig.timing_compile must be 'auto', 'on' or 'off'")
         if self.weight_source not in ("model", "mean"):
             raise ValueError("ProbeConfig.weight_source must be 'model' or 'mean'")
         if self.timing_budget_ms is not None and self.timing_budget_ms <= 0:

@@ -41,6 +41,7 @@ by what serving costs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import platform
@@ -495,14 +496,53 @@ class Probe:
             if weight_q:
                 with torch.no_grad():
                     b = kern.quantize_b(b)
+            call = self._timed_call(kern, dtype, dev, cache)
+            timed = functools.partial(time_fn, device=dev, warmup=self.config.timing_warmup,
+                                      iters=self.config.timing_iters,
+                                      budget_ms=self.config.timing_budget_ms)
             with torch.no_grad():
-                result = time_fn(lambda: kern(a, b, dtype), dev, warmup=self.config.timing_warmup,
-                                 iters=self.config.timing_iters,
-                                 budget_ms=self.config.timing_budget_ms)
+                if not _compile_for_timing(kern, dev, self.config.timing_compile):
+                    result = timed(lambda: call(a, b))
+                else:
+                    try:
+                        result = timed(lambda: call(a, b))
+                        result = dataclasses.replace(result, method=result.method + "+compiled")
+                    except Exception as e:  # noqa: BLE001 - compilation failed: time eagerly
+                        result = timed(lambda: kern(a, b, dtype))
+                        result = dataclasses.replace(
+                            result, note=f"torch.compile failed, timed eagerly: {_one_line(e)}")
         except Exception as e:  # noqa: BLE001
             result = f"timing failed: {_one_line(e)}"
         cache[key] = result
         return result
+
+
+    def _timed_call(self, kern, dtype, dev, cache) -> Callable:
+        """``call(a, b)``: the kernel as it runs inside a model on ``dev``. A kernel whose
+        quantization is traceable PyTorch is compiled (``ProbeConfig.timing_compile``),
+        since Inductor fuses that quantization in a compiled model; one compiled
+        function per kernel and dtype, with dynamic shapes, so that every site reuses it."""
+        if not _compile_for_timing(kern, dev, self.config.timing_compile):
+            return lambda a, b: kern(a, b, dtype)
+        key = ("compiled", kern.name, dtype)
+        if key not in cache:
+            cache[key] = torch.compile(lambda a, b: kern(a, b, dtype), dynamic=True)
+        return cache[key]
+
+
+def _compile_for_timing(kern, dev: torch.device, mode: str) -> bool:
+    """Whether :meth:`Probe._time` times ``kern`` under ``torch.compile``."""
+    if mode == "off" or (mode == "auto" and dev.type != "cuda"):
+        return False
+    from ..dispatch import ops
+
+    # own quantization kernels (Triton custom ops, C++ libraries) gain nothing from
+    # Inductor; emulated kernels are references, not candidates for speed
+    return kern.is_fp8 and kern.library in COMPILED_LIBRARIES and not ops.is_opaque(kern)
+
+
+COMPILED_LIBRARIES = ("cublas", "torchao")
+"""kernel libraries whose quantization is plain PyTorch, fused by Inductor when compiled"""
 
 
 def probe(model: nn.Module, batches: Iterable, loss_fn: Callable, *,

@@ -151,7 +151,8 @@ class KernelResult:
     speedup: Optional[float] = None
     """baseline time / this kernel's time"""
     timing: str = "none"
-    """'cuda-graph', 'cuda-events', 'cpu-wallclock' or 'none'"""
+    """'cuda-graph', 'cuda-events', 'cpu-wallclock' or 'none'; '+compiled' is appended when
+    the call was timed under ``torch.compile`` (``ProbeConfig.timing_compile``)"""
     time_us_weight_q: Optional[float] = None
     """forward role only: median time with the weight (operand b) quantized beforehand,
     as in inference, where weights are quantized once"""

@@ -389,3 +389,38 @@ def test_probe_on_cuda_bf16():
         assert kr.error is None, (name, kr.error)
         assert kr.timing in ("cuda-graph", "cuda-events") and kr.time_us > 0
     assert good["bf16"].speedup == 1.0 and good["bf16"].timing == "cuda-graph"
+
+
+def _fwd_timing(config_kw):
+    rep = loka.probe(TwoSites(), two_site_batches(1), loss_fn, config=ProbeConfig(
+        **{**FAST, "kernels": ("bf16", "cublas-tensorwise"), "timing": True, "timing_iters": 3,
+           "timing_warmup": 1, "roles": ("fwd",), **config_kw}))
+    return rep.sites["good"].roles[Role.FWD].kernels
+
+
+def test_kernels_with_pytorch_quantization_are_timed_compiled_when_asked():
+    ks = _fwd_timing({"timing_compile": "on"})
+    assert ks["cublas-tensorwise"].timing == "cpu-wallclock+compiled"
+    assert ks["cublas-tensorwise"].time_us > 0 and ks["cublas-tensorwise"].time_us_weight_q > 0
+    assert ks["bf16"].timing == "cpu-wallclock"  # the baseline is never compiled
+    # 'auto' compiles on CUDA only; 'off' never
+    assert _fwd_timing({"timing_compile": "auto"})["cublas-tensorwise"].timing == "cpu-wallclock"
+    assert _fwd_timing({"timing_compile": "off"})["cublas-tensorwise"].timing == "cpu-wallclock"
+
+
+def test_a_kernel_that_does_not_compile_is_timed_eagerly(monkeypatch):
+    def broken_compile(fn, **kw):
+        def run(*a, **k):
+            raise RuntimeError("inductor exploded")
+        return run
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    ks = _fwd_timing({"timing_compile": "on"})
+    kr = ks["cublas-tensorwise"]
+    assert kr.error is None and kr.timing == "cpu-wallclock" and kr.time_us > 0
+    assert kr.speedup == pytest.approx(
+        ks["bf16"].time_us / kr.time_us, rel=1e-9) if ks["bf16"].time_us else True
+
+
+def test_timing_compile_is_validated():
+    with pytest.raises(ValueError, match="timing_compile"):
+        ProbeConfig(timing_compile="sometimes")
