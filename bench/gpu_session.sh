@@ -2,7 +2,8 @@
 # One benchmark session on a GPU machine that cannot reach the network: installs the
 # wheels carried in .whl/ (torchao, fbgemm-gpu-genai) beside the machine's own torch, then
 # runs the stages named on the command line, each under its own time limit, logging
-# everything to $OUT/session.log. Results are JSON files under $OUT.
+# everything to $OUT/session.log. Results are JSON files under $OUT, and all of $OUT is
+# packed into $OUT/results.tgz at the end.
 #
 #   OUT=/tmp/out LOKA_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_session.sh selftest bench
 #
@@ -40,4 +41,6 @@ for s in "$@"; do
     *) echo "unknown stage $s" | tee -a "$LOG" ;;
   esac
 done
+# the device returns at most 8 files: everything goes into one archive as well
+tar czf /tmp/results.tgz -C "$OUT" . && mv /tmp/results.tgz "$OUT/results.tgz"
 grep -E "^(PASS|FAIL)|^===|x[0-9.]+ vs|FAILED|Error" "$LOG" | tail -150

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime as _dt
 import json
 import os
@@ -40,13 +41,25 @@ PROBE_KERNELS = ("bf16", "cublas-rowwise", "cublas-tensorwise", "cublas-rowwise-
 TRAIN_VARIANTS = (
     ["bf16", "bf16+graphs", "bf16+mods", "bf16+mods+graphs"]
     + [f"torchao-{r}{a}{m}" for m in ("", "+mods") for r in TORCHAO_RECIPES for a in ("", "-auto")]
-    + ["loka+mods", "loka+mods+graphs"]
+    + ["loka+mods", "loka+mods+graphs", "bf16+mods+merge+graphs", "loka+mods+merge+graphs"]
 )
 INFER_VARIANTS = (
     ["bf16", "bf16+mods", "bf16+mods+graphs"]
     + [f"torchao-{r}{m}" for m in ("", "+mods") for r in ("tensorwise", "rowwise")]
-    + ["loka+mods", "loka+mods+graphs"]
+    + ["loka+mods", "loka+mods+graphs", "bf16+mods+merge+graphs", "loka+mods+merge+graphs"]
 )
+"""Variant names: a base (bf16, torchao-<recipe>[-auto], loka, loka-uniform-<kernel>[-big])
+and suffixes: +mods (the paper's Mods: No Bias, BlockNorm, Hard Swish), +merge (also
+LoKA's shape Mod that merges sibling Linears reading one input into one GEMM), +graphs
+(the whole step captured in one CUDA graph)."""
+
+
+def variant_mods(name: str) -> Optional[ModsConfig]:
+    """The Mods a variant's model is built with (None: the plain model)."""
+    if "+mods" not in name:
+        return None
+    return ModsConfig(no_bias=True, blocknorm=256, hardswish=True,
+                      merge_siblings="+merge" in name)
 
 
 @dataclass
@@ -310,6 +323,41 @@ def _loka_plan(model, batch, cfg: BenchConfig, device, log: dict):
     return report, plan
 
 
+def _plans(name: str, model, batch, cfg: BenchConfig, device, shared: dict, row: dict) -> dict:
+    """The LoKA plans of a variant's model structure, made once per run and structure
+    (one Probe pass serves every LoKA variant built alike): {"tag", "report", "train",
+    "infer"}. The inference plan judges the forward with the weight quantized once; with
+    ``cfg.plan`` (no report) the given plan serves both."""
+    from .dispatch import plan as make_plan
+
+    tag = "merge" if "+merge" in name else ""
+    plans = shared.setdefault("plans", {})
+    if tag not in plans:
+        run = cfg
+        if cfg.plan and tag:  # a merged model has other sites: its plan file, else probe
+            own = cfg.plan.removesuffix(".plan.json") + f".{tag}.plan.json"
+            run = dataclasses.replace(cfg, plan=own if os.path.exists(own) else None)
+        report, train = _loka_plan(model, batch, run, device, row)
+        infer = train if report is None else make_plan(
+            report, max_error=cfg.max_error, min_speedup=cfg.min_speedup, inference=True)
+        plans[tag] = {"tag": tag, "report": report, "train": train, "infer": infer}
+    return plans[tag]
+
+
+def _save_plans(shared: dict, result: dict, out: str) -> None:
+    """Write each structure's plans and report beside the result JSON (and into it)."""
+    stem = out.removesuffix(".json")
+    for tag, p in shared.get("plans", {}).items():
+        dot = f".{tag}" if tag else ""
+        key = f"loka{'_' + tag if tag else ''}"
+        result[f"{key}_plan"] = p["train"].to_dict()
+        result[f"{key}_infer_plan"] = p["infer"].to_dict()
+        p["train"].save(f"{stem}{dot}.plan.json")
+        p["infer"].save(f"{stem}{dot}.infer-plan.json")
+        if p["report"] is not None:
+            p["report"].save(f"{stem}{dot}.report.json")
+
+
 def _uniform_spec(name: str):
     """'loka-uniform-<kernel>[-big][+mods][+graphs]' -> (kernel, big_only)."""
     body = name[len("loka-uniform-"):].split("+")[0]
@@ -344,7 +392,7 @@ def uniform_fp8(model, kernel: str, big_only: bool = False, min_dim: int = 1024)
 def prepare_train(name: str, cfg: BenchConfig, device: torch.device, shared: dict):
     """Build variant ``name`` and return ``(step, row, batch)``: ``step()`` runs one full
     training step; ``row`` holds what was learned while building (FP8 sites, plan)."""
-    mods = ModsConfig.paper() if "+mods" in name else None
+    mods = variant_mods(name)
     model = build_model(cfg, mods, device)
     batch = _cast_batch(make_batch(model, cfg, device), next(model.parameters()).dtype)
     row = {"variant": name, "mode": "train"}
@@ -356,12 +404,9 @@ def prepare_train(name: str, cfg: BenchConfig, device: torch.device, shared: dic
         kernel, big = _uniform_spec(name)
         uniform_fp8(model, kernel, big_only=big)
     elif name.startswith("loka"):
-        plan = shared.get("loka_plan")
-        if plan is None:  # one Probe pass serves every LoKA variant of the run
-            report, plan = _loka_plan(model, batch, cfg, device, row)
-            shared["loka_plan"], shared["loka_report"] = plan, report
         from .dispatch import apply
-        apply(model, plan)
+
+        apply(model, _plans(name, model, batch, cfg, device, shared, row)["train"])
     row["fp8_sites"] = _count_fp8(model)
     graphs = name.endswith("+graphs") and device.type == "cuda"
     model.train()
@@ -460,26 +505,18 @@ def profile_breakdown(step: Callable[[], object], steps: int = 5, top: int = 30)
 
 
 def run_infer_variant(name: str, cfg: BenchConfig, device: torch.device, shared: dict) -> dict:
-    mods = ModsConfig.paper() if "+mods" in name else None
+    mods = variant_mods(name)
     model = build_model(cfg, mods, device).eval()
     batch = _cast_batch(make_batch(model, cfg, device), next(model.parameters()).dtype)
     row = {"variant": name, "mode": "infer"}
     if name.startswith("torchao-"):
         _torchao_inference(model, name[len("torchao-"):].split("+")[0])
     elif name.startswith("loka"):
-        from .dispatch import apply, plan as make_plan
+        from .dispatch import apply
 
-        if "loka_plan" not in shared:
-            model.train()
-            shared["loka_report"], shared["loka_plan"] = _loka_plan(model, batch, cfg, device, row)
-            model.eval()
-        plan, report = shared["loka_plan"], shared.get("loka_report")
-        if report is not None:  # serving: judge the forward with the weight quantized once
-            if "loka_infer_plan" not in shared:
-                shared["loka_infer_plan"] = make_plan(report, max_error=cfg.max_error,
-                                                      min_speedup=cfg.min_speedup,
-                                                      inference=True)
-            plan = shared["loka_infer_plan"]
+        model.train()
+        plan = _plans(name, model, batch, cfg, device, shared, row)["infer"]
+        model.eval()
         row["plan_fwd_fp8_sites"] = len(plan.fp8_sites())
         apply(model, plan, inference=True)
     row["fp8_sites"] = _count_fp8(model)
@@ -545,15 +582,7 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
                 torch.cuda.empty_cache()
             torch._dynamo.reset()
             _write(result, out)
-    if "loka_plan" in shared:
-        plan = shared["loka_plan"]
-        result["loka_plan"] = plan.to_dict()
-        plan.save(out.removesuffix(".json") + ".plan.json")
-    if "loka_infer_plan" in shared:
-        result["loka_infer_plan"] = shared["loka_infer_plan"].to_dict()
-        shared["loka_infer_plan"].save(out.removesuffix(".json") + ".infer-plan.json")
-    if shared.get("loka_report") is not None:
-        shared["loka_report"].save(out.removesuffix(".json") + ".report.json")
+    _save_plans(shared, result, out)
     _write(result, out)
     if cfg.plot:
         with contextlib.suppress(Exception):

@@ -27,7 +27,8 @@ def _load(name):
 def _cfg(tmp_path, **kw):
     base = dict(model="wukong", preset="tiny", device="cpu", steps=2, warmup=1, compile=False,
                 train_variants=["bf16", "bf16+mods", "loka+mods"],
-                infer_variants=["bf16", "loka+mods"], out=str(tmp_path / "run.json"),
+                infer_variants=["bf16", "loka+mods", "loka+mods+merge"],
+                out=str(tmp_path / "run.json"),
                 plot=False, probe_steps=2, probe_samples=4)
     base.update(kw)
     return bench.BenchConfig(**base)
@@ -43,7 +44,7 @@ def first_run(tmp_path_factory):
 def test_cpu_run_measures_every_row_and_writes_plan_and_report(first_run):
     tmp, result = first_run
     assert [r["variant"] for r in result["train"]] == ["bf16", "bf16+mods", "loka+mods"]
-    assert [r["variant"] for r in result["infer"]] == ["bf16", "loka+mods"]
+    assert [r["variant"] for r in result["infer"]] == ["bf16", "loka+mods", "loka+mods+merge"]
     for row in result["train"] + result["infer"]:
         assert "error" not in row, row.get("traceback")
         assert row["median_ms"] > 0 and row["min_ms"] <= row["median_ms"] <= row["max_ms"]
@@ -74,6 +75,13 @@ def test_cpu_run_measures_every_row_and_writes_plan_and_report(first_run):
     assert on_disk["loka_infer_plan"] == serve.to_dict()
     infer = {r["variant"]: r for r in result["infer"]}
     assert infer["loka+mods"]["plan_fwd_fp8_sites"] == len(serve.fp8_sites())
+    # the merged model (+merge: sibling Linears in one GEMM) has sites of its own, and
+    # plans of its own
+    merged = Plan.load(str(tmp / "run.merge.plan.json"))
+    assert set(merged.sites) != set(plan.sites) and len(merged.sites) == 9  # 2 x 3 + 3
+    assert any(".merged" in s for s in merged.sites)
+    assert Plan.load(str(tmp / "run.merge.infer-plan.json")).budget["inference"] is True
+    assert on_disk["loka_merge_plan"] == merged.to_dict()
     # the Probe measured the benchmark's shortlist only (what of it runs on this machine)
     measured = {k for s in report.sites.values() for rr in s.roles.values() for k in rr.kernels}
     assert measured and measured <= set(bench.PROBE_KERNELS)
