@@ -341,6 +341,8 @@ def _plans(name: str, model, batch, cfg: BenchConfig, device, shared: dict, row:
         infer = train if report is None else make_plan(
             report, max_error=cfg.max_error, min_speedup=cfg.min_speedup, inference=True)
         plans[tag] = {"tag": tag, "report": report, "train": train, "infer": infer}
+        if shared.get("out"):  # on disk at once: a run cut short keeps its plans
+            _save_plans({"plans": {tag: plans[tag]}}, {}, shared["out"])
     return plans[tag]
 
 
@@ -563,7 +565,7 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
             result["notes"].append("torchao is not installed: torchao rows skipped")
         cfg.train_variants = [v for v in cfg.train_variants if not v.startswith("torchao")]
         cfg.infer_variants = [v for v in cfg.infer_variants if not v.startswith("torchao")]
-    shared: dict = {}
+    shared: dict = {"out": out}
     for mode, names, fn in (("train", cfg.train_variants, run_train_variant),
                             ("infer", cfg.infer_variants, run_infer_variant)):
         for name in names:
