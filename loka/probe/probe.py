@@ -526,7 +526,14 @@ class Probe:
             return lambda a, b: kern(a, b, dtype)
         key = ("compiled", kern.name, dtype)
         if key not in cache:
-            cache[key] = torch.compile(lambda a, b: kern(a, b, dtype), dynamic=True)
+            compiled = torch.compile(lambda a, b: kern(a, b, dtype), dynamic=True)
+
+            def call(a, b):
+                # one code object serves every kernel, role layout and weight-q variant:
+                # each is a guarded entry of its own, more than Dynamo's default limit
+                with torch._dynamo.config.patch(recompile_limit=COMPILE_ENTRIES):
+                    return compiled(a, b)
+            cache[key] = call
         return cache[key]
 
 
@@ -541,6 +548,8 @@ def _compile_for_timing(kern, dev: torch.device, mode: str) -> bool:
     return kern.is_fp8 and kern.library in COMPILED_LIBRARIES and not ops.is_opaque(kern)
 
 
+COMPILE_ENTRIES = 256
+"""Dynamo's recompile limit while the Probe times compiled kernels"""
 COMPILED_LIBRARIES = ("cublas", "torchao")
 """kernel libraries whose quantization is plain PyTorch, fused by Inductor when compiled"""
 
