@@ -283,16 +283,23 @@ def main(argv=None) -> int:
                      register_registry_checks):
         register()
     t0 = time.perf_counter()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+
+    def write(done: bool) -> dict:  # after every check: a run cut short keeps its results
+        passed = sum(r["passed"] for r in RESULTS)
+        summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "triton": __import__("triton").__version__, "passed": passed,
+                   "failed": len(RESULTS) - passed, "complete": done,
+                   "seconds": round(time.perf_counter() - t0, 1), "checks": RESULTS}
+        Path(args.out).write_text(json.dumps(summary, indent=1, default=float))
+        return summary
+
     for name, run in RUNNERS:
         if args.only in name:
             run()
-    passed = sum(r["passed"] for r in RESULTS)
-    summary = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "triton": __import__("triton").__version__, "passed": passed,
-               "failed": len(RESULTS) - passed, "seconds": round(time.perf_counter() - t0, 1),
-               "checks": RESULTS}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(summary, indent=1, default=float))
+            write(False)
+    summary = write(True)
+    passed = summary["passed"]
     print(f"\n{passed} passed, {len(RESULTS) - passed} failed in {summary['seconds']} s -> {args.out}")
     return 0 if passed == len(RESULTS) else 1
 

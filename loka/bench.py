@@ -456,10 +456,12 @@ def kernel_class(name: str) -> str:
     (LoKA's Triton quantizers, FBGEMM's), Triton (Inductor-generated), embedding,
     optimizer, or other."""
     n = name.lower()
+    if n.startswith(("triton_poi", "triton_red", "triton_per", "triton_tem")):
+        return "triton"  # Inductor's kernels (named after the ops they fuse)
     # cuBLAS's Hopper kernels are named nvjet_*: "qq" marks FP8 operands (e.g. _qqtst_)
     if n.startswith("nvjet") and "_qq" in n:
         return "gemm-fp8"
-    if n.startswith(QUANTIZE_KERNELS) or "quantize_fp8" in n:
+    if n.startswith(QUANTIZE_KERNELS) or "quantize" in n:
         return "quantize"  # standalone quantization: LoKA's Triton kernels, FBGEMM's
     if n.startswith(("rowwise_gemm_kernel", "blockwise_gemm_kernel")) or "f8f8" in n or (
             any(t in n for t in ("fp8", "e4m3", "scaled_mm")) and "gemm" in n):
