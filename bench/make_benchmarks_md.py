@@ -23,7 +23,8 @@ def bench_table(path: str) -> str:
                 "|---|---|---|---|---|---|---|---|"]
         for row in rows:
             if "error" in row:
-                out.append(f"| {row['variant']} | failed: {row['error'][:80]} | | | | | | |")
+                why = row["error"].splitlines()[0][:80].replace("|", "/")
+                out.append(f"| {row['variant']} | failed: {why} | | | | | | |")
                 continue
             f = lambda k, fmt="{:.3f}": fmt.format(row[k]) if k in row else "-"  # noqa: E731
             out.append(f"| {row['variant']} | {row.get('fp8_sites', 0)} | {f('median_ms')} | "

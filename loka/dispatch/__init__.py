@@ -11,14 +11,15 @@ tighten_end_to_end``, ``loka.dispatch.apply.check``).
 
 from .linear import Linear
 from .plan import (Fallback, Plan, PlanMismatchError, RoleChoice, SitePlan, plan,
-                   tighten_end_to_end)
+                   tighten_end_to_end, tune_speed)
 from .apply import ApplyReport, Change, amax_from_report, applied_plan, apply, check, unapply
 from .guard import Guard, GuardEvent
 
 plan.tighten_end_to_end = tighten_end_to_end
+plan.tune_speed = tune_speed
 apply.check = check
 apply.amax_from_report = amax_from_report
 
 __all__ = ["Linear", "Plan", "SitePlan", "RoleChoice", "Fallback", "PlanMismatchError", "plan",
-           "tighten_end_to_end", "apply", "unapply", "check", "applied_plan", "ApplyReport",
+           "tighten_end_to_end", "tune_speed", "apply", "unapply", "check", "applied_plan", "ApplyReport",
            "Change", "amax_from_report", "Guard", "GuardEvent"]

@@ -651,3 +651,105 @@ def tighten_end_to_end(plan: Plan, model: nn.Module, batches: Iterable[Batch],
         if previous is not None:
             apply(root, previous, **prev_options)
     return new, log
+
+
+# -- end-to-end speed -----------------------------------------------------------------------
+def _site_groups(plan: Plan) -> List[List[str]]:
+    """FP8 sites grouped by shape and kernels (e.g. the four identical layers of a model):
+    a group moves to the baseline as one."""
+    groups: Dict[tuple, List[str]] = {}
+    for s in plan.fp8_sites():
+        sp = plan.sites[s]
+        key = (sp.in_features, sp.out_features, sp.tokens,
+               tuple(sp.kernel(r, plan.baseline) for r in ROLES))
+        groups.setdefault(key, []).append(s)
+    return list(groups.values())
+
+
+def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], float], *,
+               min_gain: float = 1.0, max_trials: int = 16, inference: bool = False
+               ) -> Tuple[Plan, List[dict]]:
+    """Keep only the FP8 sites that pay inside the whole model.
+
+    The Probe times each GEMM alone. Inside a compiled model a site also adds its
+    quantization kernels and changes what Inductor can fuse around it, so a plan whose
+    sites are each faster alone can make the whole step slower (seen on the Wukong
+    reference step: bench/BENCHMARKS.md). Here whole steps decide. ``time_step(model)``,
+    the caller's, runs the model as it will run (compiled, captured in a CUDA graph, warmed
+    up) and returns a time, e.g. the median step in ms; it is taken for the model without
+    FP8 and with the plan. Then groups of FP8 sites (one shape, one choice of kernels) are
+    moved back to the baseline one group at a time, greedily keeping the move that makes
+    the step fastest, until no move helps. The result is kept only if it beats the
+    all-baseline step by the factor ``min_gain``; otherwise every site goes back.
+
+    Args:
+        plan: the plan to tune (not modified).
+        model: the model the plan is for; it is left with its previous plan (or none).
+        time_step: ``time_step(model) -> time`` with the model as configured.
+        min_gain: the tuned plan must be at least this much faster than the baseline.
+        max_trials: at most this many ``time_step`` calls (each may recompile).
+        inference: apply the plans for inference (weights quantized once).
+
+    Returns:
+        (tuned plan, log): one dict per trial with ``sites`` (FP8 sites of the trial),
+        ``removed`` (the group tried, if any) and ``time``.
+    """
+    from .apply import _state, apply, unapply  # apply imports this module
+
+    if not (min_gain > 0 and math.isfinite(min_gain)):
+        raise ValueError(f"min_gain must be a finite positive number, got {min_gain!r}")
+    if max_trials < 2:
+        raise ValueError(f"max_trials must be >= 2 (the baseline and the plan), got {max_trials}")
+    root = getattr(model, "_orig_mod", model)
+    prev_state = _state(root)
+    previous, prev_options = prev_state.get("plan"), dict(prev_state.get("options", {}))
+    log: List[dict] = []
+
+    def without(p: Plan, sites: Iterable[str], why: str) -> Plan:
+        out = p.copy()
+        for s in sites:
+            for role in ROLES:
+                old = out.sites[s].roles.get(role)
+                out.sites[s].roles[role] = RoleChoice(
+                    out.baseline, budget=None if old is None else old.budget, reason=why)
+        return out
+
+    def trial(p: Plan, removed: Optional[List[str]]) -> float:
+        unapply(root)
+        if p.fp8_sites():
+            apply(root, p, inference=inference)
+        t = float(time_step(model))
+        if not math.isfinite(t) or t <= 0:
+            raise ValueError(f"time_step returned {t!r}; it must return a positive time")
+        log.append({"sites": p.fp8_sites(), "removed": removed, "time": t})
+        return t
+
+    try:
+        base_time = trial(without(plan, plan.fp8_sites(), "baseline"), None)
+        best, best_time = plan.copy(), trial(plan, None)
+        while len(log) < max_trials:
+            candidates = []
+            for group in _site_groups(best):
+                if len(log) >= max_trials:
+                    break
+                cand = without(best, group, "end-to-end speed: the step is faster without it")
+                candidates.append((trial(cand, group), cand))
+            if not candidates:
+                break
+            t, cand = min(candidates, key=lambda c: c[0])
+            if t >= best_time:
+                break
+            best, best_time = cand, t
+        if base_time / best_time < min_gain:
+            best = without(best, best.fp8_sites(),
+                           f"end-to-end speed: no FP8 plan beat the baseline by {min_gain:g}x")
+            best_time = base_time
+        best.budget["speed_tuned"] = {"baseline_time": base_time, "time": best_time,
+                                      "trials": len(log), "min_gain": float(min_gain)}
+        best.notes.append(f"end-to-end speed: {len(best.fp8_sites())} FP8 site(s) kept, step "
+                          f"{best_time:.4g} vs {base_time:.4g} without FP8 ({len(log)} trials)")
+    finally:
+        unapply(root)
+        if previous is not None:
+            apply(root, previous, **prev_options)
+    return best, log

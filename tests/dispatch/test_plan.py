@@ -477,3 +477,75 @@ def test_weight_q_timings_round_trip_through_the_report_json(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(ReportError, match="speedup_weight_q"):
         ProbeReport.load(str(path))
+
+
+class Tower(nn.Module):
+    """Two identical 'fm' Linears (one group), one 'top' Linear, one odd 'head'."""
+
+    def __init__(self):
+        super().__init__()
+        self.fm0, self.fm1 = nn.Linear(32, 64), nn.Linear(32, 64)
+        self.top = nn.Linear(64, 32)
+        self.head = nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.head(self.top(self.fm0(x) + self.fm1(x)))
+
+
+def _fake_step(costs, calls):
+    """A 'step time' of 10 plus each FP8 site's cost (negative: FP8 pays there)."""
+    def time_step(model):
+        fp8 = sorted(n for n, m in model.named_modules()
+                     if isinstance(m, loka.Linear) and m.config.fwd != "bf16")
+        calls.append(fp8)
+        return 10.0 + sum(costs[n] for n in fp8)
+    return time_step
+
+
+def test_tune_speed_keeps_exactly_the_groups_that_pay_in_the_whole_step():
+    model = Tower()
+    plan = Plan.uniform(model, "t-mid")
+    assert plan.fp8_sites() == ["fm0", "fm1", "top", "head"]
+    costs = {"fm0": 0.4, "fm1": 0.4, "top": -1.0, "head": 0.1}  # fm and head lose in-model
+    calls = []
+    tuned, log = loka.dispatch.tune_speed(plan, model, _fake_step(costs, calls))
+    assert tuned.fp8_sites() == ["top"]
+    assert [e["time"] for e in log][:2] == [10.0, pytest.approx(10.0 - 1.0 + 0.9)]
+    assert calls[0] == [] and calls[1] == ["fm0", "fm1", "head", "top"]
+    # the fm pair is removed together (one shape, one kernel choice), before head
+    removed = [e["removed"] for e in log if e["removed"]]
+    assert ["fm0", "fm1"] in removed and ["head"] in removed
+    assert tuned.budget["speed_tuned"]["time"] == pytest.approx(9.0)
+    assert tuned.budget["speed_tuned"]["baseline_time"] == 10.0
+    assert tuned.sites["fm0"].roles[Role.FWD].reason.startswith("end-to-end speed")
+    assert plan.fp8_sites() == ["fm0", "fm1", "top", "head"]  # the input plan is untouched
+    assert not any(isinstance(m, loka.Linear) for m in model.modules())  # model as found
+
+
+def test_tune_speed_falls_back_to_the_baseline_when_no_plan_beats_it():
+    model = Tower()
+    plan = Plan.uniform(model, "t-mid")
+    costs = {"fm0": 0.4, "fm1": 0.4, "top": -0.05, "head": 0.1}
+    tuned, log = loka.dispatch.tune_speed(plan, model, _fake_step(costs, []), min_gain=1.01)
+    assert tuned.fp8_sites() == []  # 10 / 9.95 < 1.01
+    assert tuned.budget["speed_tuned"]["time"] == tuned.budget["speed_tuned"]["baseline_time"]
+    # a plan applied before tuning is restored afterwards
+    loka.apply(model, plan)
+    loka.dispatch.tune_speed(plan, model, _fake_step(costs, []))
+    assert isinstance(model.fm0, loka.Linear) and model.fm0.config.fwd == "t-mid"
+
+
+def test_tune_speed_respects_its_trial_budget_and_checks_its_inputs():
+    model = Tower()
+    plan = Plan.uniform(model, "t-mid")
+    costs = {"fm0": 0.4, "fm1": 0.4, "top": 0.2, "head": 0.1}
+    calls = []
+    tuned, log = loka.dispatch.tune_speed(plan, model, _fake_step(costs, calls), max_trials=3)
+    assert len(calls) == len(log) == 3
+    with pytest.raises(ValueError, match="max_trials"):
+        loka.dispatch.tune_speed(plan, model, _fake_step(costs, []), max_trials=1)
+    with pytest.raises(ValueError, match="min_gain"):
+        loka.dispatch.tune_speed(plan, model, _fake_step(costs, []), min_gain=0)
+    with pytest.raises(ValueError, match="positive time"):
+        loka.dispatch.tune_speed(plan, model, lambda m: float("nan"))
+    assert not any(isinstance(m, loka.Linear) for m in model.modules())
