@@ -46,12 +46,14 @@ TRAIN_VARIANTS = (
 INFER_VARIANTS = (
     ["bf16", "bf16+mods", "bf16+mods+graphs"]
     + [f"torchao-{r}{m}" for m in ("", "+mods") for r in ("tensorwise", "rowwise")]
-    + ["loka+mods", "loka+mods+graphs", "bf16+mods+merge+graphs", "loka+mods+merge+graphs"]
+    + ["loka+mods", "loka+mods+graphs", "bf16+mods+merge+graphs", "loka+mods+merge+graphs",
+       "loka+mods+merge+tuned+graphs"]
 )
 """Variant names: a base (bf16, torchao-<recipe>[-auto], loka, loka-uniform-<kernel>[-big])
 and suffixes: +mods (the paper's Mods: No Bias, BlockNorm, Hard Swish), +merge (also
-LoKA's shape Mod that merges sibling Linears reading one input into one GEMM), +graphs
-(the whole step captured in one CUDA graph)."""
+LoKA's shape Mod that merges sibling Linears reading one input into one GEMM), +tuned
+(LoKA's plan tuned by whole-step timings, ``loka.dispatch.tune_speed``), +graphs (the
+whole step captured in one CUDA graph)."""
 
 
 def variant_mods(name: str) -> Optional[ModsConfig]:
@@ -408,22 +410,67 @@ def prepare_train(name: str, cfg: BenchConfig, device: torch.device, shared: dic
     elif name.startswith("loka"):
         from .dispatch import apply
 
-        apply(model, _plans(name, model, batch, cfg, device, shared, row)["train"])
+        plans = _plans(name, model, batch, cfg, device, shared, row)
+        plan = plans["train"]
+        if "+tuned" in name:
+            plan = _tuned(plans, name, model, batch, cfg, device, row)
+        apply(model, plan)
     row["fp8_sites"] = _count_fp8(model)
     graphs = name.endswith("+graphs") and device.type == "cuda"
     model.train()
+    return _make_step(model, batch, cfg, device, graphs), row, batch
+
+
+def _make_step(model, batch, cfg: BenchConfig, device, graphs: bool) -> Callable[[], object]:
+    """One full training step of ``model`` as the benchmark runs it (compiled unless
+    ``cfg.compile`` is off; on CUDA with ``graphs``, captured in one CUDA graph)."""
     compiled = _maybe_compile(model, cfg)
     opt = _optimizer(model, device, capturable=graphs)
     if graphs:
-        step = GraphedStep(compiled, opt, batch)
-    else:
-        def step():
-            opt.zero_grad(set_to_none=True)
-            loss = _loss(compiled, batch)
-            loss.backward()
-            opt.step()
-            return loss
-    return step, row, batch
+        return GraphedStep(compiled, opt, batch)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = _loss(compiled, batch)
+        loss.backward()
+        opt.step()
+        return loss
+    return step
+
+
+TUNE_STEPS = 10
+"""timed steps per trial of ``+tuned`` (after the variant's warm-up)"""
+
+
+def _tuned(plans: dict, name: str, model, batch, cfg: BenchConfig, device, row: dict):
+    """The structure's training plan tuned by whole-step timings
+    (:func:`loka.dispatch.tune_speed`), once per structure and graph mode. The weights
+    are restored after every trial, so the variant itself starts from the same model."""
+    from .dispatch import tune_speed
+
+    graphs = name.endswith("+graphs") and device.type == "cuda"
+    key = "tuned+graphs" if graphs else "tuned"
+    if key not in plans:
+        saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+        def time_step(m) -> float:
+            torch._dynamo.reset()
+            step = _make_step(m, batch, cfg, device, graphs)
+            t = _time_steps(step, device, TUNE_STEPS, cfg.warmup)["median_ms"]
+            del step
+            with torch.no_grad():
+                m.load_state_dict(saved)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            return t
+
+        t0 = time.perf_counter()
+        plans[key], log = tune_speed(plans["train"], model, time_step)
+        torch._dynamo.reset()
+        row["tune_s"] = time.perf_counter() - t0
+        row["tune_log"] = log
+    row["tuned_plan"] = plans[key].to_dict()
+    return plans[key]
 
 
 def run_train_variant(name: str, cfg: BenchConfig, device: torch.device, shared: dict) -> dict:
@@ -686,7 +733,8 @@ def _variants(text: Optional[str], default, allowed) -> List[str]:
     if text.strip() == "none":
         return []
     names = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [n for n in names if n not in allowed and not n.startswith("loka-uniform-")]
+    bad = [n for n in names if n not in allowed and not n.startswith("loka-uniform-")
+           and n.replace("+tuned", "") not in allowed]
     if bad:
         raise ValueError(f"unknown variant(s) {bad}; choose from {list(allowed)}")
     return names

@@ -9,6 +9,7 @@ import math
 import os
 
 import pytest
+import torch
 
 from loka import bench
 from loka.dispatch.plan import Plan
@@ -189,3 +190,22 @@ def test_quality_summary_pairs_arms_by_seed():
     assert s["paired_ne_change_pct"]["per_seed"] == pytest.approx([0.1, 0.0])
     assert s["paired_ne_change_pct"]["mean"] == pytest.approx(0.05)
     assert s["seed_noise_pct"] == pytest.approx(100 * 0.0141421356 / 0.81, rel=1e-6)
+
+
+def test_tuned_variant_times_whole_steps_and_keeps_the_model_it_started_from(tmp_path):
+    cfg = _cfg(tmp_path, train_variants=["loka+mods+tuned"], infer_variants=[], steps=1,
+               warmup=1, plan=str(tmp_path / "uniform.plan.json"))
+    model = bench.build_model(cfg, bench.variant_mods("loka+mods"), torch.device("cpu"))
+    Plan.uniform(model, "emulated-rowwise-e4m3").save(cfg.plan)  # FP8 on every Linear
+    result = bench.run(cfg, progress=lambda s: None)
+    row = result["train"][0]
+    assert "error" not in row, row.get("traceback")
+    log = row["tune_log"]
+    assert len(log) >= 2 and log[0]["sites"] == [] and all(e["time"] > 0 for e in log)
+    tuned = Plan.from_dict(row["tuned_plan"])
+    info = tuned.budget["speed_tuned"]
+    assert info["trials"] == len(log) and info["baseline_time"] == log[0]["time"]
+    assert set(tuned.fp8_sites()) <= set(Plan.load(cfg.plan).fp8_sites())
+    assert len(log) > 2 and any(e["removed"] for e in log)  # groups were tried
+    assert row["fp8_sites"] == len(tuned.fp8_sites())
+    assert math.isfinite(row["final_loss"])
