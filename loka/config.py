@@ -210,7 +210,10 @@ class ModsConfig:
     hardswish: bool = False
     """replace Swish/SiLU (and the Swish of SwishNorm) with Hard Swish"""
     fuse_norm_quant: bool = False
-    """on GPU, fuse norm -> activation -> FP8 quantization into one kernel where it feeds FP8"""
+    """request norm -> activation -> FP8 quantization in one kernel where it feeds FP8. Not
+    a module swap: models opt in by putting ``loka.mods.fused.FusedNormActQuant`` in front
+    of a ``loka.Linear`` (``linear(y, x_q=q)``); the reference models do not route through
+    it yet, and ``convert`` reports the flag as skipped"""
     pad_to: Optional[int] = None
     """pad Linear feature dims to a multiple of this (16 for FP8 GEMMs); None: no padding"""
     merge_siblings: bool = False

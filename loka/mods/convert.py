@@ -69,8 +69,9 @@ def convert(model: nn.Module, mods: ModsConfig) -> ModsReport:
     * ``blocknorm``: ``nn.LayerNorm`` / ``nn.RMSNorm`` over one dim -> ``BlockNorm(B)``.
     * ``hardswish``: ``nn.SiLU`` -> ``nn.Hardswish``.
     * ``pad_to``: Linears with a dim not a multiple of it -> ``PaddedLinear``.
-    * ``fuse_norm_quant`` is not a module swap (``loka.mods.fused`` applies it at dispatch
-      time) and is reported as skipped here.
+    * ``fuse_norm_quant`` is not a module swap: the fused producer is the explicit
+      ``loka.mods.fused.FusedNormActQuant`` module in front of a ``loka.Linear``; it is
+      reported as skipped here.
 
     Converting a trained model changes the function (except padding and merging): train
     or fine-tune afterwards. Idempotent: converting twice changes nothing the second time.
@@ -100,6 +101,6 @@ def convert(model: nn.Module, mods: ModsConfig) -> ModsReport:
     if mods.pad_to is not None:
         changes += pad_linears(model, mods.pad_to)
     if mods.fuse_norm_quant:
-        skipped.append(("", "fuse_norm_quant is applied by loka.mods.fused at dispatch, "
-                            "not by a module swap"))
+        skipped.append(("", "fuse_norm_quant is not a module swap: put "
+                            "loka.mods.fused.FusedNormActQuant in front of the loka.Linear"))
     return ModsReport(config=mods, changes=tuple(changes), skipped=tuple(skipped))
