@@ -60,8 +60,7 @@ def variant_mods(name: str) -> Optional[ModsConfig]:
     """The Mods a variant's model is built with (None: the plain model)."""
     if "+mods" not in name:
         return None
-    return ModsConfig(no_bias=True, blocknorm=256, hardswish=True,
-                      merge_siblings="+merge" in name)
+    return dataclasses.replace(ModsConfig.paper(), merge_siblings="+merge" in name)
 
 
 @dataclass
