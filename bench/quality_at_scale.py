@@ -10,7 +10,7 @@ on the same held-out batches (NE, AUC, log loss in float64), and the teacher's o
 Bayes floor of the stream) is reported beside them.
 
     PYTHONPATH=. python bench/quality_at_scale.py --plan bench/results/<run>.plan.json \\
-        --steps 600 --seeds 3 --out bench/results/<date>-quality.json
+        --steps 3000 --seeds 3 --out bench/results/<date>-quality.json
 
 Without ``--plan`` the Probe runs once (on the first seed's model) and its plan serves all
 seeds. The JSON holds every run's final metrics and loss curve, the mean and spread per
@@ -118,7 +118,8 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default=None, help="default: paper on CUDA, tiny on the CPU")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--plan", default=None, help="plan JSON (default: probe once)")
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--steps", type=int, default=3000,
+                   help="training steps per run (250 left Wukong paper at NE ~1.0 on an H200)")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--eval-steps", type=int, default=50, help="held-out batches")
     p.add_argument("--batch-size", type=int, default=None)
