@@ -94,6 +94,9 @@ class BenchConfig:
     profile: Tuple[str, ...] = ()
     """variants whose timed step is also profiled (torch.profiler, CUDA only): GPU time
     per kernel class goes into the row's ``profile``"""
+    profile_ops: bool = False
+    """profiles also attribute GPU time to the operator and stack frame that launched it
+    (``profile['by_op_us']``; meaningful for variants without CUDA graphs)"""
     table_rows: Optional[int] = 1000
     """cap on embedding-table rows, so that the optimizer update of huge tables does not
     drown the dense part the benchmark is about (None: the preset's tables)"""
@@ -483,7 +486,7 @@ def run_train_variant(name: str, cfg: BenchConfig, device: torch.device, shared:
     if device.type == "cuda":
         row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
         if name in cfg.profile:
-            row["profile"] = profile_breakdown(step)
+            row["profile"] = profile_breakdown(step, ops=cfg.profile_ops)
     row["samples_per_s"] = batch.labels.shape[0] / (row["median_ms"] / 1e3)
     return row
 
@@ -527,13 +530,39 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
-def profile_breakdown(step: Callable[[], object], steps: int = 5, top: int = 30) -> dict:
+def op_breakdown(events, steps: int = 1, top: int = 20) -> List[list]:
+    """GPU time per step by the operator that launched it: for each profiler event with
+    kernels, the outermost ``aten::`` op above it and the innermost stack frame in LoKA's
+    or Inductor's code (when stacks were recorded). Rows ``[op, frame, us]``, largest
+    first. Kernels replayed from a CUDA graph belong to ``cudaGraphLaunch``: profile a
+    step without graphs to see their ops."""
+    totals: Dict[tuple, float] = {}
+    for evt in events:
+        kernels = getattr(evt, "kernels", None) or []
+        if not kernels:
+            continue
+        op = evt
+        while getattr(op, "cpu_parent", None) is not None and \
+                str(op.cpu_parent.name).startswith("aten::"):
+            op = op.cpu_parent
+        frames = [f for f in (getattr(evt, "stack", None) or [])
+                  if "/loka/" in f or "torchinductor" in f or "output_code" in f]
+        key = (str(op.name), frames[0] if frames else "")
+        totals[key] = totals.get(key, 0.0) + sum(k.duration for k in kernels) / steps
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+    return [[op, frame, us] for (op, frame), us in ranked]
+
+
+def profile_breakdown(step: Callable[[], object], steps: int = 5, top: int = 30,
+                      ops: bool = False) -> dict:
     """GPU time per step by kernel class (and the ``top`` kernels) over ``steps`` steps of
-    an already warmed-up ``step``, with torch.profiler."""
+    an already warmed-up ``step``, with torch.profiler. ``ops``: also by launching
+    operator and stack frame (:func:`op_breakdown`; records the CPU side and stacks)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if ops else [])
+    with profile(activities=acts, with_stack=ops) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
@@ -550,8 +579,11 @@ def profile_breakdown(step: Callable[[], object], steps: int = 5, top: int = 30)
     for k, v in per_kernel.items():
         cats[kernel_class(k)] += v
     ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]
-    return {"gpu_us_per_step": sum(per_kernel.values()), "by_class_us": cats,
-            "top_kernels_us": [[k, v, kernel_class(k)] for k, v in ranked], "steps": steps}
+    out = {"gpu_us_per_step": sum(per_kernel.values()), "by_class_us": cats,
+           "top_kernels_us": [[k, v, kernel_class(k)] for k, v in ranked], "steps": steps}
+    if ops:
+        out["by_op_us"] = op_breakdown(prof.events(), steps)
+    return out
 
 
 def run_infer_variant(name: str, cfg: BenchConfig, device: torch.device, shared: dict) -> dict:
@@ -724,6 +756,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default: {','.join(PROBE_KERNELS)})")
     p.add_argument("--profile", default="",
                    help="comma list of training variants to profile by kernel class (CUDA)")
+    p.add_argument("--profile-ops", action="store_true",
+                   help="profiles also attribute GPU time to launching ops and stack frames")
 
 
 def _variants(text: Optional[str], default, allowed) -> List[str]:
@@ -754,7 +788,8 @@ def config_from_args(args) -> BenchConfig:
         probe_kernels=(PROBE_KERNELS if args.probe_kernels is None else None
                        if args.probe_kernels.strip() == "all"
                        else tuple(k.strip() for k in args.probe_kernels.split(",") if k.strip())),
-        profile=tuple(v.strip() for v in args.profile.split(",") if v.strip()))
+        profile=tuple(v.strip() for v in args.profile.split(",") if v.strip()),
+        profile_ops=args.profile_ops)
 
 
 def run_from_args(args) -> dict:

@@ -209,3 +209,17 @@ def test_tuned_variant_times_whole_steps_and_keeps_the_model_it_started_from(tmp
     assert len(log) > 2 and any(e["removed"] for e in log)  # groups were tried
     assert row["fp8_sites"] == len(tuned.fp8_sites())
     assert math.isfinite(row["final_loss"])
+
+
+def test_op_breakdown_attributes_kernel_time_to_the_outermost_aten_op():
+    from types import SimpleNamespace as NS
+
+    k = lambda us: NS(duration=us)  # noqa: E731
+    clone = NS(name="aten::clone", cpu_parent=NS(name="CompiledFunction", cpu_parent=None))
+    copy = NS(name="aten::copy_", cpu_parent=clone, kernels=[k(30.0), k(10.0)],
+              stack=["torch/_tensor.py(1): x", "/work/loka/dispatch/linear.py(171): backward"])
+    mm = NS(name="aten::mm", cpu_parent=None, kernels=[k(100.0)], stack=[])
+    idle = NS(name="aten::view", cpu_parent=None, kernels=[], stack=[])
+    rows = bench.op_breakdown([copy, mm, idle, copy], steps=2)
+    assert rows == [["aten::mm", "", 50.0],
+                    ["aten::clone", "/work/loka/dispatch/linear.py(171): backward", 40.0]]

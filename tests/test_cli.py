@@ -22,7 +22,7 @@ SURFACE = {
                        "<plan>"],
     "bench": COMMON + ["--batch-size", "--infer-variants", "--max-error", "--min-speedup",
                        "--model", "--no-compile", "--no-plot", "--out", "--plan",
-                       "--preset", "--probe-kernels", "--profile", "--steps",
+                       "--preset", "--probe-kernels", "--profile", "--profile-ops", "--steps",
                        "--train-variants", "--warmup"],
     "demo": COMMON + ["--batch-size", "--max-error", "--model", "--out", "--preset",
                       "--probe-steps", "--quick", "--seed", "--steps"],
