@@ -496,14 +496,14 @@ class Probe:
             if weight_q:
                 with torch.no_grad():
                     b = kern.quantize_b(b)
-            call = self._timed_call(kern, dtype, dev, cache)
             timed = functools.partial(time_fn, device=dev, warmup=self.config.timing_warmup,
                                       iters=self.config.timing_iters,
                                       budget_ms=self.config.timing_budget_ms)
             with torch.no_grad():
                 if not _compile_for_timing(kern, dev, self.config.timing_compile):
-                    result = timed(lambda: call(a, b))
+                    result = timed(lambda: kern(a, b, dtype))
                 else:
+                    call = self._compiled_call(kern, dtype, cache)
                     try:
                         result = timed(lambda: call(a, b))
                         result = dataclasses.replace(result, method=result.method + "+compiled")
@@ -516,14 +516,10 @@ class Probe:
         cache[key] = result
         return result
 
-
-    def _timed_call(self, kern, dtype, dev, cache) -> Callable:
-        """``call(a, b)``: the kernel as it runs inside a model on ``dev``. A kernel whose
-        quantization is traceable PyTorch is compiled (``ProbeConfig.timing_compile``),
-        since Inductor fuses that quantization in a compiled model; one compiled
-        function per kernel and dtype, with dynamic shapes, so that every site reuses it."""
-        if not _compile_for_timing(kern, dev, self.config.timing_compile):
-            return lambda a, b: kern(a, b, dtype)
+    def _compiled_call(self, kern, dtype, cache) -> Callable:
+        """``call(a, b)``: the kernel under ``torch.compile``, as it runs inside a compiled
+        model, where Inductor fuses its PyTorch quantization; one compiled function per
+        kernel and dtype, with dynamic shapes, so that every site reuses it."""
         key = ("compiled", kern.name, dtype)
         if key not in cache:
             compiled = torch.compile(lambda a, b: kern(a, b, dtype), dynamic=True)
