@@ -337,3 +337,17 @@ def test_train_then_resume(tmp_path, capsys):
     code, _, err = run(["train", "--model", "dlrm", "--preset", "tiny", "--steps", "6",
                         "--resume", "--out", str(out), "--device", "cpu"], capsys)
     _expect_error(code, err, 1, "holds another model's weights")
+
+
+def test_bench_on_the_cpu_end_to_end(tmp_path, capsys):
+    out = tmp_path / "b.json"
+    code = cli.main(["bench", "--device", "cpu", "--preset", "tiny", "--steps", "1", "--warmup",
+                     "1", "--train-variants", "bf16,bf16+mods,loka+mods", "--infer-variants",
+                     "bf16,loka+mods", "--out", str(out), "--no-plot"])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "== train (wukong tiny, cpu) ==" in text and f"wrote {out}" in text
+    result = json.loads(out.read_text())
+    assert [r["variant"] for r in result["train"]] == ["bf16", "bf16+mods", "loka+mods"]
+    assert all(r["median_ms"] > 0 and "error" not in r for r in result["train"] + result["infer"])
+    assert Plan.load(str(tmp_path / "b.plan.json")).sites
