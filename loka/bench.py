@@ -41,19 +41,19 @@ PROBE_KERNELS = ("bf16", "cublas-rowwise", "cublas-tensorwise", "cublas-rowwise-
 TRAIN_VARIANTS = (
     ["bf16", "bf16+graphs", "bf16+mods", "bf16+mods+graphs"]
     + [f"torchao-{r}{a}{m}" for m in ("", "+mods") for r in TORCHAO_RECIPES for a in ("", "-auto")]
-    + ["loka+mods", "loka+mods+graphs", "bf16+mods+merge+graphs", "loka+mods+merge+graphs"]
+    + ["loka+mods", "loka+mods+graphs", "bf16+mods+merge+graphs", "loka+mods+merge+graphs",
+       "loka+mods+merge+tuned+graphs"]
 )
 INFER_VARIANTS = (
     ["bf16", "bf16+mods", "bf16+mods+graphs"]
     + [f"torchao-{r}{m}" for m in ("", "+mods") for r in ("tensorwise", "rowwise")]
-    + ["loka+mods", "loka+mods+graphs", "bf16+mods+merge+graphs", "loka+mods+merge+graphs",
-       "loka+mods+merge+tuned+graphs"]
+    + ["loka+mods", "loka+mods+graphs", "bf16+mods+merge+graphs", "loka+mods+merge+graphs"]
 )
 """Variant names: a base (bf16, torchao-<recipe>[-auto], loka, loka-uniform-<kernel>[-big])
 and suffixes: +mods (the paper's Mods: No Bias, BlockNorm, Hard Swish), +merge (also
 LoKA's shape Mod that merges sibling Linears reading one input into one GEMM), +tuned
-(LoKA's plan tuned by whole-step timings, ``loka.dispatch.tune_speed``), +graphs (the
-whole step captured in one CUDA graph)."""
+(training only: LoKA's plan tuned by whole-step timings, ``loka.dispatch.tune_speed``),
++graphs (the whole step captured in one CUDA graph)."""
 
 
 def variant_mods(name: str) -> Optional[ModsConfig]:
@@ -566,8 +566,12 @@ def profile_breakdown(step: Callable[[], object], steps: int = 5, top: int = 30,
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
+    from torch.autograd import DeviceType
+
     per_kernel: Dict[str, float] = {}
     for evt in prof.key_averages():
+        if ops and evt.device_type != DeviceType.CUDA:
+            continue  # with the CPU side recorded, its events also carry their kernels' time
         t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
         key = evt.key or ""
         # CPU-op rows summarise their kernels (they would count twice)
@@ -587,6 +591,8 @@ def profile_breakdown(step: Callable[[], object], steps: int = 5, top: int = 30,
 
 
 def run_infer_variant(name: str, cfg: BenchConfig, device: torch.device, shared: dict) -> dict:
+    if "+tuned" in name:
+        raise ValueError("+tuned tunes a training plan; inference variants take no +tuned")
     mods = variant_mods(name)
     model = build_model(cfg, mods, device).eval()
     batch = _cast_batch(make_batch(model, cfg, device), next(model.parameters()).dtype)

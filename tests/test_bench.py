@@ -123,6 +123,14 @@ def test_a_failing_variant_is_recorded_and_the_rest_still_run(tmp_path, monkeypa
     assert good["median_ms"] > 0 and good["speedup_vs_bf16"] == 1.0
 
 
+def test_tuned_is_a_training_variant_only(tmp_path):
+    assert "loka+mods+merge+tuned+graphs" in bench.TRAIN_VARIANTS
+    assert not any("+tuned" in v for v in bench.INFER_VARIANTS)
+    result = bench.run(_cfg(tmp_path, train_variants=[], infer_variants=["loka+mods+tuned"]),
+                       progress=lambda s: None)
+    assert result["infer"][0]["error"].startswith("ValueError: +tuned tunes a training plan")
+
+
 def test_unknown_variants_are_refused():
     with pytest.raises(ValueError, match="unknown variant"):
         bench._variants("bf16,warp", bench.TRAIN_VARIANTS, bench.TRAIN_VARIANTS)
