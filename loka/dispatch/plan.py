@@ -38,6 +38,7 @@ The JSON layout (schema ``loka.plan``, version :data:`SCHEMA_VERSION`)::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
 import json
@@ -516,6 +517,22 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
 Batch = Any
 
 
+@contextlib.contextmanager
+def _restoring(root: nn.Module):
+    """Leave ``root`` with the plan (and apply options) it had on entry, or none: the
+    end-to-end searches below apply and unapply trial plans in between."""
+    from .apply import _state, apply, unapply  # apply imports this module
+
+    state = _state(root)
+    previous, options = state.get("plan"), dict(state.get("options", {}))
+    try:
+        yield
+    finally:
+        unapply(root)
+        if previous is not None:
+            apply(root, previous, **options)
+
+
 def _default_forward(model: nn.Module, batch: Batch):
     return model(batch)
 
@@ -595,61 +612,57 @@ def tighten_end_to_end(plan: Plan, model: nn.Module, batches: Iterable[Batch],
         (new plan, log): the log has one dict per measurement with ``site``, ``action``
         ('measure', 'contribution', 'revert'), ``change``.
     """
-    from .apply import _state, apply, unapply  # apply imports this module
+    from .apply import apply, unapply  # apply imports this module
 
     if not (isinstance(max_output_change, (int, float)) and max_output_change >= 0
             and math.isfinite(max_output_change)):
         raise ValueError(f"max_output_change must be a finite number >= 0, got {max_output_change!r}")
     root = getattr(model, "_orig_mod", model)
-    prev_state = _state(root)
-    previous, prev_options = prev_state.get("plan"), dict(prev_state.get("options", {}))
     was_training = root.training
     new = plan.copy()
     log: List[dict] = []
-    try:
-        unapply(root)
-        root.eval()
-        measure = _Measure(root, batches, loss_fn, forward)
-        apply(root, new)
-        modules = dict(root.named_modules())
-        fwd_sites = [s for s in new.fp8_sites() if new.sites[s].kernel(Role.FWD, new.baseline)
-                     != new.baseline]
-        total = measure.change()
-        log.append({"site": None, "action": "measure", "change": total})
-        if total > max_output_change and fwd_sites:
-            full = {s: modules[s].config for s in fwd_sites}
-            off = {s: dataclasses.replace(c, fwd=new.baseline) for s, c in full.items()}
-            for s in fwd_sites:
-                modules[s].set_config(off[s])
-            contribution = {}
-            for s in fwd_sites:
-                modules[s].set_config(full[s])
-                contribution[s] = measure.change()
-                modules[s].set_config(off[s])
-                log.append({"site": s, "action": "contribution", "change": contribution[s]})
-            for s in fwd_sites:
-                modules[s].set_config(full[s])
-            for s in sorted(fwd_sites, key=lambda s: -contribution[s]):
-                if total <= max_output_change:
-                    break
-                modules[s].set_config(LinearConfig.uniform(new.baseline))
-                total = measure.change()
-                for role in ROLES:
-                    old = new.sites[s].roles.get(role)
-                    new.sites[s].roles[role] = RoleChoice(
-                        new.baseline, budget=None if old is None else old.budget,
-                        reason=f"end-to-end budget: contributed {contribution[s]:.3g} of "
-                               f"output change")
-                log.append({"site": s, "action": "revert", "change": total})
-        reverted = [e["site"] for e in log if e["action"] == "revert"]
-        new.budget["max_output_change"] = float(max_output_change)
-        new.notes.append(f"end-to-end: output change {total:.4g} (bound {max_output_change:g}) "
-                         f"after reverting {len(reverted)} site(s) to {new.baseline}")
-    finally:
-        unapply(root)
-        root.train(was_training)
-        if previous is not None:
-            apply(root, previous, **prev_options)
+    with _restoring(root):
+        try:
+            unapply(root)
+            root.eval()
+            measure = _Measure(root, batches, loss_fn, forward)
+            apply(root, new)
+            modules = dict(root.named_modules())
+            fwd_sites = [s for s in new.fp8_sites() if new.sites[s].kernel(Role.FWD, new.baseline)
+                         != new.baseline]
+            total = measure.change()
+            log.append({"site": None, "action": "measure", "change": total})
+            if total > max_output_change and fwd_sites:
+                full = {s: modules[s].config for s in fwd_sites}
+                off = {s: dataclasses.replace(c, fwd=new.baseline) for s, c in full.items()}
+                for s in fwd_sites:
+                    modules[s].set_config(off[s])
+                contribution = {}
+                for s in fwd_sites:
+                    modules[s].set_config(full[s])
+                    contribution[s] = measure.change()
+                    modules[s].set_config(off[s])
+                    log.append({"site": s, "action": "contribution", "change": contribution[s]})
+                for s in fwd_sites:
+                    modules[s].set_config(full[s])
+                for s in sorted(fwd_sites, key=lambda s: -contribution[s]):
+                    if total <= max_output_change:
+                        break
+                    modules[s].set_config(LinearConfig.uniform(new.baseline))
+                    total = measure.change()
+                    for role in ROLES:
+                        old = new.sites[s].roles.get(role)
+                        new.sites[s].roles[role] = RoleChoice(
+                            new.baseline, budget=None if old is None else old.budget,
+                            reason=f"end-to-end budget: contributed {contribution[s]:.3g} of "
+                                   f"output change")
+                    log.append({"site": s, "action": "revert", "change": total})
+            reverted = [e["site"] for e in log if e["action"] == "revert"]
+            new.budget["max_output_change"] = float(max_output_change)
+            new.notes.append(f"end-to-end: output change {total:.4g} (bound {max_output_change:g}) "
+                             f"after reverting {len(reverted)} site(s) to {new.baseline}")
+        finally:
+            root.train(was_training)
     return new, log
 
 
@@ -694,15 +707,13 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
         (tuned plan, log): one dict per trial with ``sites`` (FP8 sites of the trial),
         ``removed`` (the group tried, if any) and ``time``.
     """
-    from .apply import _state, apply, unapply  # apply imports this module
+    from .apply import apply, unapply  # apply imports this module
 
     if not (min_gain > 0 and math.isfinite(min_gain)):
         raise ValueError(f"min_gain must be a finite positive number, got {min_gain!r}")
     if max_trials < 2:
         raise ValueError(f"max_trials must be >= 2 (the baseline and the plan), got {max_trials}")
     root = getattr(model, "_orig_mod", model)
-    prev_state = _state(root)
-    previous, prev_options = prev_state.get("plan"), dict(prev_state.get("options", {}))
     log: List[dict] = []
 
     def without(p: Plan, sites: Iterable[str], why: str) -> Plan:
@@ -724,7 +735,7 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
         log.append({"sites": p.fp8_sites(), "removed": removed, "time": t})
         return t
 
-    try:
+    with _restoring(root):
         base_time = trial(without(plan, plan.fp8_sites(), "baseline"), None)
         best, best_time = plan.copy(), trial(plan, None)
         while len(log) < max_trials:
@@ -748,8 +759,4 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
                                       "trials": len(log), "min_gain": float(min_gain)}
         best.notes.append(f"end-to-end speed: {len(best.fp8_sites())} FP8 site(s) kept, step "
                           f"{best_time:.4g} vs {base_time:.4g} without FP8 ({len(log)} trials)")
-    finally:
-        unapply(root)
-        if previous is not None:
-            apply(root, previous, **prev_options)
     return best, log
