@@ -91,9 +91,13 @@ class BenchConfig:
     plan: Optional[str] = None
     """a plan JSON to apply in the LoKA variants instead of probing (the plan of an
     earlier run: ``<out>.plan.json``)"""
+    plans: Dict[str, str] = field(default_factory=dict)
+    """named plan JSONs for the variants ``loka@<name>...`` (several plans side by side in
+    one run); a ``+merge`` variant reads ``<stem>.merge.plan.json`` beside the file"""
     profile: Tuple[str, ...] = ()
     """variants whose timed step is also profiled (torch.profiler, CUDA only): GPU time
-    per kernel class goes into the row's ``profile``"""
+    per kernel class goes into the row's ``profile``; ``infer:<variant>`` names an
+    inference variant"""
     profile_ops: bool = False
     """profiles also attribute GPU time to the operator and stack frame that launched it
     (``profile['by_op_us']``; meaningful for variants without CUDA graphs)"""
@@ -335,7 +339,10 @@ def _plans(name: str, model, batch, cfg: BenchConfig, device, shared: dict, row:
     from .dispatch import plan as make_plan
 
     tag = "merge" if "+merge" in name else ""
+    named = plan_name(name)
     plans = shared.setdefault("plans", {})
+    if named is not None:
+        return _named_plan(named, tag, cfg, plans)
     if tag not in plans:
         run = cfg
         if cfg.plan and tag:  # a merged model has other sites: its plan file, else probe
@@ -350,10 +357,36 @@ def _plans(name: str, model, batch, cfg: BenchConfig, device, shared: dict, row:
     return plans[tag]
 
 
+def plan_name(variant: str) -> Optional[str]:
+    """'loka@fast+mods+graphs' -> 'fast'; None for variants without a named plan."""
+    base = variant.split("+")[0]
+    return base.split("@", 1)[1] if base.startswith("loka@") else None
+
+
+def _named_plan(named: str, tag: str, cfg: BenchConfig, plans: dict) -> dict:
+    from .dispatch import Plan
+
+    if named not in cfg.plans:
+        raise ValueError(f"variant names plan {named!r}, but --plans gives only "
+                         f"{sorted(cfg.plans) or 'none'}")
+    key = f"@{named}{'.' + tag if tag else ''}"
+    if key not in plans:
+        path = cfg.plans[named]
+        if tag:
+            path = path.removesuffix(".plan.json").removesuffix(".json") + f".{tag}.plan.json"
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"a +{tag} variant of plan {named!r} needs {path}")
+        plan = Plan.load(path)
+        plans[key] = {"tag": key, "report": None, "train": plan, "infer": plan, "path": path}
+    return plans[key]
+
+
 def _save_plans(shared: dict, result: dict, out: str) -> None:
     """Write each structure's plans and report beside the result JSON (and into it)."""
     stem = out.removesuffix(".json")
     for tag, p in shared.get("plans", {}).items():
+        if tag.startswith("@"):
+            continue  # given as files, or kept in the rows that used them
         dot = f".{tag}" if tag else ""
         key = f"loka{'_' + tag if tag else ''}"
         result[f"{key}_plan"] = p["train"].to_dict()
@@ -569,9 +602,14 @@ def profile_breakdown(step: Callable[[], object], steps: int = 5, top: int = 30,
     from torch.autograd import DeviceType
 
     per_kernel: Dict[str, float] = {}
+    cpu_self: Dict[str, float] = {}
     for evt in prof.key_averages():
         if ops and evt.device_type != DeviceType.CUDA:
-            continue  # with the CPU side recorded, its events also carry their kernels' time
+            # with the CPU side recorded, its events also carry their kernels' time; keep
+            # their own host time instead: what a step without graphs waits on
+            if evt.device_type == DeviceType.CPU and evt.self_cpu_time_total:
+                cpu_self[evt.key] = cpu_self.get(evt.key, 0.0) + evt.self_cpu_time_total / steps
+            continue
         t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
         key = evt.key or ""
         # CPU-op rows summarise their kernels (they would count twice)
@@ -587,6 +625,9 @@ def profile_breakdown(step: Callable[[], object], steps: int = 5, top: int = 30,
            "top_kernels_us": [[k, v, kernel_class(k)] for k, v in ranked], "steps": steps}
     if ops:
         out["by_op_us"] = op_breakdown(prof.events(), steps)
+        out["host_us_per_step"] = sum(cpu_self.values())
+        out["host_top_ops_us"] = sorted(([k, v] for k, v in cpu_self.items()),
+                                        key=lambda kv: -kv[1])[:top]
     return out
 
 
@@ -621,6 +662,8 @@ def run_infer_variant(name: str, cfg: BenchConfig, device: torch.device, shared:
     row.update(_time_steps(step, device, cfg.steps, cfg.warmup))
     if device.type == "cuda":
         row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+        if f"infer:{name}" in cfg.profile:
+            row["profile"] = profile_breakdown(step, ops=cfg.profile_ops)
     row["samples_per_s"] = batch.labels.shape[0] / (row["median_ms"] / 1e3)
     return row
 
@@ -657,12 +700,17 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
         for name in names:
             progress(f"[{mode}] {name} ...")
             t0 = time.perf_counter()
+            counters = torch._dynamo.utils.counters
+            counters.clear()
             try:
                 row = fn(name, cfg, device, shared)
             except Exception as e:  # noqa: BLE001 - one variant's failure must not lose the rest
                 row = {"variant": name, "mode": mode, "error": f"{type(e).__name__}: {e}",
                        "traceback": traceback.format_exc(limit=8)}
             row["wall_s"] = time.perf_counter() - t0
+            if cfg.compile:  # a graph break costs a host round trip per step: show them
+                row["graph_breaks"] = sum(counters["graph_break"].values())
+                row["compiled_graphs"] = counters["stats"].get("unique_graphs", 0)
             result[mode].append(row)
             _ratios(result[mode])
             progress("   " + _row_text(row))
@@ -757,11 +805,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
     p.add_argument("--plan", default=None,
                    help="apply this plan JSON in the LoKA variants instead of probing")
+    p.add_argument("--plans", default="",
+                   help="named plans for variants loka@<name>...: name=path[,name=path]")
     p.add_argument("--probe-kernels", default=None,
                    help="comma list of kernels the Probe measures, or 'all' "
                         f"(default: {','.join(PROBE_KERNELS)})")
     p.add_argument("--profile", default="",
-                   help="comma list of training variants to profile by kernel class (CUDA)")
+                   help="comma list of variants to profile by kernel class (CUDA); "
+                        "infer:<variant> for an inference variant")
     p.add_argument("--profile-ops", action="store_true",
                    help="profiles also attribute GPU time to launching ops and stack frames")
 
@@ -773,10 +824,23 @@ def _variants(text: Optional[str], default, allowed) -> List[str]:
         return []
     names = [t.strip() for t in text.split(",") if t.strip()]
     bad = [n for n in names if n not in allowed and not n.startswith("loka-uniform-")
-           and n.replace("+tuned", "") not in allowed]
+           and n.replace("+tuned", "") not in allowed
+           and not (n.startswith("loka@") and plan_name(n))]
     if bad:
         raise ValueError(f"unknown variant(s) {bad}; choose from {list(allowed)}")
     return names
+
+
+def _named_plans(text: str) -> Dict[str, str]:
+    plans = {}
+    for item in (t.strip() for t in (text or "").split(",")):
+        if not item:
+            continue
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip() or "+" in name or "@" in name:
+            raise ValueError(f"--plans takes name=path items (names without + or @), got {item!r}")
+        plans[name.strip()] = path.strip()
+    return plans
 
 
 def config_from_args(args) -> BenchConfig:
@@ -790,7 +854,7 @@ def config_from_args(args) -> BenchConfig:
         train_variants=_variants(args.train_variants, TRAIN_VARIANTS, TRAIN_VARIANTS),
         infer_variants=_variants(args.infer_variants, INFER_VARIANTS, INFER_VARIANTS),
         max_error=args.max_error, min_speedup=args.min_speedup, out=args.out,
-        plot=not args.no_plot, plan=args.plan,
+        plot=not args.no_plot, plan=args.plan, plans=_named_plans(args.plans),
         probe_kernels=(PROBE_KERNELS if args.probe_kernels is None else None
                        if args.probe_kernels.strip() == "all"
                        else tuple(k.strip() for k in args.probe_kernels.split(",") if k.strip())),

@@ -511,6 +511,16 @@ def _load_checkpoint(model, path: str) -> None:
                        "pass the --model/--preset/--mods the checkpoint was trained with") from None
 
 
+def _pairs(items, flag: str) -> dict:
+    out = {}
+    for item in items:
+        key, sep, value = item.rpartition("=")
+        if not sep or not key or not value:
+            raise usage(f"{flag} takes KEY=VALUE, got {item!r}")
+        out[key] = value
+    return out
+
+
 def cmd_plan(args) -> int:
     from .config import ROLES
     from .dispatch import plan as make_plan
@@ -531,6 +541,16 @@ def cmd_plan(args) -> int:
         raise usage(f"--kernels: {e.args[0]}", "list them with 'loka kernels'") from None
     except ValueError as e:
         raise usage(str(e)) from None
+    if args.replace or args.assign:
+        from .dispatch import override
+
+        try:
+            plan = override(plan, replace=_pairs(args.replace, "--replace"),
+                            assign=_pairs(args.assign, "--assign"), report=report)
+        except KeyError as e:
+            raise usage(f"unknown kernel: {e.args[0]}", "list them with 'loka kernels'") from None
+        except ValueError as e:
+            raise usage(str(e)) from None
     plan.save(args.out)
     print(plan.summary())
     print(f"wrote {args.out}; check it against the model: loka apply --check {args.out} "
@@ -728,6 +748,8 @@ returns logits (B,) for a loka.data.Batch; --data synthetic also needs a feature
   loka plan report.json --max-error 0.1 --min-speedup 1.1 --role-budget wgrad=0.05
   loka plan report.json --site-budget 'over_arch\\..*'=0.05 --metric relfro
   loka plan cpu-report.json --assume-fast       # a CPU report: choose on error only
+  loka plan report.json --replace triton-rowwise-cublas=cublas-rowwise
+  loka plan report.json --assign 'over_arch.*:fwd=cublas-rowwise-fastacc'
 
 --device names the device the plan is for (default: the report's).""",
     "apply": """examples:
@@ -846,6 +868,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--assume-fast", action="store_true",
                    help="where no GPU timing decides (CPU reports), choose the lowest-error "
                         "safe kernel instead of bf16")
+    p.add_argument("--replace", action="append", metavar="OLD=NEW", default=[],
+                   help="then move every role on kernel OLD to kernel NEW (repeatable; "
+                        "NEW must meet the budget where the report measured it)")
+    p.add_argument("--assign", action="append", metavar="SITE_GLOB:ROLE=KERNEL", default=[],
+                   help="then put these roles on KERNEL (ROLE fwd, dgrad, wgrad or *; "
+                        "repeatable; the budget is checked as for --replace)")
 
     p = add("apply", "check a plan against a model: what would change (touches nothing)",
             cmd_apply)

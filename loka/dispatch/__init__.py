@@ -10,7 +10,7 @@ tighten_end_to_end``, ``loka.dispatch.apply.check``).
 """
 
 from .linear import Linear
-from .plan import (Fallback, Plan, PlanMismatchError, RoleChoice, SitePlan, plan,
+from .plan import (Fallback, Plan, PlanMismatchError, RoleChoice, SitePlan, override, plan,
                    tighten_end_to_end, tune_speed)
 from .apply import ApplyReport, Change, amax_from_report, applied_plan, apply, check, unapply
 from .guard import Guard, GuardEvent
@@ -20,6 +20,6 @@ plan.tune_speed = tune_speed
 apply.check = check
 apply.amax_from_report = amax_from_report
 
-__all__ = ["Linear", "Plan", "SitePlan", "RoleChoice", "Fallback", "PlanMismatchError", "plan",
+__all__ = ["Linear", "Plan", "SitePlan", "RoleChoice", "Fallback", "PlanMismatchError", "plan", "override",
            "tighten_end_to_end", "tune_speed", "apply", "unapply", "check", "applied_plan", "ApplyReport",
            "Change", "amax_from_report", "Guard", "GuardEvent"]

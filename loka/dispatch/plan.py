@@ -513,6 +513,80 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
     return Plan(sites=sites, device=str(target), budget=budget_dict, source=source, notes=notes)
 
 
+# -- editing a plan ---------------------------------------------------------------------
+def override(plan: Plan, *, replace: Optional[Mapping[str, str]] = None,
+             assign: Optional[Mapping[str, str]] = None,
+             report: "ProbeReport | str | os.PathLike | None" = None,
+             check_budget: bool = True) -> Plan:
+    """A copy of ``plan`` with some kernels changed by hand (an experiment, or a choice the
+    Probe cannot see, such as a kernel whose quantization fuses into its producer inside a
+    compiled model).
+
+    Args:
+        plan: the plan to edit (not modified).
+        replace: ``{old: new}``: every role on kernel ``old`` moves to ``new``.
+        assign: ``{"<site glob>:<role>": kernel}`` (role 'fwd', 'dgrad', 'wgrad' or '*'):
+            those roles move to ``kernel``, the baseline included. Applied after ``replace``.
+        report: the Probe report the plan came from: the new choices take its error bound
+            and speedup for that site and role.
+        check_budget: with a report, refuse a kernel whose error bound at a site exceeds
+            the role's budget, or that the report did not measure there.
+
+    Returns:
+        The edited plan; each changed role's ``reason`` says what it was before.
+
+    Raises:
+        KeyError: an unregistered kernel; ValueError: a kernel that does not serve a role,
+        a glob that matches no site, or (``check_budget``) a choice outside the budget.
+    """
+    import fnmatch
+
+    if report is not None and not isinstance(report, ProbeReport):
+        report = ProbeReport.load(report)
+    edits: List[Tuple[str, Role, str]] = []  # (site, role, kernel)
+    for old, new in (replace or {}).items():
+        registry.get(new)
+        edits += [(s, r, new) for s, sp in plan.sites.items() for r in ROLES
+                  if sp.kernel(r, plan.baseline) == old]
+    for key, kernel in (assign or {}).items():
+        pattern, sep, role_text = key.rpartition(":")
+        if not sep or not pattern:
+            raise ValueError(f"assign keys are '<site glob>:<role>', got {key!r}")
+        roles = list(ROLES) if role_text == "*" else [Role.parse(role_text)]
+        sites = [s for s in plan.sites if fnmatch.fnmatchcase(s, pattern)]
+        if not sites:
+            raise ValueError(f"{pattern!r} matches no site of the plan")
+        registry.get(kernel)
+        edits += [(s, r, kernel) for s in sites for r in roles]
+    out = plan.copy()
+    for site, role, kernel in edits:
+        kern = registry.get(kernel)
+        if role not in kern.roles:
+            raise ValueError(f"kernel {kernel!r} does not serve role {role} ({site})")
+        old = out.sites[site].roles.get(role)
+        budget = None if old is None else old.budget
+        error = error_mean = speedup = None
+        if report is not None and kernel != out.baseline:
+            kr = report.sites.get(site)
+            kr = None if kr is None else kr.roles.get(role)
+            kr = None if kr is None else kr.kernels.get(kernel)
+            stat = None if kr is None else kr.metric(str(out.budget.get("metric", "mere")))
+            if stat is not None:
+                error, error_mean = stat.hi, stat.mean
+                speedup = kr.speedup_weight_q if (out.budget.get("inference") and
+                                                  kr.speedup_weight_q is not None) else kr.speedup
+            if check_budget and (error is None or (budget is not None and error > budget)):
+                raise ValueError(f"{site} {role}: {kernel!r} " + (
+                    "was not measured there by the report" if error is None else
+                    f"has error bound {error:.4g} above the budget {budget:g}"))
+        was = "nothing" if old is None else old.kernel
+        out.sites[site].roles[role] = RoleChoice(kernel, error, error_mean, speedup, budget,
+                                                 f"override (was {was})")
+    if edits:
+        out.notes.append(f"overridden by hand: {len(edits)} site-role(s)")
+    return out
+
+
 # -- end-to-end budget -------------------------------------------------------------------
 Batch = Any
 
