@@ -142,7 +142,10 @@ class _LinearFunction(torch.autograd.Function):
                 dx = kd(dy_q if dy_q is not None else dy, w_b, dy.dtype)
         if ctx.needs_input_grad[2]:
             if kw.name == BASELINE:
-                dw = x2d.t().mm(dy).t()  # the formula of addmm's backward, for bit-equality
+                # addmm's backward for a column-major mat2 (Wᵀ): one GEMM whose result is
+                # dW (N, K) row-major, the weight's own layout. (x2dᵀ·dy)ᵀ would give a
+                # transposed view, which AccumulateGrad then copies element by element.
+                dw = dy.t().mm(x2d)
             else:
                 # zero rows add nothing to dyᵀ·x: pad M for kernels that need K-alignment;
                 # dyᵀ row-major, as FP8 GEMMs (cuBLAS: TN layout) need for their a operand

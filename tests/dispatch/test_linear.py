@@ -28,6 +28,8 @@ def test_baseline_roles_are_bit_identical_to_nn_linear(dtype, bias, lead, mixed)
     ref, lin = _pair(dtype, bias)
     if mixed:  # fwd on FP8 routes through the autograd.Function; baseline roles stay exact
         lin.set_config(LinearConfig(fwd="emulated-rowwise-e4m3"))
+    strides = []  # the weight gradient as the backward returns it, before accumulation
+    lin.weight.register_hook(lambda g: strides.append(g.stride()))
     x = torch.randn(*lead, 128, dtype=dtype)
     x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
     y1, y2 = ref(x1), lin(x2)
@@ -38,6 +40,8 @@ def test_baseline_roles_are_bit_identical_to_nn_linear(dtype, bias, lead, mixed)
         assert torch.equal(y1, y2)
     assert torch.equal(x1.grad, x2.grad)
     assert torch.equal(ref.weight.grad, lin.weight.grad)
+    # the gradient arrives in the weight's layout (a transposed one costs a copy per step)
+    assert strides == [lin.weight.stride()]
     if bias:
         assert torch.equal(ref.bias.grad, lin.bias.grad)
 
