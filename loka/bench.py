@@ -47,12 +47,13 @@ TRAIN_VARIANTS = (
 INFER_VARIANTS = (
     ["bf16", "bf16+mods", "bf16+mods+graphs"]
     + [f"torchao-{r}{m}" for m in ("", "+mods") for r in ("tensorwise", "rowwise")]
-    + ["loka+mods", "loka+mods+graphs", "bf16+mods+merge+graphs", "loka+mods+merge+graphs"]
+    + ["loka+mods", "loka+mods+graphs", "bf16+mods+merge+graphs", "loka+mods+merge+graphs",
+       "loka+mods+merge+tuned+graphs"]
 )
 """Variant names: a base (bf16, torchao-<recipe>[-auto], loka, loka-uniform-<kernel>[-big])
 and suffixes: +mods (the paper's Mods: No Bias, BlockNorm, Hard Swish), +merge (also
 LoKA's shape Mod that merges sibling Linears reading one input into one GEMM), +tuned
-(training only: LoKA's plan tuned by whole-step timings, ``loka.dispatch.tune_speed``),
+(LoKA's plan tuned by whole-step timings, ``loka.dispatch.tune_speed``),
 +graphs (the whole step captured in one CUDA graph)."""
 
 
@@ -91,6 +92,8 @@ class BenchConfig:
     plan: Optional[str] = None
     """a plan JSON to apply in the LoKA variants instead of probing (the plan of an
     earlier run: ``<out>.plan.json``)"""
+    tune_trials: int = 8
+    """whole-step timings a ``+tuned`` variant may spend (each one compiles the model)"""
     plans: Dict[str, str] = field(default_factory=dict)
     """named plan JSONs for the variants ``loka@<name>...`` (several plans side by side in
     one run); a ``+merge`` variant reads ``<stem>.merge.plan.json`` beside the file"""
@@ -477,20 +480,26 @@ TUNE_STEPS = 10
 """timed steps per trial of ``+tuned`` (after the variant's warm-up)"""
 
 
-def _tuned(plans: dict, name: str, model, batch, cfg: BenchConfig, device, row: dict):
-    """The structure's training plan tuned by whole-step timings
-    (:func:`loka.dispatch.tune_speed`), once per structure and graph mode. The weights
-    are restored after every trial, so the variant itself starts from the same model."""
+def _tuned(plans: dict, name: str, model, batch, cfg: BenchConfig, device, row: dict,
+           inference: bool = False):
+    """The structure's plan tuned by whole-step timings (:func:`loka.dispatch.tune_speed`,
+    trying the fusible twins of its kernels too), once per structure, mode and graph mode.
+    The weights are restored after every trial, so the variant itself starts from the
+    same model."""
     from .dispatch import tune_speed
+    from .dispatch.plan import FUSIBLE_TWINS
 
     graphs = name.endswith("+graphs") and device.type == "cuda"
-    key = "tuned+graphs" if graphs else "tuned"
+    key = ("infer-" if inference else "") + ("tuned+graphs" if graphs else "tuned")
     if key not in plans:
         saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
         def time_step(m) -> float:
             torch._dynamo.reset()
-            step = _make_step(m, batch, cfg, device, graphs)
+            if inference:
+                step = _make_forward(m.eval(), batch, cfg, device, graphs)
+            else:
+                step = _make_step(m, batch, cfg, device, graphs)
             t = _time_steps(step, device, TUNE_STEPS, cfg.warmup)["median_ms"]
             del step
             with torch.no_grad():
@@ -500,7 +509,9 @@ def _tuned(plans: dict, name: str, model, batch, cfg: BenchConfig, device, row: 
             return t
 
         t0 = time.perf_counter()
-        plans[key], log = tune_speed(plans["train"], model, time_step)
+        plans[key], log = tune_speed(plans["infer" if inference else "train"], model,
+                                     time_step, max_trials=cfg.tune_trials,
+                                     inference=inference, twins=FUSIBLE_TWINS)
         torch._dynamo.reset()
         row["tune_s"] = time.perf_counter() - t0
         row["tune_log"] = log
@@ -631,9 +642,20 @@ def profile_breakdown(step: Callable[[], object], steps: int = 5, top: int = 30,
     return out
 
 
+def _make_forward(model, batch, cfg: BenchConfig, device, graphs: bool) -> Callable[[], object]:
+    """One inference forward as the benchmark runs it (compiled unless ``cfg.compile`` is
+    off; on CUDA with ``graphs``, captured in one CUDA graph)."""
+    compiled = _maybe_compile(model, cfg)
+    if graphs:
+        return GraphedForward(compiled, batch)
+
+    def step():
+        with torch.inference_mode():
+            return compiled(batch)
+    return step
+
+
 def run_infer_variant(name: str, cfg: BenchConfig, device: torch.device, shared: dict) -> dict:
-    if "+tuned" in name:
-        raise ValueError("+tuned tunes a training plan; inference variants take no +tuned")
     mods = variant_mods(name)
     model = build_model(cfg, mods, device).eval()
     batch = _cast_batch(make_batch(model, cfg, device), next(model.parameters()).dtype)
@@ -644,21 +666,19 @@ def run_infer_variant(name: str, cfg: BenchConfig, device: torch.device, shared:
         from .dispatch import apply
 
         model.train()
-        plan = _plans(name, model, batch, cfg, device, shared, row)["infer"]
+        plans = _plans(name, model, batch, cfg, device, shared, row)
+        plan = plans["infer"]
         model.eval()
+        if "+tuned" in name:
+            plan = _tuned(plans, name, model, batch, cfg, device, row, inference=True)
+            model.eval()
         row["plan_fwd_fp8_sites"] = len(plan.fp8_sites())
         apply(model, plan, inference=True)
     row["fp8_sites"] = _count_fp8(model)
-    compiled = _maybe_compile(model, cfg)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-
-    if name.endswith("+graphs") and device.type == "cuda":
-        step = GraphedForward(compiled, batch)
-    else:
-        def step():
-            with torch.inference_mode():
-                return compiled(batch)
+    step = _make_forward(model, batch, cfg, device,
+                         name.endswith("+graphs") and device.type == "cuda")
     row.update(_time_steps(step, device, cfg.steps, cfg.warmup))
     if device.type == "cuda":
         row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2 ** 30

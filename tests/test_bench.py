@@ -3,6 +3,7 @@ helpers that turn its output into tables. No time is asserted: CPU timings mean 
 for FP8 on a GPU; what is checked is that every row is measured, the ratios are the ratios
 of the rows, and the plan and report it writes load back."""
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -123,12 +124,40 @@ def test_a_failing_variant_is_recorded_and_the_rest_still_run(tmp_path, monkeypa
     assert good["median_ms"] > 0 and good["speedup_vs_bf16"] == 1.0
 
 
-def test_tuned_is_a_training_variant_only(tmp_path):
+def test_tuned_inference_variant_tunes_the_forward_plan(tmp_path):
     assert "loka+mods+merge+tuned+graphs" in bench.TRAIN_VARIANTS
-    assert not any("+tuned" in v for v in bench.INFER_VARIANTS)
-    result = bench.run(_cfg(tmp_path, train_variants=[], infer_variants=["loka+mods+tuned"]),
-                       progress=lambda s: None)
-    assert result["infer"][0]["error"].startswith("ValueError: +tuned tunes a training plan")
+    assert "loka+mods+merge+tuned+graphs" in bench.INFER_VARIANTS
+    cfg = _cfg(tmp_path, train_variants=[], infer_variants=["loka+mods+tuned"], steps=1,
+               warmup=1, plan=str(tmp_path / "uniform.plan.json"))
+    model = bench.build_model(cfg, bench.variant_mods("loka+mods"), torch.device("cpu"))
+    Plan.uniform(model, "emulated-rowwise-e4m3").save(cfg.plan)
+    row = bench.run(cfg, progress=lambda s: None)["infer"][0]
+    assert "error" not in row, row.get("traceback")
+    tuned = Plan.from_dict(row["tuned_plan"])
+    assert tuned.budget["speed_tuned"]["trials"] == len(row["tune_log"]) >= 2
+    assert row["tune_log"][0]["sites"] == []
+    assert row["fp8_sites"] == row["plan_fwd_fp8_sites"] == len(tuned.fp8_sites())
+
+
+def test_named_plans_run_side_by_side(tmp_path):
+    cfg = _cfg(tmp_path, train_variants=["loka@all+mods", "loka@none+mods"],
+               infer_variants=["loka@all+mods"], steps=1, warmup=1)
+    model = bench.build_model(cfg, bench.variant_mods("loka+mods"), torch.device("cpu"))
+    Plan.uniform(model, "emulated-rowwise-e4m3").save(tmp_path / "all.plan.json")
+    Plan.uniform(model, "bf16").save(tmp_path / "none.plan.json")
+    cfg.plans = {"all": str(tmp_path / "all.plan.json"), "none": str(tmp_path / "none.plan.json")}
+    result = bench.run(cfg, progress=lambda s: None)
+    (all_, none), (inf,) = result["train"], result["infer"]
+    assert all_["fp8_sites"] == len(Plan.load(cfg.plans["all"]).fp8_sites()) > 0
+    assert none["fp8_sites"] == 0 and 0 < inf["fp8_sites"] <= all_["fp8_sites"]
+    assert "graph_breaks" not in all_  # CPU runs are eager
+    assert bench.plan_name("loka@all+mods+graphs") == "all" and bench.plan_name("loka+mods") is None
+    bad = bench.run(dataclasses.replace(cfg, train_variants=["loka@gone+mods"], infer_variants=[]),
+                    progress=lambda s: None)["train"][0]
+    assert "plan 'gone'" in bad["error"]
+    with pytest.raises(ValueError, match="name=path"):
+        bench._named_plans("all")
+    assert bench._named_plans("a=x.json, b=y.json") == {"a": "x.json", "b": "y.json"}
 
 
 def test_unknown_variants_are_refused():

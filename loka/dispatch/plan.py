@@ -753,9 +753,38 @@ def _site_groups(plan: Plan) -> List[List[str]]:
     return list(groups.values())
 
 
+FUSIBLE_TWINS: Dict[str, str] = {
+    "triton-rowwise-cublas": "cublas-rowwise",
+    "triton-rowwise-cublas-fastacc": "cublas-rowwise-fastacc",
+    "triton-tensorwise-cublas": "cublas-tensorwise",
+    "triton-tensorwise-cublas-fastacc": "cublas-tensorwise-fastacc",
+}
+"""Kernels with the same numerics (bit-exact quantizers, the same cuBLAS GEMM) whose
+quantization is plain PyTorch: alone the Triton quantizer is faster, but inside a
+compiled model Inductor fuses the PyTorch one into the op that produces the operand (an
+activation, a norm), which the Probe's standalone timing cannot see.
+:func:`tune_speed` tries them."""
+
+
+def _with_twins(plan: Plan, twins: Mapping[str, str]) -> Optional[Plan]:
+    """``plan`` with every kernel that has a twin replaced by it (errors carry over: the
+    numerics are the same); None when nothing changes."""
+    out, changed = plan.copy(), False
+    for sp in out.sites.values():
+        for role, choice in list(sp.roles.items()):
+            twin = twins.get(choice.kernel)
+            if twin is None or not registry.get(twin).roles >= {role}:
+                continue
+            sp.roles[role] = dataclasses.replace(
+                choice, kernel=twin, speedup=None,
+                reason=f"{choice.reason}; twin of {choice.kernel} (quantization fused by the compiler)")
+            changed = True
+    return out if changed else None
+
+
 def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], float], *,
-               min_gain: float = 1.0, max_trials: int = 16, inference: bool = False
-               ) -> Tuple[Plan, List[dict]]:
+               min_gain: float = 1.0, max_trials: int = 16, inference: bool = False,
+               twins: Optional[Mapping[str, str]] = None) -> Tuple[Plan, List[dict]]:
     """Keep only the FP8 sites that pay inside the whole model.
 
     The Probe times each GEMM alone. Inside a compiled model a site also adds its
@@ -776,6 +805,9 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
         min_gain: the tuned plan must be at least this much faster than the baseline.
         max_trials: at most this many ``time_step`` calls (each may recompile).
         inference: apply the plans for inference (weights quantized once).
+        twins: ``{kernel: twin}`` of equal numerics (e.g. :data:`FUSIBLE_TWINS`): the plan
+            with its kernels replaced by their twins is timed too, and the faster of the
+            two is where the greedy search starts.
 
     Returns:
         (tuned plan, log): one dict per trial with ``sites`` (FP8 sites of the trial),
@@ -812,6 +844,12 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
     with _restoring(root):
         base_time = trial(without(plan, plan.fp8_sites(), "baseline"), None)
         best, best_time = plan.copy(), trial(plan, None)
+        twin = _with_twins(plan, twins or {})
+        if twin is not None and len(log) < max_trials:
+            t = trial(twin, None)
+            log[-1]["twins"] = True
+            if t < best_time:
+                best, best_time = twin, t
         while len(log) < max_trials:
             candidates = []
             for group in _site_groups(best):

@@ -549,3 +549,31 @@ def test_tune_speed_respects_its_trial_budget_and_checks_its_inputs():
     with pytest.raises(ValueError, match="positive time"):
         loka.dispatch.tune_speed(plan, model, lambda m: float("nan"))
     assert not any(isinstance(m, loka.Linear) for m in model.modules())
+
+
+def test_tune_speed_tries_the_fusible_twins_and_keeps_them_where_they_pay():
+    model = Tower()
+    plan = Plan.uniform(model, "t-mid")
+    for sp in plan.sites.values():  # the errors the Probe measured stay with the twin
+        sp.roles[Role.FWD].error = 0.1
+    # per-kernel in-model costs: the twin t-faster pays at fm and top, t-mid nowhere
+    costs = {"t-mid": {"fm0": 0.3, "fm1": 0.3, "top": 0.2, "head": 0.1},
+             "t-faster": {"fm0": -0.2, "fm1": -0.2, "top": -0.5, "head": 0.2}}
+    calls = []
+
+    def time_step(m):
+        fp8 = {n: mod.config.fwd for n, mod in m.named_modules()
+               if isinstance(mod, loka.Linear) and mod.config.fwd != "bf16"}
+        calls.append(sorted(fp8.items()))
+        return 10.0 + sum(costs[k][n] for n, k in fp8.items())
+
+    tuned, log = loka.dispatch.tune_speed(plan, model, time_step, twins={"t-mid": "t-faster"})
+    assert log[2]["twins"] and log[2]["time"] == pytest.approx(10.0 - 0.9 + 0.2)
+    assert tuned.fp8_sites() == ["fm0", "fm1", "top"]  # head removed: its twin loses
+    assert {tuned.config(s).fwd for s in tuned.fp8_sites()} == {"t-faster"}
+    assert tuned.sites["top"].roles[Role.FWD].error == 0.1
+    assert "twin of t-mid" in tuned.sites["top"].roles[Role.FWD].reason
+    assert tuned.budget["speed_tuned"]["time"] == pytest.approx(10.0 - 0.9)
+    # no twin for any chosen kernel: no extra trial
+    _, log = loka.dispatch.tune_speed(plan, model, time_step, twins={"t-slow-exact": "t-mid"})
+    assert not any(e.get("twins") for e in log)
