@@ -14,6 +14,9 @@ Each at batch 4096 in bf16, rowwise and tensorwise e4m3, timed with CUDA graphs
 
 * ``fused``: ``loka.mods.fused.fused_norm_act_quant`` (one Triton kernel; tensorwise adds a
   second pass for the global amax);
+* ``fused_fp8_only``: the same without writing the high-precision output
+  (``return_hp=False``): what serving needs, and training where the consumer keeps only
+  the FP8 copy (rowwise only; tensorwise casts from the stored activation);
 * ``eager``: the PyTorch composition, then ``loka.numerics.quantize`` (the eager ops);
 * ``norm_compiled+quant_triton``: Inductor's norm (one kernel), then LoKA's Triton quantizer:
   the best "separate quantization" pass;
@@ -89,6 +92,8 @@ def bench_case(name, m, d, norm, act, gran, device, budget_ms) -> dict:
                            dynamic=False)
     fns = {
         "fused": lambda: fused_norm_act_quant(x, norm, 256, act, "e4m3", gran, backend="triton"),
+        "fused_fp8_only": lambda: fused_norm_act_quant(x, norm, 256, act, "e4m3", gran,
+                                                       return_hp=False, backend="triton"),
         "eager": lambda: quantize(reference_norm_act(x, norm, 256, act), "e4m3", gran),
         "norm_compiled+quant_triton": lambda: _triton_quant(norm_c(x), gran),
         "inductor_fused": lambda: both_c(x),
@@ -109,6 +114,8 @@ def bench_case(name, m, d, norm, act, gran, device, budget_ms) -> dict:
         for k in ("eager", "norm_compiled+quant_triton", "inductor_fused"):
             if "us" in times[k]:
                 row[f"speedup_vs_{k}"] = times[k]["us"] / times["fused"]["us"]
+                if "us" in times["fused_fp8_only"]:
+                    row[f"fp8_only_speedup_vs_{k}"] = times[k]["us"] / times["fused_fp8_only"]["us"]
     return row
 
 
@@ -134,6 +141,9 @@ def main(argv=None) -> int:
                 flush=True)
     sp = [r["speedup_vs_norm_compiled+quant_triton"] for r in rows
           if "speedup_vs_norm_compiled+quant_triton" in r]
+    sp8 = [r["fp8_only_speedup_vs_norm_compiled+quant_triton"] for r in rows
+           if r["granularity"] == "rowwise"
+           and "fp8_only_speedup_vs_norm_compiled+quant_triton" in r]
     out = {
         "schema": "loka.bench.fused-norm", "version": 1,
         "env": {"gpu": gpu, "torch": torch.__version__, "python": platform.python_version(),
@@ -143,6 +153,7 @@ def main(argv=None) -> int:
         "summary": {"min_speedup_vs_separate_quant": min(sp) if sp else None,
                     "geomean_speedup_vs_separate_quant":
                         (float(torch.tensor(sp).log().mean().exp()) if sp else None),
+                    "fp8_only_rowwise_speedups_vs_separate_quant": sp8,
                     "all_numerics_exact": all(r["fp8_bytes_equal_quantize_of_output"]
                                               and r["scales_equal"] for r in rows)},
     }

@@ -318,7 +318,12 @@ def _loka_plan(model, batch, cfg: BenchConfig, device, log: dict):
     if cfg.plan:
         plan = dispatch.Plan.load(cfg.plan)
         log["plan_source"] = cfg.plan
-        return None, plan
+        beside = cfg.plan.removesuffix(".plan.json") + ".report.json"
+        report = None
+        if cfg.plan.endswith(".plan.json") and os.path.exists(beside):
+            report = probe_mod.ProbeReport.load(beside)  # what +tuned checks twins against
+            log["report_source"] = beside
+        return report, plan
     opt = _optimizer(model, device, capturable=False)
     kernels = None
     if cfg.probe_kernels is not None:
@@ -354,7 +359,8 @@ def _plans(name: str, model, batch, cfg: BenchConfig, device, shared: dict, row:
         report, train = _loka_plan(model, batch, run, device, row)
         infer = train if report is None else make_plan(
             report, max_error=cfg.max_error, min_speedup=cfg.min_speedup, inference=True)
-        plans[tag] = {"tag": tag, "report": report, "train": train, "infer": infer}
+        plans[tag] = {"tag": tag, "report": report, "train": train, "infer": infer,
+                      "probed": not run.plan}
         if shared.get("out"):  # on disk at once: a run cut short keeps its plans
             _save_plans({"plans": {tag: plans[tag]}}, {}, shared["out"])
     return plans[tag]
@@ -396,7 +402,7 @@ def _save_plans(shared: dict, result: dict, out: str) -> None:
         result[f"{key}_infer_plan"] = p["infer"].to_dict()
         p["train"].save(f"{stem}{dot}.plan.json")
         p["infer"].save(f"{stem}{dot}.infer-plan.json")
-        if p["report"] is not None:
+        if p["report"] is not None and p.get("probed"):  # a loaded report is a file already
             p["report"].save(f"{stem}{dot}.report.json")
 
 
@@ -476,6 +482,10 @@ def _make_step(model, batch, cfg: BenchConfig, device, graphs: bool) -> Callable
     return step
 
 
+REPORT_TWINS = {"fbgemm-rowwise": "cublas-rowwise-fastacc"}
+"""twins ``+tuned`` also tries when the Probe's report is at hand (FBGEMM's quantizer and
+CUTLASS GEMM against cuBLAS with PyTorch quantization that Inductor fuses; the report
+decides whether the twin's error fits the budget)"""
 TUNE_STEPS = 10
 """timed steps per trial of ``+tuned`` (after the variant's warm-up)"""
 
@@ -509,9 +519,11 @@ def _tuned(plans: dict, name: str, model, batch, cfg: BenchConfig, device, row: 
             return t
 
         t0 = time.perf_counter()
+        # with the report, twins of other numerics qualify where their measured error fits
+        twins = FUSIBLE_TWINS if plans["report"] is None else {**FUSIBLE_TWINS, **REPORT_TWINS}
         plans[key], log = tune_speed(plans["infer" if inference else "train"], model,
                                      time_step, max_trials=cfg.tune_trials,
-                                     inference=inference, twins=FUSIBLE_TWINS)
+                                     inference=inference, twins=twins, report=plans["report"])
         torch._dynamo.reset()
         row["tune_s"] = time.perf_counter() - t0
         row["tune_log"] = log

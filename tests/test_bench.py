@@ -96,6 +96,7 @@ def test_plan_file_replaces_the_probe(first_run, tmp_path):
     row = result["train"][0]
     assert "error" not in row, row.get("traceback")
     assert row["plan_source"] == str(tmp / "run.plan.json") and "probe_s" not in row
+    assert row["report_source"] == str(tmp / "run.report.json")  # loaded beside the plan
     assert not (tmp_path / "run.report.json").exists()  # nothing was probed
     assert Plan.load(str(tmp_path / "run.plan.json")).to_dict() == \
         Plan.load(str(tmp / "run.plan.json")).to_dict()

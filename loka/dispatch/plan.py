@@ -784,7 +784,8 @@ def _with_twins(plan: Plan, twins: Mapping[str, str]) -> Optional[Plan]:
 
 def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], float], *,
                min_gain: float = 1.0, max_trials: int = 16, inference: bool = False,
-               twins: Optional[Mapping[str, str]] = None) -> Tuple[Plan, List[dict]]:
+               twins: Optional[Mapping[str, str]] = None,
+               report: "ProbeReport | None" = None) -> Tuple[Plan, List[dict]]:
     """Keep only the FP8 sites that pay inside the whole model.
 
     The Probe times each GEMM alone. Inside a compiled model a site also adds its
@@ -808,6 +809,10 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
         twins: ``{kernel: twin}`` of equal numerics (e.g. :data:`FUSIBLE_TWINS`): the plan
             with its kernels replaced by their twins is timed too, and the faster of the
             two is where the greedy search starts.
+        report: the Probe report behind ``plan``: the twins then take its measured errors
+            and must meet the budget (:func:`override`), so twins of other numerics
+            (another library's quantizer) are allowed; without a report, twins must have
+            the same numerics and carry the plan's errors over.
 
     Returns:
         (tuned plan, log): one dict per trial with ``sites`` (FP8 sites of the trial),
@@ -844,7 +849,14 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
     with _restoring(root):
         base_time = trial(without(plan, plan.fp8_sites(), "baseline"), None)
         best, best_time = plan.copy(), trial(plan, None)
-        twin = _with_twins(plan, twins or {})
+        twin = None
+        used = {c.kernel for sp in plan.sites.values() for c in sp.roles.values()}
+        sub = {k: v for k, v in (twins or {}).items() if k in used}
+        if sub and report is not None:
+            with contextlib.suppress(ValueError):  # a twin outside the budget: none
+                twin = override(plan, replace=sub, report=report)
+        elif sub:
+            twin = _with_twins(plan, sub)
         if twin is not None and len(log) < max_trials:
             t = trial(twin, None)
             log[-1]["twins"] = True

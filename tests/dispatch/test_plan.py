@@ -577,3 +577,29 @@ def test_tune_speed_tries_the_fusible_twins_and_keeps_them_where_they_pay():
     # no twin for any chosen kernel: no extra trial
     _, log = loka.dispatch.tune_speed(plan, model, time_step, twins={"t-slow-exact": "t-mid"})
     assert not any(e.get("twins") for e in log)
+
+
+def test_tune_speed_twins_from_a_report_must_meet_the_budget():
+    model = Tower()
+    shapes = {"fm0": (32, 64), "fm1": (32, 64), "top": (64, 32), "head": (32, 16)}
+
+    def report(twin_error):
+        return make_report({n: (k, o, 8, {"fwd": {"t-mid": (0.1, 1.5), "t-faster": (twin_error, 1.2)}})
+                            for n, (k, o) in shapes.items()})
+
+    plan = loka.plan(report(0.1), max_error=0.2)
+    assert {plan.config(s).fwd for s in plan.fp8_sites()} == {"t-mid"}
+    costs = {"t-mid": 0.2, "t-faster": -0.3}
+
+    def time_step(m):
+        return 10.0 + sum(costs[mod.config.fwd] for mod in m.modules()
+                          if isinstance(mod, loka.Linear) and mod.config.fwd != "bf16")
+
+    tuned, log = loka.dispatch.tune_speed(plan, model, time_step, twins={"t-mid": "t-faster"},
+                                          report=report(0.15))
+    assert log[2].get("twins") and {tuned.config(s).fwd for s in tuned.fp8_sites()} == {"t-faster"}
+    assert tuned.sites["top"].roles[Role.FWD].error == pytest.approx(0.15)  # the twin's own
+    # the twin's measured error exceeds the budget: never tried, the plan's kernel stays
+    tuned, log = loka.dispatch.tune_speed(plan, model, time_step, twins={"t-mid": "t-faster"},
+                                          report=report(0.25))
+    assert not any(e.get("twins") for e in log) and tuned.fp8_sites() == []
