@@ -7,15 +7,20 @@ R=${1:-bench/results/2026-12-03-h200-wukong}
 cd "$(dirname "$0")/../.."
 for tag in "" ".merge"; do
   rep=$R/bench${tag}.report.json
-  # cub: the Probe's choices, with cuBLAS GEMMs quantized by PyTorch ops (Inductor fuses
-  # the quantization into the op producing the operand) instead of LoKA's Triton quantizers
-  python -m loka plan "$rep" -o "bench/plans/cub${tag}.plan.json" \
-    --replace triton-rowwise-cublas=cublas-rowwise \
-    --replace triton-rowwise-cublas-fastacc=cublas-rowwise-fastacc
   # fwd: only forward GEMMs of the large Linears (K, N >= 1024) in FP8, on cuBLAS rowwise
   # fast-accumulation GEMMs with Inductor-fused quantization; every gradient in bf16
   python -m loka plan "$rep" -o "bench/plans/fwd${tag}.plan.json" --kernels bf16 \
     --assign '*.fmb.mlp.*:fwd=cublas-rowwise-fastacc' \
     --assign 'over_arch.mlp.0:fwd=cublas-rowwise-fastacc' \
     --assign 'over_arch.mlp.2:fwd=cublas-rowwise-fastacc'
+done
+for tag in "" ".merge"; do
+  rep=$R/bench${tag}.report.json
+  # tw / twc: every role of the FM block's wide Linear and the top Linear on tensorwise FP8
+  # (one scale per tensor: x, W and dy are quantized once and reused by the other roles),
+  # with LoKA's Triton quantizers (tw) or PyTorch quantization Inductor fuses (twc)
+  for name in tw:triton-tensorwise-cublas twc:cublas-tensorwise; do
+    python -m loka plan "$rep" -o "bench/plans/${name%%:*}${tag}.plan.json" --kernels bf16 \
+      --assign "*.fmb.mlp.2:*=${name#*:}" --assign "over_arch.mlp.0:*=${name#*:}"
+  done
 done

@@ -519,10 +519,13 @@ class Probe:
     def _compiled_call(self, kern, dtype, cache) -> Callable:
         """``call(a, b)``: the kernel under ``torch.compile``, as it runs inside a compiled
         model, where Inductor fuses its PyTorch quantization; one compiled function per
-        kernel and dtype, with dynamic shapes, so that every site reuses it."""
+        kernel and dtype, specialized to each shape as a compiled model is (compiled with
+        dynamic shapes, cuBLAS tensorwise timed 20-50x slower than bf16 on the H200, see
+        bench/results/2026-12-03-h200-wukong/bench.report.json: a whole-tensor amax that
+        Inductor cannot split without static sizes)."""
         key = ("compiled", kern.name, dtype)
         if key not in cache:
-            compiled = torch.compile(lambda a, b: kern(a, b, dtype), dynamic=True)
+            compiled = torch.compile(lambda a, b: kern(a, b, dtype), dynamic=False)
 
             def call(a, b):
                 # one code object serves every kernel, role layout and weight-q variant:

@@ -603,3 +603,28 @@ def test_tune_speed_twins_from_a_report_must_meet_the_budget():
     tuned, log = loka.dispatch.tune_speed(plan, model, time_step, twins={"t-mid": "t-faster"},
                                           report=report(0.25))
     assert not any(e.get("twins") for e in log) and tuned.fp8_sites() == []
+
+
+def test_override_moves_roles_and_checks_them_against_the_report():
+    rep = make_report({"a.fm": (64, 64, 128, {"fwd": {"t-mid": (0.1, 1.5), "t-faster": (0.3, 2.0)},
+                                               "dgrad": {"t-mid": (0.1, 1.5)}}),
+                       "b.fm": (64, 64, 128, {"fwd": {"t-mid": (0.12, 1.4)}})})
+    p = plan(rep, max_error=0.2)
+    assert p.config("a.fm").fwd == "t-mid" and p.config("a.fm").dgrad == "t-mid"
+    out = loka.dispatch.override(p, replace={"t-mid": "t-slow-exact"})  # no report: no check
+    assert out.config("a.fm") == LinearConfig("t-slow-exact", "t-slow-exact", "bf16")
+    assert out.sites["a.fm"].roles[Role.FWD].reason == "override (was t-mid)"
+    assert p.config("a.fm").fwd == "t-mid"  # the input plan is untouched
+    out = loka.dispatch.override(p, assign={"*.fm:dgrad": "bf16", "a.*:fwd": "t-mid"}, report=rep)
+    assert out.config("a.fm") == LinearConfig("t-mid", "bf16", "bf16")
+    assert out.sites["a.fm"].roles[Role.FWD].error == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="above the budget"):  # t-faster: 0.3 > 0.2
+        loka.dispatch.override(p, assign={"a.fm:fwd": "t-faster"}, report=rep)
+    with pytest.raises(ValueError, match="not measured"):
+        loka.dispatch.override(p, assign={"b.fm:dgrad": "t-mid"}, report=rep)
+    with pytest.raises(ValueError, match="matches no site"):
+        loka.dispatch.override(p, assign={"nothing.*:fwd": "t-mid"})
+    with pytest.raises(ValueError, match="site glob"):
+        loka.dispatch.override(p, assign={"fwd": "t-mid"})
+    with pytest.raises(KeyError):
+        loka.dispatch.override(p, replace={"t-mid": "no-such-kernel"})
