@@ -82,8 +82,9 @@ def test_no_command_is_a_usage_error(capsys):
     assert code == 2 and "usage: loka" in err and "demo" in err
 
 
-def test_module_entry_point_runs():
-    proc = subprocess.run([sys.executable, "-m", "loka.cli", "--version"], cwd=REPO,
+@pytest.mark.parametrize("module", ["loka.cli", "loka"])
+def test_module_entry_point_runs(module):
+    proc = subprocess.run([sys.executable, "-m", module, "--version"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.startswith("loka ")
 
