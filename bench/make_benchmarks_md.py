@@ -19,23 +19,26 @@ def bench_table(path: str) -> str:
             continue
         out += [f"**{'training step' if mode == 'train' else 'inference forward'}** "
                 f"(median of {cfg['steps']} steps)", "",
-                "| variant | FP8 Linears | ms | samples/s | vs bf16 | vs bf16+Mods | vs bf16+Mods+graphs | peak GiB |",
-                "|---|---|---|---|---|---|---|---|"]
+                "| variant | FP8 Linears | ms | samples/s | vs bf16 | vs bf16+Mods | vs bf16+Mods+graphs "
+                "| vs bf16+Mods+merge+graphs | peak GiB |",
+                "|---|---|---|---|---|---|---|---|---|"]
         for row in rows:
             if "error" in row:
                 why = row["error"].splitlines()[0][:80].replace("|", "/")
-                out.append(f"| {row['variant']} | failed: {why} | | | | | | |")
+                out.append(f"| {row['variant']} | failed: {why} | | | | | | | |")
                 continue
             f = lambda k, fmt="{:.3f}": fmt.format(row[k]) if k in row else "-"  # noqa: E731
             out.append(f"| {row['variant']} | {row.get('fp8_sites', 0)} | {f('median_ms')} | "
                        f"{f('samples_per_s', '{:,.0f}')} | {f('speedup_vs_bf16')} | "
                        f"{f('speedup_vs_bf16+mods')} | {f('speedup_vs_bf16+mods+graphs')} | "
-                       f"{f('peak_mem_gb', '{:.2f}')} |")
+                       f"{f('speedup_vs_bf16+mods+merge+graphs')} | {f('peak_mem_gb', '{:.2f}')} |")
         out.append("")
-    prof = [row for row in r.get("train", []) if "profile" in row]
-    if prof:
+    for mode, what in (("train", "training step"), ("infer", "inference forward")):
+        prof = [row for row in r.get(mode, []) if "profile" in row]
+        if not prof:
+            continue
         classes = ("gemm", "gemm-fp8", "quantize", "triton", "embedding", "optimizer", "other")
-        out += ["**where the GPU time goes** (training step, ms per step by kernel class, "
+        out += [f"**where the GPU time goes** ({what}, ms per step by kernel class, "
                 "torch.profiler over the timed step)", "",
                 "| variant | GPU ms | " + " | ".join(classes) + " |",
                 "|---|---|" + "---|" * len(classes)]

@@ -700,12 +700,16 @@ def run_infer_variant(name: str, cfg: BenchConfig, device: torch.device, shared:
     return row
 
 
+RATIO_REFS = ("bf16", "bf16+mods", "bf16+mods+graphs", "bf16+mods+merge+graphs")
+"""the baselines every row's speedup is given against (those measured in the run)"""
+
+
 def _ratios(rows: List[dict]) -> None:
     by = {r["variant"]: r for r in rows if "median_ms" in r}
     for r in rows:
         if "median_ms" not in r:
             continue
-        for ref in ("bf16", "bf16+mods", "bf16+mods+graphs"):
+        for ref in RATIO_REFS:
             if ref in by:
                 r[f"speedup_vs_{ref}"] = by[ref]["median_ms"] / r["median_ms"]
 

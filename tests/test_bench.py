@@ -210,7 +210,7 @@ def test_benchmarks_md_renders_rows_ratios_and_profile(tmp_path):
     path = tmp_path / "r.json"
     path.write_text(json.dumps(result))
     text = md.bench_table(str(path))
-    assert "| bf16+mods | 0 | 10.000 | 409,600 | - | 1.000 | - | 3.00 |" in text
+    assert "| bf16+mods | 0 | 10.000 | 409,600 | - | 1.000 | - | - | 3.00 |" in text
     assert "| loka+mods | failed: RuntimeError: no GPU |" in text
     assert "| bf16+mods | 9.50 | 6.00 | 0.00 | 0.00 | 2.50 | 0.00 | 1.00 | 0.00 |" in text
     assert "- torchao is not installed: torchao rows skipped" in text
