@@ -112,9 +112,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="steps per timed run (300; small: 30)")
     p.add_argument("--every", type=int, default=None, help="stats every N steps (100; small: 10)")
     p.add_argument("--reps", type=int, default=3, help="timed runs per variant")
-    p.add_argument("--rows-per-update", type=int, default=4096,
+    p.add_argument("--rows-per-update", type=int, default=ProbeConfig.max_rows_per_update,
                    help="ProbeConfig.max_rows_per_update (the statistics step's cost scales with it)")
-    p.add_argument("--graph-updates", action="store_true",
+    p.add_argument("--graph-updates", action=argparse.BooleanOptionalAction,
+                   default=ProbeConfig.graph_updates,
                    help="ProbeConfig.graph_updates: replay statistics updates as CUDA graphs")
     p.add_argument("--num-samples", type=int, default=64)
     p.add_argument("--sample-rows", type=int, default=None)

@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime as _dt
+import gc
 import json
 import os
 import platform
@@ -334,6 +335,11 @@ def _loka_plan(model, batch, cfg: BenchConfig, device, log: dict):
     t0 = time.perf_counter()
     report = probe_mod.probe(model, [batch] * cfg.probe_steps, _loss, config=pcfg, optimizer=opt)
     log["probe_s"] = time.perf_counter() - t0
+    # the probing optimizer's state and the gradients must not stay alive into the timed
+    # variant (they would count in its peak memory)
+    model.zero_grad(set_to_none=True)
+    del opt
+    gc.collect()
     plan = dispatch.plan(report, max_error=cfg.max_error, min_speedup=cfg.min_speedup)
     log["plan"] = plan.to_dict() if hasattr(plan, "to_dict") else str(plan)
     return report, plan
@@ -750,6 +756,7 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
             result[mode].append(row)
             _ratios(result[mode])
             progress("   " + _row_text(row))
+            gc.collect()  # reference cycles (hooks, optimizers) of the finished variant
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             torch._dynamo.reset()

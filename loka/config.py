@@ -85,8 +85,12 @@ class ProbeConfig:
     """feature dims up to this keep a full covariance; larger ones use ``block_size`` blocks"""
     block_size: int = 256
     """block size of the block-diagonal covariance used above ``max_full_cov_dim``"""
-    max_rows_per_update: int = 4096
-    """rows of a captured activation/gradient used per statistics update (random subset)"""
+    max_rows_per_update: int = 1024
+    """rows of a captured activation/gradient used per statistics update (random subset;
+    the statistics step's cost scales with it: on the Wukong paper model on an H200, 4096
+    eager rows cost 40.6 ms per update (bench/results/2026-12-03-h200-wukong/
+    probe_overhead.json), 1024 rows with ``graph_updates`` 15.6 ms
+    (bench/results/2026-12-03-h200-torchao-fused-probe/probe.json))"""
     weight_ema: float = 0.9
     """exponential moving-average factor of the matrix-normal weight model"""
     num_samples: int = 64
@@ -127,11 +131,11 @@ class ProbeConfig:
     below 5); None: always ``timing_iters``"""
     progress: bool = True
     """show a progress bar over sites while ``report()`` measures"""
-    graph_updates: bool = False
+    graph_updates: bool = True
     """on CUDA, replay each statistics update as a CUDA graph (captured at the second
     update of a shape; eager where capture fails): removes the host work of a statistics
-    step (its GPU work stays; on the Wukong paper model it saved ~2 of ~34 ms) and holds
-    the graphs' temporaries in one memory pool"""
+    step (its GPU work stays) and holds the graphs' temporaries in one memory pool;
+    no effect on the CPU"""
     naive_samples: int = 16
     """N(0, 1) samples per site and role for ``naive_mere`` (its spread is small)"""
     timing_compile: str = "auto"
