@@ -758,6 +758,11 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
             progress("   " + _row_text(row))
             gc.collect()  # reference cycles (hooks, optimizers) of the finished variant
             if device.type == "cuda":
+                # cuBLAS keeps a workspace per stream it ran on (side streams of graph
+                # captures and timings): free them, or they count in later rows' peaks
+                clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+                if clear is not None:
+                    clear()
                 torch.cuda.empty_cache()
             torch._dynamo.reset()
             _write(result, out)

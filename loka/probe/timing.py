@@ -16,7 +16,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 
@@ -98,8 +98,20 @@ def _events_median(run: Callable[[], None], iters: int, per: int) -> float:
     return statistics.median(s.elapsed_time(e) * 1e3 / per for s, e in pairs)
 
 
+_SIDE_STREAMS: Dict[int, "torch.cuda.Stream"] = {}
+"""one side stream per device for every timing: cuBLAS keeps a workspace per stream it has
+seen, so a fresh stream per timing would leave one workspace allocated per timed kernel"""
+
+
+def _side_stream() -> "torch.cuda.Stream":
+    dev = torch.cuda.current_device()
+    if dev not in _SIDE_STREAMS:
+        _SIDE_STREAMS[dev] = torch.cuda.Stream()
+    return _SIDE_STREAMS[dev]
+
+
 def _time_cuda(fn, warmup: int, iters: int, per_graph: int, budget_ms) -> TimingResult:
-    side = torch.cuda.Stream()
+    side = _side_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm up off the default stream, as capture requires
         for _ in range(max(warmup, 1)):
