@@ -519,10 +519,10 @@ class Probe:
     def _compiled_call(self, kern, dtype, cache) -> Callable:
         """``call(a, b)``: the kernel under ``torch.compile``, as it runs inside a compiled
         model, where Inductor fuses its PyTorch quantization; one compiled function per
-        kernel and dtype, specialized to each shape as a compiled model is (compiled with
-        dynamic shapes, cuBLAS tensorwise timed 20-50x slower than bf16 on the H200, see
-        bench/results/2026-12-03-h200-wukong/bench.report.json: a whole-tensor amax that
-        Inductor cannot split without static sizes)."""
+        kernel and dtype, specialized to each shape as a compiled model is (compiled once
+        with dynamic shapes, the same kernels timed up to 31x slower on the H200: compare
+        the reports in bench/results/2026-12-03-h200-wukong/ and
+        bench/results/2026-12-03-h200-wukong-merge/)."""
         key = ("compiled", kern.name, dtype)
         if key not in cache:
             compiled = torch.compile(lambda a, b: kern(a, b, dtype), dynamic=False)
