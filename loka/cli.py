@@ -86,15 +86,25 @@ def parse_mods(text: Optional[str]):
         raise usage(f"--mods: {e}") from None
 
 
+def parse_pairs(items: Optional[Sequence[str]], what: str, example: str) -> Dict[str, str]:
+    """``["k=v", ...]`` -> ``{"k": "v"}``, split at the last ``=`` (a key may contain
+    ``=``, as a regular expression may); ``example`` goes into the error's hint."""
+    out: Dict[str, str] = {}
+    for item in items or ():
+        key, sep, value = item.rpartition("=")
+        if not sep or not key or not value:
+            raise usage(f"--{what} {item!r}: expected KEY=VALUE", f"e.g. --{what} {example}")
+        out[key] = value
+    return out
+
+
 def parse_budgets(items: Optional[Sequence[str]], what: str, keys: Optional[Sequence[str]] = None
                   ) -> Dict[str, float]:
     """``["wgrad=0.1", ...]`` -> ``{"wgrad": 0.1}``; the key may contain ``=`` (a regex)."""
     out: Dict[str, float] = {}
-    for item in items or ():
-        key, sep, value = item.rpartition("=")
-        if not sep or not key:
-            raise usage(f"--{what} {item!r}: expected KEY=VALUE",
-                        f"e.g. --{what} {'wgrad' if keys else 'over_arch'}=0.1")
+    example = f"{'wgrad' if keys else 'over_arch'}=0.1"
+    for key, value in parse_pairs(items, what, example).items():
+        item = f"{key}={value}"
         try:
             budget = float(value)
         except ValueError:
@@ -511,16 +521,6 @@ def _load_checkpoint(model, path: str) -> None:
                        "pass the --model/--preset/--mods the checkpoint was trained with") from None
 
 
-def _pairs(items, flag: str) -> dict:
-    out = {}
-    for item in items:
-        key, sep, value = item.rpartition("=")
-        if not sep or not key or not value:
-            raise usage(f"{flag} takes KEY=VALUE, got {item!r}")
-        out[key] = value
-    return out
-
-
 def cmd_plan(args) -> int:
     from .config import ROLES
     from .dispatch import plan as make_plan
@@ -545,8 +545,10 @@ def cmd_plan(args) -> int:
         from .dispatch import override
 
         try:
-            plan = override(plan, replace=_pairs(args.replace, "--replace"),
-                            assign=_pairs(args.assign, "--assign"), report=report)
+            plan = override(
+                plan, replace=parse_pairs(args.replace, "replace", "triton-rowwise-cublas=cublas-rowwise"),
+                assign=parse_pairs(args.assign, "assign", "'over_arch.*:fwd=cublas-rowwise'"),
+                report=report)
         except KeyError as e:
             raise usage(f"unknown kernel: {e.args[0]}", "list them with 'loka kernels'") from None
         except ValueError as e:

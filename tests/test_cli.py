@@ -162,7 +162,7 @@ def _expect_error(code, err, want_code, *needles):
      ["loka plan: argument --max-error: expected a finite number >= 0", "loka plan --help"]),
     (["plan", "{d}/empty-report.json", "--min-speedup", "0"], 2, ["use --assume-fast"]),
     (["plan", "{d}/empty-report.json", "--metric", "vibes"], 2, ["invalid choice: 'vibes'"]),
-    (["plan", "{d}/empty-report.json", "--replace", "bf16"], 2, ["--replace takes KEY=VALUE"]),
+    (["plan", "{d}/empty-report.json", "--replace", "bf16"], 2, ["--replace 'bf16': expected KEY=VALUE"]),
     (["plan", "{d}/empty-report.json", "--assign", "x:fwd=cublas-rowwise"], 2,
      ["'x' matches no site of the plan"]),
     (["plan", "{d}/empty-report.json", "--replace", "bf16=warp-drive"], 2,
