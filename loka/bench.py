@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .config import ModsConfig, ProbeConfig
+from .config import LinearConfig, ModsConfig, ProbeConfig
 from .kernels import capabilities as caps
 
 TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -54,7 +54,9 @@ INFER_VARIANTS = (
 """Variant names: a base (bf16, torchao-<recipe>[-auto], loka, loka-uniform-<kernel>[-big])
 and suffixes: +mods (the paper's Mods: No Bias, BlockNorm, Hard Swish), +merge (also
 LoKA's shape Mod that merges sibling Linears reading one input into one GEMM), +tuned
-(LoKA's plan tuned by whole-step timings, ``loka.dispatch.tune_speed``),
+(LoKA's plan tuned by whole-step timings, ``loka.dispatch.tune_speed``), +search (the
+best fixed choice per group of same-shape sites by exhaustive whole-step timing,
+``loka.dispatch.search_speed``: the yardstick the plan is judged against),
 +graphs (the whole step captured in one CUDA graph)."""
 
 
@@ -95,6 +97,8 @@ class BenchConfig:
     earlier run: ``<out>.plan.json``)"""
     tune_trials: int = 8
     """whole-step timings a ``+tuned`` variant may spend (each one compiles the model)"""
+    search_trials: int = 24
+    """whole-step timings a ``+search`` variant may spend"""
     plans: Dict[str, str] = field(default_factory=dict)
     """named plan JSONs for the variants ``loka@<name>...`` (several plans side by side in
     one run); a ``+merge`` variant reads ``<stem>.merge.plan.json`` beside the file"""
@@ -462,7 +466,7 @@ def prepare_train(name: str, cfg: BenchConfig, device: torch.device, shared: dic
 
         plans = _plans(name, model, batch, cfg, device, shared, row)
         plan = plans["train"]
-        if "+tuned" in name:
+        if "+tuned" in name or "+search" in name:
             plan = _tuned(plans, name, model, batch, cfg, device, row)
         apply(model, plan)
     row["fp8_sites"] = _count_fp8(model)
@@ -496,44 +500,81 @@ TUNE_STEPS = 10
 """timed steps per trial of ``+tuned`` (after the variant's warm-up)"""
 
 
+SEARCH_CANDIDATES = {
+    False: ("cublas-rowwise-fastacc", "triton-tensorwise-cublas",
+            LinearConfig(fwd="cublas-rowwise-fastacc"),
+            LinearConfig(fwd="cublas-rowwise-fastacc", dgrad="cublas-rowwise-fastacc")),
+    True: (LinearConfig(fwd="cublas-rowwise-fastacc"), LinearConfig(fwd="fbgemm-rowwise")),
+}
+"""fixed choices ``+search`` times at every group of same-shape sites (training, inference):
+FP8 forwards, forwards and input gradients, or every role, with PyTorch quantization that
+Inductor fuses (cuBLAS rowwise), LoKA's tensorwise kernels (one quantization per tensor
+shared by the roles) or FBGEMM's (serving); kernels absent on the device are skipped"""
+
+
+def _trial_timer(model, batch, cfg: BenchConfig, device, graphs: bool, inference: bool):
+    """``time_step(model) -> median ms`` over :data:`TUNE_STEPS` steps, compiled afresh,
+    with the weights restored after every trial."""
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def time_step(m) -> float:
+        torch._dynamo.reset()
+        if inference:
+            step = _make_forward(m.eval(), batch, cfg, device, graphs)
+        else:
+            step = _make_step(m, batch, cfg, device, graphs)
+        t = _time_steps(step, device, TUNE_STEPS, cfg.warmup)["median_ms"]
+        del step
+        with torch.no_grad():
+            m.load_state_dict(saved)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return t
+    return time_step
+
+
 def _tuned(plans: dict, name: str, model, batch, cfg: BenchConfig, device, row: dict,
            inference: bool = False):
-    """The structure's plan tuned by whole-step timings (:func:`loka.dispatch.tune_speed`,
-    trying the fusible twins of its kernels too), once per structure, mode and graph mode.
-    The weights are restored after every trial, so the variant itself starts from the
-    same model."""
-    from .dispatch import tune_speed
+    """The structure's plan tuned by whole-step timings (``+tuned``:
+    :func:`loka.dispatch.tune_speed`, trying the fusible twins of its kernels too), or the
+    best fixed choice per group of same-shape sites by exhaustive timing (``+search``:
+    :func:`loka.dispatch.search_speed`, the yardstick of the plan); once per structure,
+    mode and graph mode. The variant itself starts from the same weights."""
+    from .dispatch import search_speed, tune_speed
     from .dispatch.plan import FUSIBLE_TWINS
+    from .kernels import registry
 
     graphs = name.endswith("+graphs") and device.type == "cuda"
-    key = ("infer-" if inference else "") + ("tuned+graphs" if graphs else "tuned")
+    how = "search" if "+search" in name else "tuned"
+    key = ("infer-" if inference else "") + how + ("+graphs" if graphs else "")
     if key not in plans:
-        saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-        def time_step(m) -> float:
-            torch._dynamo.reset()
-            if inference:
-                step = _make_forward(m.eval(), batch, cfg, device, graphs)
-            else:
-                step = _make_step(m, batch, cfg, device, graphs)
-            t = _time_steps(step, device, TUNE_STEPS, cfg.warmup)["median_ms"]
-            del step
-            with torch.no_grad():
-                m.load_state_dict(saved)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            return t
-
+        time_step = _trial_timer(model, batch, cfg, device, graphs, inference)
+        start = plans["infer" if inference else "train"]
         t0 = time.perf_counter()
-        # with the report, twins of other numerics qualify where their measured error fits
-        twins = FUSIBLE_TWINS if plans["report"] is None else {**FUSIBLE_TWINS, **REPORT_TWINS}
-        plans[key], log = tune_speed(plans["infer" if inference else "train"], model,
-                                     time_step, max_trials=cfg.tune_trials,
-                                     inference=inference, twins=twins, report=plans["report"])
+        if how == "search":
+            def runs(c) -> bool:
+                names = {c} if isinstance(c, str) else {c.fwd, c.dgrad, c.wgrad}
+                try:
+                    return all(registry.get(k).device_ok(device) for k in names)
+                except KeyError:  # an optional library that is not installed
+                    return False
+            cands = [c for c in SEARCH_CANDIDATES[inference] if runs(c)]
+            if not cands:
+                raise ValueError(f"+search: none of its candidate kernels runs on {device}")
+            plans[key], log = search_speed(start, model, time_step, cands,
+                                           report=plans["report"], inference=inference,
+                                           max_trials=cfg.search_trials)
+        else:
+            # with the report, twins of other numerics qualify where their measured error fits
+            twins = FUSIBLE_TWINS if plans["report"] is None else {**FUSIBLE_TWINS, **REPORT_TWINS}
+            plans[key], log = tune_speed(start, model, time_step, max_trials=cfg.tune_trials,
+                                         inference=inference, twins=twins,
+                                         report=plans["report"])
         torch._dynamo.reset()
-        row["tune_s"] = time.perf_counter() - t0
-        row["tune_log"] = log
-    row["tuned_plan"] = plans[key].to_dict()
+        verb = "search" if how == "search" else "tune"
+        row[f"{verb}_s"] = time.perf_counter() - t0
+        row[f"{verb}_log"] = log
+    row[f"{how}_plan"] = plans[key].to_dict()
     return plans[key]
 
 
@@ -687,7 +728,7 @@ def run_infer_variant(name: str, cfg: BenchConfig, device: torch.device, shared:
         plans = _plans(name, model, batch, cfg, device, shared, row)
         plan = plans["infer"]
         model.eval()
-        if "+tuned" in name:
+        if "+tuned" in name or "+search" in name:
             plan = _tuned(plans, name, model, batch, cfg, device, row, inference=True)
             model.eval()
         row["plan_fwd_fp8_sites"] = len(plan.fp8_sites())
@@ -872,7 +913,7 @@ def _variants(text: Optional[str], default, allowed) -> List[str]:
         return []
     names = [t.strip() for t in text.split(",") if t.strip()]
     bad = [n for n in names if n not in allowed and not n.startswith("loka-uniform-")
-           and n.replace("+tuned", "") not in allowed
+           and n.replace("+tuned", "").replace("+search", "") not in allowed
            and not (n.startswith("loka@") and plan_name(n))]
     if bad:
         raise ValueError(f"unknown variant(s) {bad}; choose from {list(allowed)}")

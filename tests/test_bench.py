@@ -261,3 +261,25 @@ def test_op_breakdown_attributes_kernel_time_to_the_outermost_aten_op():
     rows = bench.op_breakdown([copy, mm, idle, copy], steps=2)
     assert rows == [["aten::mm", "", 50.0],
                     ["aten::clone", "/work/loka/dispatch/linear.py(171): backward", 40.0]]
+
+
+def test_search_variant_times_every_candidate_and_skips_unavailable_kernels(tmp_path, monkeypatch):
+    from loka.config import LinearConfig
+
+    # on the CPU: the emulated kernel runs, the CUDA-only one is skipped
+    monkeypatch.setitem(bench.SEARCH_CANDIDATES, False,
+                        ("emulated-rowwise-e4m3", LinearConfig(fwd="cublas-rowwise-fastacc")))
+    cfg = _cfg(tmp_path, train_variants=["loka+mods+search"], infer_variants=[], steps=1,
+               warmup=1, plan=str(tmp_path / "base.plan.json"))
+    model = bench.build_model(cfg, bench.variant_mods("loka+mods"), torch.device("cpu"))
+    Plan.uniform(model, "bf16").save(cfg.plan)
+    row = bench.run(cfg, progress=lambda s: None)["train"][0]
+    assert "error" not in row, row.get("traceback")
+    timed = [e for e in row["search_log"] if "time" in e]
+    assert timed[0]["candidate"] is None  # the baseline first
+    tried = {tuple(sorted(e["candidate"].items())) for e in timed[1:] if e["candidate"]}
+    assert tried == {tuple(sorted(LinearConfig.uniform("emulated-rowwise-e4m3").to_dict().items()))}
+    found = Plan.from_dict(row["search_plan"])
+    assert found.budget["speed_searched"]["trials"] == len(timed)
+    assert row["fp8_sites"] == len(found.fp8_sites())
+

@@ -11,7 +11,7 @@ tighten_end_to_end``, ``loka.dispatch.apply.check``).
 
 from .linear import Linear
 from .plan import (Fallback, Plan, PlanMismatchError, RoleChoice, SitePlan, override, plan,
-                   tighten_end_to_end, tune_speed)
+                   search_speed, tighten_end_to_end, tune_speed)
 from .apply import ApplyReport, Change, amax_from_report, applied_plan, apply, check, unapply
 from .guard import Guard, GuardEvent
 
@@ -21,5 +21,5 @@ apply.check = check
 apply.amax_from_report = amax_from_report
 
 __all__ = ["Linear", "Plan", "SitePlan", "RoleChoice", "Fallback", "PlanMismatchError", "plan", "override",
-           "tighten_end_to_end", "tune_speed", "apply", "unapply", "check", "applied_plan", "ApplyReport",
+           "tighten_end_to_end", "tune_speed", "search_speed", "apply", "unapply", "check", "applied_plan", "ApplyReport",
            "Change", "amax_from_report", "Guard", "GuardEvent"]

@@ -782,6 +782,47 @@ def _with_twins(plan: Plan, twins: Mapping[str, str]) -> Optional[Plan]:
     return out if changed else None
 
 
+def _on_baseline(p: Plan, sites: Iterable[str], why: str) -> Plan:
+    """A copy of ``p`` with every role of ``sites`` on the baseline, for reason ``why``."""
+    out = p.copy()
+    for s in sites:
+        for role in ROLES:
+            old = out.sites[s].roles.get(role)
+            out.sites[s].roles[role] = RoleChoice(
+                out.baseline, budget=None if old is None else old.budget, reason=why)
+    return out
+
+
+class _Inapplicable(ValueError):
+    """A plan that ``apply`` refuses for this model (a kernel that cannot align a site)."""
+
+
+class _StepTimer:
+    """Apply a plan to the model and time a step with the caller's ``time_step``, logging
+    each trial as ``{"sites": FP8 sites, **info, "time": t}``."""
+
+    def __init__(self, model: nn.Module, time_step: Callable[[nn.Module], float],
+                 inference: bool, log: List[dict]) -> None:
+        self.model, self.time_step, self.inference, self.log = model, time_step, inference, log
+        self.root = getattr(model, "_orig_mod", model)
+
+    def __call__(self, p: Plan, **info) -> float:
+        from .apply import apply, unapply  # apply imports this module
+
+        unapply(self.root)
+        if p.fp8_sites():
+            try:
+                apply(self.root, p, inference=self.inference)
+            except ValueError as e:  # PlanMismatchError too
+                unapply(self.root)
+                raise _Inapplicable(str(e)) from e
+        t = float(self.time_step(self.model))
+        if not math.isfinite(t) or t <= 0:
+            raise ValueError(f"time_step returned {t!r}; it must return a positive time")
+        self.log.append({"sites": p.fp8_sites(), **info, "time": t})
+        return t
+
+
 def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], float], *,
                min_gain: float = 1.0, max_trials: int = 16, inference: bool = False,
                twins: Optional[Mapping[str, str]] = None,
@@ -818,8 +859,6 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
         (tuned plan, log): one dict per trial with ``sites`` (FP8 sites of the trial),
         ``removed`` (the group tried, if any) and ``time``.
     """
-    from .apply import apply, unapply  # apply imports this module
-
     if not (min_gain > 0 and math.isfinite(min_gain)):
         raise ValueError(f"min_gain must be a finite positive number, got {min_gain!r}")
     if max_trials < 2:
@@ -827,24 +866,11 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
     root = getattr(model, "_orig_mod", model)
     log: List[dict] = []
 
-    def without(p: Plan, sites: Iterable[str], why: str) -> Plan:
-        out = p.copy()
-        for s in sites:
-            for role in ROLES:
-                old = out.sites[s].roles.get(role)
-                out.sites[s].roles[role] = RoleChoice(
-                    out.baseline, budget=None if old is None else old.budget, reason=why)
-        return out
+    without = _on_baseline
+    timer = _StepTimer(model, time_step, inference, log)
 
     def trial(p: Plan, removed: Optional[List[str]]) -> float:
-        unapply(root)
-        if p.fp8_sites():
-            apply(root, p, inference=inference)
-        t = float(time_step(model))
-        if not math.isfinite(t) or t <= 0:
-            raise ValueError(f"time_step returned {t!r}; it must return a positive time")
-        log.append({"sites": p.fp8_sites(), "removed": removed, "time": t})
-        return t
+        return timer(p, removed=removed)
 
     with _restoring(root):
         base_time = trial(without(plan, plan.fp8_sites(), "baseline"), None)
@@ -884,3 +910,101 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
         best.notes.append(f"end-to-end speed: {len(best.fp8_sites())} FP8 site(s) kept, step "
                           f"{best_time:.4g} vs {base_time:.4g} without FP8 ({len(log)} trials)")
     return best, log
+
+
+def _exact_glob(name: str) -> str:
+    """A glob matching exactly ``name`` (site names may hold ``[``, ``*`` or ``?``)."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
+def _shape_groups(plan: Plan) -> List[List[str]]:
+    """Every site of the plan grouped by its GEMM shape (in, out, tokens)."""
+    groups: Dict[tuple, List[str]] = {}
+    for s, sp in plan.sites.items():
+        groups.setdefault((sp.in_features, sp.out_features, sp.tokens), []).append(s)
+    return list(groups.values())
+
+
+def search_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], float],
+                 candidates: Iterable["LinearConfig | str"], *,
+                 report: "ProbeReport | None" = None, inference: bool = False,
+                 min_gain: float = 1.0, max_trials: int = 64) -> Tuple[Plan, List[dict]]:
+    """The best fixed choice per group of sites, by exhaustive whole-step timing: the
+    yardstick a Probe-made plan is measured against.
+
+    Sites are grouped by GEMM shape (the four identical layers of a model form one group).
+    For each group and each candidate configuration, the step is timed with that group on
+    the candidate and every other site on the baseline; each group keeps its fastest
+    candidate if it beats the all-baseline step. The chosen groups are then timed together.
+    Groups are searched one at a time, not in every combination: interactions between
+    groups (fusion across them) are seen only in the final trial.
+
+    Args:
+        plan: supplies the sites, their budgets and the baseline (its choices are ignored).
+        model, time_step, inference: as :func:`tune_speed`.
+        candidates: :class:`~loka.config.LinearConfig` per-role choices, or kernel names
+            (that kernel on every role; on the forward only when ``inference``).
+        report: the Probe report: a candidate whose error at a site exceeds the budget, or
+            that the report did not measure there, is skipped for that group.
+        min_gain: the result must beat the all-baseline step by this factor, else every
+            site goes back to the baseline.
+        max_trials: at most this many ``time_step`` calls.
+
+    Returns:
+        (plan, log): the log has one dict per trial (``group``, ``candidate``, ``time``) and
+        ``skipped`` entries for candidates that do not fit a group.
+    """
+    if not (min_gain > 0 and math.isfinite(min_gain)):
+        raise ValueError(f"min_gain must be a finite positive number, got {min_gain!r}")
+    configs = []
+    for c in candidates:
+        if isinstance(c, str):
+            c = LinearConfig(fwd=c) if inference else LinearConfig.uniform(c)
+        if not isinstance(c, LinearConfig):
+            raise TypeError(f"candidates are LinearConfigs or kernel names, got {c!r}")
+        configs.append(c)
+    if not configs:
+        raise ValueError("search_speed needs at least one candidate")
+    root = getattr(model, "_orig_mod", model)
+    log: List[dict] = []
+    timer = _StepTimer(model, time_step, inference, log)
+    base = _on_baseline(plan, plan.sites, "baseline")
+    with _restoring(root):
+        base_time = timer(base, group=None, candidate=None)
+        chosen: Dict[int, Plan] = {}
+        for gi, group in enumerate(_shape_groups(plan)):
+            best_t = base_time
+            for cfg in configs:
+                if len(log) >= max_trials:
+                    break
+                assign = {f"{_exact_glob(s)}:{r.value}": cfg.kernel(r) for s in group for r in ROLES}
+                try:
+                    cand = override(base, assign=assign, report=report)
+                except (ValueError, KeyError) as e:
+                    log.append({"group": group, "candidate": cfg.to_dict(), "skipped": str(e)})
+                    continue
+                if not cand.fp8_sites():
+                    continue
+                try:
+                    t = timer(cand, group=group, candidate=cfg.to_dict())
+                except _Inapplicable as e:
+                    log.append({"group": group, "candidate": cfg.to_dict(), "skipped": str(e)})
+                    continue
+                if t < best_t:
+                    best_t, chosen[gi] = t, cand
+        best = base.copy()
+        for cand in chosen.values():
+            for s in cand.fp8_sites():
+                best.sites[s] = cand.sites[s]
+        best_time = base_time
+        if best.fp8_sites():
+            best_time = timer(best, group="all chosen", candidate=None)
+        if best_time >= base_time or base_time / best_time < min_gain:
+            best, best_time = base, base_time
+        best.budget["speed_searched"] = {"baseline_time": base_time, "time": best_time,
+                                         "trials": sum("time" in e for e in log),
+                                         "candidates": [c.to_dict() for c in configs]}
+        best.notes.append(f"exhaustive search per group: {len(best.fp8_sites())} FP8 site(s), "
+                          f"step {best_time:.4g} vs {base_time:.4g} without FP8")
+    return best, log
+

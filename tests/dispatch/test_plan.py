@@ -628,3 +628,41 @@ def test_override_moves_roles_and_checks_them_against_the_report():
         loka.dispatch.override(p, assign={"fwd": "t-mid"})
     with pytest.raises(KeyError):
         loka.dispatch.override(p, replace={"t-mid": "no-such-kernel"})
+
+
+def test_search_speed_finds_the_best_fixed_choice_per_group():
+    model = Tower()
+    shapes = {"fm0": (32, 64), "fm1": (32, 64), "top": (64, 32), "head": (32, 16)}
+    rep = make_report({n: (k, o, 8, {r: {"t-mid": (0.1, 1.5), "t-faster": (0.1, 2.0),
+                                         "t-fast-coarse": (0.3, 3.0)} for r in ("fwd", "dgrad", "wgrad")})
+                       for n, (k, o) in shapes.items()})
+    plan = loka.plan(rep, max_error=0.2)
+    # in-model cost of each site per forward kernel: fm pays with t-faster, top with t-mid,
+    # head with nothing; t-fast-coarse would pay most but breaks the budget (0.3 > 0.2)
+    costs = {"t-mid": {"fm0": 0.1, "fm1": 0.1, "top": -0.4, "head": 0.2},
+             "t-faster": {"fm0": -0.3, "fm1": -0.3, "top": -0.2, "head": 0.1},
+             "t-fast-coarse": {"fm0": -1.0, "fm1": -1.0, "top": -1.0, "head": -1.0}}
+
+    def time_step(m):
+        return 10.0 + sum(costs[mod.config.fwd][n] for n, mod in m.named_modules()
+                          if isinstance(mod, loka.Linear) and mod.config.fwd != "bf16")
+
+    found, log = loka.dispatch.search_speed(
+        plan, model, time_step, ["t-mid", "t-faster", "t-fast-coarse",
+                                 LinearConfig(fwd="t-faster")], report=rep)
+    assert {s: found.config(s).fwd for s in found.fp8_sites()} == {
+        "fm0": "t-faster", "fm1": "t-faster", "top": "t-mid"}
+    assert found.config("fm0").dgrad == "t-faster"  # uniform candidate: every role
+    assert found.budget["speed_searched"]["time"] == pytest.approx(10.0 - 0.6 - 0.4)
+    assert log[-1]["group"] == "all chosen" and log[0]["candidate"] is None
+    skipped = [e for e in log if "skipped" in e]
+    assert skipped and all("above the budget" in e["skipped"] for e in skipped)
+    assert len(skipped) == 3  # t-fast-coarse at each of the three shape groups
+    assert not any(isinstance(m, loka.Linear) for m in model.modules())  # model as found
+    # a budget of trials cuts the search; nothing that pays: all on the baseline
+    found, log = loka.dispatch.search_speed(plan, model, lambda m: 10.0, ["t-mid"], max_trials=3)
+    assert found.fp8_sites() == [] and sum("time" in e for e in log) == 3
+    with pytest.raises(ValueError, match="at least one candidate"):
+        loka.dispatch.search_speed(plan, model, time_step, [])
+    with pytest.raises(TypeError, match="LinearConfigs or kernel names"):
+        loka.dispatch.search_speed(plan, model, time_step, [3])
