@@ -467,7 +467,7 @@ def prepare_train(name: str, cfg: BenchConfig, device: torch.device, shared: dic
         plans = _plans(name, model, batch, cfg, device, shared, row)
         plan = plans["train"]
         if "+tuned" in name or "+search" in name:
-            plan = _tuned(plans, name, model, batch, cfg, device, row)
+            plan = _whole_step_plan(plans, name, model, batch, cfg, device, row)
         apply(model, plan)
     row["fp8_sites"] = _count_fp8(model)
     graphs = name.endswith("+graphs") and device.type == "cuda"
@@ -533,8 +533,8 @@ def _trial_timer(model, batch, cfg: BenchConfig, device, graphs: bool, inference
     return time_step
 
 
-def _tuned(plans: dict, name: str, model, batch, cfg: BenchConfig, device, row: dict,
-           inference: bool = False):
+def _whole_step_plan(plans: dict, name: str, model, batch, cfg: BenchConfig, device,
+                     row: dict, inference: bool = False):
     """The structure's plan tuned by whole-step timings (``+tuned``:
     :func:`loka.dispatch.tune_speed`, trying the fusible twins of its kernels too), or the
     best fixed choice per group of same-shape sites by exhaustive timing (``+search``:
@@ -729,7 +729,7 @@ def run_infer_variant(name: str, cfg: BenchConfig, device: torch.device, shared:
         plan = plans["infer"]
         model.eval()
         if "+tuned" in name or "+search" in name:
-            plan = _tuned(plans, name, model, batch, cfg, device, row, inference=True)
+            plan = _whole_step_plan(plans, name, model, batch, cfg, device, row, inference=True)
             model.eval()
         row["plan_fwd_fp8_sites"] = len(plan.fp8_sites())
         apply(model, plan, inference=True)
