@@ -666,3 +666,16 @@ def test_search_speed_finds_the_best_fixed_choice_per_group():
         loka.dispatch.search_speed(plan, model, time_step, [])
     with pytest.raises(TypeError, match="LinearConfigs or kernel names"):
         loka.dispatch.search_speed(plan, model, time_step, [3])
+
+
+def test_whole_step_helpers_are_exported_where_the_docs_name_them():
+    import loka.dispatch as d
+
+    for name in ("tune_speed", "search_speed", "override", "FUSIBLE_TWINS", "tighten_end_to_end"):
+        assert name in d.__all__
+        # loka.dispatch.plan is the function; it carries its module's helpers
+        assert getattr(d.plan, name) is getattr(d, name)
+    for kernel, twin in d.FUSIBLE_TWINS.items():  # same numerics: same formats and scaling
+        a, b = get(kernel), get(twin)
+        assert (a.formats, a.scaling, a.fast_accum) == (b.formats, b.scaling, b.fast_accum)
+        assert a.library == "triton" and b.library == "cublas"
