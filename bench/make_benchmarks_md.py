@@ -53,5 +53,40 @@ def bench_table(path: str) -> str:
     return "\n".join(out)
 
 
+def sweep_table(path: str, ref: str = "bf16+mods") -> str:
+    """A batch-size sweep (``loka bench --batch-sizes``): ms and speedup against ``ref``
+    per variant and batch size."""
+    r = json.load(open(path))
+    sizes = [str(b) for b in r["batch_sizes"]]
+    out = [f"### {r['config']['model']} `{r['config']['preset']}` batch-size sweep on "
+           f"{r['env'].get('gpu', r['env']['device'])} ({r['env']['date'][:10]}, commit "
+           f"{r['env'].get('commit')}); source: `{path}`", ""]
+    for mode in ("train", "infer"):
+        if not r.get(mode):
+            continue
+        out += [f"**{'training step' if mode == 'train' else 'inference forward'}**: ms "
+                f"(speedup vs {ref})", "",
+                "| variant | " + " | ".join(f"batch {b}" for b in sizes) + " |",
+                "|---|" + "---|" * len(sizes)]
+        for variant, by_b in r[mode].items():
+            cells = []
+            for b in sizes:
+                row = by_b.get(b, {})
+                if "median_ms" not in row:
+                    cells.append("failed" if "error" in row else "-")
+                    continue
+                sp = row.get(f"speedup_vs_{ref}")
+                cells.append(f"{row['median_ms']:.3f}" + (f" ({sp:.3f})" if sp is not None else ""))
+            out.append(f"| {variant} | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def render(path: str) -> str:
+    with open(path) as f:
+        schema = json.load(f).get("schema")
+    return sweep_table(path) if schema == "loka.bench-sweep" else bench_table(path)
+
+
 if __name__ == "__main__":
-    print("\n\n".join(bench_table(p) for p in sys.argv[1:]))
+    print("\n\n".join(render(p) for p in sys.argv[1:]))

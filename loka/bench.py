@@ -816,6 +816,65 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
     return result
 
 
+def run_sweep(cfg: BenchConfig, batch_sizes: List[int],
+              progress: Callable[[str], None] = print) -> dict:
+    """The same variants at several batch sizes (where FP8 starts to pay): one full
+    :func:`run` per size, written to ``<out>.b<size>.json`` (each with its own Probe pass
+    and plans, since the GEMM shapes change with the batch), and a summary
+    ``<out>`` with every variant's time and speedups per size, plus a chart."""
+    if not batch_sizes or any(int(b) < 1 for b in batch_sizes):
+        raise ValueError(f"batch sizes must be positive integers, got {batch_sizes}")
+    env = environment(torch.device(cfg.device))
+    out = cfg.out or _default_out(env).removesuffix(".json") + ".sweep.json"
+    stem = out.removesuffix(".json")
+    sweep = {"schema": "loka.bench-sweep", "version": 1, "env": env,
+             "config": {k: v for k, v in cfg.__dict__.items()}, "batch_sizes": list(batch_sizes),
+             "runs": {}, "train": {}, "infer": {}}
+    for b in batch_sizes:
+        progress(f"== batch {b} ==")
+        res = run(dataclasses.replace(cfg, batch_size=int(b), out=f"{stem}.b{b}.json",
+                                      plot=False), progress)
+        sweep["runs"][str(b)] = res["out"]
+        for mode in ("train", "infer"):
+            for row in res[mode]:
+                keep = {k: v for k, v in row.items()
+                        if k in ("median_ms", "samples_per_s", "fp8_sites", "peak_mem_gb", "error")
+                        or k.startswith("speedup_vs_")}
+                sweep[mode].setdefault(row["variant"], {})[str(b)] = keep
+        _write(sweep, out)
+    if cfg.plot:
+        with contextlib.suppress(Exception):
+            plot_sweep(sweep, stem + ".png")
+    sweep["out"] = out
+    return sweep
+
+
+def plot_sweep(sweep: dict, path: str, ref: str = "bf16+mods") -> str:
+    """Speedup against ``ref`` (else bf16) per variant across batch sizes."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for ax, mode in zip(axes, ("train", "infer")):
+        key = f"speedup_vs_{ref}"
+        for variant, by_b in sweep[mode].items():
+            pts = [(int(b), r[key]) for b, r in by_b.items() if key in r]
+            if pts:
+                xs, ys = zip(*sorted(pts))
+                ax.plot(xs, ys, marker="o", label=variant)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(f"speedup vs {ref}")
+        ax.set_title(mode)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _row_text(row: dict) -> str:
     if "error" in row:
         return f"{row['variant']:<34} FAILED {row['error'][:120]}"
@@ -881,6 +940,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="wukong", help="reference model (default: wukong)")
     p.add_argument("--preset", default=None, help="preset (default: paper on GPU, tiny on CPU)")
     p.add_argument("--batch-size", type=int, default=None, help="default: the preset's")
+    p.add_argument("--batch-sizes", default=None,
+                   help="comma list: run every variant at each batch size (a sweep); "
+                        "writes one result per size and a summary")
     p.add_argument("--steps", type=int, default=30, help="timed steps per variant")
     p.add_argument("--warmup", type=int, default=5, help="untimed warm-up steps per variant")
     p.add_argument("--no-compile", action="store_true", help="run eager (default: torch.compile)")
@@ -953,6 +1015,14 @@ def config_from_args(args) -> BenchConfig:
 
 def run_from_args(args) -> dict:
     cfg = config_from_args(args)
+    if getattr(args, "batch_sizes", None):
+        try:
+            sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+        except ValueError:
+            raise ValueError(f"--batch-sizes takes integers, got {args.batch_sizes!r}") from None
+        sweep = run_sweep(cfg, sizes)
+        print(f"wrote {sweep['out']}")
+        return sweep
     result = run(cfg)
     print(table(result))
     print(f"wrote {result['out']}")

@@ -283,3 +283,26 @@ def test_search_variant_times_every_candidate_and_skips_unavailable_kernels(tmp_
     assert found.budget["speed_searched"]["trials"] == len(timed)
     assert row["fp8_sites"] == len(found.fp8_sites())
 
+
+def test_batch_size_sweep_runs_every_size_and_summarizes(tmp_path):
+    cfg = _cfg(tmp_path, train_variants=["bf16", "bf16+mods"], infer_variants=["bf16"], steps=1,
+               warmup=1, out=str(tmp_path / "sweep.json"))
+    sweep = bench.run_sweep(cfg, [32, 64], progress=lambda s: None)
+    assert sweep["out"] == str(tmp_path / "sweep.json")
+    assert set(sweep["runs"]) == {"32", "64"}
+    for b in ("32", "64"):
+        run = json.load(open(sweep["runs"][b]))
+        assert run["config"]["batch_size"] == int(b)
+        mods = sweep["train"]["bf16+mods"][b]
+        row = next(r for r in run["train"] if r["variant"] == "bf16+mods")
+        assert mods["median_ms"] == row["median_ms"] > 0
+        assert mods["speedup_vs_bf16"] == pytest.approx(
+            sweep["train"]["bf16"][b]["median_ms"] / mods["median_ms"])
+    on_disk = json.load(open(tmp_path / "sweep.json"))
+    assert on_disk["schema"] == "loka.bench-sweep" and on_disk["batch_sizes"] == [32, 64]
+    text = _load("make_benchmarks_md").render(str(tmp_path / "sweep.json"))
+    ms = sweep["train"]["bf16+mods"]["64"]["median_ms"]
+    assert "| batch 32 | batch 64 |" in text and f"{ms:.3f} (1.000)" in text
+    with pytest.raises(ValueError, match="positive"):
+        bench.run_sweep(cfg, [])
+

@@ -20,7 +20,7 @@ COMMON = ["--debug", "--device"]
 SURFACE = {
     "apply": COMMON + ["--check", "--data", "--inference", "--model", "--mods", "--preset",
                        "<plan>"],
-    "bench": COMMON + ["--batch-size", "--infer-variants", "--max-error", "--min-speedup",
+    "bench": COMMON + ["--batch-size", "--batch-sizes", "--infer-variants", "--max-error", "--min-speedup",
                        "--model", "--no-compile", "--no-plot", "--out", "--plan",
                        "--plans", "--preset", "--probe-kernels", "--profile", "--profile-ops", "--steps",
                        "--train-variants", "--warmup"],
@@ -162,6 +162,8 @@ def _expect_error(code, err, want_code, *needles):
      ["loka plan: argument --max-error: expected a finite number >= 0", "loka plan --help"]),
     (["plan", "{d}/empty-report.json", "--min-speedup", "0"], 2, ["use --assume-fast"]),
     (["plan", "{d}/empty-report.json", "--metric", "vibes"], 2, ["invalid choice: 'vibes'"]),
+    (["bench", "--device", "cpu", "--batch-sizes", "64,big"], 2, ["--batch-sizes takes integers"]),
+    (["bench", "--device", "cpu", "--batch-sizes", "0"], 2, ["batch sizes must be positive"]),
     (["plan", "{d}/empty-report.json", "--replace", "bf16"], 2, ["--replace 'bf16': expected KEY=VALUE"]),
     (["plan", "{d}/empty-report.json", "--assign", "x:fwd=cublas-rowwise"], 2,
      ["'x' matches no site of the plan"]),
