@@ -136,7 +136,25 @@ def environment(device: torch.device) -> dict:
                                        cwd=os.path.dirname(__file__)).stdout.strip() or "unknown"
     except Exception:  # noqa: BLE001 - not a git checkout
         env["commit"] = "unknown"
+    env["source_sha1"] = source_digest()
     return env
+
+
+def source_digest() -> str:
+    """SHA-1 over the package's Python sources (paths and contents): names the code that
+    ran even where the checkout's git metadata is missing or stale (a copied tree)."""
+    import hashlib
+
+    root = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha1()
+    for dirpath, dirnames, files in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(dirpath, name)
+            h.update(os.path.relpath(path, root).encode())
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()[:12]
 
 
 def _sync(device: torch.device) -> None:

@@ -306,3 +306,18 @@ def test_batch_size_sweep_runs_every_size_and_summarizes(tmp_path):
     with pytest.raises(ValueError, match="positive"):
         bench.run_sweep(cfg, [])
 
+
+def test_source_digest_names_the_code_that_ran(tmp_path, monkeypatch):
+    here = bench.source_digest()
+    assert len(here) == 12 and here == bench.source_digest()  # deterministic
+    assert bench.environment(torch.device("cpu"))["source_sha1"] == here
+    # a copy of the package with one changed byte has another digest
+    import shutil
+    pkg = tmp_path / "loka"
+    shutil.copytree(os.path.dirname(bench.__file__), pkg,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(bench, "__file__", str(pkg / "bench.py"))
+    assert bench.source_digest() == here
+    (pkg / "config.py").write_text((pkg / "config.py").read_text() + "\n# changed\n")
+    assert bench.source_digest() != here
+
