@@ -20,6 +20,7 @@ arm, and the paired per-seed NE change.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -56,10 +57,14 @@ def evaluate(model, stream: SyntheticCTR, steps: int, dtype) -> dict:
     return out
 
 
+def _mods(args) -> ModsConfig:
+    return dataclasses.replace(ModsConfig.paper(), merge_siblings=bool(getattr(args, "merge", False)))
+
+
 def run_arm(arm: str, seed: int, plan, args, device) -> dict:
     cfg = bench.BenchConfig(model=args.model, preset=args.preset, device=str(device),
                             batch_size=args.batch_size, seed=seed, table_rows=args.table_rows)
-    model = bench.build_model(cfg, ModsConfig.paper(), device)
+    model = bench.build_model(cfg, _mods(args), device)
     dtype = next(model.parameters()).dtype
     bs = args.batch_size or model.default_batch_size
     train = SyntheticCTR(model.feature_spec, bs, seed=seed, device=device)
@@ -126,6 +131,9 @@ def main(argv=None) -> int:
     p.add_argument("--table-rows", type=int, default=100_000,
                    help="cap on embedding-table rows (the preset's tables below it)")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--merge", action="store_true",
+                   help="also merge sibling Linears (the Mods of the benchmark's merged rows; "
+                        "a --plan must then be a merged model's plan)")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--out", default="bench/results/quality.json")
     args = p.parse_args(argv)
@@ -142,7 +150,7 @@ def main(argv=None) -> int:
     else:
         cfg = bench.BenchConfig(model=args.model, preset=args.preset, device=str(device),
                                 batch_size=args.batch_size, table_rows=args.table_rows)
-        model = bench.build_model(cfg, ModsConfig.paper(), device)
+        model = bench.build_model(cfg, _mods(args), device)
         batch = bench._cast_batch(bench.make_batch(model, cfg, device),
                                   next(model.parameters()).dtype)
         _, plan = bench._loka_plan(model, batch, cfg, device, {})
