@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as _dt
+import fnmatch
 import json
 import math
 import os
@@ -539,8 +540,6 @@ def override(plan: Plan, *, replace: Optional[Mapping[str, str]] = None,
         KeyError: an unregistered kernel; ValueError: a kernel that does not serve a role,
         a glob that matches no site, or (``check_budget``) a choice outside the budget.
     """
-    import fnmatch
-
     if report is not None and not isinstance(report, ProbeReport):
         report = ProbeReport.load(report)
     edits: List[Tuple[str, Role, str]] = []  # (site, role, kernel)
@@ -571,7 +570,7 @@ def override(plan: Plan, *, replace: Optional[Mapping[str, str]] = None,
             kr = None if kr is None else kr.roles.get(role)
             kr = None if kr is None else kr.kernels.get(kernel)
             stat = None if kr is None else kr.metric(str(out.budget.get("metric", "mere")))
-            if stat is not None:
+            if stat is not None and stat.hi is not None and math.isfinite(stat.hi):
                 error, error_mean = stat.hi, stat.mean
                 speedup = kr.speedup_weight_q if (out.budget.get("inference") and
                                                   kr.speedup_weight_q is not None) else kr.speedup

@@ -622,6 +622,9 @@ def test_override_moves_roles_and_checks_them_against_the_report():
         loka.dispatch.override(p, assign={"a.fm:fwd": "t-faster"}, report=rep)
     with pytest.raises(ValueError, match="not measured"):
         loka.dispatch.override(p, assign={"b.fm:dgrad": "t-mid"}, report=rep)
+    rep.sites["b.fm"].roles[Role.FWD].kernels["t-mid"].mere = stat(math.nan)
+    with pytest.raises(ValueError, match="not measured"):  # a NaN bound is no measurement
+        loka.dispatch.override(p, assign={"b.fm:fwd": "t-mid"}, report=rep)
     with pytest.raises(ValueError, match="matches no site"):
         loka.dispatch.override(p, assign={"nothing.*:fwd": "t-mid"})
     with pytest.raises(ValueError, match="site glob"):
