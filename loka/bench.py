@@ -485,7 +485,8 @@ def prepare_train(name: str, cfg: BenchConfig, device: torch.device, shared: dic
         plans = _plans(name, model, batch, cfg, device, shared, row)
         plan = plans["train"]
         if "+tuned" in name or "+search" in name:
-            plan = _whole_step_plan(plans, name, model, batch, cfg, device, row)
+            plan = _whole_step_plan(plans, name, model, batch, cfg, device, row,
+                                    progress=shared.get("progress"))
         apply(model, plan)
     row["fp8_sites"] = _count_fp8(model)
     graphs = name.endswith("+graphs") and device.type == "cuda"
@@ -530,12 +531,16 @@ Inductor fuses (cuBLAS rowwise), LoKA's tensorwise kernels (one quantization per
 shared by the roles) or FBGEMM's (serving); kernels absent on the device are skipped"""
 
 
-def _trial_timer(model, batch, cfg: BenchConfig, device, graphs: bool, inference: bool):
+def _trial_timer(model, batch, cfg: BenchConfig, device, graphs: bool, inference: bool,
+                 progress: Optional[Callable[[str], None]] = None):
     """``time_step(model) -> median ms`` over :data:`TUNE_STEPS` steps, compiled afresh,
-    with the weights restored after every trial."""
+    with the weights restored after every trial (each trial reported to ``progress``)."""
     saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    count = [0]
 
     def time_step(m) -> float:
+        count[0] += 1
+        fp8 = _count_fp8(m)
         torch._dynamo.reset()
         if inference:
             step = _make_forward(m.eval(), batch, cfg, device, graphs)
@@ -547,12 +552,15 @@ def _trial_timer(model, batch, cfg: BenchConfig, device, graphs: bool, inference
             m.load_state_dict(saved)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        if progress is not None:
+            progress(f"      trial {count[0]}: {fp8} FP8 site(s), {t:.3f} ms")
         return t
     return time_step
 
 
 def _whole_step_plan(plans: dict, name: str, model, batch, cfg: BenchConfig, device,
-                     row: dict, inference: bool = False):
+                     row: dict, inference: bool = False,
+                     progress: Optional[Callable[[str], None]] = None):
     """The structure's plan tuned by whole-step timings (``+tuned``:
     :func:`loka.dispatch.tune_speed`, trying the fusible twins of its kernels too), or the
     best fixed choice per group of same-shape sites by exhaustive timing (``+search``:
@@ -566,7 +574,7 @@ def _whole_step_plan(plans: dict, name: str, model, batch, cfg: BenchConfig, dev
     how = "search" if "+search" in name else "tuned"
     key = ("infer-" if inference else "") + how + ("+graphs" if graphs else "")
     if key not in plans:
-        time_step = _trial_timer(model, batch, cfg, device, graphs, inference)
+        time_step = _trial_timer(model, batch, cfg, device, graphs, inference, progress)
         start = plans["infer" if inference else "train"]
         t0 = time.perf_counter()
         if how == "search":
@@ -747,7 +755,8 @@ def run_infer_variant(name: str, cfg: BenchConfig, device: torch.device, shared:
         plan = plans["infer"]
         model.eval()
         if "+tuned" in name or "+search" in name:
-            plan = _whole_step_plan(plans, name, model, batch, cfg, device, row, inference=True)
+            plan = _whole_step_plan(plans, name, model, batch, cfg, device, row, inference=True,
+                                    progress=shared.get("progress"))
             model.eval()
         row["plan_fwd_fp8_sites"] = len(plan.fp8_sites())
         apply(model, plan, inference=True)
@@ -795,7 +804,7 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
             result["notes"].append("torchao is not installed: torchao rows skipped")
         cfg.train_variants = [v for v in cfg.train_variants if not v.startswith("torchao")]
         cfg.infer_variants = [v for v in cfg.infer_variants if not v.startswith("torchao")]
-    shared: dict = {"out": out}
+    shared: dict = {"out": out, "progress": progress}
     for mode, names, fn in (("train", cfg.train_variants, run_train_variant),
                             ("infer", cfg.infer_variants, run_infer_variant)):
         for name in names:

@@ -132,9 +132,13 @@ def test_tuned_inference_variant_tunes_the_forward_plan(tmp_path):
                warmup=1, plan=str(tmp_path / "uniform.plan.json"))
     model = bench.build_model(cfg, bench.variant_mods("loka+mods"), torch.device("cpu"))
     Plan.uniform(model, "emulated-rowwise-e4m3").save(cfg.plan)
-    row = bench.run(cfg, progress=lambda s: None)["infer"][0]
+    lines = []
+    row = bench.run(cfg, progress=lines.append)["infer"][0]
     assert "error" not in row, row.get("traceback")
     tuned = Plan.from_dict(row["tuned_plan"])
+    trials = [ln for ln in lines if ln.strip().startswith("trial ")]
+    assert len(trials) == len(row["tune_log"])  # every whole-step trial is reported
+    assert trials[0].strip().startswith("trial 1: 0 FP8 site(s)")
     assert tuned.budget["speed_tuned"]["trials"] == len(row["tune_log"]) >= 2
     assert row["tune_log"][0]["sites"] == []
     assert row["fp8_sites"] == row["plan_fwd_fp8_sites"] == len(tuned.fp8_sites())
