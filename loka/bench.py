@@ -95,7 +95,7 @@ class BenchConfig:
     plan: Optional[str] = None
     """a plan JSON to apply in the LoKA variants instead of probing (the plan of an
     earlier run: ``<out>.plan.json``)"""
-    tune_trials: int = 8
+    tune_trials: int = 10
     """whole-step timings a ``+tuned`` variant may spend (each one compiles the model)"""
     search_trials: int = 24
     """whole-step timings a ``+search`` variant may spend"""
@@ -595,7 +595,7 @@ def _whole_step_plan(plans: dict, name: str, model, batch, cfg: BenchConfig, dev
             twins = FUSIBLE_TWINS if plans["report"] is None else {**FUSIBLE_TWINS, **REPORT_TWINS}
             plans[key], log = tune_speed(start, model, time_step, max_trials=cfg.tune_trials,
                                          inference=inference, twins=twins,
-                                         report=plans["report"])
+                                         report=plans["report"], per_role=True)
         torch._dynamo.reset()
         verb = "search" if how == "search" else "tune"
         row[f"{verb}_s"] = time.perf_counter() - t0

@@ -781,11 +781,12 @@ def _with_twins(plan: Plan, twins: Mapping[str, str]) -> Optional[Plan]:
     return out if changed else None
 
 
-def _on_baseline(p: Plan, sites: Iterable[str], why: str) -> Plan:
-    """A copy of ``p`` with every role of ``sites`` on the baseline, for reason ``why``."""
+def _on_baseline(p: Plan, sites: Iterable[str], why: str, roles: Iterable[Role] = ROLES) -> Plan:
+    """A copy of ``p`` with ``roles`` (default all) of ``sites`` on the baseline, for
+    reason ``why``."""
     out = p.copy()
     for s in sites:
-        for role in ROLES:
+        for role in roles:
             old = out.sites[s].roles.get(role)
             out.sites[s].roles[role] = RoleChoice(
                 out.baseline, budget=None if old is None else old.budget, reason=why)
@@ -825,7 +826,8 @@ class _StepTimer:
 def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], float], *,
                min_gain: float = 1.0, max_trials: int = 16, inference: bool = False,
                twins: Optional[Mapping[str, str]] = None,
-               report: "ProbeReport | None" = None) -> Tuple[Plan, List[dict]]:
+               report: "ProbeReport | None" = None,
+               per_role: bool = False) -> Tuple[Plan, List[dict]]:
     """Keep only the FP8 sites that pay inside the whole model.
 
     The Probe times each GEMM alone. Inside a compiled model a site also adds its
@@ -853,10 +855,14 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
             and must meet the budget (:func:`override`), so twins of other numerics
             (another library's quantizer) are allowed; without a report, twins must have
             the same numerics and carry the plan's errors over.
+        per_role: a group with several FP8 roles moves one role at a time to the baseline
+            (each a trial of its own), so a paying forward is not lost with a losing
+            gradient GEMM; off, the whole group moves at once.
 
     Returns:
         (tuned plan, log): one dict per trial with ``sites`` (FP8 sites of the trial),
-        ``removed`` (the group tried, if any) and ``time``.
+        ``removed`` (the group tried, if any), ``role`` (the role moved, None for the
+        whole group) and ``time``.
     """
     if not (min_gain > 0 and math.isfinite(min_gain)):
         raise ValueError(f"min_gain must be a finite positive number, got {min_gain!r}")
@@ -890,10 +896,19 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
         while len(log) < max_trials:
             candidates = []
             for group in _site_groups(best):
-                if len(log) >= max_trials:
-                    break
-                cand = without(best, group, "end-to-end speed: the step is faster without it")
-                candidates.append((trial(cand, group), cand))
+                fp8_roles = [r for r in ROLES
+                             if any(best.sites[s].kernel(r, best.baseline) != best.baseline
+                                    for s in group)]
+                # per role: a group's forward may pay while its gradient GEMMs do not
+                moves = fp8_roles if per_role and len(fp8_roles) > 1 else [None]
+                for role in moves:
+                    if len(log) >= max_trials:
+                        break
+                    why = ("end-to-end speed: the step is faster without it" if role is None
+                           else f"end-to-end speed: the step is faster with {role} on the baseline")
+                    cand = without(best, group, why, ROLES if role is None else (role,))
+                    candidates.append((trial(cand, group), cand))
+                    log[-1]["role"] = None if role is None else role.value
             if not candidates:
                 break
             t, cand = min(candidates, key=lambda c: c[0])

@@ -682,3 +682,28 @@ def test_whole_step_helpers_are_exported_where_the_docs_name_them():
         a, b = get(kernel), get(twin)
         assert (a.formats, a.scaling, a.fast_accum) == (b.formats, b.scaling, b.fast_accum)
         assert a.library == "triton" and b.library == "cublas"
+
+
+def test_tune_speed_per_role_keeps_a_paying_forward_of_a_losing_group():
+    model = Tower()
+    plan = Plan.uniform(model, "t-mid")  # every role of every site on FP8
+    # in-model cost per (site, role): forwards pay at fm and top, every gradient GEMM loses
+    costs = {"fwd": {"fm0": -0.3, "fm1": -0.3, "top": -0.2, "head": 0.1},
+             "dgrad": {"fm0": 0.2, "fm1": 0.2, "top": 0.15, "head": 0.1},
+             "wgrad": {"fm0": 0.2, "fm1": 0.2, "top": 0.15, "head": 0.1}}
+
+    def time_step(m):
+        t = 10.0
+        for n, mod in m.named_modules():
+            if isinstance(mod, loka.Linear):
+                t += sum(costs[r][n] for r in costs if getattr(mod.config, r) != "bf16")
+        return t
+
+    whole, _ = loka.dispatch.tune_speed(plan, model, time_step, max_trials=64)
+    assert whole.fp8_sites() == []  # every group loses as a whole: nothing kept
+    tuned, log = loka.dispatch.tune_speed(plan, model, time_step, per_role=True, max_trials=64)
+    assert {s: tuned.config(s) for s in tuned.fp8_sites()} == {
+        s: LinearConfig(fwd="t-mid") for s in ("fm0", "fm1", "top")}
+    assert tuned.budget["speed_tuned"]["time"] == pytest.approx(10.0 - 0.8)
+    assert {"fwd", "dgrad", "wgrad"} <= {e["role"] for e in log if e.get("removed")}
+    assert "with dgrad on the baseline" in tuned.sites["fm0"].roles[Role.DGRAD].reason
