@@ -18,8 +18,10 @@ statistics, folds the weight into its EMA, and puts a hook on the output tensor 
 the same for the output gradient in the backward pass. Nothing syncs with the host. On
 the next step the site hooks are removed, so off-steps cost one pre-hook call per forward
 of the whole model. A statistics step's cost is GPU work that scales with
-``max_rows_per_update`` (on the Wukong paper model, 19 sites, 4096 rows: ~33 ms on an
-H200, 1.6 % of an eager 20.5 ms step at ``every_n_steps=100``). Each site is updated at most once per step (a module called twice in
+``max_rows_per_update`` (on the Wukong paper model, 19 sites, on an H200: 40.6 ms with
+4096 rows, 15.6 ms with the default 1024 rows replayed as CUDA graphs, i.e. 0.76 % of an
+eager 20.5 ms step at ``every_n_steps=100``; bench/BENCHMARKS.md). Each site is updated at
+most once per step (a module called twice in
 a step, or recomputed by activation checkpointing, is seen on its first call). The Probe
 never changes the training computation: hooks return nothing, and its random subsampling
 has its own generator. Attach it to an eager model (hooks inside a ``torch.compile``\\ d
