@@ -108,10 +108,12 @@ class SequenceBlock(nn.Module):
         x = x + self.out(att.transpose(1, 2).reshape(b, length, d))
         return x + self.ffn(self.norm2(x))
 
-    def _loka_merge_siblings(self) -> List[ModuleChange]:
+    def _loka_merge_siblings(self, when=None) -> List[ModuleChange]:
         if self.qkv is not None:
             return []
         siblings = [self.q, self.k, self.v]
+        if when is not None and not when(siblings):
+            return []
         self.qkv = MergedLinear(siblings)
         self.q = self.k = self.v = None
         new = describe(self.qkv)

@@ -138,11 +138,13 @@ class WukongLayer(nn.Module):
         out = torch.cat([self.fmb.interact(x, fm_proj), lcb.transpose(1, 2)], dim=1)
         return self.norm(out + res)
 
-    def _loka_merge_siblings(self) -> List[ModuleChange]:
+    def _loka_merge_siblings(self, when=None) -> List[ModuleChange]:
         if self.merged is not None:
             return []
         names = ["fmb.proj", "lcb.proj"] + (["residual"] if self.residual is not None else [])
         siblings = [self.get_submodule(n) for n in names]
+        if when is not None and not when(siblings):
+            return []
         self.merged = MergedLinear(siblings)
         self.fmb.proj = None
         self.lcb.proj = None

@@ -10,14 +10,16 @@ output rows are sliced away, so theirs are zero too; Adam(W) turns a zero gradie
 zero state into a zero update, and decoupled weight decay of zero is zero.
 
 Sibling detection needs the dataflow, which only the model knows: a module that owns
-siblings implements ``_loka_merge_siblings() -> list[ModuleChange]`` (see the Wukong layer),
-and :func:`merge_siblings` calls every such hook.
+siblings implements ``_loka_merge_siblings(when=None) -> list[ModuleChange]`` (see the
+Wukong layer), which merges unless ``when(siblings)`` says no, and :func:`merge_siblings`
+calls every such hook. :func:`merge_pays` makes a ``when`` that decides by timing the
+siblings' GEMMs apart and merged (the Probe's timing: CUDA graphs on GPUs).
 """
 
 from __future__ import annotations
 
 import math
-from typing import List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -143,14 +145,99 @@ class MergedLinear(nn.Module):
         return f"in_features={self.linear.in_features}, split_sizes={self.split_sizes}"
 
 
-def merge_siblings(model: nn.Module) -> List[ModuleChange]:
-    """Call every submodule's ``_loka_merge_siblings()`` hook (idempotent); returns the
-    changes with fully qualified names."""
+def merge_siblings(model: nn.Module, when: Optional[Callable[[Sequence[nn.Linear]], bool]] = None
+                   ) -> List[ModuleChange]:
+    """Call every submodule's ``_loka_merge_siblings`` hook (idempotent); returns the
+    changes with fully qualified names.
+
+    Args:
+        model: the model, changed in place.
+        when: ``when(siblings) -> bool`` decides for each group of siblings (None: merge
+            every group); e.g. :func:`merge_pays`.
+    """
     changes = []
     for fqn, m in iter_modules(model):
         hook = getattr(m, "_loka_merge_siblings", None)
         if callable(hook):
-            for c in hook():
+            for c in hook(when):
                 name = f"{fqn}.{c.fqn}" if fqn and c.fqn else (fqn or c.fqn)
                 changes.append(ModuleChange(name, c.old, c.new))
     return changes
+
+
+def _role_gemms(k: int, outs: Sequence[int], m: int, role: str, device, dtype):
+    """(apart, merged): closures running the siblings' GEMMs of ``role`` one by one and as
+    one GEMM, on random operands of the layouts ``nn.Linear`` uses."""
+    g = torch.Generator(device=device).manual_seed(0)
+    n = sum(outs)
+    w = torch.randn(n, k, device=device, dtype=dtype, generator=g)
+    ws = list(w.split(list(outs)))
+    x = torch.randn(m, k, device=device, dtype=dtype, generator=g)
+    dy = torch.randn(m, n, device=device, dtype=dtype, generator=g)
+    dys = [t.contiguous() for t in dy.split(list(outs), dim=1)]
+    if role == "fwd":
+        return (lambda: [torch.mm(x, wi.t()) for wi in ws]), (lambda: torch.mm(x, w.t()))
+    if role == "dgrad":  # the input gradients of the siblings add up
+        return ((lambda: sum(torch.mm(d, wi) for d, wi in zip(dys, ws))),
+                (lambda: torch.mm(dy, w)))
+    if role == "wgrad":
+        return (lambda: [torch.mm(d.t(), x) for d in dys]), (lambda: torch.mm(dy.t(), x))
+    raise ValueError(f"role must be 'fwd', 'dgrad' or 'wgrad', got {role!r}")
+
+
+def merge_pays(tokens: int, *, device: "torch.device | str | None" = None,
+               dtype: torch.dtype = torch.bfloat16, min_speedup: float = 1.0,
+               roles: Sequence[str] = ("fwd", "dgrad", "wgrad"),
+               timer: Optional[Callable[[Callable[[], object]], float]] = None,
+               record: Optional[List[Dict]] = None) -> Callable[[Sequence[nn.Linear]], bool]:
+    """A ``when`` for :func:`merge_siblings` that merges only where it pays: the siblings'
+    GEMMs of ``roles`` are timed apart and merged at ``tokens`` rows, and a group is merged
+    when the merged GEMMs take at most ``1 / min_speedup`` of the time apart.
+
+    Args:
+        tokens: rows M of the siblings' input per step (e.g. batch x 256 for Wukong's n-axis
+            Linears over (B, d, n)).
+        device, dtype: where and in what precision to time (default: the siblings'
+            device, bf16).
+        min_speedup: the merged GEMMs must be this much faster.
+        roles: the GEMM roles timed (training: all three; serving: ``("fwd",)``).
+        timer: ``timer(fn) -> microseconds`` (default: :func:`loka.probe.timing.time_fn`'s
+            median: CUDA graphs on GPUs, wall clock on the CPU, where it says little).
+        record: a list that receives one dict per decision (shapes, times, verdict).
+
+    Returns:
+        ``when(siblings) -> bool``.
+    """
+    if tokens < 1 or not (min_speedup > 0 and math.isfinite(min_speedup)):
+        raise ValueError(f"merge_pays needs tokens >= 1 and a finite min_speedup > 0, "
+                         f"got {tokens}, {min_speedup}")
+    if not roles:
+        raise ValueError("merge_pays needs at least one role to time")
+    if timer is None:
+        from ..probe.timing import time_fn
+
+        def timer(fn):
+            return time_fn(fn, dev, warmup=3, iters=20, budget_ms=50.0).median_us
+
+    def when(siblings: Sequence[nn.Linear]) -> bool:
+        nonlocal dev
+        dev = torch.device(device) if device is not None else siblings[0].weight.device
+        k, outs = siblings[0].in_features, [m.out_features for m in siblings]
+        apart = merged = 0.0
+        times = {}
+        with torch.no_grad():
+            for role in roles:
+                run_apart, run_merged = _role_gemms(k, outs, tokens, role, dev, dtype)
+                t_apart, t_merged = float(timer(run_apart)), float(timer(run_merged))
+                times[role] = {"apart_us": t_apart, "merged_us": t_merged}
+                apart, merged = apart + t_apart, merged + t_merged
+        verdict = merged * min_speedup <= apart
+        if record is not None:
+            record.append({"in_features": k, "out_features": outs, "tokens": tokens,
+                           "device": str(dev), "roles": times, "apart_us": apart,
+                           "merged_us": merged, "merge": verdict})
+        return verdict
+
+    dev = None
+    return when
+

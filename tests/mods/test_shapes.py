@@ -109,3 +109,51 @@ def test_convert_pad_reports():
     m = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 3))
     report = convert(m, ModsConfig(pad_to=16))
     assert report.fqns == ["1"] and isinstance(m[1], PaddedLinear)
+
+
+def test_merge_siblings_asks_when_and_merge_pays_decides_by_timing():
+    from loka.mods import merge_pays
+
+    model = M.build("wukong", "tiny")
+    seen = []
+    assert merge_siblings(model, when=lambda sib: seen.append(len(sib)) or False) == []
+    assert seen == [2, 2] and model.layers[0].merged is None  # asked per layer, kept apart
+    # a timer fed by the test: per role, the time apart then the time merged
+    def timer_of(times):
+        it = iter(times)
+        return lambda fn: (fn(), next(it))[1]
+
+    record = []
+    slower = merge_pays(512, dtype=torch.float32, roles=("fwd", "wgrad"), record=record,
+                        timer=timer_of([10.0, 12.0, 10.0, 9.0] * 2))
+    assert merge_siblings(model, when=slower) == [] and model.layers[0].merged is None
+    assert record[0]["apart_us"] == 20.0 and record[0]["merged_us"] == 21.0
+    assert record[0]["roles"]["wgrad"] == {"apart_us": 10.0, "merged_us": 9.0}
+    assert record[0]["merge"] is False and record[0]["out_features"] == [4, 4]
+    faster = merge_pays(512, dtype=torch.float32, min_speedup=1.2,
+                        timer=timer_of([12.0, 10.0] * 3 + [12.0, 10.0] * 3))
+    changes = merge_siblings(model, when=faster)  # 36 / 30 = 1.2: merged
+    assert len(changes) == 4 and model.layers[1].merged.split_sizes == (4, 4)
+    # the real timer (wall clock on the CPU: a smoke test of the GEMMs it times)
+    record = []
+    merge_pays(256, dtype=torch.float32, record=record)(
+        [nn.Linear(16, 8), nn.Linear(16, 4), nn.Linear(16, 4)])
+    assert set(record[0]["roles"]) == {"fwd", "dgrad", "wgrad"}
+    assert all(v > 0 for r in record[0]["roles"].values() for v in r.values())
+    with pytest.raises(ValueError, match="tokens"):
+        merge_pays(0)
+    with pytest.raises(ValueError, match="role"):
+        merge_pays(8, roles=())
+
+
+def test_merged_and_apart_gemms_compute_the_same_thing():
+    from loka.mods.shapes import _role_gemms
+
+    for role in ("fwd", "dgrad", "wgrad"):
+        apart, merged = _role_gemms(32, [8, 24], 64, role, "cpu", torch.float64)
+        a, m = apart(), merged()
+        if role == "dgrad":
+            assert torch.allclose(a, m, rtol=1e-12, atol=1e-10)
+        else:
+            assert torch.allclose(torch.cat(a, dim=1 if role == "fwd" else 0), m,
+                                  rtol=1e-12, atol=1e-10)
