@@ -53,7 +53,9 @@ INFER_VARIANTS = (
 )
 """Variant names: a base (bf16, torchao-<recipe>[-auto], loka, loka-uniform-<kernel>[-big])
 and suffixes: +mods (the paper's Mods: No Bias, BlockNorm, Hard Swish), +merge (also
-LoKA's shape Mod that merges sibling Linears reading one input into one GEMM), +tuned
+LoKA's shape Mod that merges sibling Linears reading one input into one GEMM), +automerge
+(the same, only where timing the siblings' GEMMs apart and merged says it pays,
+``loka.mods.merge_pays``), +tuned
 (LoKA's plan tuned by whole-step timings, ``loka.dispatch.tune_speed``), +search (the
 best fixed choice per group of same-shape sites by exhaustive whole-step timing,
 ``loka.dispatch.search_speed``: the yardstick the plan is judged against),
@@ -184,6 +186,20 @@ def build_model(cfg: BenchConfig, mods: Optional[ModsConfig], device: torch.devi
         fuse_embeddings(model)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return model.to(device=device, dtype=dtype)
+
+
+def automerge(model, batch, device: torch.device, roles=("fwd", "dgrad", "wgrad")) -> dict:
+    """``+automerge``: merge each group of sibling Linears only where timing their GEMMs
+    apart and merged at the rows they see on ``batch`` says it pays
+    (:func:`loka.mods.merge_pays`); returns what was merged and every decision."""
+    from .mods import merge_pays, merge_siblings, observed_rows
+
+    rows = observed_rows(model, lambda: model(batch))
+    record: List[dict] = []
+    when = merge_pays(lambda sib: rows[sib[0]], device=device,
+                      dtype=next(model.parameters()).dtype, roles=roles, record=record)
+    changes = merge_siblings(model, when=when)
+    return {"merged": [c.fqn for c in changes], "decisions": record}
 
 
 def make_batch(model, cfg: BenchConfig, device: torch.device):
@@ -374,7 +390,7 @@ def _plans(name: str, model, batch, cfg: BenchConfig, device, shared: dict, row:
     ``cfg.plan`` (no report) the given plan serves both."""
     from .dispatch import plan as make_plan
 
-    tag = "merge" if "+merge" in name else ""
+    tag = "merge" if "+merge" in name else "automerge" if "+automerge" in name else ""
     named = plan_name(name)
     plans = shared.setdefault("plans", {})
     if named is not None:
@@ -472,6 +488,8 @@ def prepare_train(name: str, cfg: BenchConfig, device: torch.device, shared: dic
     model = build_model(cfg, mods, device)
     batch = _cast_batch(make_batch(model, cfg, device), next(model.parameters()).dtype)
     row = {"variant": name, "mode": "train"}
+    if "+automerge" in name:
+        row["automerge"] = automerge(model, batch, device)
     if name.startswith("torchao-"):
         recipe = name[len("torchao-"):].split("+")[0]
         auto = recipe.endswith("-auto")
@@ -745,6 +763,8 @@ def run_infer_variant(name: str, cfg: BenchConfig, device: torch.device, shared:
     model = build_model(cfg, mods, device).eval()
     batch = _cast_batch(make_batch(model, cfg, device), next(model.parameters()).dtype)
     row = {"variant": name, "mode": "infer"}
+    if "+automerge" in name:
+        row["automerge"] = automerge(model, batch, device, roles=("fwd",))
     if name.startswith("torchao-"):
         _torchao_inference(model, name[len("torchao-"):].split("+")[0])
     elif name.startswith("loka"):
@@ -1002,7 +1022,8 @@ def _variants(text: Optional[str], default, allowed) -> List[str]:
         return []
     names = [t.strip() for t in text.split(",") if t.strip()]
     bad = [n for n in names if n not in allowed and not n.startswith("loka-uniform-")
-           and n.replace("+tuned", "").replace("+search", "") not in allowed
+           and n.replace("+tuned", "").replace("+search", "").replace("+automerge", "+merge")
+           not in allowed
            and not (n.startswith("loka@") and plan_name(n))]
     if bad:
         raise ValueError(f"unknown variant(s) {bad}; choose from {list(allowed)}")

@@ -325,3 +325,33 @@ def test_source_digest_names_the_code_that_ran(tmp_path, monkeypatch):
     (pkg / "config.py").write_text((pkg / "config.py").read_text() + "\n# changed\n")
     assert bench.source_digest() != here
 
+
+def test_automerge_variant_merges_where_the_timing_says_so(tmp_path, monkeypatch):
+    from loka.mods import shapes
+
+    calls = []
+    real = shapes.merge_pays
+
+    def scripted(tokens, **kw):  # per role: apart 10 us, then merged 5 us: every group merges
+        calls.append(kw.get("roles"))
+        n = [0]
+
+        def timer(fn):
+            n[0] += 1
+            return 10.0 if n[0] % 2 else 5.0
+        return real(tokens, timer=timer, **kw)
+
+    monkeypatch.setattr("loka.mods.merge_pays", scripted)
+    cfg = _cfg(tmp_path, train_variants=["bf16+mods+automerge", "loka+mods+automerge"],
+               infer_variants=["bf16+mods+automerge"], steps=1, warmup=1)
+    result = bench.run(cfg, progress=lambda s: None)
+    for row in result["train"] + result["infer"]:
+        assert "error" not in row, row.get("traceback")
+        assert row["automerge"]["merged"] == ["layers.0.fmb.proj", "layers.0.lcb.proj",
+                                              "layers.1.fmb.proj", "layers.1.lcb.proj"]
+        d = row["automerge"]["decisions"][0]
+        # Wukong tiny: the n-axis Linears see B x d = 256 x 16 rows
+        assert d["merge"] and d["tokens"] == 256 * 16 and d["merged_us"] == d["apart_us"] / 2
+    assert calls == [("fwd", "dgrad", "wgrad")] * 2 + [("fwd",)]
+    assert "layers.0.merged.linear" in Plan.from_dict(result["loka_automerge_plan"]).sites
+

@@ -9,10 +9,11 @@ from .blocknorm import BlockNorm, swap_norms
 from .convert import ModsReport, convert
 from .hardswish import HardSwish, swap_activations
 from .no_bias import final_linears, remove_biases
-from .shapes import MergedLinear, PaddedLinear, merge_pays, merge_siblings, pad_linears
+from .shapes import (MergedLinear, PaddedLinear, merge_pays, merge_siblings, observed_rows,
+                     pad_linears)
 
 __all__ = [
     "BlockNorm", "HardSwish", "MergedLinear", "ModsReport", "ModuleChange", "PaddedLinear",
-    "convert", "final_linears", "merge_pays", "merge_siblings", "pad_linears", "remove_biases",
+    "convert", "final_linears", "merge_pays", "merge_siblings", "observed_rows", "pad_linears", "remove_biases",
     "swap_activations", "swap_norms",
 ]

@@ -185,7 +185,28 @@ def _role_gemms(k: int, outs: Sequence[int], m: int, role: str, device, dtype):
     raise ValueError(f"role must be 'fwd', 'dgrad' or 'wgrad', got {role!r}")
 
 
-def merge_pays(tokens: int, *, device: "torch.device | str | None" = None,
+def observed_rows(model: nn.Module, run: Callable[[], object]) -> Dict[nn.Module, int]:
+    """Rows M each ``nn.Linear`` of ``model`` sees in one call of ``run()`` (e.g. a
+    forward on a real batch): ``{linear: rows}``, for :func:`merge_pays`'s ``tokens``."""
+    rows: Dict[nn.Module, int] = {}
+
+    def hook(mod, args):
+        if args and isinstance(args[0], torch.Tensor):
+            rows[mod] = max(rows.get(mod, 0), args[0].numel() // max(mod.in_features, 1))
+
+    handles = [m.register_forward_pre_hook(hook) for m in model.modules()
+               if isinstance(m, nn.Linear)]
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    return rows
+
+
+def merge_pays(tokens: "int | Callable[[Sequence[nn.Linear]], int]", *,
+               device: "torch.device | str | None" = None,
                dtype: torch.dtype = torch.bfloat16, min_speedup: float = 1.0,
                roles: Sequence[str] = ("fwd", "dgrad", "wgrad"),
                timer: Optional[Callable[[Callable[[], object]], float]] = None,
@@ -196,7 +217,8 @@ def merge_pays(tokens: int, *, device: "torch.device | str | None" = None,
 
     Args:
         tokens: rows M of the siblings' input per step (e.g. batch x 256 for Wukong's n-axis
-            Linears over (B, d, n)).
+            Linears over (B, d, n)), or ``tokens(siblings) -> M`` (with
+            :func:`observed_rows`: ``lambda sib: rows[sib[0]]``).
         device, dtype: where and in what precision to time (default: the siblings'
             device, bf16).
         min_speedup: the merged GEMMs must be this much faster.
@@ -208,7 +230,7 @@ def merge_pays(tokens: int, *, device: "torch.device | str | None" = None,
     Returns:
         ``when(siblings) -> bool``.
     """
-    if tokens < 1 or not (min_speedup > 0 and math.isfinite(min_speedup)):
+    if (not callable(tokens) and tokens < 1) or not (min_speedup > 0 and math.isfinite(min_speedup)):
         raise ValueError(f"merge_pays needs tokens >= 1 and a finite min_speedup > 0, "
                          f"got {tokens}, {min_speedup}")
     if not roles:
@@ -223,17 +245,20 @@ def merge_pays(tokens: int, *, device: "torch.device | str | None" = None,
         nonlocal dev
         dev = torch.device(device) if device is not None else siblings[0].weight.device
         k, outs = siblings[0].in_features, [m.out_features for m in siblings]
+        m_rows = int(tokens(siblings)) if callable(tokens) else int(tokens)
+        if m_rows < 1:
+            raise ValueError(f"merge_pays: {m_rows} rows for siblings of width {k}")
         apart = merged = 0.0
         times = {}
         with torch.no_grad():
             for role in roles:
-                run_apart, run_merged = _role_gemms(k, outs, tokens, role, dev, dtype)
+                run_apart, run_merged = _role_gemms(k, outs, m_rows, role, dev, dtype)
                 t_apart, t_merged = float(timer(run_apart)), float(timer(run_merged))
                 times[role] = {"apart_us": t_apart, "merged_us": t_merged}
                 apart, merged = apart + t_apart, merged + t_merged
         verdict = merged * min_speedup <= apart
         if record is not None:
-            record.append({"in_features": k, "out_features": outs, "tokens": tokens,
+            record.append({"in_features": k, "out_features": outs, "tokens": m_rows,
                            "device": str(dev), "roles": times, "apart_us": apart,
                            "merged_us": merged, "merge": verdict})
         return verdict
