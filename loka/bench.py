@@ -596,13 +596,9 @@ def _whole_step_plan(plans: dict, name: str, model, batch, cfg: BenchConfig, dev
         start = plans["infer" if inference else "train"]
         t0 = time.perf_counter()
         if how == "search":
-            def runs(c) -> bool:
-                names = {c} if isinstance(c, str) else {c.fwd, c.dgrad, c.wgrad}
-                try:
-                    return all(registry.get(k).device_ok(device) for k in names)
-                except KeyError:  # an optional library that is not installed
-                    return False
-            cands = [c for c in SEARCH_CANDIDATES[inference] if runs(c)]
+            runnable = {k.name for k in registry.available(device)}
+            cands = [c for c in SEARCH_CANDIDATES[inference]
+                     if ({c} if isinstance(c, str) else {c.fwd, c.dgrad, c.wgrad}) <= runnable]
             if not cands:
                 raise ValueError(f"+search: none of its candidate kernels runs on {device}")
             plans[key], log = search_speed(start, model, time_step, cands,
