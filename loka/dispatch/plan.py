@@ -868,18 +868,12 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
         raise ValueError(f"min_gain must be a finite positive number, got {min_gain!r}")
     if max_trials < 2:
         raise ValueError(f"max_trials must be >= 2 (the baseline and the plan), got {max_trials}")
-    root = getattr(model, "_orig_mod", model)
     log: List[dict] = []
-
-    without = _on_baseline
     timer = _StepTimer(model, time_step, inference, log)
 
-    def trial(p: Plan, removed: Optional[List[str]]) -> float:
-        return timer(p, removed=removed)
-
-    with _restoring(root):
-        base_time = trial(without(plan, plan.fp8_sites(), "baseline"), None)
-        best, best_time = plan.copy(), trial(plan, None)
+    with _restoring(timer.root):
+        base_time = timer(_on_baseline(plan, plan.fp8_sites(), "baseline"), removed=None)
+        best, best_time = plan.copy(), timer(plan, removed=None)
         twin = None
         used = {c.kernel for sp in plan.sites.values() for c in sp.roles.values()}
         sub = {k: v for k, v in (twins or {}).items() if k in used}
@@ -889,8 +883,7 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
         elif sub:
             twin = _with_twins(plan, sub)
         if twin is not None and len(log) < max_trials:
-            t = trial(twin, None)
-            log[-1]["twins"] = True
+            t = timer(twin, removed=None, twins=True)
             if t < best_time:
                 best, best_time = twin, t
         while len(log) < max_trials:
@@ -906,9 +899,9 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
                         break
                     why = ("end-to-end speed: the step is faster without it" if role is None
                            else f"end-to-end speed: the step is faster with {role} on the baseline")
-                    cand = without(best, group, why, ROLES if role is None else (role,))
-                    candidates.append((trial(cand, group), cand))
-                    log[-1]["role"] = None if role is None else role.value
+                    cand = _on_baseline(best, group, why, ROLES if role is None else (role,))
+                    t = timer(cand, removed=group, role=None if role is None else role.value)
+                    candidates.append((t, cand))
             if not candidates:
                 break
             t, cand = min(candidates, key=lambda c: c[0])
@@ -916,7 +909,7 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
                 break
             best, best_time = cand, t
         if base_time / best_time < min_gain:
-            best = without(best, best.fp8_sites(),
+            best = _on_baseline(best, best.fp8_sites(),
                            f"end-to-end speed: no FP8 plan beat the baseline by {min_gain:g}x")
             best_time = base_time
         best.budget["speed_tuned"] = {"baseline_time": base_time, "time": best_time,
@@ -979,11 +972,10 @@ def search_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], 
         configs.append(c)
     if not configs:
         raise ValueError("search_speed needs at least one candidate")
-    root = getattr(model, "_orig_mod", model)
     log: List[dict] = []
     timer = _StepTimer(model, time_step, inference, log)
     base = _on_baseline(plan, plan.sites, "baseline")
-    with _restoring(root):
+    with _restoring(timer.root):
         base_time = timer(base, group=None, candidate=None)
         chosen: Dict[int, Plan] = {}
         for gi, group in enumerate(_shape_groups(plan)):
