@@ -235,15 +235,11 @@ def merge_pays(tokens: "int | Callable[[Sequence[nn.Linear]], int]", *,
                          f"got {tokens}, {min_speedup}")
     if not roles:
         raise ValueError("merge_pays needs at least one role to time")
-    if timer is None:
-        from ..probe.timing import time_fn
-
-        def timer(fn):
-            return time_fn(fn, dev, warmup=3, iters=20, budget_ms=50.0).median_us
+    from ..probe.timing import time_fn
 
     def when(siblings: Sequence[nn.Linear]) -> bool:
-        nonlocal dev
         dev = torch.device(device) if device is not None else siblings[0].weight.device
+        time = timer or (lambda fn: time_fn(fn, dev, warmup=3, iters=20, budget_ms=50.0).median_us)
         k, outs = siblings[0].in_features, [m.out_features for m in siblings]
         m_rows = int(tokens(siblings)) if callable(tokens) else int(tokens)
         if m_rows < 1:
@@ -253,7 +249,7 @@ def merge_pays(tokens: "int | Callable[[Sequence[nn.Linear]], int]", *,
         with torch.no_grad():
             for role in roles:
                 run_apart, run_merged = _role_gemms(k, outs, m_rows, role, dev, dtype)
-                t_apart, t_merged = float(timer(run_apart)), float(timer(run_merged))
+                t_apart, t_merged = float(time(run_apart)), float(time(run_merged))
                 times[role] = {"apart_us": t_apart, "merged_us": t_merged}
                 apart, merged = apart + t_apart, merged + t_merged
         verdict = merged * min_speedup <= apart
@@ -263,6 +259,5 @@ def merge_pays(tokens: "int | Callable[[Sequence[nn.Linear]], int]", *,
                            "merged_us": merged, "merge": verdict})
         return verdict
 
-    dev = None
     return when
 
