@@ -514,6 +514,91 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
     return Plan(sites=sites, device=str(target), budget=budget_dict, source=source, notes=notes)
 
 
+def audit(plan: Plan, report: "ProbeReport | str | os.PathLike") -> dict:
+    """Check a plan against the report it claims to follow, independently of :func:`plan`.
+
+    For every site and role the report measured: the chosen kernel's error bound must be
+    within the plan's budget, and no other kernel that the report shows within the budget
+    may be faster by the plan's ``min_speedup`` rule (a role left on the baseline is at
+    speed 1.0; a candidate must reach ``min_speedup`` to count). Speeds are the report's
+    (``speedup_weight_q`` for an inference plan). Only timings taken on a GPU count; a
+    plan made with ``assume_fast`` is checked for the budget only. A kernel the report
+    timed ran where the report was measured, so the check needs no GPU: it runs anywhere.
+
+    Returns:
+        ``{"site_roles": n checked, "violations": [{"site", "role", "chosen",
+        "chosen_speedup", "best", "best_speedup", "why"}], "ok": bool}``.
+    """
+    if not isinstance(report, ProbeReport):
+        report = ProbeReport.load(report)
+    cfg = plan.budget
+    min_speedup = float(cfg.get("min_speedup", DispatchConfig().min_speedup))
+    metric = str(cfg.get("metric", DispatchConfig().metric))
+    inference = bool(cfg.get("inference", False))
+    speeds_count = not cfg.get("assume_fast", False)
+    allowed = None if cfg.get("allowed_kernels") is None else set(cfg["allowed_kernels"])
+    checked, violations = 0, []
+    for name, sp in plan.sites.items():
+        site = report.sites.get(name)
+        if site is None:
+            continue
+        for role, choice in sp.roles.items():
+            rr = site.roles.get(role)
+            if rr is None or (inference and role is not Role.FWD):
+                continue
+            checked += 1
+            budget = choice.budget if choice.budget is not None else math.inf
+
+            def within(kname: str) -> bool:
+                kr = rr.kernels.get(kname)
+                stat = None if kr is None or kr.error else kr.metric(metric)
+                return stat is not None and stat.hi is not None and stat.hi <= budget
+
+            def speed(kname: str) -> float:
+                if kname == plan.baseline:
+                    return 1.0
+                kr = rr.kernels[kname]
+                if kr.timing in _UNTRUSTED_TIMINGS:
+                    return math.nan
+                s = kr.speedup_weight_q if inference and kr.speedup_weight_q is not None \
+                    else kr.speedup
+                return math.nan if s is None else float(s)
+
+            chosen = choice.kernel
+            row = {"site": name, "role": role.value, "chosen": chosen}
+            if chosen != plan.baseline and not within(chosen):
+                violations.append({**row, "why": "chosen kernel's error bound is outside the "
+                                   f"budget {budget} (or was not measured)"})
+                continue
+            if not speeds_count:
+                continue
+            def runs(kname: str) -> bool:
+                # it ran where the report was measured (it has a timing there); what is
+                # left is whether it serves the role and fits the padded shape, and
+                # whether the plan was allowed to use it
+                try:
+                    kern = registry.get(kname)
+                except KeyError:
+                    return False
+                if allowed is not None and kname not in allowed or role not in kern.roles:
+                    return False
+                m_pad = -(-max(site.tokens, 1) // kern.align) * kern.align
+                _, k, n = role_shape(role, m_pad, site.in_features, site.out_features)
+                return kern.pads or (k % kern.align == 0 and n % kern.align == 0)
+
+            cands = [(speed(k), k) for k in rr.kernels
+                     if k != plan.baseline and within(k) and speed(k) >= min_speedup and runs(k)]
+            if not cands:
+                continue
+            best_speed, best = max(cands)
+            mine = speed(chosen) if chosen in rr.kernels or chosen == plan.baseline else math.nan
+            if not mine >= best_speed:  # NaN (an untimed choice) counts as slower
+                violations.append({**row, "chosen_speedup": _num(mine), "best": best,
+                                   "best_speedup": best_speed,
+                                   "why": "a faster kernel within the budget was measured"})
+    return {"site_roles": checked, "violations": violations, "ok": not violations}
+
+
 # -- editing a plan ---------------------------------------------------------------------
 def override(plan: Plan, *, replace: Optional[Mapping[str, str]] = None,
              assign: Optional[Mapping[str, str]] = None,
@@ -942,9 +1027,11 @@ def search_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], 
     Sites are grouped by GEMM shape (the four identical layers of a model form one group).
     For each group and each candidate configuration, the step is timed with that group on
     the candidate and every other site on the baseline; each group keeps its fastest
-    candidate if it beats the all-baseline step. The chosen groups are then timed together.
-    Groups are searched one at a time, not in every combination: interactions between
-    groups (fusion across them) are seen only in the final trial.
+    candidate if it beats the all-baseline step. The chosen groups are then timed together,
+    and the result is the faster of that and the best single group. Groups are searched one
+    at a time, not in every combination: interactions between groups (fusion across them)
+    are seen only in the final trial. A candidate whose trial raises is logged
+    (``failed``) and not chosen.
 
     Args:
         plan: supplies the sites, their budgets and the baseline (its choices are ignored).
@@ -955,11 +1042,12 @@ def search_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], 
             that the report did not measure there, is skipped for that group.
         min_gain: the result must beat the all-baseline step by this factor, else every
             site goes back to the baseline.
-        max_trials: at most this many ``time_step`` calls.
+        max_trials: at most this many ``time_step`` calls (the last one is kept for the
+            chosen groups together).
 
     Returns:
-        (plan, log): the log has one dict per trial (``group``, ``candidate``, ``time``) and
-        ``skipped`` entries for candidates that do not fit a group.
+        (plan, log): the log has one dict per trial (``group``, ``candidate``, ``time``),
+        ``skipped`` entries for candidates that do not fit a group and ``failed`` entries.
     """
     if not (min_gain > 0 and math.isfinite(min_gain)):
         raise ValueError(f"min_gain must be a finite positive number, got {min_gain!r}")
@@ -975,13 +1063,15 @@ def search_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], 
     log: List[dict] = []
     timer = _StepTimer(model, time_step, inference, log)
     base = _on_baseline(plan, plan.sites, "baseline")
+    def timed() -> int:
+        return sum("time" in e for e in log)
+
     with _restoring(timer.root):
         base_time = timer(base, group=None, candidate=None)
-        chosen: Dict[int, Plan] = {}
+        chosen: Dict[int, Tuple[float, Plan]] = {}
         for gi, group in enumerate(_shape_groups(plan)):
-            best_t = base_time
             for cfg in configs:
-                if len(log) >= max_trials:
+                if timed() >= max_trials - 1:  # one trial is kept for the chosen groups together
                     break
                 assign = {f"{_exact_glob(s)}:{r.value}": cfg.kernel(r) for s in group for r in ROLES}
                 try:
@@ -996,17 +1086,27 @@ def search_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], 
                 except _Inapplicable as e:
                     log.append({"group": group, "candidate": cfg.to_dict(), "skipped": str(e)})
                     continue
-                if t < best_t:
-                    best_t, chosen[gi] = t, cand
-        best = base.copy()
-        for cand in chosen.values():
-            for s in cand.fp8_sites():
-                best.sites[s] = cand.sites[s]
-        best_time = base_time
-        if best.fp8_sites():
-            best_time = timer(best, group="all chosen", candidate=None)
+                except Exception as e:  # noqa: BLE001 - a candidate that breaks is not chosen
+                    log.append({"group": group, "candidate": cfg.to_dict(),
+                                "failed": f"{type(e).__name__}: {e}"[:300]})
+                    continue
+                if t < chosen.get(gi, (base_time, None))[0]:
+                    chosen[gi] = (t, cand)
+        best, best_time = base, base_time
+        if chosen:  # the best single group, then all chosen groups together if that is faster
+            best_time, single = min(chosen.values(), key=lambda tc: tc[0])
+            best = single
+            if len(chosen) > 1:
+                together = base.copy()
+                for _, cand in chosen.values():
+                    for s in cand.fp8_sites():
+                        together.sites[s] = cand.sites[s]
+                t = timer(together, group="all chosen", candidate=None)
+                if t < best_time:
+                    best, best_time = together, t
         if best_time >= base_time or base_time / best_time < min_gain:
             best, best_time = base, base_time
+        best = best.copy()
         best.budget["speed_searched"] = {"baseline_time": base_time, "time": best_time,
                                          "trials": sum("time" in e for e in log),
                                          "candidates": [c.to_dict() for c in configs]}

@@ -663,12 +663,43 @@ def test_search_speed_finds_the_best_fixed_choice_per_group():
     assert len(skipped) == 3  # t-fast-coarse at each of the three shape groups
     assert not any(isinstance(m, loka.Linear) for m in model.modules())  # model as found
     # a budget of trials cuts the search; nothing that pays: all on the baseline
+    # (the last trial is kept for the chosen groups together: baseline + 1 group here)
     found, log = loka.dispatch.search_speed(plan, model, lambda m: 10.0, ["t-mid"], max_trials=3)
-    assert found.fp8_sites() == [] and sum("time" in e for e in log) == 3
+    assert found.fp8_sites() == [] and sum("time" in e for e in log) == 2
     with pytest.raises(ValueError, match="at least one candidate"):
         loka.dispatch.search_speed(plan, model, time_step, [])
     with pytest.raises(TypeError, match="LinearConfigs or kernel names"):
         loka.dispatch.search_speed(plan, model, time_step, [3])
+
+
+def test_search_speed_keeps_the_best_single_group_when_together_is_slower_and_survives_failures():
+    model = Tower()
+    shapes = {"fm0": (32, 64), "fm1": (32, 64), "top": (64, 32), "head": (32, 16)}
+    rep = make_report({n: (k, o, 8, {r: {"t-mid": (0.1, 1.5), "t-faster": (0.1, 2.0)}
+                                     for r in ("fwd", "dgrad", "wgrad")})
+                       for n, (k, o) in shapes.items()})
+    plan = loka.plan(rep, max_error=0.2)
+
+    def time_step(m):
+        on = {n: mod.config.fwd for n, mod in m.named_modules()
+              if isinstance(mod, loka.Linear) and mod.config.fwd != "bf16"}
+        if on.get("top") == "t-faster":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        if set(on) == {"fm0", "fm1"}:
+            return 9.0  # the fm group alone pays most
+        if set(on) == {"top"}:
+            return 9.5
+        return 10.0 if not on else 11.0  # together (fusion lost) is slower than either
+
+    found, log = loka.dispatch.search_speed(plan, model, time_step, ["t-mid", "t-faster"],
+                                            report=rep, inference=True)
+    assert sorted(found.fp8_sites()) == ["fm0", "fm1"]
+    assert found.budget["speed_searched"]["time"] == 9.0
+    failed = [e for e in log if "failed" in e]
+    assert len(failed) == 1 and failed[0]["group"] == ["top"] and "illegal memory" in failed[0]["failed"]
+    together = [e for e in log if e.get("group") == "all chosen"]
+    assert len(together) == 1 and together[0]["time"] == 11.0
+    assert not any(isinstance(m, loka.Linear) for m in model.modules())
 
 
 def test_whole_step_helpers_are_exported_where_the_docs_name_them():
@@ -707,3 +738,45 @@ def test_tune_speed_per_role_keeps_a_paying_forward_of_a_losing_group():
     assert tuned.budget["speed_tuned"]["time"] == pytest.approx(10.0 - 0.8)
     assert {"fwd", "dgrad", "wgrad"} <= {e["role"] for e in log if e.get("removed")}
     assert "with dgrad on the baseline" in tuned.sites["fm0"].roles[Role.DGRAD].reason
+
+
+# -- audit: the plan checked against its report, independently of plan() ------------------
+def test_audit_accepts_the_plans_own_choices_for_every_budget():
+    report = make_report({"enc": (64, 128, 256, {r: THREE for r in ("fwd", "dgrad", "wgrad")}),
+                          "dec": (128, 64, 256, {"fwd": {"t-mid": (0.1, 1.02)}})})
+    for budget in (0.01, 0.05, 0.2, 0.3):
+        p = plan(report, max_error=budget, min_speedup=1.05)
+        res = loka.dispatch.audit(p, report)
+        assert res == {"site_roles": 4, "violations": [], "ok": True}
+
+
+def test_audit_flags_a_slower_choice_and_an_over_budget_choice():
+    report = make_report({"enc": (64, 128, 256, {"fwd": THREE, "dgrad": THREE})})
+    p = plan(report, max_error=0.2, min_speedup=1.05)
+    assert p.sites["enc"].roles[Role.FWD].kernel == "t-mid"
+    slow = loka.dispatch.override(p, assign={"enc:fwd": "t-slow-exact"})
+    res = loka.dispatch.audit(slow, report)
+    assert not res["ok"] and len(res["violations"]) == 1
+    v = res["violations"][0]
+    assert (v["site"], v["role"], v["chosen"], v["best"]) == ("enc", "fwd", "t-slow-exact", "t-mid")
+    assert v["chosen_speedup"] == pytest.approx(1.10) and v["best_speedup"] == pytest.approx(1.40)
+    # the baseline where a kernel within the budget pays is a violation too
+    base = loka.dispatch.override(p, assign={"enc:dgrad": "bf16"})
+    assert [x["role"] for x in loka.dispatch.audit(base, report)["violations"]] == ["dgrad"]
+    # a kernel outside the budget (a hand edit of the JSON) is caught by its error bound
+    d = p.to_dict()
+    d["sites"]["enc"]["roles"]["fwd"]["kernel"] = "t-fast-coarse"
+    res = loka.dispatch.audit(Plan.from_dict(d), report)
+    assert [x["why"][:28] for x in res["violations"]] == ["chosen kernel's error bound "]
+
+
+def test_audit_of_an_inference_plan_uses_weight_quantized_speeds():
+    report = make_report({"enc": (64, 128, 256, {"fwd": {"t-mid": (0.1, 1.02),
+                                                        "t-faster": (0.1, 1.01)}})})
+    kr = report.sites["enc"].roles[Role.FWD].kernels
+    kr["t-mid"].speedup_weight_q, kr["t-faster"].speedup_weight_q = 1.3, 1.6
+    p = plan(report, max_error=0.2, inference=True)
+    assert p.sites["enc"].roles[Role.FWD].kernel == "t-faster"
+    assert loka.dispatch.audit(p, report)["ok"]
+    worse = loka.dispatch.override(p, assign={"enc:fwd": "t-mid"})
+    assert loka.dispatch.audit(worse, report)["violations"][0]["best_speedup"] == pytest.approx(1.6)
