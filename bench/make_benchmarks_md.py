@@ -48,6 +48,22 @@ def bench_table(path: str) -> str:
             out.append(f"| {row['variant']} | {p['gpu_us_per_step'] / 1e3:.2f} | "
                        + " | ".join(f"{by.get(c, 0.0) / 1e3:.2f}" for c in classes) + " |")
         out.append("")
+    checks = r.get("checks", {})
+    if checks.get("oracle") or checks.get("search_gap"):
+        out += ["**the Dispatch checked against itself**", ""]
+        for key, res in checks.get("oracle", {}).items():
+            v = res["violations"]
+            out.append(f"- plan `{key}` audited against its Probe report: {res['site_roles']} "
+                       f"site-roles, " + ("no kernel within the budget faster than the one "
+                                          "chosen" if not v else f"{len(v)} violation(s): "
+                                          + "; ".join(f"{x['site']} {x['role']}: {x['why']}"
+                                                      for x in v[:5])))
+        for g in checks.get("search_gap", []):
+            out.append(f"- {g['mode']}: `{g['tuned']}` {g['tuned_ms']:.3f} ms against the "
+                       f"exhaustive search `{g['search']}` {g['search_ms']:.3f} ms: "
+                       f"{g['tuned_speed_vs_search']:.3f} of its speed "
+                       f"({'within' if g['within_3pct'] else 'not within'} 3%)")
+        out.append("")
     for note in r.get("notes", []):
         out.append(f"- {note}")
     return "\n".join(out)

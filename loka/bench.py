@@ -851,12 +851,42 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
             torch._dynamo.reset()
             _write(result, out)
     _save_plans(shared, result, out)
+    result["checks"] = checks(shared, result)
     _write(result, out)
     if cfg.plot:
         with contextlib.suppress(Exception):
             plot(result, out.removesuffix(".json") + ".png")
     result["out"] = out
     return result
+
+
+def checks(shared: dict, result: dict) -> dict:
+    """What the run says about the Dispatch itself: ``oracle``, each Probe-made plan
+    audited against its report (:func:`loka.dispatch.audit`: no kernel within the budget
+    faster than the one chosen, at any site and role); ``search_gap``, each ``+tuned`` row
+    against its ``+search`` twin (the best fixed choice per shape group by exhaustive
+    whole-step timing): the tuned step's speed as a fraction of the searched one's (the
+    issue's bar is 0.97, within 3%)."""
+    from .dispatch import audit
+
+    out: dict = {"oracle": {}, "search_gap": []}
+    for tag, p in shared.get("plans", {}).items():
+        if tag.startswith("@") or p.get("report") is None:
+            continue
+        for mode in ("train", "infer"):
+            res = audit(p[mode], p["report"])
+            out["oracle"][f"{tag or 'plain'}/{mode}"] = res
+    for mode in ("train", "infer"):
+        by = {r["variant"]: r for r in result[mode] if "median_ms" in r}
+        for name, row in by.items():
+            twin = by.get(name.replace("+search", "+tuned")) if "+search" in name else None
+            if twin is None:
+                continue
+            frac = row["median_ms"] / twin["median_ms"]
+            out["search_gap"].append({"mode": mode, "tuned": twin["variant"], "search": name,
+                                      "tuned_ms": twin["median_ms"], "search_ms": row["median_ms"],
+                                      "tuned_speed_vs_search": frac, "within_3pct": frac >= 0.97})
+    return out
 
 
 def run_sweep(cfg: BenchConfig, batch_sizes: List[int],

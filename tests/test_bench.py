@@ -87,6 +87,30 @@ def test_cpu_run_measures_every_row_and_writes_plan_and_report(first_run):
     # the Probe measured the benchmark's shortlist only (what of it runs on this machine)
     measured = {k for s in report.sites.values() for rr in s.roles.values() for k in rr.kernels}
     assert measured and measured <= set(bench.PROBE_KERNELS)
+    # each Probe-made plan audited against its report: every site-role it measured
+    oracle = on_disk["checks"]["oracle"]
+    assert set(oracle) == {"plain/train", "plain/infer", "merge/train", "merge/infer"}
+    assert oracle["plain/train"]["site_roles"] == sum(len(s.roles) for s in report.sites.values())
+    assert oracle["plain/infer"]["site_roles"] == sum("fwd" in [r.value for r in s.roles]
+                                                      for s in report.sites.values())
+    assert oracle["plain/train"]["site_roles"] == 3 * len(plan.sites)
+    assert all(o["ok"] for o in oracle.values())
+    assert on_disk["checks"]["search_gap"] == []  # no +search rows in this run
+
+
+def test_checks_compare_each_tuned_row_with_its_search_twin():
+    result = {"train": [{"variant": "loka+mods+tuned+graphs", "median_ms": 10.0},
+                        {"variant": "loka+mods+search+graphs", "median_ms": 9.6},
+                        {"variant": "loka+mods+search", "median_ms": 9.0},  # no tuned twin
+                        {"variant": "loka+search", "error": "failed"}],
+              "infer": [{"variant": "loka+tuned", "median_ms": 3.0},
+                        {"variant": "loka+search", "median_ms": 3.3}]}
+    gaps = bench.checks({}, result)["search_gap"]
+    assert [(g["mode"], g["search"]) for g in gaps] == [("train", "loka+mods+search+graphs"),
+                                                        ("infer", "loka+search")]
+    assert gaps[0]["tuned_speed_vs_search"] == pytest.approx(0.96)
+    assert gaps[0]["within_3pct"] is False
+    assert gaps[1]["tuned_speed_vs_search"] == pytest.approx(1.1) and gaps[1]["within_3pct"]
 
 
 def test_plan_file_replaces_the_probe(first_run, tmp_path):
@@ -210,7 +234,11 @@ def test_benchmarks_md_renders_rows_ratios_and_profile(tmp_path):
                                                                       "optimizer": 1000.0}}},
             {"variant": "loka+mods", "error": "RuntimeError: no GPU"},
         ],
-        "infer": [], "notes": ["torchao is not installed: torchao rows skipped"]}
+        "infer": [], "notes": ["torchao is not installed: torchao rows skipped"],
+        "checks": {"oracle": {"merge/train": {"site_roles": 45, "violations": [], "ok": True}},
+                   "search_gap": [{"mode": "train", "tuned": "loka+tuned", "search": "loka+search",
+                                   "tuned_ms": 10.0, "search_ms": 9.5,
+                                   "tuned_speed_vs_search": 0.95, "within_3pct": False}]}}
     path = tmp_path / "r.json"
     path.write_text(json.dumps(result))
     text = md.bench_table(str(path))
@@ -218,6 +246,10 @@ def test_benchmarks_md_renders_rows_ratios_and_profile(tmp_path):
     assert "| loka+mods | failed: RuntimeError: no GPU |" in text
     assert "| bf16+mods | 9.50 | 6.00 | 0.00 | 0.00 | 2.50 | 0.00 | 1.00 | 0.00 |" in text
     assert "- torchao is not installed: torchao rows skipped" in text
+    assert ("- plan `merge/train` audited against its Probe report: 45 site-roles, no kernel "
+            "within the budget faster than the one chosen") in text
+    assert ("- train: `loka+tuned` 10.000 ms against the exhaustive search `loka+search` 9.500 ms: "
+            "0.950 of its speed (not within 3%)") in text
 
 
 def test_quality_summary_pairs_arms_by_seed():
