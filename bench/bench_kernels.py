@@ -4,10 +4,21 @@ Shapes: a representative grid (M 1024..65536, K and N 64..8192) and every GEMM o
 Wukong paper configuration (batch 4096, n=64 embeddings of d=256, k=32, nF=nL=32, FM MLP
 2048 -> 2048 -> 8192, top MLP 16384 -> 2048 -> 1024 -> 1; the FM projection and the LCB
 are Linears over the n axis of (B*d, n) = (1048576, 64) -> 32) in each role (fwd, dgrad,
-wgrad, with the operand layouts loka.Linear passes). Times include the quantization of
-both operands (CUDA graphs, median; ``loka.probe.timing``); forward GEMMs are also timed
-with the weight quantized once ("weight-q"), the inference and fused-producer case.
-Errors: relative Frobenius and MERE against a float32 (TF32 off) product.
+wgrad, with the operand layouts loka.Linear passes; the merged FM projection + LCB of the
+benchmark's ``+merge`` rows too). Times include the quantization of both operands (CUDA
+graphs, median; ``loka.probe.timing``); forward GEMMs are also timed with the weight
+quantized once ("weight-q"), the inference and fused-producer case, and with both operands
+pre-quantized ("gemm only"). Kernels whose quantization is PyTorch ops (cuBLAS through
+``torch._scaled_mm``, torchao) are timed under ``torch.compile`` specialized to the shape,
+as the Probe times them and as they run inside a compiled model, where Inductor fuses the
+quantization (``--eager`` times them eagerly instead); LoKA's Triton kernels and FBGEMM's
+quantize in their own kernels and are called as they are. Errors: relative Frobenius and
+MERE against a float32 (TF32 off) product.
+
+The Wukong cases time every registered kernel; the grid times one kernel per library and
+scaling (``GRID_KERNELS``) to keep the sweep inside one GPU call (``--grid-kernels all``
+for every kernel). The JSON is rewritten after every case, so a sweep cut short by a time
+limit keeps what it measured.
 
     PYTHONPATH=. python bench/bench_kernels.py [--quick] [--out bench/results/kernels_h200.json]
 
@@ -30,19 +41,27 @@ import loka  # noqa: E402
 from loka.config import role_shape  # noqa: E402
 from loka.kernels import capabilities as caps  # noqa: E402
 from loka.numerics import mere, relative_frobenius  # noqa: E402
+from loka.probe.report import atomic_write_text  # noqa: E402
+from loka.probe.probe import COMPILE_ENTRIES, _compile_for_timing  # noqa: E402
 from loka.probe.timing import time_fn  # noqa: E402
 
 WUKONG = {  # site: (M tokens, in_features K, out_features N) of the forward GEMM
     "fm_projection / lcb": (1048576, 64, 32),
+    "merged fm_projection+lcb": (1048576, 64, 64),
     "fm_mlp.0": (4096, 2048, 2048),
     "fm_mlp.1": (4096, 2048, 8192),
     "top_mlp.0": (4096, 16384, 2048),
     "top_mlp.1": (4096, 2048, 1024),
     "top_mlp.2": (4096, 1024, 1),
 }
-GRID_M = (1024, 4096, 16384, 65536)
-GRID_KN = ((64, 64), (128, 128), (256, 256), (512, 512), (1024, 1024), (2048, 2048),
-           (4096, 4096), (8192, 8192), (512, 2048), (2048, 512), (64, 1024), (1024, 64))
+GRID_M = (1024, 8192, 65536)
+GRID_KN = ((64, 64), (256, 256), (1024, 1024), (4096, 4096), (8192, 8192), (512, 2048),
+           (2048, 512), (64, 1024), (1024, 64))
+GRID_KERNELS = ("cublas-tensorwise-fastacc", "cublas-rowwise-fastacc",
+                "triton-rowwise-cublas-fastacc", "triton-tensorwise-cublas-fastacc",
+                "triton-rowwise-fastacc", "triton-blockwise", "torchao-tensorwise-fastacc",
+                "torchao-rowwise-fastacc", "fbgemm-rowwise", "fbgemm-tensorwise")
+"""one kernel per library and scaling (fast accumulation where there is a choice)"""
 TARGET = (4096, 4096, 4096)
 
 
@@ -54,7 +73,7 @@ def grid_shapes(quick: bool):
                 continue
             out.append((m, k, n))
     if quick:
-        out = [s for s in out if s[0] in (4096, 65536) and s[1] == s[2] and s[1] in (128, 512, 2048)]
+        out = [s for s in out if s[0] in (8192, 65536) and s[1] == s[2] and s[1] in (256, 1024)]
     return out
 
 
@@ -74,9 +93,34 @@ def fp8_kernels(device):
     return [k for k in loka.kernels.available(device, fp8_only=True) if not k.is_emulated]
 
 
-def measure(case, kernels, device, budget_ms, errors=True):
+class Caller:
+    """``caller(kern)(a, b)``: the kernel as the Probe times it: under ``torch.compile``
+    (one compiled function per kernel, specialized to each shape) when its quantization is
+    PyTorch ops that Inductor fuses, else called as it is."""
+
+    def __init__(self, device, compiled: bool) -> None:
+        self.device, self.compiled, self.fns = device, compiled, {}
+
+    def is_compiled(self, kern) -> bool:
+        return self.compiled and _compile_for_timing(kern, self.device, "auto")
+
+    def __call__(self, kern):
+        if not self.is_compiled(kern):
+            return lambda a, b: kern(a, b, torch.bfloat16)
+        if kern.name not in self.fns:
+            fn = torch.compile(lambda a, b: kern(a, b, torch.bfloat16), dynamic=False)
+
+            def call(a, b, fn=fn):
+                with torch._dynamo.config.patch(recompile_limit=COMPILE_ENTRIES):
+                    return fn(a, b)
+            self.fns[kern.name] = call
+        return self.fns[kern.name]
+
+
+def measure(case, kernels, device, budget_ms, errors=True, caller=None):
     """Time bf16 and every kernel that supports the case; errors vs a float32 product."""
     role, (m, k, n) = case["role"], case["shape"]
+    caller = caller or Caller(device, compiled=False)
     a, b = operands(role, m, k, n, device)
     bf16 = time_fn(lambda: torch.mm(a, b), device, budget_ms=budget_ms).median_us
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -86,14 +130,17 @@ def measure(case, kernels, device, budget_ms, errors=True):
         ok = kern.supports(device, m, k, n, role=role)
         if not ok:
             continue
-        rec = {"library": kern.library}
+        rec = {"library": kern.library, "compiled": caller.is_compiled(kern)}
+        call = caller(kern)
         try:
-            rec["us"] = time_fn(lambda: kern(a, b, torch.bfloat16), device, budget_ms=budget_ms).median_us
+            with torch.no_grad():
+                rec["us"] = time_fn(lambda: call(a, b), device, budget_ms=budget_ms).median_us
             rec["speedup"] = bf16 / rec["us"]
             if role == "fwd" and kern.quantize_b is not None:
                 qb = kern.quantize_b(b)
-                rec["weight_q_us"] = time_fn(lambda: kern(a, qb, torch.bfloat16), device,
-                                             budget_ms=budget_ms).median_us
+                with torch.no_grad():
+                    rec["weight_q_us"] = time_fn(lambda: call(a, qb), device,
+                                                 budget_ms=budget_ms).median_us
                 rec["weight_q_speedup"] = bf16 / rec["weight_q_us"]
                 qa = kern.quantize_a(a)
                 rec["gemm_only_us"] = time_fn(lambda: kern(qa, qb, torch.bfloat16), device,
@@ -194,6 +241,10 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=210.0, help="stop adding cases after this")
     p.add_argument("--case-budget-ms", type=float, default=10.0, help="timing budget per kernel")
     p.add_argument("--kernels", default="", help="comma-separated kernel names (default: all)")
+    p.add_argument("--grid-kernels", default=",".join(GRID_KERNELS),
+                   help="kernels timed on the grid shapes: comma-separated names or 'all'")
+    p.add_argument("--eager", action="store_true",
+                   help="time every kernel eagerly (no torch.compile for PyTorch-op quantization)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels needs a CUDA GPU")
@@ -204,32 +255,48 @@ def main(argv=None) -> int:
     kernels = fp8_kernels(device)
     if args.kernels:
         wanted = set(args.kernels.split(","))
+        unknown = wanted - {k.name for k in loka.kernels.registry.all_kernels()}
+        if unknown:
+            p.error(f"unknown kernels: {sorted(unknown)}")
         kernels = [k for k in kernels if k.name in wanted]
+    grid_kernels = kernels if args.grid_kernels == "all" else \
+        [k for k in kernels if k.name in set(args.grid_kernels.split(","))]
+    caller = Caller(device, compiled=not args.eager)
     cases = [{"label": "target", "role": "fwd", "shape": list(TARGET)}]  # most important first
     for site, (m, k, n) in WUKONG.items():
         for role in ("fwd", "dgrad", "wgrad"):
             cases.append({"label": f"wukong {site}", "role": role, "shape": list(role_shape(role, m, k, n))})
     cases += [{"label": "grid", "role": "fwd", "shape": list(s)} for s in grid_shapes(args.quick)]
     t0, done = time.perf_counter(), []
+
+    def write():
+        rows, lib_wins = summarize(done)
+        result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                  "capabilities": caps.summary(device), "kernels": [k.name for k in kernels],
+                  "grid_kernels": [k.name for k in grid_kernels],
+                  "timing": "eager" if args.eager else
+                  "torch.compile(dynamic=False) for cublas and torchao, eager for the others",
+                  "seconds": round(time.perf_counter() - t0, 1), "cases": done, "winners": rows,
+                  "library_wins": lib_wins, "targets": targets(done),
+                  "unmeasured": [c for c in cases if c not in done]}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out, json.dumps(result, indent=1, default=str))
+        return result
+
     for case in cases:
         if time.perf_counter() - t0 > args.budget_s:
             print(f"time budget reached: {len(cases) - len(done)} cases not measured")
             break
-        measure(case, kernels, device, args.case_budget_ms)
+        measure(case, grid_kernels if case["label"] == "grid" else kernels, device,
+                args.case_budget_ms, caller=caller)
         done.append(case)
+        write()
         name, rec = best(case, lambda n, r: True)
         print(f'{case["label"]:26s} {case["role"]:5s} {"x".join(map(str, case["shape"])):>18s} '
-              f'bf16 {case["bf16_us"]:9.1f} us  best {name} {rec["speedup"] if rec else float("nan"):.2f}x',
-              flush=True)
-    rows, lib_wins = summarize(done)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "capabilities": caps.summary(device), "kernels": [k.name for k in kernels],
-              "seconds": round(time.perf_counter() - t0, 1), "cases": done, "winners": rows,
-              "library_wins": lib_wins, "targets": targets(done),
-              "unmeasured": [c for c in cases if c not in done]}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=str))
-    print("\nwins by library (fastest kernel per case, bf16 when none beats it):", lib_wins)
+              f'bf16 {case["bf16_us"]:9.1f} us  best {name} {rec["speedup"] if rec else float("nan"):.2f}x '
+              f'({time.perf_counter() - t0:.0f} s)', flush=True)
+    result = write()
+    print("\nwins by library (fastest kernel per case, bf16 when none beats it):", result["library_wins"])
     print(json.dumps(result["targets"], indent=1, default=str))
     try:
         plot(done, out.with_suffix(".png"))
