@@ -603,7 +603,7 @@ def audit(plan: Plan, report: "ProbeReport | str | os.PathLike") -> dict:
 def override(plan: Plan, *, replace: Optional[Mapping[str, str]] = None,
              assign: Optional[Mapping[str, str]] = None,
              report: "ProbeReport | str | os.PathLike | None" = None,
-             check_budget: bool = True) -> Plan:
+             check_budget: bool = True, same_numerics: bool = False) -> Plan:
     """A copy of ``plan`` with some kernels changed by hand (an experiment, or a choice the
     Probe cannot see, such as a kernel whose quantization fuses into its producer inside a
     compiled model).
@@ -617,6 +617,9 @@ def override(plan: Plan, *, replace: Optional[Mapping[str, str]] = None,
             and speedup for that site and role.
         check_budget: with a report, refuse a kernel whose error bound at a site exceeds
             the role's budget, or that the report did not measure there.
+        same_numerics: without a report, the new kernels compute what the old ones did (a
+            fusible twin, :data:`FUSIBLE_TWINS`): each changed role keeps its error bound
+            (its isolated speedup no longer applies).
 
     Returns:
         The edited plan; each changed role's ``reason`` says what it was before.
@@ -663,9 +666,12 @@ def override(plan: Plan, *, replace: Optional[Mapping[str, str]] = None,
                 raise ValueError(f"{site} {role}: {kernel!r} " + (
                     "was not measured there by the report" if error is None else
                     f"has error bound {error:.4g} above the budget {budget:g}"))
+        elif same_numerics and old is not None:
+            error, error_mean = old.error, old.error_mean
         was = "nothing" if old is None else old.kernel
-        out.sites[site].roles[role] = RoleChoice(kernel, error, error_mean, speedup, budget,
-                                                 f"override (was {was})")
+        why = (f"{old.reason}; twin of {was} (same numerics)" if same_numerics and old is not None
+               else f"override (was {was})")
+        out.sites[site].roles[role] = RoleChoice(kernel, error, error_mean, speedup, budget, why)
     if edits:
         out.notes.append(f"overridden by hand: {len(edits)} site-role(s)")
     return out
@@ -850,22 +856,6 @@ activation, a norm), which the Probe's standalone timing cannot see.
 :func:`tune_speed` tries them."""
 
 
-def _with_twins(plan: Plan, twins: Mapping[str, str]) -> Optional[Plan]:
-    """``plan`` with every kernel that has a twin replaced by it (errors carry over: the
-    numerics are the same); None when nothing changes."""
-    out, changed = plan.copy(), False
-    for sp in out.sites.values():
-        for role, choice in list(sp.roles.items()):
-            twin = twins.get(choice.kernel)
-            if twin is None or not registry.get(twin).roles >= {role}:
-                continue
-            sp.roles[role] = dataclasses.replace(
-                choice, kernel=twin, speedup=None,
-                reason=f"{choice.reason}; twin of {choice.kernel} (quantization fused by the compiler)")
-            changed = True
-    return out if changed else None
-
-
 def _on_baseline(p: Plan, sites: Iterable[str], why: str, roles: Iterable[Role] = ROLES) -> Plan:
     """A copy of ``p`` with ``roles`` (default all) of ``sites`` on the baseline, for
     reason ``why``."""
@@ -962,11 +952,9 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
         twin = None
         used = {c.kernel for sp in plan.sites.values() for c in sp.roles.values()}
         sub = {k: v for k, v in (twins or {}).items() if k in used}
-        if sub and report is not None:
+        if sub:
             with contextlib.suppress(ValueError):  # a twin outside the budget: none
-                twin = override(plan, replace=sub, report=report)
-        elif sub:
-            twin = _with_twins(plan, sub)
+                twin = override(plan, replace=sub, report=report, same_numerics=report is None)
         if twin is not None and len(log) < max_trials:
             t = timer(twin, removed=None, twins=True)
             if t < best_time:
