@@ -350,6 +350,13 @@ def _torchao_inference(model, recipe: str):
     return model
 
 
+def _beside(plan_path: str, kind: str, tag: str = "") -> str:
+    """The file of ``kind`` ('plan', 'report') for structure ``tag`` beside a plan file:
+    ``run.plan.json`` -> ``run.report.json``, ``run.merge.plan.json``."""
+    stem = plan_path.removesuffix(".plan.json").removesuffix(".json")
+    return f"{stem}{'.' + tag if tag else ''}.{kind}.json"
+
+
 def _loka_plan(model, batch, cfg: BenchConfig, device, log: dict):
     """Probe the Mods model on a few real steps, plan under the budget."""
     from . import dispatch, probe as probe_mod
@@ -357,7 +364,7 @@ def _loka_plan(model, batch, cfg: BenchConfig, device, log: dict):
     if cfg.plan:
         plan = dispatch.Plan.load(cfg.plan)
         log["plan_source"] = cfg.plan
-        beside = cfg.plan.removesuffix(".plan.json") + ".report.json"
+        beside = _beside(cfg.plan, "report")
         report = None
         if cfg.plan.endswith(".plan.json") and os.path.exists(beside):
             report = probe_mod.ProbeReport.load(beside)  # what +tuned checks twins against
@@ -398,7 +405,7 @@ def _plans(name: str, model, batch, cfg: BenchConfig, device, shared: dict, row:
     if tag not in plans:
         run = cfg
         if cfg.plan and tag:  # a merged model has other sites: its plan file, else probe
-            own = cfg.plan.removesuffix(".plan.json") + f".{tag}.plan.json"
+            own = _beside(cfg.plan, "plan", tag)
             run = dataclasses.replace(cfg, plan=own if os.path.exists(own) else None)
         report, train = _loka_plan(model, batch, run, device, row)
         infer = train if report is None else make_plan(
@@ -426,7 +433,7 @@ def _named_plan(named: str, tag: str, cfg: BenchConfig, plans: dict) -> dict:
     if key not in plans:
         path = cfg.plans[named]
         if tag:
-            path = path.removesuffix(".plan.json").removesuffix(".json") + f".{tag}.plan.json"
+            path = _beside(path, "plan", tag)
             if not os.path.exists(path):
                 raise FileNotFoundError(f"a +{tag} variant of plan {named!r} needs {path}")
         plan = Plan.load(path)
@@ -436,18 +443,16 @@ def _named_plan(named: str, tag: str, cfg: BenchConfig, plans: dict) -> dict:
 
 def _save_plans(shared: dict, result: dict, out: str) -> None:
     """Write each structure's plans and report beside the result JSON (and into it)."""
-    stem = out.removesuffix(".json")
     for tag, p in shared.get("plans", {}).items():
         if tag.startswith("@"):
             continue  # given as files, or kept in the rows that used them
-        dot = f".{tag}" if tag else ""
         key = f"loka{'_' + tag if tag else ''}"
         result[f"{key}_plan"] = p["train"].to_dict()
         result[f"{key}_infer_plan"] = p["infer"].to_dict()
-        p["train"].save(f"{stem}{dot}.plan.json")
-        p["infer"].save(f"{stem}{dot}.infer-plan.json")
+        p["train"].save(_beside(out, "plan", tag))
+        p["infer"].save(_beside(out, "infer-plan", tag))
         if p["report"] is not None and p.get("probed"):  # a loaded report is a file already
-            p["report"].save(f"{stem}{dot}.report.json")
+            p["report"].save(_beside(out, "report", tag))
 
 
 def _uniform_spec(name: str):
