@@ -98,10 +98,51 @@ def sweep_table(path: str, ref: str = "bf16+mods") -> str:
     return "\n".join(out)
 
 
+def kernels_table(path: str) -> str:
+    """A kernel sweep (``bench/bench_kernels.py``): per case the fastest kernel and the
+    best of each library (speedup against bf16, quantization included), the targets."""
+    r = json.load(open(path))
+    out = [f"### FP8 GEMM kernels on {r['device']} (torch {r['torch']}; "
+           f"{len(r['cases'])} cases measured in {r['seconds']:.0f} s, "
+           f"{len(r.get('unmeasured', []))} not reached); source: `{path}`", "",
+           f"timing: {r.get('timing', 'eager')}", "",
+           "| case | role | shape (M, K, N) | bf16 us | fastest | speedup | best per library |",
+           "|---|---|---|---|---|---|---|"]
+    by_case = {(c["label"], c["role"], tuple(c["shape"])): c for c in r["cases"]}
+    for w in r["winners"]:
+        c = by_case[(w["label"], w["role"], tuple(w["shape"]))]
+        libs = ", ".join(f"{lib} {v['speedup']:.2f} (`{v['kernel']}`)"
+                         for lib, v in sorted(w["by_library"].items()))
+        sp = w["winner_speedup"]
+        out.append(f"| {w['label']} | {w['role']} | {', '.join(map(str, w['shape']))} | "
+                   f"{c['bf16_us']:.1f} | {w['winner']} | "
+                   f"{'-' if sp is None else f'{sp:.2f}'} | {libs} |")
+    out += ["", f"wins by library (bf16 where no FP8 kernel beats it): {r['library_wins']}", ""]
+    t = r.get("targets", {})
+    rows = t.get("wukong_fused_rowwise_vs_torchao_best", [])
+    if rows:
+        ahead = sum(x["loka_vs_torchao"] >= 1.0 for x in rows)
+        out.append(f"- LoKA's Triton rowwise path against torchao's best kernel at the Wukong "
+                   f"cases: at least as fast in {ahead} of {len(rows)} ("
+                   + ", ".join(f"{x['case']} {x['loka_vs_torchao']:.2f}x" for x in rows) + ")")
+    big = t.get("4096^3")
+    if big:
+        w, b = big["weight_quantized_once"], big["both_quantized"]
+        out.append(f"- 4096^3: bf16 {big['bf16_us']:.1f} us; weight quantized once `{w['kernel']}` "
+                   f"{w['us']:.1f} us = {w['speedup']:.2f}x (target {w['target']}: "
+                   f"{'met' if w['met'] else 'not met'}); both operands quantized per call "
+                   f"`{b['kernel']}` {b['us']:.1f} us = {b['speedup']:.2f}x")
+    return "\n".join(out)
+
+
 def render(path: str) -> str:
     with open(path) as f:
-        schema = json.load(f).get("schema")
-    return sweep_table(path) if schema == "loka.bench-sweep" else bench_table(path)
+        d = json.load(f)
+    if d.get("schema") == "loka.bench-sweep":
+        return sweep_table(path)
+    if "winners" in d and "cases" in d:
+        return kernels_table(path)
+    return bench_table(path)
 
 
 if __name__ == "__main__":

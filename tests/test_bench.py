@@ -387,3 +387,30 @@ def test_automerge_variant_merges_where_the_timing_says_so(tmp_path, monkeypatch
     assert calls == [("fwd", "dgrad", "wgrad")] * 2 + [("fwd",)]
     assert "layers.0.merged.linear" in Plan.from_dict(result["loka_automerge_plan"]).sites
 
+
+
+def test_benchmarks_md_renders_a_kernel_sweep(tmp_path):
+    md = _load("make_benchmarks_md")
+    case = {"label": "wukong fm_mlp.1", "role": "fwd", "shape": [4096, 2048, 8192], "bf16_us": 177.6,
+            "kernels": {}}
+    sweep = {"device": "NVIDIA H200", "torch": "2.11.0", "seconds": 12.0, "timing": "compiled",
+             "cases": [case], "unmeasured": [{"label": "grid"}],
+             "winners": [{"label": "wukong fm_mlp.1", "role": "fwd", "shape": [4096, 2048, 8192],
+                          "winner": "triton-rowwise-cublas-fastacc", "winner_speedup": 1.41,
+                          "by_library": {"torchao": {"kernel": "torchao-rowwise-fastacc", "speedup": 1.24},
+                                         "triton": {"kernel": "triton-rowwise-cublas-fastacc",
+                                                    "speedup": 1.41}}}],
+             "library_wins": {"triton": 1},
+             "targets": {"wukong_fused_rowwise_vs_torchao_best": [
+                 {"case": "wukong fm_mlp.1 fwd", "loka_vs_torchao": 1.14}],
+                 "4096^3": {"bf16_us": 174.6, "weight_quantized_once": {
+                     "kernel": "k", "us": 115.2, "speedup": 1.516, "target": 1.5, "met": True},
+                     "both_quantized": {"kernel": "k", "us": 128.5, "speedup": 1.358}}}}
+    path = tmp_path / "kernels.json"
+    path.write_text(json.dumps(sweep))
+    text = md.render(str(path))
+    assert "1 cases measured in 12 s, 1 not reached" in text
+    assert ("| wukong fm_mlp.1 | fwd | 4096, 2048, 8192 | 177.6 | triton-rowwise-cublas-fastacc | 1.41 | "
+            "torchao 1.24 (`torchao-rowwise-fastacc`), triton 1.41 (`triton-rowwise-cublas-fastacc`) |") in text
+    assert "at least as fast in 1 of 1 (wukong fm_mlp.1 fwd 1.14x)" in text
+    assert "`k` 115.2 us = 1.52x (target 1.5: met)" in text and "`k` 128.5 us = 1.36x" in text
