@@ -321,20 +321,29 @@ def _count_fp8(model) -> int:
 
 
 # -- variant preparation --------------------------------------------------------------
-def _torchao_convert(model, recipe: str, auto: bool):
+def _torchao_convert(model, recipe: str, auto: bool) -> Optional[str]:
+    """Convert to torchao's float8 training recipe; returns a note when the auto filter
+    had to stand in (torchao 0.17 has none for ``rowwise_with_gw_hp``: its rowwise filter,
+    which judges the same forward GEMMs, is used)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
 
     config = Float8LinearConfig.from_recipe_name(recipe)
     last = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)][-1:]
+    note = None
     if auto:
-        filt = _auto_filter_for_recipe(recipe, filter_fqns=last)
+        try:
+            filt = _auto_filter_for_recipe(recipe, filter_fqns=last)
+        except NotImplementedError:
+            filt = _auto_filter_for_recipe("rowwise", filter_fqns=last)
+            note = (f"torchao has no auto filter for {recipe}: its rowwise filter chose "
+                    "the Linears")
     else:
         def filt(mod, fqn):  # every Linear torchao can take (dims % 16), except the logit
             return (isinstance(mod, torch.nn.Linear) and fqn not in last
                     and mod.in_features % 16 == 0 and mod.out_features % 16 == 0)
     convert_to_float8_training(model, config=config, module_filter_fn=filt)
-    return model
+    return note
 
 
 def _torchao_inference(model, recipe: str):
@@ -498,7 +507,9 @@ def prepare_train(name: str, cfg: BenchConfig, device: torch.device, shared: dic
     if name.startswith("torchao-"):
         recipe = name[len("torchao-"):].split("+")[0]
         auto = recipe.endswith("-auto")
-        _torchao_convert(model, recipe.removesuffix("-auto"), auto)
+        note = _torchao_convert(model, recipe.removesuffix("-auto"), auto)
+        if note:
+            row["note"] = note
     elif name.startswith("loka-uniform-"):
         kernel, big = _uniform_spec(name)
         uniform_fp8(model, kernel, big_only=big)

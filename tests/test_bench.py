@@ -414,3 +414,37 @@ def test_benchmarks_md_renders_a_kernel_sweep(tmp_path):
             "torchao 1.24 (`torchao-rowwise-fastacc`), triton 1.41 (`triton-rowwise-cublas-fastacc`) |") in text
     assert "at least as fast in 1 of 1 (wukong fm_mlp.1 fwd 1.14x)" in text
     assert "`k` 115.2 us = 1.52x (target 1.5: met)" in text and "`k` 128.5 us = 1.36x" in text
+
+
+def test_torchao_gw_hp_auto_uses_the_rowwise_filter_and_says_so(monkeypatch):
+    import sys
+    import types
+
+    calls = {}
+
+    def auto_filter(recipe, filter_fqns):
+        if recipe == "rowwise_with_gw_hp":
+            raise NotImplementedError("Unsupported recipe")  # as torchao 0.17
+        calls["filter"] = (recipe, list(filter_fqns))
+        return lambda mod, fqn: False
+
+    class Config:
+        @staticmethod
+        def from_recipe_name(name):
+            calls["recipe"] = name
+            return name
+
+    def convert(model, config, module_filter_fn):
+        calls["converted"] = config
+
+    float8 = types.SimpleNamespace(Float8LinearConfig=Config, convert_to_float8_training=convert)
+    utils = types.SimpleNamespace(_auto_filter_for_recipe=auto_filter)
+    monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
+    monkeypatch.setitem(sys.modules, "torchao.float8", float8)
+    monkeypatch.setitem(sys.modules, "torchao.float8.float8_linear_utils", utils)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 1))
+    note = bench._torchao_convert(model, "rowwise_with_gw_hp", auto=True)
+    assert calls == {"recipe": "rowwise_with_gw_hp", "filter": ("rowwise", ["1"]),
+                     "converted": "rowwise_with_gw_hp"}
+    assert note == "torchao has no auto filter for rowwise_with_gw_hp: its rowwise filter chose the Linears"
+    assert bench._torchao_convert(model, "rowwise", auto=True) is None
