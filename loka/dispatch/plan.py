@@ -965,8 +965,9 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
                 fp8_roles = [r for r in ROLES
                              if any(best.sites[s].kernel(r, best.baseline) != best.baseline
                                     for s in group)]
-                # per role: a group's forward may pay while its gradient GEMMs do not
-                moves = fp8_roles if per_role and len(fp8_roles) > 1 else [None]
+                # per role: a group's forward may pay while its gradient GEMMs do not;
+                # serving runs the forward only, so there a group moves whole
+                moves = fp8_roles if per_role and not inference and len(fp8_roles) > 1 else [None]
                 for role in moves:
                     if len(log) >= max_trials:
                         break

@@ -738,6 +738,13 @@ def test_tune_speed_per_role_keeps_a_paying_forward_of_a_losing_group():
     assert tuned.budget["speed_tuned"]["time"] == pytest.approx(10.0 - 0.8)
     assert {"fwd", "dgrad", "wgrad"} <= {e["role"] for e in log if e.get("removed")}
     assert "with dgrad on the baseline" in tuned.sites["fm0"].roles[Role.DGRAD].reason
+    # serving runs forwards only: a group whose forward loses leaves whole, so the plan
+    # never keeps a site for its (unused) gradient roles
+    served, slog = loka.dispatch.tune_speed(plan, model, time_step, per_role=True, max_trials=64,
+                                            inference=True)
+    assert sorted(served.fp8_sites()) == ["fm0", "fm1", "top"]
+    assert all(e.get("role") is None for e in slog if e.get("removed"))
+    assert served.config("head") == LinearConfig()
 
 
 # -- audit: the plan checked against its report, independently of plan() ------------------
