@@ -790,7 +790,8 @@ def run_infer_variant(name: str, cfg: BenchConfig, device: torch.device, shared:
             plan = _whole_step_plan(plans, name, model, batch, cfg, device, row, inference=True,
                                     progress=shared.get("progress"))
             model.eval()
-        row["plan_fwd_fp8_sites"] = len(plan.fp8_sites())
+        row["plan_fwd_fp8_sites"] = sum(sp.kernel("fwd", plan.baseline) != plan.baseline
+                                        for sp in plan.sites.values())
         apply(model, plan, inference=True)
     row["fp8_sites"] = _count_fp8(model)
     if device.type == "cuda":

@@ -932,7 +932,9 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
             the same numerics and carry the plan's errors over.
         per_role: a group with several FP8 roles moves one role at a time to the baseline
             (each a trial of its own), so a paying forward is not lost with a losing
-            gradient GEMM; off, the whole group moves at once.
+            gradient GEMM; off, the whole group moves at once. With ``inference`` the
+            plan's gradient roles go to the baseline first (serving runs forwards only)
+            and groups move whole.
 
     Returns:
         (tuned plan, log): one dict per trial with ``sites`` (FP8 sites of the trial),
@@ -945,6 +947,12 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
         raise ValueError(f"max_trials must be >= 2 (the baseline and the plan), got {max_trials}")
     log: List[dict] = []
     timer = _StepTimer(model, time_step, inference, log)
+    if inference:  # serving runs forwards only: gradient roles on FP8 are not timed, not kept
+        grads = [s for s, sp in plan.sites.items()
+                 if any(sp.kernel(r, plan.baseline) != plan.baseline for r in (Role.DGRAD, Role.WGRAD))]
+        if grads:
+            plan = _on_baseline(plan, grads, "inference plan: forward only",
+                                roles=(Role.DGRAD, Role.WGRAD))
 
     with _restoring(timer.root):
         base_time = timer(_on_baseline(plan, plan.fp8_sites(), "baseline"), removed=None)

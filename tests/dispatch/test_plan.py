@@ -745,6 +745,7 @@ def test_tune_speed_per_role_keeps_a_paying_forward_of_a_losing_group():
     assert sorted(served.fp8_sites()) == ["fm0", "fm1", "top"]
     assert all(e.get("role") is None for e in slog if e.get("removed"))
     assert served.config("head") == LinearConfig()
+    assert all(served.config(s) == LinearConfig(fwd="t-mid") for s in served.fp8_sites())
 
 
 # -- audit: the plan checked against its report, independently of plan() ------------------
