@@ -448,3 +448,24 @@ def test_torchao_gw_hp_auto_uses_the_rowwise_filter_and_says_so(monkeypatch):
                      "converted": "rowwise_with_gw_hp"}
     assert note == "torchao has no auto filter for rowwise_with_gw_hp: its rowwise filter chose the Linears"
     assert bench._torchao_convert(model, "rowwise", auto=True) is None
+
+
+def test_quality_schedule_and_optimizer_groups():
+    from types import SimpleNamespace as NS
+
+    q = _load("quality_at_scale")
+    args = NS(warmup=10, schedule="cosine", steps=110, min_lr_ratio=0.1)
+    f = [q.lr_factor(i, args) for i in range(110)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)  # linear warm-up
+    assert f[10] == pytest.approx(1.0) and f[60] == pytest.approx(0.55)  # half-way down
+    assert f[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 99 / 100)))
+    assert all(a >= b for a, b in zip(f[10:], f[11:]))  # monotone after the warm-up
+    assert q.lr_factor(50, NS(warmup=0, schedule="constant", steps=100, min_lr_ratio=0.1)) == 1.0
+    cfg = bench.BenchConfig(model="wukong", preset="tiny", device="cpu", table_rows=100)
+    model = bench.build_model(cfg, bench.variant_mods("loka+mods"), torch.device("cpu"))
+    opt = q.make_optimizer(model, NS(lr=1e-3, emb_lr=1e-2, weight_decay=0.01), torch.device("cpu"))
+    dense, emb = opt.param_groups
+    assert (dense["lr"], emb["lr"]) == (1e-3, 1e-2) and emb["base_lr"] == 1e-2
+    n_emb = sum(p.numel() for m in model.modules() if q._is_embedding(m) for p in m.parameters())
+    assert n_emb > 0 and sum(p.numel() for p in emb["params"]) == n_emb
+    assert len(dense["params"]) + len(emb["params"]) == len(list(model.parameters()))
