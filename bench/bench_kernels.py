@@ -243,6 +243,8 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", default="", help="comma-separated kernel names (default: all)")
     p.add_argument("--grid-kernels", default=",".join(GRID_KERNELS),
                    help="kernels timed on the grid shapes: comma-separated names or 'all'")
+    p.add_argument("--cases", choices=("all", "wukong", "grid"), default="all",
+                   help="which cases: 4096^3 and the Wukong GEMMs, the grid, or all (default)")
     p.add_argument("--eager", action="store_true",
                    help="time every kernel eagerly (no torch.compile for PyTorch-op quantization)")
     args = p.parse_args(argv)
@@ -262,11 +264,15 @@ def main(argv=None) -> int:
     grid_kernels = kernels if args.grid_kernels == "all" else \
         [k for k in kernels if k.name in set(args.grid_kernels.split(","))]
     caller = Caller(device, compiled=not args.eager)
-    cases = [{"label": "target", "role": "fwd", "shape": list(TARGET)}]  # most important first
-    for site, (m, k, n) in WUKONG.items():
-        for role in ("fwd", "dgrad", "wgrad"):
-            cases.append({"label": f"wukong {site}", "role": role, "shape": list(role_shape(role, m, k, n))})
-    cases += [{"label": "grid", "role": "fwd", "shape": list(s)} for s in grid_shapes(args.quick)]
+    cases = []
+    if args.cases in ("all", "wukong"):
+        cases.append({"label": "target", "role": "fwd", "shape": list(TARGET)})  # most important first
+        for site, (m, k, n) in WUKONG.items():
+            for role in ("fwd", "dgrad", "wgrad"):
+                cases.append({"label": f"wukong {site}", "role": role,
+                              "shape": list(role_shape(role, m, k, n))})
+    if args.cases in ("all", "grid"):
+        cases += [{"label": "grid", "role": "fwd", "shape": list(s)} for s in grid_shapes(args.quick)]
     t0, done = time.perf_counter(), []
 
     def write():

@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+import loka
 from loka import bench
 from loka.dispatch.plan import Plan
 from loka.probe.report import ProbeReport
@@ -469,3 +470,23 @@ def test_quality_schedule_and_optimizer_groups():
     n_emb = sum(p.numel() for m in model.modules() if q._is_embedding(m) for p in m.parameters())
     assert n_emb > 0 and sum(p.numel() for p in emb["params"]) == n_emb
     assert len(dense["params"]) + len(emb["params"]) == len(list(model.parameters()))
+
+
+def test_kernel_sweep_measures_supported_kernels_and_summarizes_on_cpu():
+    bk = _load("bench_kernels")
+    cpu = torch.device("cpu")
+    kernels = [loka.kernels.get("emulated-rowwise-e4m3"), loka.kernels.get("emulated-tensorwise-e4m3")]
+    caller = bk.Caller(cpu, compiled=True)
+    assert not any(caller.is_compiled(k) for k in kernels)  # only cuBLAS/torchao, on CUDA
+    case = bk.measure({"label": "wukong x", "role": "wgrad", "shape": [48, 64, 32]}, kernels, cpu,
+                      budget_ms=1.0, caller=caller)
+    assert case["bf16_us"] > 0 and set(case["kernels"]) == {k.name for k in kernels}
+    for rec in case["kernels"].values():
+        assert rec["us"] > 0 and rec["speedup"] == pytest.approx(case["bf16_us"] / rec["us"])
+        assert 0 < rec["mere"] < 0.2 and "weight_q_us" not in rec  # no weight-q off the forward
+    fwd = bk.measure({"label": "target", "role": "fwd", "shape": [32, 64, 48]}, kernels[:1], cpu,
+                     budget_ms=1.0)
+    assert fwd["kernels"]["emulated-rowwise-e4m3"]["weight_q_us"] > 0
+    rows, wins = bk.summarize([case, fwd])
+    assert [r["label"] for r in rows] == ["wukong x", "target"] and sum(wins.values()) == 2
+    assert len(bk.grid_shapes(False)) == 26 and all(m * k * n <= 2 ** 40 for m, k, n in bk.grid_shapes(False))
