@@ -21,7 +21,6 @@ GPU = not INTERPRETED and caps.triton_available("cuda") and (caps.cuda_capabilit
 DEVICE = "cuda" if GPU else "cpu"
 HAS_TRITON = caps.module_available("triton")
 
-
 def unfused(x, norm, block, act, fmt, granularity, weight=None, bias=None):
     """The composition the fused op replaces, module by module."""
     d = x.shape[-1]
@@ -232,3 +231,110 @@ def test_triton_kernel_backward_and_compile():
     y_c, data_c, scale_c = torch.compile(f, fullgraph=True, backend="aot_eager")(x.detach())
     assert torch.equal(y_c, y.detach()) and torch.equal(scale_c, q.scale)
     assert torch.equal(data_c.float(), q.data.float())
+
+
+def assert_q_same(q, ref):
+    """assert_q_equal with NaN == NaN (non-finite inputs)."""
+    assert (q.fmt, q.granularity, q.block) == (ref.fmt, ref.granularity, ref.block)
+    torch.testing.assert_close(q.scale.cpu(), ref.scale.cpu(), rtol=0, atol=0, equal_nan=True)
+    data, data_ref = q.data.float().cpu(), ref.data.float().cpu()
+    if INTERPRETED:  # the interpreter's float-to-FP8 cast turns NaN into a number
+        keep = ~torch.isnan(data_ref)
+        data, data_ref = data[keep], data_ref[keep]
+    torch.testing.assert_close(data, data_ref, rtol=0, atol=0, equal_nan=True)
+
+
+def check_against_composition(x, norm, block, act, fmt, granularity, w=None, b=None):
+    y, q = fused_norm_act_quant(x, norm, block, act, fmt, granularity, weight=w, bias=b,
+                                backend="triton")
+    y_ref, _ = unfused(x, norm, block, act, fmt, granularity, w, b)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert_q_same(q, quantize(y, fmt, granularity, "a"))
+    if GPU or x.dtype == torch.float32:  # rsqrt, the order of the reductions: an ulp
+        tol = 2 ** -7 if x.dtype != torch.float32 else 1e-5
+        torch.testing.assert_close(y.float(), y_ref.float(), rtol=tol, atol=tol,
+                                   equal_nan=True)
+    else:
+        torch.testing.assert_close(y, y_ref, rtol=0, atol=0, equal_nan=True)
+    none, q2 = fused_norm_act_quant(x, norm, block, act, fmt, granularity, False, weight=w,
+                                    bias=b, backend="triton")
+    assert none is None
+    assert_q_same(q2, q)
+    return y, q
+
+
+@pytest.mark.parametrize("norm,block,m,d", [
+    ("blocknorm", 256, 1, 64),      # a block longer than the row: RMS norm of the row
+    ("blocknorm", 256, 3, 1000),    # a shorter last block (232 features)
+    ("blocknorm", 100, 5, 1000),    # blocks of a width that is no power of two
+    ("blocknorm", 256, 9, 2048),
+    ("blocknorm", 256, 2, 16384),   # the longest row held whole
+    ("blocknorm", 256, 2, 16640),   # longer: chunks, two passes
+    ("blocknorm", 64, 70, 192),     # many rows of a short tile
+    ("none", 256, 1, 2048),
+    ("none", 256, 67, 1024),
+    ("none", 256, 2, 20000),        # chunks
+    ("layernorm", 256, 5, 2048),
+])
+@pytest.mark.parametrize("act", ["hardswish", "identity"])
+@pytest.mark.parametrize("fmt,granularity", [("e4m3", "rowwise"), ("e5m2", "tensorwise")])
+def test_triton_kernel_tiles_and_chunks(norm, block, m, d, act, fmt, granularity):
+    kernel_runs_here()
+    g = torch.Generator().manual_seed(m * d + block)
+    x = (torch.randn(m, d, generator=g) * 3 + 0.5).bfloat16().to(DEVICE)
+    check_against_composition(x, norm, block, act, fmt, granularity)
+
+
+@pytest.mark.parametrize("d", [96, 3000, 20000])
+@pytest.mark.parametrize("granularity", ["rowwise", "tensorwise"])
+def test_triton_kernel_layernorm_affine(d, granularity):
+    kernel_runs_here()
+    g = torch.Generator().manual_seed(d)
+    x = (torch.randn(3, d, generator=g) * 2 - 0.25).bfloat16().to(DEVICE)
+    w = (torch.rand(d, generator=g) + 0.5).bfloat16().to(DEVICE)
+    b = torch.randn(d, generator=g).bfloat16().to(DEVICE)
+    y, q = fused_norm_act_quant(x, "layernorm", 256, "hardswish", "e4m3", granularity,
+                                weight=w, bias=b, backend="triton")
+    assert_q_same(q, quantize(y, "e4m3", granularity, "a"))
+    y_ref, _ = unfused(x, "layernorm", 256, "hardswish", "e4m3", granularity, w, b)
+    # the mean and variance are summed in another order than torch's: an ulp apart at most
+    torch.testing.assert_close(y.float(), y_ref.float(), rtol=2 ** -7, atol=2 ** -7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("norm", ["blocknorm", "none"])
+def test_triton_kernel_other_input_dtypes(dtype, norm):
+    kernel_runs_here()
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(13, 768, generator=g) * 4).to(dtype).to(DEVICE)
+    for granularity in ("rowwise", "tensorwise"):
+        check_against_composition(x, norm, 256, "hardswish", "e4m3", granularity)
+
+
+@pytest.mark.parametrize("norm,d", [("none", 512), ("blocknorm", 512), ("blocknorm", 16640)])
+@pytest.mark.parametrize("granularity", ["rowwise", "tensorwise"])
+def test_triton_kernel_non_finite_inputs(norm, d, granularity):
+    kernel_runs_here()
+    x = torch.randn(6, d).bfloat16()
+    x[1, 5] = float("nan")
+    x[3, 300] = float("inf")
+    x[4, 7] = -float("inf")
+    x = x.to(DEVICE)
+    for act in ("hardswish", "identity"):
+        _, q = check_against_composition(x, norm, 256, act, "e4m3", granularity)
+        if granularity == "rowwise":
+            assert torch.isfinite(q.scale[[0, 2, 5]]).all()
+            assert torch.isnan(q.scale[1]).all()
+        else:
+            assert not torch.isfinite(q.scale).all()
+
+
+def test_triton_kernel_large_values_saturate_and_tiny_rows_use_the_amax_floor():
+    kernel_runs_here()
+    x = torch.randn(4, 256).bfloat16()
+    x[1] = 0  # amax 0: the scale is AMAX_EPS / fmt.max, the FP8 row zero
+    x[2] *= 1e30
+    x = x.to(DEVICE)
+    for granularity in ("rowwise", "tensorwise"):
+        for fmt in ("e4m3", "e5m2"):
+            check_against_composition(x, "none", 256, "identity", fmt, granularity)

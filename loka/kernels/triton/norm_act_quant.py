@@ -12,11 +12,24 @@ Norms: ``blocknorm`` (parameter-free RMS norm over blocks of ``GROUP`` features,
 shorter block normalized on its own, as :class:`loka.mods.BlockNorm`), ``layernorm``
 (optionally affine), ``none``. Activations: ``hardswish``, ``identity``.
 
-Rowwise scales: a persistent program owns ``BLOCK_M`` rows at a time; pass 1 computes the
-activation chunk by chunk and its row amax, pass 2 recomputes each chunk (its input is
-still in L1/L2) and casts. Tensorwise scales: the kernel writes the activation and one
-partial amax per program, then :func:`~loka.kernels.triton.quantize.tensor_cast_kernel`
-reduces the partials and casts (the two-stage amax).
+Layout: a program owns ``BLOCK_M`` rows and sees them as a 3-D tile
+``[BLOCK_M, NG, GP]``: ``NG`` BlockNorm blocks of ``GROUP`` features each, padded to
+``GP`` (a power of two) lanes, so a block's mean square is a reduction over the last axis
+and the rowwise amax one over the last two; the other norms use one "block" of the whole
+row (``NG = 1``). Rows of up to ``MAX_TILE`` lanes are held in registers whole: ``x`` is
+read once and nothing is recomputed (norm, activation, amax, scale, cast and stores in one
+pass; bytes moved = read x + write q (+ write y)). Longer rows go through ``NG``-block
+chunks: pass 1 computes and stores the activation and the row amax, pass 2 recomputes each
+chunk (its input is then mostly in L2) and casts.
+
+Tensorwise scales: the kernel writes the activation and folds its amax into one global
+amax with an integer ``atomic_max`` (the bits of a non-negative float order as the float
+does, and a positive NaN above +inf, so NaN propagates), then
+:func:`~loka.kernels.triton.quantize.tensor_cast_kernel` casts from the stored activation.
+
+Rounding of the activation follows the device of the reference: on CUDA, PyTorch's Hard
+Swish is ``x * clamp(x + 3, 0, 6) * (1/6)`` (a product with the float32 reciprocal), on
+the CPU (the reference of Triton's interpreter, ``SOFT_ROUND``) ``... / 6``, IEEE-rounded.
 """
 
 from __future__ import annotations
@@ -28,117 +41,197 @@ import triton
 import triton.language as tl
 
 from ...numerics import get_format
-from .common import (abs_amax, amax_to_scale, autotune, fp8_meta, nan_max, next_pow2,
-                     round_to, scale_and_clamp)
+from .common import (abs_amax, amax_to_scale, autotune, fp8_meta, next_pow2, round_to,
+                     scale_and_clamp)
 from .quantize import tensor_cast_kernel
 
 NORMS = {"none": 0, "blocknorm": 1, "layernorm": 2}
 ACTIVATIONS = {"identity": 0, "hardswish": 1}
-_MAX_PROGRAMS = 528
-"""persistent programs: four per SM of an H100/H200"""
+MAX_TILE = 16384
+"""lanes of the longest row held in registers whole (one pass, x read once)"""
+CHUNK = 4096
+"""lanes per chunk of a longer row (two passes)"""
+_NAN_BITS = tl.constexpr(0x7FC00000)
+"""a positive quiet NaN: above +inf (0x7F800000) as an int32"""
+
+
+def _tile_shape(d: int, norm: str, block: int) -> Tuple[int, int, int, int]:
+    """``(GROUP, NG, GP, NCHUNK)`` for rows of ``d`` features: ``NG`` blocks of ``GROUP``
+    features padded to ``GP`` lanes per tile, ``NCHUNK`` tiles per row."""
+    if norm == "blocknorm":
+        group = min(block, d)  # a block longer than the row is the whole row
+        gp = next_pow2(group)
+        ngroups = triton.cdiv(d, group)
+        if next_pow2(ngroups) * gp <= MAX_TILE:
+            return group, next_pow2(ngroups), gp, 1
+        ng = max(1, CHUNK // gp)  # a block longer than CHUNK stays one (wide) tile
+        return group, ng, gp, triton.cdiv(ngroups, ng)
+    dp = next_pow2(d)
+    if dp <= MAX_TILE:
+        return dp, 1, dp, 1
+    return CHUNK, 1, CHUNK, triton.cdiv(d, CHUNK)
 
 
 def _prune(configs, named_args, **kwargs):
-    d = kwargs["BLOCK_D"]
+    """Tiles of 8 to 64 lanes per thread (16-byte loads, no spills), at most 16K lanes;
+    no taller than the tensor. Short rows of a short tensor: the tallest that fits."""
+    row = kwargs["NG"] * kwargs["GP"]
     m = named_args["M"]
-    keep = [c for c in configs if 1024 <= c.kwargs["BLOCK_M"] * d <= 8192
-            and c.kwargs["BLOCK_M"] <= max(1, next_pow2(m))]
-    return keep or [min(configs, key=lambda c: c.kwargs["BLOCK_M"])]
+    fits = [c for c in configs if c.kwargs["BLOCK_M"] <= max(1, next_pow2(m))]
+    keep = []
+    for c in fits:
+        tile, threads = c.kwargs["BLOCK_M"] * row, 32 * c.num_warps
+        if 8 * threads <= tile <= min(64 * threads, MAX_TILE) or (
+                c.kwargs["BLOCK_M"] == 1 and row > MAX_TILE and c.num_warps >= 8):
+            keep.append(c)
+    if keep:
+        return keep
+    small = min(c.num_warps for c in fits)
+    return [max((c for c in fits if c.num_warps == small), key=lambda c: c.kwargs["BLOCK_M"])]
 
 
 @triton.jit
-def _norm_act_chunk(x_ptr, w_ptr, b_ptr, rows, c0, M, D, stride_xm, eps, mean, rstd,
-                    NORM: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr,
-                    HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
-                    SOFT_ROUND: tl.constexpr):
-    """act(norm(x[rows, c0 : c0 + GROUP])) in float32, rounded as the unfused ops round,
-    zero outside the tensor; returns (y, mask, cols)."""
+def _load_tile(x_ptr, r64, row_ok, c0, D, stride_xm, GROUP: tl.constexpr, NG: tl.constexpr,
+               GP: tl.constexpr):
+    """x[rows, c0 : c0 + NG * GROUP] as a float32 [BLOCK_M, NG, GP] tile (zero outside);
+    returns (x, cols, col_ok, mask)."""
+    g = tl.arange(0, NG)[None, :, None]
+    c = tl.arange(0, GP)[None, None, :]
+    cols = c0 + g * GROUP + c
+    if GP == GROUP:
+        col_ok = cols < D
+    else:
+        col_ok = (c < GROUP) & (cols < D)
+    mask = row_ok[:, None, None] & col_ok
+    x = tl.load(x_ptr + r64 * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
+    return x, cols, col_ok, mask
+
+
+@triton.jit
+def _norm_act(x, cols, col_ok, mask, c0, D, x_ptr, w_ptr, b_ptr, eps, mean, rstd,
+              NORM: tl.constexpr, GROUP: tl.constexpr, NG: tl.constexpr,
+              HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+              SOFT_ROUND: tl.constexpr):
+    """act(norm(x)) of a tile in float32, rounded as the unfused ops round (zero outside)."""
     hp = x_ptr.dtype.element_ty
-    local = tl.arange(0, BLOCK_D)
-    cols = c0 + local
-    col_ok = (cols < D) & (local < GROUP)
-    mask = (rows < M)[:, None] & col_ok[None, :]
-    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :], mask=mask,
-                other=0.0).to(tl.float32)
-    if NORM == 1:
-        n = tl.minimum(D - c0, GROUP).to(tl.float32)
-        ms = tl.math.div_rn(tl.sum(x * x, 1), tl.zeros_like(rows.to(tl.float32)) + n)
-        y = round_to(x * tl.rsqrt(ms + eps)[:, None], hp, SOFT_ROUND)
+    if NORM == 1:  # BlockNorm: the mean square of each block, the last one maybe shorter
+        n = tl.maximum(tl.minimum(D - c0 - tl.arange(0, NG) * GROUP, GROUP), 1)
+        ss = tl.sum(x * x, 2)
+        ms = tl.math.div_rn(ss, tl.zeros_like(ss) + n.to(tl.float32)[None, :])
+        y = round_to(x * tl.rsqrt(ms + eps)[:, :, None], hp, SOFT_ROUND)
     elif NORM == 2:
-        y = (x - mean[:, None]) * rstd[:, None]
+        y = (x - mean[:, None, None]) * rstd[:, None, None]
         if HAS_W:
-            y = y * tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            y = y * tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         if HAS_B:
-            y = y + tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        y = round_to(y, hp, SOFT_ROUND)
+            y = y + tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        y = tl.where(mask, round_to(y, hp, SOFT_ROUND), 0.0)
     else:
         y = x
     if ACT == 1:
-        y = round_to(tl.math.div_rn(y * tl.clamp(y + 3.0, 0.0, 6.0), tl.zeros_like(y) + 6.0),
-                     hp, SOFT_ROUND)
-    return tl.where(mask, y, 0.0), mask, cols
+        h = y * tl.clamp(y + 3.0, 0.0, 6.0)
+        if SOFT_ROUND:  # the CPU reference divides (IEEE)
+            h = tl.math.div_rn(h, tl.zeros_like(h) + 6.0)
+        else:  # PyTorch's CUDA kernel multiplies by the float32 1/6
+            h = h * 0.16666666666666666
+        y = round_to(h, hp, SOFT_ROUND)
+    return y
+
+
+@triton.jit
+def _row_amax(y):
+    """amax(|y|) over the last two axes of a [BLOCK_M, NG, GP] tile, NaN-propagating."""
+    return abs_amax(abs_amax(y, 2), 1)
+
+
+@triton.jit
+def _global_amax(partial_ptr, amax):
+    """Fold the amax of a program's rows into the global one (int32 bits, atomic max)."""
+    a = abs_amax(amax, 0)
+    bits = tl.where(a != a, _NAN_BITS, a.to(tl.int32, bitcast=True))
+    tl.atomic_max(partial_ptr, bits)
 
 
 @autotune(configs=[triton.Config({"BLOCK_M": m}, num_warps=w)
-                   for m in (1, 2, 4, 8, 16, 32) for w in (4, 8)],
-          key=["M", "D", "NORM", "GROUP", "ROWWISE", "WRITE_HP"], prune=_prune)
+                   for m in (1, 2, 4, 8, 16, 32, 64) for w in (4, 8, 16)],
+          key=["M", "D", "NORM", "GROUP", "NG", "GP", "ACT", "ROWWISE", "WRITE_HP"],
+          prune=_prune)
 @triton.jit
 def norm_act_quant_kernel(x_ptr, w_ptr, b_ptr, y_ptr, q_ptr, scale_ptr, partial_ptr, M, D,
                           stride_xm, eps, NORM: tl.constexpr, GROUP: tl.constexpr,
-                          BLOCK_D: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-                          ACT: tl.constexpr, WRITE_HP: tl.constexpr, ROWWISE: tl.constexpr,
+                          NG: tl.constexpr, GP: tl.constexpr, NCHUNK: tl.constexpr,
+                          HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
+                          WRITE_HP: tl.constexpr, ROWWISE: tl.constexpr,
                           FMT_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
                           MIN_EXP: tl.constexpr, SOFT_ROUND: tl.constexpr,
                           BLOCK_M: tl.constexpr):
-    """x (M, D) -> y (M, D) in x's dtype (if WRITE_HP), q (M, D) FP8 with rowwise scales
-    (M,) (ROWWISE) or one partial amax per program in ``partial`` (tensorwise)."""
-    pid, nprog = tl.program_id(0), tl.num_programs(0)
-    total_amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for rb in range(pid, tl.cdiv(M, BLOCK_M), nprog):
-        rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
-        r64 = rows[:, None].to(tl.int64)
-        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
-        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if NORM == 2:  # row statistics first: mean, then the centred second moment
-            acc = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for c0 in range(0, D, BLOCK_D):
-                cols = c0 + tl.arange(0, BLOCK_D)
-                m2 = (rows < M)[:, None] & (cols < D)[None, :]
-                acc += tl.sum(tl.load(x_ptr + r64 * stride_xm + cols[None, :], mask=m2,
-                                      other=0.0).to(tl.float32), 1)
-            mean = acc / D
-            acc = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for c0 in range(0, D, BLOCK_D):
-                cols = c0 + tl.arange(0, BLOCK_D)
-                m2 = (rows < M)[:, None] & (cols < D)[None, :]
-                xc = tl.load(x_ptr + r64 * stride_xm + cols[None, :], mask=m2,
-                             other=0.0).to(tl.float32)
-                xc = tl.where(m2, xc - mean[:, None], 0.0)
-                acc += tl.sum(xc * xc, 1)
-            rstd = tl.rsqrt(acc / D + eps)
-        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for c0 in range(0, D, GROUP):
-            y, mask, cols = _norm_act_chunk(x_ptr, w_ptr, b_ptr, rows, c0, M, D, stride_xm,
-                                            eps, mean, rstd, NORM, GROUP, BLOCK_D, HAS_W,
-                                            HAS_B, ACT, SOFT_ROUND)
-            if WRITE_HP:
-                tl.store(y_ptr + r64 * D + cols[None, :], y.to(y_ptr.dtype.element_ty),
-                         mask=mask)
-            amax = nan_max(amax, abs_amax(y, 1))
+    """Rows [pid * BLOCK_M, +BLOCK_M) of x (M, D) -> y (M, D) in x's dtype (if WRITE_HP),
+    q (M, D) FP8 with rowwise scales (M,) (ROWWISE), or the global amax's int32 bits in
+    ``partial`` (tensorwise)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    r64 = rows[:, None, None].to(tl.int64)
+    zero_m = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NCHUNK == 1:  # the whole row in registers: one read of x, nothing recomputed
+        x, cols, col_ok, mask = _load_tile(x_ptr, r64, row_ok, 0, D, stride_xm, GROUP, NG, GP)
+        mean, rstd = zero_m, zero_m
+        if NORM == 2:
+            mean = tl.math.div_rn(tl.sum(tl.sum(x, 2), 1), zero_m + D)
+            xc = tl.where(mask, x - mean[:, None, None], 0.0)
+            var = tl.math.div_rn(tl.sum(tl.sum(xc * xc, 2), 1), zero_m + D)
+            rstd = tl.rsqrt(var + eps)
+        y = _norm_act(x, cols, col_ok, mask, 0, D, x_ptr, w_ptr, b_ptr, eps, mean, rstd, NORM,
+                      GROUP, NG, HAS_W, HAS_B, ACT, SOFT_ROUND)
+        if WRITE_HP:
+            tl.store(y_ptr + r64 * D + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        amax = _row_amax(y)
         if ROWWISE:
             scale = amax_to_scale(amax, FMT_MAX, SOFT_ROUND)
-            tl.store(scale_ptr + rows, scale, mask=rows < M)
-            for c0 in range(0, D, GROUP):
-                y, mask, cols = _norm_act_chunk(x_ptr, w_ptr, b_ptr, rows, c0, M, D,
-                                                stride_xm, eps, mean, rstd, NORM, GROUP,
-                                                BLOCK_D, HAS_W, HAS_B, ACT, SOFT_ROUND)
-                q = scale_and_clamp(y, scale[:, None], FMT_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND)
-                tl.store(q_ptr + r64 * D + cols[None, :], q.to(q_ptr.dtype.element_ty),
-                         mask=mask)
+            qv = scale_and_clamp(y, scale[:, None, None], FMT_MAX, MANT_BITS, MIN_EXP,
+                                 SOFT_ROUND)
+            tl.store(q_ptr + r64 * D + cols, qv.to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(scale_ptr + rows, scale, mask=row_ok)
         else:
-            total_amax = nan_max(total_amax, amax)
-    if not ROWWISE:
-        tl.store(partial_ptr + pid, abs_amax(total_amax, 0))
+            _global_amax(partial_ptr, amax)
+    else:  # long rows: chunks of NG blocks, the activation computed twice
+        CW: tl.constexpr = NG * GROUP
+        mean, rstd = zero_m, zero_m
+        if NORM == 2:  # row statistics first: mean, then the centred second moment
+            acc = zero_m
+            for c0 in range(0, D, CW):
+                x, cols, col_ok, mask = _load_tile(x_ptr, r64, row_ok, c0, D, stride_xm,
+                                                   GROUP, NG, GP)
+                acc += tl.sum(tl.sum(x, 2), 1)
+            mean = tl.math.div_rn(acc, zero_m + D)
+            acc = zero_m
+            for c0 in range(0, D, CW):
+                x, cols, col_ok, mask = _load_tile(x_ptr, r64, row_ok, c0, D, stride_xm,
+                                                   GROUP, NG, GP)
+                xc = tl.where(mask, x - mean[:, None, None], 0.0)
+                acc += tl.sum(tl.sum(xc * xc, 2), 1)
+            rstd = tl.rsqrt(tl.math.div_rn(acc, zero_m + D) + eps)
+        amax = zero_m
+        for c0 in range(0, D, CW):
+            x, cols, col_ok, mask = _load_tile(x_ptr, r64, row_ok, c0, D, stride_xm, GROUP,
+                                               NG, GP)
+            y = _norm_act(x, cols, col_ok, mask, c0, D, x_ptr, w_ptr, b_ptr, eps, mean, rstd,
+                          NORM, GROUP, NG, HAS_W, HAS_B, ACT, SOFT_ROUND)
+            if WRITE_HP:
+                tl.store(y_ptr + r64 * D + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+            amax = tl.maximum(amax, _row_amax(y), propagate_nan=tl.PropagateNan.ALL)
+        if ROWWISE:
+            scale = amax_to_scale(amax, FMT_MAX, SOFT_ROUND)
+            tl.store(scale_ptr + rows, scale, mask=row_ok)
+            for c0 in range(0, D, CW):
+                x, cols, col_ok, mask = _load_tile(x_ptr, r64, row_ok, c0, D, stride_xm,
+                                                   GROUP, NG, GP)
+                y = _norm_act(x, cols, col_ok, mask, c0, D, x_ptr, w_ptr, b_ptr, eps, mean, rstd,
+                              NORM, GROUP, NG, HAS_W, HAS_B, ACT, SOFT_ROUND)
+                qv = scale_and_clamp(y, scale[:, None, None], FMT_MAX, MANT_BITS, MIN_EXP,
+                                     SOFT_ROUND)
+                tl.store(q_ptr + r64 * D + cols, qv.to(q_ptr.dtype.element_ty), mask=mask)
+        else:
+            _global_amax(partial_ptr, amax)
 
 
 def norm_act_quant(x: torch.Tensor, *, norm: str = "blocknorm", block: int = 256,
@@ -191,16 +284,18 @@ def norm_act_quant(x: torch.Tensor, *, norm: str = "blocknorm", block: int = 256
     scale = torch.empty((m, 1) if rowwise else (1, 1), dtype=torch.float32, device=x.device)
     if m == 0:
         return y, q, scale
-    group = block if norm == "blocknorm" else min(next_pow2(d), 2048)
-    nprog = max(1, min(triton.cdiv(m, 8), _MAX_PROGRAMS))  # persistent: programs loop over rows
-    partial = torch.empty((nprog,), dtype=torch.float32, device=x.device)
-    norm_act_quant_kernel[(nprog,)](
+    group, ng, gp, nchunk = _tile_shape(d, norm, block)
+    # tensorwise: the global amax as int32 bits, folded in with atomic max from 0
+    amax_bits = torch.zeros((1,), dtype=torch.int32, device=x.device) if not rowwise else scale
+    grid = lambda meta_: (triton.cdiv(m, meta_["BLOCK_M"]),)  # noqa: E731
+    norm_act_quant_kernel[grid](
         x, weight if weight is not None else x, bias if bias is not None else x,
-        y if y is not None else x, q, scale, partial, m, d, x.stride(0), float(eps),
-        NORM=NORMS[norm], GROUP=group, BLOCK_D=next_pow2(group), HAS_W=weight is not None,
-        HAS_B=bias is not None, ACT=ACTIVATIONS[act], WRITE_HP=write_hp, ROWWISE=rowwise,
-        **meta)
+        y if y is not None else x, q, scale, amax_bits, m, d, x.stride(0), float(eps),
+        NORM=NORMS[norm], GROUP=group, NG=ng, GP=gp, NCHUNK=nchunk,
+        HAS_W=weight is not None, HAS_B=bias is not None, ACT=ACTIVATIONS[act],
+        WRITE_HP=write_hp, ROWWISE=rowwise, **meta)
     if not rowwise:
-        tensor_cast_kernel[(nprog,)](y, q, scale, partial, nprog, m, d, y.stride(0), 1, d, 1,
-                                     NPART_P2=next_pow2(nprog), **meta)
+        nprog = max(1, min(triton.cdiv(m * d, 16384), 512))
+        tensor_cast_kernel[(nprog,)](y, q, scale, amax_bits.view(torch.float32), 1, m, d,
+                                     y.stride(0), 1, d, 1, NPART_P2=1, **meta)
     return (y if return_hp else None), q, scale
