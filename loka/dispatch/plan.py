@@ -456,7 +456,7 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
                 baseline_choice.reason = "inference plan: forward only"
                 sp.roles[role] = baseline_choice
                 continue
-            timed, untimed = [], []
+            timed, untimed, misfit, other = [], [], 0, 0  # other: over budget, failed, slow
             for kname, kr in rr.kernels.items():
                 if kname == cfg.baseline or (allowed is not None and kname not in allowed):
                     continue
@@ -467,11 +467,14 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
                 m_pad = -(-max(site.tokens, 1) // kern.align) * kern.align
                 shape = role_shape(role, m_pad, site.in_features, site.out_features)
                 if not kern.supports(target, *shape, role=role):
+                    misfit += 1
                     continue
                 stat = kr.metric(cfg.metric)
                 if kr.error or stat is None or stat.hi is None or not math.isfinite(stat.hi):
+                    other += 1
                     continue
                 if stat.hi > budget:
+                    other += 1
                     continue
                 speedup = kr.speedup
                 if inference and kr.speedup_weight_q is not None:
@@ -482,6 +485,8 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
                 if decisive:
                     if speedup >= cfg.min_speedup:
                         timed.append((speedup, stat, kname))
+                    else:
+                        other += 1
                 else:
                     untimed.append((stat, kern, kname))
             if timed:
@@ -496,6 +501,9 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
                 if untimed:
                     undecided += 1
                     baseline_choice.reason = "safe kernels have no decisive timing"
+                elif misfit and not other:
+                    baseline_choice.reason = ("no kernel fits the GEMM shape (alignment) on "
+                                              f"{target.type}")
                 sp.roles[role] = baseline_choice
         sites[name] = sp
 

@@ -788,3 +788,16 @@ def test_audit_of_an_inference_plan_uses_weight_quantized_speeds():
     assert loka.dispatch.audit(p, report)["ok"]
     worse = loka.dispatch.override(p, assign={"enc:fwd": "t-mid"})
     assert loka.dispatch.audit(worse, report)["violations"][0]["best_speedup"] == pytest.approx(1.6)
+
+
+def test_a_role_no_kernel_fits_says_so():
+    # out_features 8: no kernel aligned to 16 takes the forward (N = 8) or dgrad (K = 8)
+    report = make_report({"proj": (16, 8, 64, {"fwd": THREE, "dgrad": THREE, "wgrad": THREE}),
+                          "mlp": (64, 64, 64, {"fwd": {"t-mid": (0.5, 1.4)},
+                                               "dgrad": {"t-mid": (0.1, 1.01)}})})
+    p = plan(report, max_error=0.2, min_speedup=1.05)
+    assert p.sites["proj"].roles[Role.FWD].reason == "no kernel fits the GEMM shape (alignment) on cuda"
+    assert p.sites["proj"].roles[Role.DGRAD].reason == "no kernel fits the GEMM shape (alignment) on cuda"
+    assert p.sites["proj"].roles[Role.WGRAD].kernel == "t-mid"  # (8, 64, 16): K = M, N = 16 fit
+    assert p.sites["mlp"].roles[Role.FWD].reason == "no kernel meets the budget"  # over budget
+    assert p.sites["mlp"].roles[Role.DGRAD].reason == "no kernel meets the budget"  # too slow
