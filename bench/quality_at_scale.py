@@ -271,7 +271,8 @@ def main(argv=None) -> int:
                         "a --plan must then be a merged model's plan)")
     p.add_argument("--assume-fast", action="store_true",
                    help="plan FP8 wherever the Probe's error bound fits the budget, without "
-                        "a decisive timing (on the CPU: emulated FP8, a quality check only)")
+                        "a decisive timing (on the CPU: torch._scaled_mm or emulated FP8; a quality "
+                        "check, not a speed one)")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--out", default="bench/results/quality.json")
     args = p.parse_args(argv)
