@@ -545,6 +545,34 @@ def audit(plan: Plan, report: "ProbeReport | str | os.PathLike") -> dict:
     inference = bool(cfg.get("inference", False))
     speeds_count = not cfg.get("assume_fast", False)
     allowed = None if cfg.get("allowed_kernels") is None else set(cfg["allowed_kernels"])
+
+    def within(rr, kname: str, budget: float) -> bool:
+        kr = rr.kernels.get(kname)
+        stat = None if kr is None or kr.error else kr.metric(metric)
+        return stat is not None and stat.hi is not None and stat.hi <= budget
+
+    def speed(rr, kname: str) -> float:
+        if kname == plan.baseline:
+            return 1.0
+        kr = rr.kernels.get(kname)
+        if kr is None or kr.timing in _UNTRUSTED_TIMINGS:
+            return math.nan
+        s = kr.speedup_weight_q if inference and kr.speedup_weight_q is not None else kr.speedup
+        return math.nan if s is None else float(s)
+
+    def runs(site, role: Role, kname: str) -> bool:
+        # it ran where the report was measured (it has a timing there); what is left is
+        # whether the plan could use it: allowed, serving the role, fitting the padded shape
+        try:
+            kern = registry.get(kname)
+        except KeyError:
+            return False
+        if allowed is not None and kname not in allowed or role not in kern.roles:
+            return False
+        m_pad = -(-max(site.tokens, 1) // kern.align) * kern.align
+        _, k, n = role_shape(role, m_pad, site.in_features, site.out_features)
+        return kern.pads or (k % kern.align == 0 and n % kern.align == 0)
+
     checked, violations = 0, []
     for name, sp in plan.sites.items():
         site = report.sites.get(name)
@@ -556,50 +584,21 @@ def audit(plan: Plan, report: "ProbeReport | str | os.PathLike") -> dict:
                 continue
             checked += 1
             budget = choice.budget if choice.budget is not None else math.inf
-
-            def within(kname: str) -> bool:
-                kr = rr.kernels.get(kname)
-                stat = None if kr is None or kr.error else kr.metric(metric)
-                return stat is not None and stat.hi is not None and stat.hi <= budget
-
-            def speed(kname: str) -> float:
-                if kname == plan.baseline:
-                    return 1.0
-                kr = rr.kernels[kname]
-                if kr.timing in _UNTRUSTED_TIMINGS:
-                    return math.nan
-                s = kr.speedup_weight_q if inference and kr.speedup_weight_q is not None \
-                    else kr.speedup
-                return math.nan if s is None else float(s)
-
             chosen = choice.kernel
             row = {"site": name, "role": role.value, "chosen": chosen}
-            if chosen != plan.baseline and not within(chosen):
+            if chosen != plan.baseline and not within(rr, chosen, budget):
                 violations.append({**row, "why": "chosen kernel's error bound is outside the "
                                    f"budget {budget} (or was not measured)"})
                 continue
             if not speeds_count:
                 continue
-            def runs(kname: str) -> bool:
-                # it ran where the report was measured (it has a timing there); what is
-                # left is whether it serves the role and fits the padded shape, and
-                # whether the plan was allowed to use it
-                try:
-                    kern = registry.get(kname)
-                except KeyError:
-                    return False
-                if allowed is not None and kname not in allowed or role not in kern.roles:
-                    return False
-                m_pad = -(-max(site.tokens, 1) // kern.align) * kern.align
-                _, k, n = role_shape(role, m_pad, site.in_features, site.out_features)
-                return kern.pads or (k % kern.align == 0 and n % kern.align == 0)
-
-            cands = [(speed(k), k) for k in rr.kernels
-                     if k != plan.baseline and within(k) and speed(k) >= min_speedup and runs(k)]
+            cands = [(speed(rr, k), k) for k in rr.kernels
+                     if k != plan.baseline and within(rr, k, budget)
+                     and speed(rr, k) >= min_speedup and runs(site, role, k)]
             if not cands:
                 continue
             best_speed, best = max(cands)
-            mine = speed(chosen) if chosen in rr.kernels or chosen == plan.baseline else math.nan
+            mine = speed(rr, chosen)
             if not mine >= best_speed:  # NaN (an untimed choice) counts as slower
                 violations.append({**row, "chosen_speedup": _num(mine), "best": best,
                                    "best_speedup": best_speed,
