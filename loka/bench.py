@@ -882,8 +882,8 @@ def checks(shared: dict, result: dict) -> dict:
     audited against its report (:func:`loka.dispatch.audit`: no kernel within the budget
     faster than the one chosen, at any site and role); ``search_gap``, each ``+tuned`` row
     against its ``+search`` twin (the best fixed choice per shape group by exhaustive
-    whole-step timing): the tuned step's speed as a fraction of the searched one's (the
-    issue's bar is 0.97, within 3%)."""
+    whole-step timing): the tuned step's speed as a fraction of the searched one's, and
+    whether it is within 3% of it (``within_3pct``)."""
     from .dispatch import audit
 
     out: dict = {"oracle": {}, "search_gap": []}
