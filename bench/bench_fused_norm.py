@@ -23,7 +23,7 @@ Each at batch 4096 in bf16, rowwise and tensorwise e4m3, timed with CUDA graphs
 * ``inductor_fused``: the composition and the quantization in one ``torch.compile``
   region, Inductor free to fuse them (the strongest baseline).
 
-The target (issue: fused at least 2x faster than norm + separate quantization) is read
+The target (the fused kernel at least 2x faster than norm + separate quantization) is read
 against ``norm_compiled+quant_triton``; the other rows are for context. The fused output is
 checked against the reference first (FP8 bytes of ``quantize`` of its own high-precision
 output, bit for bit; high-precision output within bf16 rounding of the float32
