@@ -792,7 +792,11 @@ def run_infer_variant(name: str, cfg: BenchConfig, device: torch.device, shared:
             model.eval()
         row["plan_fwd_fp8_sites"] = sum(sp.kernel("fwd", plan.baseline) != plan.baseline
                                         for sp in plan.sites.values())
-        apply(model, plan, inference=True)
+        # served as deployed: FP8 weights only where the forward is FP8 (the bf16 copies
+        # are freed, so peak memory counts what a server holds)
+        apply(model, plan, inference=True, drop_weights=True)
+        row["hp_weights_dropped"] = sum(getattr(m, "weight", True) is None
+                                        for m in model.modules())
     row["fp8_sites"] = _count_fp8(model)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

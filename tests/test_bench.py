@@ -167,6 +167,8 @@ def test_tuned_inference_variant_tunes_the_forward_plan(tmp_path):
     assert tuned.budget["speed_tuned"]["trials"] == len(row["tune_log"]) >= 2
     assert row["tune_log"][0]["sites"] == []
     assert row["fp8_sites"] == row["plan_fwd_fp8_sites"] == len(tuned.fp8_sites())
+    # served as deployed: the bf16 weights of the FP8 forwards are freed
+    assert row["hp_weights_dropped"] == row["fp8_sites"] > 0
 
 
 def test_named_plans_run_side_by_side(tmp_path):
