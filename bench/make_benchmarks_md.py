@@ -135,9 +135,36 @@ def kernels_table(path: str) -> str:
     return "\n".join(out)
 
 
+def quality_table(path: str) -> str:
+    """A quality run (``bench/quality_at_scale.py``): NE per seed and arm, mean and spread,
+    the paired change against the seed noise."""
+    r = json.load(open(path))
+    s, cfg = r["summary"], r["config"]
+    out = [f"{cfg['model']} `{cfg['preset']}` on {r['env'].get('gpu', r['env']['device'])}, "
+           f"{cfg['steps']} steps, {len(r['runs']) // 2} seed(s), commit "
+           f"{r['env'].get('commit')}; source: `{path}`", "",
+           "| arm | NE per seed | NE mean ± std | AUC mean |", "|---|---|---|---|"]
+    for arm in ("bf16+mods", "loka+mods"):
+        if arm not in s:
+            continue
+        per = ", ".join(f"{x['final']['ne']:.5f}" for x in sorted(
+            (x for x in r["runs"] if x["arm"] == arm), key=lambda x: x["seed"]))
+        out.append(f"| {arm} | {per} | {s[arm]['ne_mean']:.5f} ± {s[arm]['ne_std']:.5f} | "
+                   f"{s[arm]['auc_mean']:.5f} |")
+    pc = s.get("paired_ne_change_pct")
+    if pc:
+        out += ["", "paired NE change (LoKA against bf16 + Mods, same seed): "
+                + ", ".join(f"{v:+.3f}%" for v in pc["per_seed"])
+                + f"; mean {pc['mean']:+.3f}% ± {pc['std']:.3f}%; seed noise of bf16 + Mods "
+                f"{s.get('seed_noise_pct', float('nan')):.3f}%"]
+    return "\n".join(out)
+
+
 def render(path: str) -> str:
     with open(path) as f:
         d = json.load(f)
+    if d.get("schema") == "loka.quality":
+        return quality_table(path)
     if d.get("schema") == "loka.bench-sweep":
         return sweep_table(path)
     if "winners" in d and "cases" in d:

@@ -257,7 +257,7 @@ def test_benchmarks_md_renders_rows_ratios_and_profile(tmp_path):
             "0.950 of its speed (not within 3%)") in text
 
 
-def test_quality_summary_pairs_arms_by_seed():
+def test_quality_summary_pairs_arms_by_seed(tmp_path):
     q = _load("quality_at_scale")
     runs = [{"arm": "bf16+mods", "seed": 0, "final": {"ne": 0.80, "auc": 0.70}},
             {"arm": "loka+mods", "seed": 0, "final": {"ne": 0.8008, "auc": 0.70}},
@@ -269,6 +269,15 @@ def test_quality_summary_pairs_arms_by_seed():
     assert s["paired_ne_change_pct"]["per_seed"] == pytest.approx([0.1, 0.0])
     assert s["paired_ne_change_pct"]["mean"] == pytest.approx(0.05)
     assert s["seed_noise_pct"] == pytest.approx(100 * 0.0141421356 / 0.81, rel=1e-6)
+    md = _load("make_benchmarks_md")
+    path = tmp_path / "quality.json"
+    path.write_text(json.dumps({"schema": "loka.quality", "env": {"device": "cpu", "commit": "abc"},
+                                "config": {"model": "wukong", "preset": "small", "steps": 600},
+                                "runs": runs[::-1], "summary": s}))
+    text = md.render(str(path))
+    assert "wukong `small` on cpu, 600 steps, 2 seed(s), commit abc" in text
+    assert "| bf16+mods | 0.80000, 0.82000 | 0.81000 ± 0.01414 | 0.71000 |" in text
+    assert "+0.100%, +0.000%; mean +0.050% ± 0.071%; seed noise of bf16 + Mods 1.746%" in text
 
 
 def test_tuned_variant_times_whole_steps_and_keeps_the_model_it_started_from(tmp_path):
