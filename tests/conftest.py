@@ -9,6 +9,9 @@ import torch
 
 # Deterministic, small thread count: CI has 2 cores.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Tests check numerics, not speed: on a GPU, LoKA's Triton kernels run their first surviving
+# config instead of autotuning every shape (minutes over the kernel tests)
+os.environ.setdefault("LOKA_TRITON_AUTOTUNE", "0")
 ROOT = Path(__file__).resolve().parents[1]
 
 
