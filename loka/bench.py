@@ -870,6 +870,7 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
                     clear()
                 torch.cuda.empty_cache()
             torch._dynamo.reset()
+            result["checks"] = checks(shared, result)  # a run cut short keeps them too
             _write(result, out)
     _save_plans(shared, result, out)
     result["checks"] = checks(shared, result)

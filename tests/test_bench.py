@@ -503,3 +503,20 @@ def test_kernel_sweep_measures_supported_kernels_and_summarizes_on_cpu():
     rows, wins = bk.summarize([case, fwd])
     assert [r["label"] for r in rows] == ["wukong x", "target"] and sum(wins.values()) == 2
     assert len(bk.grid_shapes(False)) == 26 and all(m * k * n <= 2 ** 40 for m, k, n in bk.grid_shapes(False))
+
+
+def test_a_run_cut_short_keeps_its_rows_and_checks_on_disk(tmp_path):
+    class Cut(BaseException):  # what a stage timeout's signal does to the process, in effect
+        pass
+
+    def progress(line):
+        if line.startswith("[infer]"):
+            raise Cut()
+
+    cfg = _cfg(tmp_path, train_variants=["bf16", "bf16+mods"], infer_variants=["bf16"], steps=1,
+               warmup=1, out=str(tmp_path / "cut.json"))
+    with pytest.raises(Cut):
+        bench.run(cfg, progress=progress)
+    on_disk = json.load(open(tmp_path / "cut.json"))
+    assert [r["variant"] for r in on_disk["train"]] == ["bf16", "bf16+mods"]
+    assert on_disk["infer"] == [] and on_disk["checks"] == {"oracle": {}, "search_gap": []}
