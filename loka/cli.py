@@ -560,6 +560,25 @@ def cmd_plan(args) -> int:
     return EXIT_OK
 
 
+def cmd_audit(args) -> int:
+    from .dispatch import audit
+
+    plan, report = load_plan(args.plan), load_report(args.report)
+    result = audit(plan, report)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(f"{args.plan} against {args.report}: {result['site_roles']} site-role(s) checked")
+        if result["ok"]:
+            print("every choice within its budget; no kernel within the budget measured "
+                  "faster than the one chosen")
+        for v in result["violations"]:
+            extra = (f" ({v['chosen']} x{v['chosen_speedup']:.2f} < {v['best']} "
+                     f"x{v['best_speedup']:.2f})" if "best" in v else "")
+            print(f"  {v['site']} {v['role']}: {v['why']}{extra}")
+    return EXIT_OK if result["ok"] else EXIT_FAILURE
+
+
 def cmd_apply(args) -> int:
     from .dispatch import check
     from .dispatch.plan import PlanMismatchError
@@ -754,6 +773,14 @@ returns logits (B,) for a loka.data.Batch; --data synthetic also needs a feature
   loka plan report.json --assign 'over_arch.*:fwd=cublas-rowwise-fastacc'
 
 --device names the device the plan is for (default: the report's).""",
+    "audit": """examples:
+  loka audit plan.json report.json
+  loka audit plan.json report.json --json
+
+checks, at every site and role the report measured, that the chosen kernel's error bound
+is within the plan's budget and that no kernel within the budget was measured faster
+(weight-quantized speeds for an inference plan); exit status 1 when one is not. Needs no
+GPU: a kernel the report timed ran where the report was measured.""",
     "apply": """examples:
   loka apply --check plan.json --model wukong --preset small
   loka apply --check plan.json --model mypkg.models:make_model --inference
@@ -876,6 +903,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--assign", action="append", metavar="SITE_GLOB:ROLE=KERNEL", default=[],
                    help="then put these roles on KERNEL (ROLE fwd, dgrad, wgrad or *; "
                         "repeatable; the budget is checked as for --replace)")
+
+    p = add("audit", "check a plan against its Probe report: budgets kept, fastest chosen",
+            cmd_audit)
+    p.add_argument("plan", help="a plan.json")
+    p.add_argument("report", help="the report.json it was made from")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
 
     p = add("apply", "check a plan against a model: what would change (touches nothing)",
             cmd_apply)

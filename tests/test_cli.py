@@ -20,6 +20,7 @@ COMMON = ["--debug", "--device"]
 SURFACE = {
     "apply": COMMON + ["--check", "--data", "--inference", "--model", "--mods", "--preset",
                        "<plan>"],
+    "audit": COMMON + ["--json", "<plan>", "<report>"],
     "bench": COMMON + ["--batch-size", "--batch-sizes", "--infer-variants", "--max-error", "--min-speedup",
                        "--model", "--no-compile", "--no-plot", "--out", "--plan",
                        "--plans", "--preset", "--probe-kernels", "--profile", "--profile-ops", "--steps",
@@ -359,3 +360,20 @@ def test_bench_on_the_cpu_end_to_end(tmp_path, capsys):
     assert [r["variant"] for r in result["train"]] == ["bf16", "bf16+mods", "loka+mods"]
     assert all(r["median_ms"] > 0 and "error" not in r for r in result["train"] + result["infer"])
     assert Plan.load(str(tmp_path / "b.plan.json")).sites
+
+
+def test_audit_passes_the_plans_own_choices_and_flags_a_hand_edit(workflow, capsys, tmp_path):
+    plan, report = str(workflow / "plan.json"), str(workflow / "report.json")
+    code, out, _ = run(["audit", plan, report], capsys)
+    n = sum(len(s.roles) for s in ProbeReport.load(report).sites.values())
+    assert code == 0 and f"{n} site-role(s) checked" in out and "every choice within its budget" in out
+    d = json.loads(open(plan).read())
+    site, roles = next((s, r) for s, r in ((s, v["roles"]) for s, v in d["sites"].items())
+                       if r["fwd"]["kernel"] != "bf16")
+    roles["fwd"]["budget"] = 0.0  # the chosen kernel is now outside its budget
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(d))
+    code, out, _ = run(["audit", str(edited), report, "--json"], capsys)
+    res = json.loads(out)
+    assert code == 1 and not res["ok"]
+    assert [(v["site"], v["role"]) for v in res["violations"]] == [(site, "fwd")]
