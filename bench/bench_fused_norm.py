@@ -119,32 +119,14 @@ def bench_case(name, m, d, norm, act, gran, device, budget_ms) -> dict:
     return row
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=None)
-    p.add_argument("--budget-ms", type=float, default=20.0, help="timing budget per call")
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_fused_norm needs a CUDA GPU (the fused kernel is Triton)", file=sys.stderr)
-        return 2
-    device = torch.device("cuda")
-    gpu = torch.cuda.get_device_name(device)
-    rows = []
-    for name, m, d, norm, act in CASES:
-        for gran in ("rowwise", "tensorwise"):
-            row = bench_case(name, m, d, norm, act, gran, device, args.budget_ms)
-            rows.append(row)
-            t = row["times"]
-            print(f"{name:14s} {gran:10s} " + " ".join(
-                f"{k}={v['us']:.1f}us" if "us" in v else f"{k}=ERR" for k, v in t.items())
-                + f"  x{row.get('speedup_vs_norm_compiled+quant_triton', float('nan')):.2f}",
-                flush=True)
+def result(rows, gpu: str) -> dict:
+    """The JSON of a run: its rows and what they say against the separate-quantization path."""
     sp = [r["speedup_vs_norm_compiled+quant_triton"] for r in rows
           if "speedup_vs_norm_compiled+quant_triton" in r]
     sp8 = [r["fp8_only_speedup_vs_norm_compiled+quant_triton"] for r in rows
            if r["granularity"] == "rowwise"
            and "fp8_only_speedup_vs_norm_compiled+quant_triton" in r]
-    out = {
+    return {
         "schema": "loka.bench.fused-norm", "version": 1,
         "env": {"gpu": gpu, "torch": torch.__version__, "python": platform.python_version(),
                 "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -157,9 +139,32 @@ def main(argv=None) -> int:
                     "all_numerics_exact": all(r["fp8_bytes_equal_quantize_of_output"]
                                               and r["scales_equal"] for r in rows)},
     }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None)
+    p.add_argument("--budget-ms", type=float, default=20.0, help="timing budget per call")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_fused_norm needs a CUDA GPU (the fused kernel is Triton)", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    gpu = torch.cuda.get_device_name(device)
     path = Path(args.out or f"bench/results/fused_norm_{gpu.split()[-1].lower()}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(out, indent=1))
+    rows = []
+    for name, m, d, norm, act in CASES:
+        for gran in ("rowwise", "tensorwise"):
+            row = bench_case(name, m, d, norm, act, gran, device, args.budget_ms)
+            rows.append(row)
+            t = row["times"]
+            print(f"{name:14s} {gran:10s} " + " ".join(
+                f"{k}={v['us']:.1f}us" if "us" in v else f"{k}=ERR" for k, v in t.items())
+                + f"  x{row.get('speedup_vs_norm_compiled+quant_triton', float('nan')):.2f}",
+                flush=True)
+            out = result(rows, gpu)
+            atomic_write_text(path, json.dumps(out, indent=1))  # a run cut short keeps its rows
     print(f"wrote {path}: {out['summary']}")
     return 0
 

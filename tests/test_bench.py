@@ -520,3 +520,17 @@ def test_a_run_cut_short_keeps_its_rows_and_checks_on_disk(tmp_path):
     on_disk = json.load(open(tmp_path / "cut.json"))
     assert [r["variant"] for r in on_disk["train"]] == ["bf16", "bf16+mods"]
     assert on_disk["infer"] == [] and on_disk["checks"] == {"oracle": {}, "search_gap": []}
+
+
+def test_fused_norm_result_summarizes_rows():
+    fb = _load("bench_fused_norm")
+    rows = [{"granularity": "rowwise", "speedup_vs_norm_compiled+quant_triton": 2.0,
+             "fp8_only_speedup_vs_norm_compiled+quant_triton": 2.5,
+             "fp8_bytes_equal_quantize_of_output": True, "scales_equal": True},
+            {"granularity": "tensorwise", "speedup_vs_norm_compiled+quant_triton": 0.5,
+             "fp8_bytes_equal_quantize_of_output": True, "scales_equal": False}]
+    s = fb.result(rows, "NVIDIA H200")["summary"]
+    assert s["min_speedup_vs_separate_quant"] == 0.5
+    assert s["geomean_speedup_vs_separate_quant"] == pytest.approx(1.0)
+    assert s["fp8_only_rowwise_speedups_vs_separate_quant"] == [2.5]
+    assert s["all_numerics_exact"] is False
