@@ -124,14 +124,10 @@ def _spec_holder(args):
     from types import SimpleNamespace
 
     from loka import models
-    from loka.data.batch import FeatureSpec, TableSpec
 
     base = models.presets(args.model)[args.preset]
-    f = base.features
-    if args.table_rows:
-        f = FeatureSpec(f.num_dense, tuple(TableSpec(t.name, min(t.num_embeddings, args.table_rows),
-                                                     t.mean_bag_length) for t in f.tables))
-    return SimpleNamespace(feature_spec=f, default_batch_size=base.batch_size)
+    return SimpleNamespace(feature_spec=bench.capped_features(base.features, args.table_rows),
+                           default_batch_size=base.batch_size)
 
 
 def train_batches(model, args, seed: int, device):

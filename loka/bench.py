@@ -165,10 +165,20 @@ def _sync(device: torch.device) -> None:
 
 
 # -- building blocks ----------------------------------------------------------------
+def capped_features(features, table_rows: Optional[int]):
+    """``features`` (a :class:`~loka.data.batch.FeatureSpec`) with every table capped at
+    ``table_rows`` rows (None or 0: as it is)."""
+    from .data.batch import FeatureSpec, TableSpec
+
+    if not table_rows:
+        return features
+    return FeatureSpec(features.num_dense, tuple(
+        TableSpec(t.name, min(t.num_embeddings, table_rows), t.mean_bag_length)
+        for t in features.tables))
+
+
 def build_model(cfg: BenchConfig, mods: Optional[ModsConfig], device: torch.device) -> torch.nn.Module:
     from . import models
-
-    from .data.batch import FeatureSpec, TableSpec
 
     torch.manual_seed(cfg.seed)
     base = models.presets(cfg.model)[cfg.preset] if hasattr(models, "presets") else None
@@ -176,10 +186,7 @@ def build_model(cfg: BenchConfig, mods: Optional[ModsConfig], device: torch.devi
     if base is not None and hasattr(base, "sparse_embeddings"):
         overrides["sparse_embeddings"] = False  # dense grads: fused AdamW, CUDA graphs
     if cfg.table_rows and base is not None and hasattr(base, "features"):
-        f = base.features
-        overrides["features"] = FeatureSpec(f.num_dense, tuple(
-            TableSpec(t.name, min(t.num_embeddings, cfg.table_rows), t.mean_bag_length)
-            for t in f.tables))
+        overrides["features"] = capped_features(base.features, cfg.table_rows)
     model = models.build(cfg.model, cfg.preset, mods=mods, **overrides)
     if cfg.fused_embeddings:
         from .models.fused_embedding import fuse_embeddings
@@ -834,7 +841,7 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
     out = cfg.out or _default_out(env)
     result = {"schema": "loka.bench", "version": 1, "env": env,
               "config": {k: v for k, v in cfg.__dict__.items()}, "train": [], "infer": [],
-              "notes": []}
+              "notes": [], "checks": {"oracle": {}, "search_gap": []}}
     if not caps.torchao_available():
         skipped = [v for v in cfg.train_variants + cfg.infer_variants if v.startswith("torchao")]
         if skipped:
@@ -873,7 +880,6 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
             result["checks"] = checks(shared, result)  # a run cut short keeps them too
             _write(result, out)
     _save_plans(shared, result, out)
-    result["checks"] = checks(shared, result)
     _write(result, out)
     if cfg.plot:
         with contextlib.suppress(Exception):

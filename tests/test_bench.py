@@ -483,6 +483,9 @@ def test_quality_schedule_and_optimizer_groups():
     n_emb = sum(p.numel() for m in model.modules() if q._is_embedding(m) for p in m.parameters())
     assert n_emb > 0 and sum(p.numel() for p in emb["params"]) == n_emb
     assert len(dense["params"]) + len(emb["params"]) == len(list(model.parameters()))
+    # the cached-batch path reads the features bench.build_model builds, without a model
+    spec = q._spec_holder(NS(model="wukong", preset="tiny", table_rows=100)).feature_spec
+    assert spec == model.feature_spec and max(t.num_embeddings for t in spec.tables) <= 100
 
 
 def test_kernel_sweep_measures_supported_kernels_and_summarizes_on_cpu():
