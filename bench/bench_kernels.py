@@ -42,7 +42,7 @@ from loka.config import role_shape  # noqa: E402
 from loka.kernels import capabilities as caps  # noqa: E402
 from loka.numerics import mere, relative_frobenius  # noqa: E402
 from loka.probe.report import atomic_write_text  # noqa: E402
-from loka.probe.probe import COMPILE_ENTRIES, _compile_for_timing  # noqa: E402
+from loka.probe.probe import _compile_for_timing, compiled_call  # noqa: E402
 from loka.probe.timing import time_fn  # noqa: E402
 
 WUKONG = {  # site: (M tokens, in_features K, out_features N) of the forward GEMM
@@ -108,12 +108,7 @@ class Caller:
         if not self.is_compiled(kern):
             return lambda a, b: kern(a, b, torch.bfloat16)
         if kern.name not in self.fns:
-            fn = torch.compile(lambda a, b: kern(a, b, torch.bfloat16), dynamic=False)
-
-            def call(a, b, fn=fn):
-                with torch._dynamo.config.patch(recompile_limit=COMPILE_ENTRIES):
-                    return fn(a, b)
-            self.fns[kern.name] = call
+            self.fns[kern.name] = compiled_call(kern, torch.bfloat16)
         return self.fns[kern.name]
 
 

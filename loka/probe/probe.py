@@ -519,23 +519,27 @@ class Probe:
         return result
 
     def _compiled_call(self, kern, dtype, cache) -> Callable:
-        """``call(a, b)``: the kernel under ``torch.compile``, as it runs inside a compiled
-        model, where Inductor fuses its PyTorch quantization; one compiled function per
-        kernel and dtype, specialized to each shape as a compiled model is (compiled once
-        with dynamic shapes, the same kernels timed up to 31x slower on the H200: compare
-        the reports in bench/results/2026-12-03-h200-wukong/ and
-        bench/results/2026-12-03-h200-wukong-merge/)."""
+        """:func:`compiled_call` of ``kern`` and ``dtype``, made once per Probe report."""
         key = ("compiled", kern.name, dtype)
         if key not in cache:
-            compiled = torch.compile(lambda a, b: kern(a, b, dtype), dynamic=False)
-
-            def call(a, b):
-                # one code object serves every kernel, role layout and weight-q variant:
-                # each is a guarded entry of its own, more than Dynamo's default limit
-                with torch._dynamo.config.patch(recompile_limit=COMPILE_ENTRIES):
-                    return compiled(a, b)
-            cache[key] = call
+            cache[key] = compiled_call(kern, dtype)
         return cache[key]
+
+
+def compiled_call(kern, dtype: torch.dtype) -> Callable:
+    """``call(a, b)``: the kernel under ``torch.compile``, as it runs inside a compiled
+    model, where Inductor fuses its PyTorch quantization; one compiled function, specialized
+    to each shape as a compiled model is (compiled once with dynamic shapes, the same
+    kernels timed up to 31x slower on the H200: compare the reports in
+    bench/results/2026-12-03-h200-wukong/ and bench/results/2026-12-03-h200-wukong-merge/)."""
+    compiled = torch.compile(lambda a, b: kern(a, b, dtype), dynamic=False)
+
+    def call(a, b):
+        # one code object serves every shape, role layout and weight-q variant: each is a
+        # guarded entry of its own, more than Dynamo's default limit
+        with torch._dynamo.config.patch(recompile_limit=COMPILE_ENTRIES):
+            return compiled(a, b)
+    return call
 
 
 def _compile_for_timing(kern, dev: torch.device, mode: str) -> bool:
