@@ -7,8 +7,10 @@
 #
 #   OUT=/tmp/out LOKA_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_session.sh selftest bench
 #
-# Stages: env, selftest, kernels, bench, fused, quality, probe. Extra arguments for a
-# stage come from the environment: BENCH_ARGS, KERNEL_ARGS, QUALITY_ARGS, PROBE_ARGS.
+# Stages: env, selftest, gputests, kernels, bench, fused, quality, probe. Extra arguments
+# for a stage come from the environment: BENCH_ARGS, KERNEL_ARGS, QUALITY_ARGS, PROBE_ARGS,
+# GPUTEST_FILES (the test files gputests runs; by default those with compiled Triton
+# kernels, which the CPU suite runs only under the Triton interpreter).
 set -u
 OUT=${OUT:-bench/results/session}
 mkdir -p "$OUT"
@@ -33,6 +35,9 @@ for s in "$@"; do
   case $s in
     env) stage env 60 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name()); import loka.kernels as k; print([x.name for x in k.available('cuda')]); from loka.kernels.adapters import FAILED; print('adapter failures:', FAILED)" ;;
     selftest) stage selftest "${SELFTEST_LIMIT:-120}" python3 bench/gpu_selftest.py --out "$OUT/selftest.json" ;;
+    gputests) stage gputests "${GPUTEST_LIMIT:-180}" python3 -m pytest -q -p no:cacheprovider -n 6 \
+        --junitxml="$OUT/gputests.xml" ${GPUTEST_FILES:-tests/mods/test_fused.py \
+        tests/kernels/test_triton_quantize.py tests/kernels/test_triton_gemm.py tests/kernels/test_fp8_kernels.py} ;;
     kernels) stage kernels "${KERNELS_LIMIT:-240}" python3 bench/bench_kernels.py --out "$OUT/kernels.json" ${KERNEL_ARGS:-} ;;
     bench) stage bench "${BENCH_LIMIT:-420}" python3 bench/run_all.py --device cuda --out "$OUT/bench.json" ${BENCH_ARGS:-} ;;
     fused) stage fused "${FUSED_LIMIT:-90}" python3 bench/bench_fused_norm.py --out "$OUT/fused_norm.json" ;;
@@ -43,4 +48,4 @@ for s in "$@"; do
 done
 # the device returns at most 8 files: everything goes into one archive as well
 tar czf /tmp/results.tgz -C "$OUT" . && mv /tmp/results.tgz "$OUT/results.tgz"
-grep -E "^(PASS|FAIL)|^===|x[0-9.]+ vs|FAILED|Error" "$LOG" | tail -150
+grep -E "^(PASS|FAIL)|^===|x[0-9.]+ vs|FAILED|Error| passed| failed" "$LOG" | tail -150
