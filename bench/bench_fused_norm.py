@@ -16,7 +16,8 @@ Each at batch 4096 in bf16, rowwise and tensorwise e4m3, timed with CUDA graphs
   second pass for the global amax);
 * ``fused_fp8_only``: the same without writing the high-precision output
   (``return_hp=False``): what serving needs, and training where the consumer keeps only
-  the FP8 copy (rowwise only; tensorwise casts from the stored activation);
+  the FP8 copy (tensorwise: a second launch recomputes the activation from ``x`` and casts
+  it with the global scale, instead of storing it and reading it back);
 * ``eager``: the PyTorch composition, then ``loka.numerics.quantize`` (the eager ops);
 * ``norm_compiled+quant_triton``: Inductor's norm (one kernel), then LoKA's Triton quantizer:
   the best "separate quantization" pass;

@@ -160,11 +160,42 @@ def quality_table(path: str) -> str:
     return "\n".join(out)
 
 
+def fused_table(path: str) -> str:
+    """A fused norm -> quantize run (``bench/bench_fused_norm.py``): microseconds per way
+    of producing the FP8 input, and the fused kernel's speedup against norm + separate
+    quantization, per case and granularity."""
+    r = json.load(open(path))
+    cols = ("fused", "fused_fp8_only", "norm_compiled+quant_triton", "inductor_fused",
+            "norm_compiled_only", "eager")
+    out = [f"fused norm -> quantize on {r['env'].get('gpu')} (torch {r['env'].get('torch')}, "
+           f"commit {r['env'].get('commit')}); source: `{path}`", "",
+           "| case | M x D | scaling | " + " | ".join(f"{c} us" for c in cols)
+           + " | fused vs separate | FP8-only vs separate | exact |",
+           "|---|---|---|" + "---|" * (len(cols) + 3)]
+    for row in r["rows"]:
+        t = row["times"]
+        us = [f"{t[c]['us']:.1f}" if "us" in t.get(c, {}) else "failed" for c in cols]
+        sp = row.get("speedup_vs_norm_compiled+quant_triton")
+        sp8 = row.get("fp8_only_speedup_vs_norm_compiled+quant_triton")
+        exact = row["fp8_bytes_equal_quantize_of_output"] and row["scales_equal"]
+        out.append(f"| {row['case']} | {row['M']}x{row['D']} | {row['granularity']} | "
+                   + " | ".join(us) + f" | {sp:.2f}x | " + (f"{sp8:.2f}x" if sp8 else "-")
+                   + f" | {'yes' if exact else 'NO'} |")
+    s = r["summary"]
+    out += ["", f"fused against norm + separate quantization: geomean "
+            f"{s['geomean_speedup_vs_separate_quant']:.2f}x, lowest "
+            f"{s['min_speedup_vs_separate_quant']:.2f}x; every FP8 output and scale equal to "
+            f"quantizing the kernel's own output: {'yes' if s['all_numerics_exact'] else 'no'}"]
+    return "\n".join(out)
+
+
 def render(path: str) -> str:
     with open(path) as f:
         d = json.load(f)
     if d.get("schema") == "loka.quality":
         return quality_table(path)
+    if d.get("schema") == "loka.bench.fused-norm":
+        return fused_table(path)
     if d.get("schema") == "loka.bench-sweep":
         return sweep_table(path)
     if "winners" in d and "cases" in d:

@@ -322,8 +322,9 @@ def _count_fp8(model) -> int:
             n += 1
         elif type(m).__name__ == "Float8Linear":
             n += 1
-        elif isinstance(m, torch.nn.Linear) and hasattr(m.weight, "tensor_impl"):
-            n += 1  # torchao inference-quantized weight
+        elif isinstance(m, torch.nn.Linear) and any(
+                hasattr(m.weight, a) for a in ("tensor_impl", "qdata")):
+            n += 1  # torchao inference-quantized weight (AQT: tensor_impl; Float8Tensor: qdata)
     return n
 
 
@@ -591,6 +592,7 @@ def _trial_timer(model, batch, cfg: BenchConfig, device, graphs: bool, inference
         del step
         with torch.no_grad():
             m.load_state_dict(saved)
+        gc.collect()  # compiled callables sit in reference cycles: free the trial's graph now
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if progress is not None:
@@ -644,6 +646,7 @@ def _whole_step_plan(plans: dict, name: str, model, batch, cfg: BenchConfig, dev
 def run_train_variant(name: str, cfg: BenchConfig, device: torch.device, shared: dict) -> dict:
     step, row, batch = prepare_train(name, cfg, device, shared)
     if device.type == "cuda":
+        gc.collect()  # what earlier variants or tuning trials left in cycles is not counted
         torch.cuda.reset_peak_memory_stats(device)
     row.update(_time_steps(step, device, cfg.steps, cfg.warmup))
     loss = step()
@@ -806,6 +809,7 @@ def run_infer_variant(name: str, cfg: BenchConfig, device: torch.device, shared:
                                         for m in model.modules())
     row["fp8_sites"] = _count_fp8(model)
     if device.type == "cuda":
+        gc.collect()  # what earlier variants or tuning trials left in cycles is not counted
         torch.cuda.reset_peak_memory_stats(device)
     step = _make_forward(model, batch, cfg, device,
                          name.endswith("+graphs") and device.type == "cuda")

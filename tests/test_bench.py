@@ -537,3 +537,15 @@ def test_fused_norm_result_summarizes_rows():
     assert s["geomean_speedup_vs_separate_quant"] == pytest.approx(1.0)
     assert s["fp8_only_rowwise_speedups_vs_separate_quant"] == [2.5]
     assert s["all_numerics_exact"] is False
+
+
+def test_fp8_site_count_sees_torchao_inference_weights():
+    """torchao's inference quantization leaves nn.Linear in place with a quantized weight
+    tensor (AffineQuantizedTensor: ``tensor_impl``; 0.17's Float8Tensor: ``qdata``): each
+    counts as an FP8 site, a plain Linear does not."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16),
+                                torch.nn.Linear(16, 1))
+    assert bench._count_fp8(model) == 0
+    model[0].weight.qdata = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
+    model[1].weight.tensor_impl = object()
+    assert bench._count_fp8(model) == 2

@@ -14,7 +14,7 @@ from loka.kernels import capabilities as caps
 from loka.mods.blocknorm import BlockNorm
 from loka.mods.fused import (FusedNormActQuant, fused_norm_act_quant, norm_act_backward,
                              reference_norm_act)
-from loka.numerics import quantize, relative_frobenius
+from loka.numerics import get_format, quantize, relative_frobenius
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 GPU = not INTERPRETED and caps.triton_available("cuda") and (caps.cuda_capability("cuda") or (0, 0)) >= (8, 9)
@@ -201,15 +201,25 @@ def test_triton_kernel_matches_the_composition(norm, d, affine, granularity):
 
 
 @pytest.mark.parametrize("act,fmt", [("hardswish", "e4m3"), ("identity", "e5m2")])
-def test_triton_kernel_without_hp_output(act, fmt):
+@pytest.mark.parametrize("granularity", ["rowwise", "tensorwise"])
+def test_triton_kernel_without_hp_output(act, fmt, granularity):
+    """Without the high-precision output the FP8 tensor is the same, bit for bit; the
+    tensorwise path then recomputes the activation in a second launch instead of reading it
+    back, and still casts with the amax of the whole tensor."""
     kernel_runs_here()
-    x = torch.randn(20, 256).bfloat16().to(DEVICE)
-    y, q = fused_norm_act_quant(x, "blocknorm", 128, act, fmt, "rowwise", backend="triton")
-    none, q2 = fused_norm_act_quant(x, "blocknorm", 128, act, fmt, "rowwise", return_hp=False,
-                                    backend="triton")
+    x = torch.randn(20, 256).bfloat16()
+    x[7] *= 40  # one row sets the tensorwise amax
+    x = x.to(DEVICE)
+    y, q = fused_norm_act_quant(x, "blocknorm", 128, act, fmt, granularity, backend="triton")
+    none, q2 = fused_norm_act_quant(x, "blocknorm", 128, act, fmt, granularity,
+                                    return_hp=False, backend="triton")
     assert none is None
     assert_q_equal(q2, q)
-    assert_q_equal(q, quantize(y, fmt, "rowwise", "a"))
+    assert_q_equal(q, quantize(y, fmt, granularity, "a"))
+    if granularity == "tensorwise":
+        assert q2.scale.numel() == 1
+        assert q2.scale.item() == pytest.approx(
+            y.float().abs().max().item() / get_format(fmt).max, rel=1e-6)
 
 
 def test_triton_kernel_backward_and_compile():

@@ -22,10 +22,15 @@ pass; bytes moved = read x + write q (+ write y)). Longer rows go through ``NG``
 chunks: pass 1 computes and stores the activation and the row amax, pass 2 recomputes each
 chunk (its input is then mostly in L2) and casts.
 
-Tensorwise scales: the kernel writes the activation and folds its amax into one global
-amax with an integer ``atomic_max`` (the bits of a non-negative float order as the float
-does, and a positive NaN above +inf, so NaN propagates), then
-:func:`~loka.kernels.triton.quantize.tensor_cast_kernel` casts from the stored activation.
+Tensorwise scales: a first pass folds every program's amax into one global amax with an
+integer ``atomic_max`` (the bits of a non-negative float order as the float does, and a
+positive NaN above +inf, so NaN propagates). When the high-precision activation is wanted,
+that pass also writes it and
+:func:`~loka.kernels.triton.quantize.tensor_cast_kernel` casts from it; when only the FP8
+tensor is wanted (``return_hp=False``), a second launch of the same kernel (``CAST``)
+recomputes the activation from ``x`` and casts it with the global scale, so the
+activation never goes to memory (bytes moved: read x twice + write q, against read x +
+write y + read y + write q).
 
 Rounding of the activation follows the device of the reference: on CUDA, PyTorch's Hard
 Swish is ``x * clamp(x + 3, 0, 6) * (1/6)`` (a product with the float32 reciprocal), on
@@ -154,7 +159,7 @@ def _global_amax(partial_ptr, amax):
 
 @autotune(configs=[triton.Config({"BLOCK_M": m}, num_warps=w)
                    for m in (1, 2, 4, 8, 16, 32, 64) for w in (4, 8, 16)],
-          key=["M", "D", "NORM", "GROUP", "NG", "GP", "ACT", "ROWWISE", "WRITE_HP"],
+          key=["M", "D", "NORM", "GROUP", "NG", "GP", "ACT", "ROWWISE", "WRITE_HP", "CAST"],
           prune=_prune)
 @triton.jit
 def norm_act_quant_kernel(x_ptr, w_ptr, b_ptr, y_ptr, q_ptr, scale_ptr, partial_ptr, M, D,
@@ -162,13 +167,19 @@ def norm_act_quant_kernel(x_ptr, w_ptr, b_ptr, y_ptr, q_ptr, scale_ptr, partial_
                           NG: tl.constexpr, GP: tl.constexpr, NCHUNK: tl.constexpr,
                           HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACT: tl.constexpr,
                           WRITE_HP: tl.constexpr, ROWWISE: tl.constexpr,
-                          FMT_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
+                          CAST: tl.constexpr, FMT_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
                           MIN_EXP: tl.constexpr, SOFT_ROUND: tl.constexpr,
                           BLOCK_M: tl.constexpr):
     """Rows [pid * BLOCK_M, +BLOCK_M) of x (M, D) -> y (M, D) in x's dtype (if WRITE_HP),
     q (M, D) FP8 with rowwise scales (M,) (ROWWISE), or the global amax's int32 bits in
-    ``partial`` (tensorwise)."""
+    ``partial`` (tensorwise), or, with ``CAST`` (tensorwise, second launch), q cast with the
+    scale of the global amax already in ``partial`` (the scale stored by program 0)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    g_scale = 0.0
+    if CAST:
+        g_amax = tl.load(partial_ptr).to(tl.float32, bitcast=True)
+        g_scale = amax_to_scale(g_amax, FMT_MAX, SOFT_ROUND)
+        tl.store(scale_ptr, g_scale, mask=tl.program_id(0) == 0)
     row_ok = rows < M
     r64 = rows[:, None, None].to(tl.int64)
     zero_m = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -184,15 +195,18 @@ def norm_act_quant_kernel(x_ptr, w_ptr, b_ptr, y_ptr, q_ptr, scale_ptr, partial_
                       GROUP, NG, HAS_W, HAS_B, ACT, SOFT_ROUND)
         if WRITE_HP:
             tl.store(y_ptr + r64 * D + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-        amax = _row_amax(y)
-        if ROWWISE:
+        if CAST:
+            qv = scale_and_clamp(y, g_scale, FMT_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND)
+            tl.store(q_ptr + r64 * D + cols, qv.to(q_ptr.dtype.element_ty), mask=mask)
+        elif ROWWISE:
+            amax = _row_amax(y)
             scale = amax_to_scale(amax, FMT_MAX, SOFT_ROUND)
             qv = scale_and_clamp(y, scale[:, None, None], FMT_MAX, MANT_BITS, MIN_EXP,
                                  SOFT_ROUND)
             tl.store(q_ptr + r64 * D + cols, qv.to(q_ptr.dtype.element_ty), mask=mask)
             tl.store(scale_ptr + rows, scale, mask=row_ok)
         else:
-            _global_amax(partial_ptr, amax)
+            _global_amax(partial_ptr, _row_amax(y))
     else:  # long rows: chunks of NG blocks, the activation computed twice
         CW: tl.constexpr = NG * GROUP
         mean, rstd = zero_m, zero_m
@@ -210,28 +224,37 @@ def norm_act_quant_kernel(x_ptr, w_ptr, b_ptr, y_ptr, q_ptr, scale_ptr, partial_
                 xc = tl.where(mask, x - mean[:, None, None], 0.0)
                 acc += tl.sum(tl.sum(xc * xc, 2), 1)
             rstd = tl.rsqrt(tl.math.div_rn(acc, zero_m + D) + eps)
-        amax = zero_m
-        for c0 in range(0, D, CW):
-            x, cols, col_ok, mask = _load_tile(x_ptr, r64, row_ok, c0, D, stride_xm, GROUP,
-                                               NG, GP)
-            y = _norm_act(x, cols, col_ok, mask, c0, D, x_ptr, w_ptr, b_ptr, eps, mean, rstd,
-                          NORM, GROUP, NG, HAS_W, HAS_B, ACT, SOFT_ROUND)
-            if WRITE_HP:
-                tl.store(y_ptr + r64 * D + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-            amax = tl.maximum(amax, _row_amax(y), propagate_nan=tl.PropagateNan.ALL)
-        if ROWWISE:
-            scale = amax_to_scale(amax, FMT_MAX, SOFT_ROUND)
-            tl.store(scale_ptr + rows, scale, mask=row_ok)
+        if CAST:
             for c0 in range(0, D, CW):
                 x, cols, col_ok, mask = _load_tile(x_ptr, r64, row_ok, c0, D, stride_xm,
                                                    GROUP, NG, GP)
                 y = _norm_act(x, cols, col_ok, mask, c0, D, x_ptr, w_ptr, b_ptr, eps, mean, rstd,
                               NORM, GROUP, NG, HAS_W, HAS_B, ACT, SOFT_ROUND)
-                qv = scale_and_clamp(y, scale[:, None, None], FMT_MAX, MANT_BITS, MIN_EXP,
-                                     SOFT_ROUND)
+                qv = scale_and_clamp(y, g_scale, FMT_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND)
                 tl.store(q_ptr + r64 * D + cols, qv.to(q_ptr.dtype.element_ty), mask=mask)
         else:
-            _global_amax(partial_ptr, amax)
+            amax = zero_m
+            for c0 in range(0, D, CW):
+                x, cols, col_ok, mask = _load_tile(x_ptr, r64, row_ok, c0, D, stride_xm, GROUP,
+                                                   NG, GP)
+                y = _norm_act(x, cols, col_ok, mask, c0, D, x_ptr, w_ptr, b_ptr, eps, mean, rstd,
+                              NORM, GROUP, NG, HAS_W, HAS_B, ACT, SOFT_ROUND)
+                if WRITE_HP:
+                    tl.store(y_ptr + r64 * D + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+                amax = tl.maximum(amax, _row_amax(y), propagate_nan=tl.PropagateNan.ALL)
+            if ROWWISE:
+                scale = amax_to_scale(amax, FMT_MAX, SOFT_ROUND)
+                tl.store(scale_ptr + rows, scale, mask=row_ok)
+                for c0 in range(0, D, CW):
+                    x, cols, col_ok, mask = _load_tile(x_ptr, r64, row_ok, c0, D, stride_xm,
+                                                       GROUP, NG, GP)
+                    y = _norm_act(x, cols, col_ok, mask, c0, D, x_ptr, w_ptr, b_ptr, eps, mean,
+                                  rstd, NORM, GROUP, NG, HAS_W, HAS_B, ACT, SOFT_ROUND)
+                    qv = scale_and_clamp(y, scale[:, None, None], FMT_MAX, MANT_BITS, MIN_EXP,
+                                         SOFT_ROUND)
+                    tl.store(q_ptr + r64 * D + cols, qv.to(q_ptr.dtype.element_ty), mask=mask)
+            else:
+                _global_amax(partial_ptr, amax)
 
 
 def norm_act_quant(x: torch.Tensor, *, norm: str = "blocknorm", block: int = 256,
@@ -278,8 +301,7 @@ def norm_act_quant(x: torch.Tensor, *, norm: str = "blocknorm", block: int = 256
             raise ValueError(f"{name} must have shape ({d},), got {tuple(p.shape)}")
     meta = fp8_meta(fmt)
     rowwise = granularity == "rowwise"
-    write_hp = return_hp or not rowwise  # tensorwise casts from the stored activation
-    y = torch.empty_like(x) if write_hp else None
+    y = torch.empty_like(x) if return_hp else None
     q = torch.empty((m, d), dtype=get_format(fmt).dtype, device=x.device)
     scale = torch.empty((m, 1) if rowwise else (1, 1), dtype=torch.float32, device=x.device)
     if m == 0:
@@ -288,14 +310,16 @@ def norm_act_quant(x: torch.Tensor, *, norm: str = "blocknorm", block: int = 256
     # tensorwise: the global amax as int32 bits, folded in with atomic max from 0
     amax_bits = torch.zeros((1,), dtype=torch.int32, device=x.device) if not rowwise else scale
     grid = lambda meta_: (triton.cdiv(m, meta_["BLOCK_M"]),)  # noqa: E731
-    norm_act_quant_kernel[grid](
-        x, weight if weight is not None else x, bias if bias is not None else x,
-        y if y is not None else x, q, scale, amax_bits, m, d, x.stride(0), float(eps),
-        NORM=NORMS[norm], GROUP=group, NG=ng, GP=gp, NCHUNK=nchunk,
-        HAS_W=weight is not None, HAS_B=bias is not None, ACT=ACTIVATIONS[act],
-        WRITE_HP=write_hp, ROWWISE=rowwise, **meta)
-    if not rowwise:
+    args = (x, weight if weight is not None else x, bias if bias is not None else x,
+            y if y is not None else x, q, scale, amax_bits, m, d, x.stride(0), float(eps))
+    kw = dict(NORM=NORMS[norm], GROUP=group, NG=ng, GP=gp, NCHUNK=nchunk,
+              HAS_W=weight is not None, HAS_B=bias is not None, ACT=ACTIVATIONS[act],
+              ROWWISE=rowwise, **meta)
+    norm_act_quant_kernel[grid](*args, WRITE_HP=return_hp, CAST=False, **kw)
+    if not rowwise and return_hp:  # cast from the stored activation
         nprog = max(1, min(triton.cdiv(m * d, 16384), 512))
         tensor_cast_kernel[(nprog,)](y, q, scale, amax_bits.view(torch.float32), 1, m, d,
                                      y.stride(0), 1, d, 1, NPART_P2=1, **meta)
-    return (y if return_hp else None), q, scale
+    elif not rowwise:  # FP8 only: recompute from x and cast, the activation never stored
+        norm_act_quant_kernel[grid](*args, WRITE_HP=False, CAST=True, **kw)
+    return y, q, scale
