@@ -1,0 +1,219 @@
+"""Compile every LoKA Triton kernel for a GPU target, on a machine without a GPU.
+
+The Triton interpreter checks what the kernels compute, not whether they compile: a kernel
+that is exact under ``TRITON_INTERPRET=1`` can still fail in Triton's compiler (a type the
+interpreter accepts, a layout the backend rejects, a tile that runs out of registers). GPU
+time is scarce, so this script finds those failures on the CPU. It runs the kernels' own
+Python wrappers (``loka.kernels.triton.*``) on CPU tensors of the Wukong shapes and lets
+each launch compile, all the way to a cubin, *every* config the autotuner would try at
+that shape, for each target architecture. It then skips the launch. Triton's own
+``ptxas`` does the last step, so no CUDA toolkit or driver is needed.
+
+How: Triton's active driver is swapped for one that only names the target, and
+``Autotuner.run`` for a loop that compiles each pruned config with ``warmup=True``
+(compile, never launch). Both are restored on exit. The outputs the wrappers return are
+uninitialized and meaningless; only compilation is checked.
+
+    python bench/triton_aot.py [--arch 90,100] [--quick] [--out aot.json]
+
+Exit status 1 if any case fails to compile. ``tests/kernels/test_triton_aot.py`` runs it
+(``--quick``) whenever Triton is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Callable, Dict, List, Tuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("LOKA_TRITON_AUTOTUNE", "1")  # every config the tuner would try
+
+import torch  # noqa: E402
+
+
+@contextlib.contextmanager
+def compile_only(arch: int, log: List[dict]):
+    """Within the block, Triton launches compile for ``sm_<arch>`` and do not run; each
+    compiled (kernel, config) is appended to ``log``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    target = GPUTarget("cuda", arch, 32)
+
+    class TargetOnly:
+        def get_current_device(self):  # kernels cache their compilations per device:
+            return 1000 + arch  # one made-up device per target, none shared with a real GPU
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_current_target(self):
+            return target
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    def record(fn, cfg, kernel, seconds):
+        log.append({"kernel": fn.__name__, "config": cfg, "seconds": round(seconds, 3),
+                    "cubin": kernel is not None and "cubin" in kernel.asm,
+                    "arch": kernel.metadata.target.arch if kernel is not None else None})
+
+    def jit_run(self, *args, grid, warmup, **kwargs):  # a launch of a kernel not autotuned
+        t = time.perf_counter()
+        kernel = original_jit(self, *args, grid=grid, warmup=True, **kwargs)
+        record(self, "-", kernel, time.perf_counter() - t)
+        return kernel
+
+    def tuner_run(self, *args, **kwargs):
+        kwargs.pop("warmup", None)
+        grid = kwargs.pop("grid", None)
+        self.nargs = dict(zip(self.arg_names, args))
+        configs = self.prune_configs(kwargs) if len(self.configs) > 1 else self.configs
+        for cfg in configs:
+            t = time.perf_counter()
+            kernel = original_jit(self.fn, *args, grid=grid, warmup=True, **kwargs,
+                                  **cfg.all_kwargs())
+            record(self.fn, str(cfg), kernel, time.perf_counter() - t)
+
+    original_jit, original_tuner = JITFunction.run, Autotuner.run
+    original_driver = driver._active  # None where no GPU driver was ever made active
+    driver.set_active(TargetOnly())
+    JITFunction.run, Autotuner.run = jit_run, tuner_run
+    try:
+        yield
+    finally:
+        JITFunction.run, Autotuner.run = original_jit, original_tuner
+        driver._active = original_driver
+
+
+def _fp8(shape, col_major=False):
+    t = torch.zeros(shape[::-1] if col_major else shape, dtype=torch.float8_e4m3fn)
+    return t.t() if col_major else t
+
+
+def _gemm(m, k, n, **kw):
+    from loka.kernels.triton.gemm_rowwise import gemm_rowwise
+    return lambda: gemm_rowwise(_fp8((m, k)), _fp8((k, n), col_major=True),
+                                torch.ones(m, 1), torch.ones(1, n), **kw)
+
+
+def _blockwise_gemm(m, k, n):
+    from loka.kernels.triton.gemm_blockwise import gemm_blockwise
+    return lambda: gemm_blockwise(_fp8((m, k)), _fp8((k, n), col_major=True),
+                                  torch.ones(m, -(-k // 128)), torch.ones(-(-k // 128), -(-n // 128)))
+
+
+def _norm(m, d, **kw):
+    from loka.kernels.triton.norm_act_quant import norm_act_quant
+    x = torch.zeros(m, d, dtype=torch.bfloat16)
+    if kw.get("norm") == "layernorm" and kw.pop("affine", False):
+        kw.update(weight=torch.ones(d, dtype=torch.bfloat16), bias=torch.zeros(d, dtype=torch.bfloat16))
+    return lambda: norm_act_quant(x, **kw)
+
+
+def cases(quick: bool) -> Dict[str, Callable[[], Callable[[], object]]]:
+    """name -> a builder of the call to compile (Wukong ``paper`` shapes, every operand
+    layout loka.Linear passes, every epilogue and norm option)."""
+    from loka.kernels.triton import quantize as tq
+
+    act = torch.zeros(4096, 2048, dtype=torch.bfloat16)
+    tokens = torch.zeros(65536, 64, dtype=torch.bfloat16)  # the FM projection's n axis
+    out = {
+        "quantize_rowwise row-major": lambda: lambda: tq.quantize_rowwise(act),
+        "quantize_rowwise transposed (wgrad)": lambda: lambda: tq.quantize_rowwise(act.t()),
+        "quantize_rowwise e5m2": lambda: lambda: tq.quantize_rowwise(act, "e5m2"),
+        "quantize_colwise": lambda: lambda: tq.quantize_colwise(act),
+        "quantize_tensorwise row": lambda: lambda: tq.quantize_tensorwise(act),
+        "quantize_tensorwise col": lambda: lambda: tq.quantize_tensorwise(act, layout="col"),
+        "quantize_blockwise 1x128": lambda: lambda: tq.quantize_blockwise(act),
+        "quantize_blockwise 128x128 col": lambda: lambda: tq.quantize_blockwise(
+            act, block=(128, 128), layout="col"),
+        "gemm_rowwise fm_mlp.1 fwd": lambda: _gemm(4096, 2048, 8192),
+        "gemm_rowwise fm_projection fwd (N=32)": lambda: _gemm(65536, 64, 32),
+        "gemm_rowwise top_mlp.0 split-K": lambda: _gemm(2048, 4096, 16384),
+        "gemm_rowwise bias+hardswish fastacc": lambda: _gemm(4096, 2048, 1024, bias=torch.zeros(1024),
+                                                             activation="hardswish", fast_accum=True),
+        "gemm_rowwise fp8 out (N=256)": lambda: _gemm(4096, 2048, 256, fp8_out="e4m3"),
+        "gemm_rowwise fp32 out": lambda: _gemm(4096, 1024, 2048, out_dtype=torch.float32),
+        "gemm_blockwise": lambda: _blockwise_gemm(4096, 2048, 2048),
+        "norm_act_quant blocknorm+hardswish rowwise": lambda: _norm(4096, 2048),
+        "norm_act_quant blocknorm tensorwise fp8-only": lambda: _norm(
+            4096, 2048, act="identity", granularity="tensorwise", return_hp=False),
+        "norm_act_quant top norm 16384 rowwise fp8-only": lambda: _norm(
+            4096, 16384, act="identity", return_hp=False),
+        "norm_act_quant chunked 20000 tensorwise": lambda: _norm(
+            64, 20000, norm="none", granularity="tensorwise"),
+        "norm_act_quant layernorm affine": lambda: _norm(4096, 96, norm="layernorm", affine=True),
+    }
+    if quick:  # one case per kernel family and option that the others do not cover
+        keep = ("quantize_rowwise row-major", "quantize_rowwise transposed (wgrad)",
+                "quantize_tensorwise col",
+                "quantize_blockwise 128x128 col", "gemm_rowwise fm_projection fwd (N=32)",
+                "gemm_rowwise bias+hardswish fastacc", "gemm_rowwise fp8 out (N=256)",
+                "gemm_blockwise", "norm_act_quant blocknorm tensorwise fp8-only",
+                "norm_act_quant chunked 20000 tensorwise")
+        out = {k: v for k, v in out.items() if k in keep}
+    return out
+
+
+def run(archs: List[int], quick: bool = False,
+        progress: Callable[[str], None] = print) -> Tuple[List[dict], List[dict]]:
+    """(compiled, failures): every (kernel, config, arch) compiled, and every case that
+    raised, with its error."""
+    import triton  # noqa: F401  (ImportError: nothing to check)
+
+    compiled, failures = [], []
+    for arch in archs:
+        for name, build in cases(quick).items():
+            before = len(compiled)
+            t = time.perf_counter()
+            try:
+                with compile_only(arch, compiled):
+                    build()()
+            except Exception as e:  # noqa: BLE001 - report every case, not the first
+                failures.append({"case": name, "arch": arch,
+                                 "error": f"{type(e).__name__}: {e}"[:2000],
+                                 "traceback": traceback.format_exc()[-4000:]})
+                progress(f"sm_{arch} {name}: FAILED {type(e).__name__}: {str(e)[:300]}")
+                continue
+            for c in compiled[before:]:
+                c["case"] = name
+            n = len(compiled) - before
+            progress(f"sm_{arch} {name}: {n} config(s) compiled in {time.perf_counter() - t:.1f} s")
+            if n == 0 or not all(c["cubin"] and c["arch"] == arch for c in compiled[before:]):
+                failures.append({"case": name, "arch": arch, "error": (
+                    f"no cubin for sm_{arch}" if n else "nothing was compiled")})
+    return compiled, failures
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", default="90", help="comma list of SM versions (90: Hopper)")
+    p.add_argument("--quick", action="store_true", help="one case per kernel option")
+    p.add_argument("--out", default=None, help="write the compiled configs and failures as JSON")
+    args = p.parse_args(argv)
+    archs = [int(a) for a in args.arch.split(",") if a.strip()]
+    t = time.perf_counter()
+    compiled, failures = run(archs, args.quick)
+    kernels = sorted({c["kernel"] for c in compiled})
+    print(f"{len(compiled)} kernel configs of {len(kernels)} kernels compiled for "
+          f"{', '.join(f'sm_{a}' for a in archs)} in {time.perf_counter() - t:.0f} s; "
+          f"{len(failures)} failure(s)")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"archs": archs, "kernels": kernels,
+                                              "compiled": compiled, "failures": failures},
+                                             indent=1))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
