@@ -24,3 +24,14 @@ for tag in "" ".merge"; do
       --assign "*.fmb.mlp.2:*=${name#*:}" --assign "over_arch.mlp.0:*=${name#*:}"
   done
 done
+# wukong-paper-tuned.merge: the plan the training benchmark ran at its best, the `tuned_plan`
+# of its loka+mods+merge+tuned+graphs row (FP8 forwards of the four FM 2048 -> 8192 Linears,
+# FP8 forward and input gradient of the top Linear), for
+# `bench/quality_at_scale.py --merge --plan bench/plans/wukong-paper-tuned.merge.plan.json`
+python - <<'PY'
+import json
+from loka.dispatch.plan import Plan
+rows = json.load(open("bench/results/2026-12-03-h200-wukong-search-torchao/bench.json"))["train"]
+row = next(r for r in rows if r["variant"] == "loka+mods+merge+tuned+graphs")
+Plan.from_dict(row["tuned_plan"]).save("bench/plans/wukong-paper-tuned.merge.plan.json")
+PY
