@@ -14,7 +14,6 @@ optimizer) after warm-up; on the CPU, wall-clock medians (a smoke test, not a re
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime as _dt
 import gc
@@ -884,10 +883,12 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
             result["checks"] = checks(shared, result)  # a run cut short keeps them too
             _write(result, out)
     _save_plans(shared, result, out)
-    _write(result, out)
     if cfg.plot:
-        with contextlib.suppress(Exception):
-            plot(result, out.removesuffix(".json") + ".png")
+        try:
+            result["chart"] = plot(result, out.removesuffix(".json") + ".png")
+        except Exception as e:  # noqa: BLE001 - no chart (no matplotlib, no rows) is no failure
+            result.setdefault("notes", []).append(f"no chart: {type(e).__name__}: {e}")
+    _write(result, out)
     result["out"] = out
     return result
 
@@ -948,8 +949,11 @@ def run_sweep(cfg: BenchConfig, batch_sizes: List[int],
                 sweep[mode].setdefault(row["variant"], {})[str(b)] = keep
         _write(sweep, out)
     if cfg.plot:
-        with contextlib.suppress(Exception):
-            plot_sweep(sweep, stem + ".png")
+        try:
+            sweep["chart"] = plot_sweep(sweep, stem + ".png")
+        except Exception as e:  # noqa: BLE001 - no chart is no failure: say why
+            sweep.setdefault("notes", []).append(f"no chart: {type(e).__name__}: {e}")
+        _write(sweep, out)
     sweep["out"] = out
     return sweep
 
@@ -1013,22 +1017,41 @@ def _write(result: dict, path: str) -> None:
     atomic_write_text(path, json.dumps(result, indent=1, default=str))
 
 
+def plot_panels(result: dict) -> List[Tuple[str, str, List[dict]]]:
+    """``(mode, reference, rows)`` for each mode with measured rows: the rows' speedups
+    against the first baseline of :data:`RATIO_REFS` that the run measured in that mode."""
+    panels = []
+    for mode in ("train", "infer"):
+        for ref in RATIO_REFS:
+            rows = [r for r in result.get(mode, []) if f"speedup_vs_{ref}" in r]
+            if rows:
+                panels.append((mode, ref, rows))
+                break
+    return panels
+
+
 def plot(result: dict, path: str) -> str:
-    """A bar chart of each variant's speedup against bf16 (training and inference)."""
+    """A bar chart of each variant's speedup, one panel per mode that has rows (against
+    bf16, or the first baseline the run has: :func:`plot_panels`)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(14, 6))
-    for ax, mode in zip(axes, ("train", "infer")):
-        rows = [r for r in result[mode] if "speedup_vs_bf16" in r]
+    panels = plot_panels(result)
+    if not panels:
+        raise ValueError("nothing to plot: no row has a speedup against a measured baseline")
+    heights = max(len(rows) for _, _, rows in panels)
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 1.5 + 0.45 * heights),
+                             squeeze=False)
+    for ax, (mode, ref, rows) in zip(axes[0], panels):
         names = [r["variant"] for r in rows]
-        vals = [r["speedup_vs_bf16"] for r in rows]
+        vals = [r[f"speedup_vs_{ref}"] for r in rows]
         colors = ["tab:green" if n.startswith("loka") else "tab:orange" if n.startswith("torchao")
                   else "tab:blue" for n in names]
         ax.barh(names, vals, color=colors)
         ax.axvline(1.0, color="k", lw=0.8)
-        ax.set_title(f"{mode}: speedup vs bf16")
+        ax.set_title(f"{'training step' if mode == 'train' else 'inference forward'}: "
+                     f"speedup vs {ref}")
         ax.invert_yaxis()
         for y, v in enumerate(vals):
             ax.text(v, y, f" {v:.2f}", va="center", fontsize=8)

@@ -549,3 +549,28 @@ def test_fp8_site_count_sees_torchao_inference_weights():
     model[0].weight.qdata = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
     model[1].weight.tensor_impl = object()
     assert bench._count_fp8(model) == 2
+
+
+def test_chart_has_a_panel_per_measured_mode_against_the_first_baseline(tmp_path):
+    """An inference-only run charts inference alone (no empty training panel); a run
+    without plain bf16 charts against bf16 + Mods; a run with nothing to chart says so."""
+    env = {"device": "cpu", "date": "2026-12-03T00:00:00"}
+    cfg = {"model": "wukong", "preset": "tiny"}
+    infer = [{"variant": "bf16", "speedup_vs_bf16": 1.0},
+             {"variant": "loka+mods", "speedup_vs_bf16": 1.3}]
+    train = [{"variant": "bf16+mods", "speedup_vs_bf16+mods": 1.0},
+             {"variant": "loka+mods", "speedup_vs_bf16+mods": 1.1},
+             {"variant": "torchao-rowwise+mods", "error": "RuntimeError: no"}]
+    only_infer = {"env": env, "config": cfg, "train": [], "infer": infer}
+    assert [(m, ref, [r["variant"] for r in rows])
+            for m, ref, rows in bench.plot_panels(only_infer)] == [
+        ("infer", "bf16", ["bf16", "loka+mods"])]
+    both = {"env": env, "config": cfg, "train": train, "infer": infer}
+    assert [(m, ref, len(rows)) for m, ref, rows in bench.plot_panels(both)] == [
+        ("train", "bf16+mods", 2), ("infer", "bf16", 2)]
+    with pytest.raises(ValueError, match="nothing to plot"):
+        bench.plot({"env": env, "config": cfg, "train": train[2:], "infer": []},
+                   str(tmp_path / "none.png"))
+    if importlib.util.find_spec("matplotlib") is not None:
+        path = bench.plot(both, str(tmp_path / "both.png"))
+        assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
