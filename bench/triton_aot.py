@@ -144,6 +144,9 @@ def cases(quick: bool) -> Dict[str, Callable[[], Callable[[], object]]]:
                                                              activation="hardswish", fast_accum=True),
         "gemm_rowwise fp8 out (N=256)": lambda: _gemm(4096, 2048, 256, fp8_out="e4m3"),
         "gemm_rowwise fp32 out": lambda: _gemm(4096, 1024, 2048, out_dtype=torch.float32),
+        "gemm_rowwise BlockNorm statistics": lambda: _gemm(4096, 2048, 2048, norm_stats=256),
+        "gemm_rowwise fp8 out + BlockNorm statistics": lambda: _gemm(
+            4096, 2048, 256, fp8_out="e4m3", norm_stats=64),
         "gemm_blockwise": lambda: _blockwise_gemm(4096, 2048, 2048),
         "norm_act_quant blocknorm+hardswish rowwise": lambda: _norm(4096, 2048),
         "norm_act_quant blocknorm tensorwise fp8-only": lambda: _norm(
@@ -159,6 +162,8 @@ def cases(quick: bool) -> Dict[str, Callable[[], Callable[[], object]]]:
                 "quantize_tensorwise col",
                 "quantize_blockwise 128x128 col", "gemm_rowwise fm_projection fwd (N=32)",
                 "gemm_rowwise bias+hardswish fastacc", "gemm_rowwise fp8 out (N=256)",
+                "gemm_rowwise BlockNorm statistics",
+                "gemm_rowwise fp8 out + BlockNorm statistics",
                 "gemm_blockwise", "norm_act_quant blocknorm tensorwise fp8-only",
                 "norm_act_quant chunked 20000 tensorwise")
         out = {k: v for k, v in out.items() if k in keep}

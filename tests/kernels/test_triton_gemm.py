@@ -27,7 +27,7 @@ def test_under_interpreter(run_under_interpreter):
     picks when it is first imported: the tests of this file run in a fresh process."""
     if GPU or INTERPRETED:
         pytest.skip("the kernels run in this process")
-    run_under_interpreter(__file__, "not test_under_interpreter", min_passed=11)
+    run_under_interpreter(__file__, "not test_under_interpreter", min_passed=18)
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +152,58 @@ def test_split_k_for_a_long_reduction(G, monkeypatch):
     qa, qw = operands(32, 1200, 48)
     y = G.gemm_rowwise(qa.data, qw.data.t(), qa.scale, qw.scale.t(), out_dtype=torch.float32)
     assert relative_frobenius(y, ref64(qa, qw)) < TOL
+
+
+def blocknorm_stats(y, block):
+    """float64 mean square of each row's blocks of ``block`` columns (the last one shorter)."""
+    y = y.double()
+    return torch.stack([y[:, j:j + block].pow(2).mean(1) for j in range(0, y.shape[1], block)], 1)
+
+
+@pytest.mark.parametrize("n,block,kw", [
+    (1024, 256, {}),                                      # tiles inside one block
+    (1000, 256, dict(bias=True, activation="hardswish")),  # a last block of 232 columns
+    (96, 16, {}),                                         # several blocks in one tile
+    (200, 512, {}),                                       # a block longer than the row
+])
+def test_blocknorm_statistics_epilogue(G, n, block, kw):
+    """The epilogue's mean squares are those of the output as stored, block by block, and
+    with them the next BlockNorm needs no reduction of its own."""
+    from loka.mods.blocknorm import BlockNorm
+
+    qa, qw = operands(48, 128, n, seed=n)
+    if kw.pop("bias", False):
+        kw["bias"] = torch.randn(n).bfloat16().to(DEVICE)
+    y, ms = G.gemm_rowwise(qa.data, qw.data.t(), qa.scale, qw.scale.t(), norm_stats=block, **kw)
+    y_plain = G.gemm_rowwise(qa.data, qw.data.t(), qa.scale, qw.scale.t(), **kw)
+    assert torch.equal(y, y_plain)  # the statistics change nothing of the output
+    assert ms.shape == (48, -(-n // block)) and ms.dtype == torch.float32
+    torch.testing.assert_close(ms.double(), blocknorm_stats(y, block), rtol=1e-5, atol=0)
+    # the next norm from the statistics alone: BlockNorm's output, to its rounding
+    eps = 1e-6
+    b = min(block, n)
+    scale = torch.rsqrt(ms + eps).repeat_interleave(b, 1)[:, :n]
+    normed = (y.float() * scale).to(y.dtype)
+    ref = BlockNorm(block, eps)(y)
+    assert (normed != ref).float().mean().item() < 0.01
+    torch.testing.assert_close(normed.float(), ref.float(), rtol=2 ** -7, atol=2 ** -7)
+
+
+@pytest.mark.parametrize("n", [128, 320])  # 320: quantized by a second kernel
+def test_blocknorm_statistics_with_fp8_output(G, n):
+    """With an FP8 output the statistics are those of the bf16 output it quantizes."""
+    qa, qw = operands(32, 64, n)
+    q, s, ms = G.gemm_rowwise(qa.data, qw.data.t(), qa.scale, qw.scale.t(), fp8_out="e4m3",
+                              norm_stats=64)
+    y = G.gemm_rowwise(qa.data, qw.data.t(), qa.scale, qw.scale.t(), out_dtype=torch.bfloat16)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (32, 1) and ms.shape == (32, -(-n // 64))
+    torch.testing.assert_close(ms.double(), blocknorm_stats(y, 64), rtol=1e-5, atol=0)
+
+
+def test_blocknorm_statistics_need_a_power_of_two_block(G):
+    qa, qw = operands(32, 64, 64)
+    for bad in (0, 100, -256, 2.0):
+        with pytest.raises(ValueError, match="power of two"):
+            G.gemm_rowwise(qa.data, qw.data.t(), qa.scale, qw.scale.t(), norm_stats=bad)
+    y, ms = G.gemm_rowwise(qa.data[:0], qw.data.t(), qa.scale[:0], qw.scale.t(), norm_stats=32)
+    assert y.shape == (0, 64) and ms.shape == (0, 2)

@@ -5,7 +5,8 @@ reference):
 * :mod:`.quantize`       one-pass rowwise / two-stage colwise and tensorwise / blockwise FP8
                          quantization, bit-exact with :func:`loka.numerics.quantize`;
 * :mod:`.gemm_rowwise`   FP8 GEMM with rowwise or tensorwise scales in the epilogue, optional
-                         bias, Hard Swish, bf16 or FP8 (rowwise-scaled) output;
+                         bias, Hard Swish, bf16 or FP8 (rowwise-scaled) output, and the
+                         statistics of a following BlockNorm;
 * :mod:`.gemm_blockwise` 1x128 / 128x128 blockwise-scaled FP8 GEMM (DeepGEMM's recipe);
 * :mod:`.norm_act_quant` fused BlockNorm/LayerNorm -> Hard Swish -> FP8 quantization.
 

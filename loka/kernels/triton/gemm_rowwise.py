@@ -6,7 +6,12 @@ i.e. column-major, is the fast layout for FP8 tensor cores), ``scale_a`` (M, 1) 
 scale stride. Optional fused epilogue, in float32 before the single rounding: ``+ bias``,
 Hard Swish, and the output either in bf16/fp16/fp32 or in FP8 with rowwise scales for the
 next layer (the high-precision value is rounded to bf16 first, so that the FP8 output equals
-:func:`loka.numerics.quantize` of the bf16 output bit for bit).
+:func:`loka.numerics.quantize` of the bf16 output bit for bit). Optionally also the
+statistics of a following BlockNorm (``norm_stats=block``): the mean square of every row's
+blocks of ``block`` output features, computed from the output as stored (after its
+rounding), so that the norm needs no reduction pass of its own: ``y_blk * rsqrt(ms + eps)``
+is :class:`loka.mods.BlockNorm` (the last, shorter block included). Each tile adds its rows'
+sums of squares into its block with one float32 atomic add per row and block.
 
 Accumulation: on Hopper, Triton's FP8 ``tl.dot`` accumulates in the tensor cores'
 reduced-precision accumulator unless told otherwise; ``FAST_ACC=False`` promotes to
@@ -61,20 +66,22 @@ def _prune(configs, named_args, **kwargs):
     return keep
 
 
-@autotune(configs=GEMM_CONFIGS, key=["M", "N", "K", "K_SPLIT", "FP8_OUT", "FAST_ACC"],
-          prune=_prune)
+@autotune(configs=GEMM_CONFIGS,
+          key=["M", "N", "K", "K_SPLIT", "FP8_OUT", "FAST_ACC", "NORM_BLOCK"], prune=_prune)
 @triton.jit
-def rowwise_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, cs_ptr, M, N, K,
-                        K_SPLIT, stride_am, stride_ak, stride_bk, stride_bn, stride_cs,
+def rowwise_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, cs_ptr, ss_ptr, M, N,
+                        K, K_SPLIT, stride_am, stride_ak, stride_bk, stride_bn, stride_cs,
                         stride_cm, stride_cn, stride_sa, stride_sb, HAS_BIAS: tl.constexpr,
-                        ACT: tl.constexpr,
+                        ACT: tl.constexpr, NORM_BLOCK: tl.constexpr,
                         FP8_OUT: tl.constexpr, FAST_ACC: tl.constexpr, FMT_MAX: tl.constexpr,
                         MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
                         SOFT_ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) tile of c over the K range ``[pid_k * K_SPLIT, +K_SPLIT)``;
     grouped launch order for L2 reuse of b. With several K splits each writes its scaled
-    partial sum to slice ``pid_k`` of c (stride_cs) and the caller adds them."""
+    partial sum to slice ``pid_k`` of c (stride_cs) and the caller adds them. With
+    ``NORM_BLOCK`` (a power of two; one K split), the sums of squares of the stored output
+    over each row's blocks of NORM_BLOCK columns are added into ss (M, cdiv(N, NORM_BLOCK))."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -119,8 +126,30 @@ def rowwise_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, cs_ptr, M
         tl.store(c_ptr + c_off, q.to(c_ptr.dtype.element_ty), mask=mask)
         tl.store(cs_ptr + rows, scale, mask=row_ok & (pid_n == 0))
     else:
-        out = round_to(acc, c_ptr.dtype.element_ty, SOFT_ROUND)
-        tl.store(c_ptr + c_off, out.to(c_ptr.dtype.element_ty), mask=mask)
+        y = round_to(acc, c_ptr.dtype.element_ty, SOFT_ROUND)
+        tl.store(c_ptr + c_off, y.to(c_ptr.dtype.element_ty), mask=mask)
+    if NORM_BLOCK > 0:
+        _add_block_sums(ss_ptr, tl.where(mask, y * y, 0.0), rows, row_ok, pid_n, N, BLOCK_M,
+                        BLOCK_N, NORM_BLOCK)
+
+
+@triton.jit
+def _add_block_sums(ss_ptr, sq, rows, row_ok, pid_n, N, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, NORM_BLOCK: tl.constexpr):
+    """Add a tile's row sums of ``sq`` (BLOCK_M, BLOCK_N) into the NORM_BLOCK-column blocks
+    they belong to: one block per tile when BLOCK_N <= NORM_BLOCK (both powers of two, so a
+    tile never straddles two), else BLOCK_N // NORM_BLOCK blocks per tile."""
+    nblk = tl.cdiv(N, NORM_BLOCK)
+    r64 = rows.to(tl.int64)
+    if BLOCK_N <= NORM_BLOCK:
+        blk = (pid_n * BLOCK_N) // NORM_BLOCK
+        tl.atomic_add(ss_ptr + r64 * nblk + blk, tl.sum(sq, 1), mask=row_ok & (blk < nblk))
+    else:
+        per: tl.constexpr = BLOCK_N // NORM_BLOCK
+        part = tl.sum(tl.reshape(sq, (BLOCK_M, per, NORM_BLOCK)), 2)
+        blk = pid_n * per + tl.arange(0, per)
+        tl.atomic_add(ss_ptr + r64[:, None] * nblk + blk[None, :], part,
+                      mask=row_ok[:, None] & (blk < nblk)[None, :])
 
 
 def _scale_stride(scale: torch.Tensor, length: int, name: str, axis: int) -> int:
@@ -138,8 +167,9 @@ def _scale_stride(scale: torch.Tensor, length: int, name: str, axis: int) -> int
 def gemm_rowwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                  scale_b: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
                  activation: Optional[str] = None, out_dtype: torch.dtype = torch.bfloat16,
-                 fp8_out: Optional[str] = None, fast_accum: bool = False
-                 ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+                 fp8_out: Optional[str] = None, fast_accum: bool = False,
+                 norm_stats: Optional[int] = None,
+                 ) -> Union[torch.Tensor, Tuple[torch.Tensor, ...]]:
     """``act((a @ b) * scale_a * scale_b + bias)``.
 
     Args:
@@ -154,11 +184,20 @@ def gemm_rowwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
             :data:`MAX_FP8_OUT_N` the epilogue quantizes; wider outputs go through bf16 and
             :func:`~loka.kernels.triton.quantize.quantize_rowwise` (two kernels).
         fast_accum: never promote the FP8 accumulator to float32 (faster, less accurate).
+        norm_stats: a BlockNorm block size (a power of two): also return the float32 mean
+            square (M, ceil(N / norm_stats)) of each row's blocks of the output, as stored
+            (with ``fp8_out``: of the bf16 output that is quantized); the last block may be
+            shorter and is averaged over its own length.
 
     Returns:
-        (M, N) in ``out_dtype``; with ``fp8_out``: (q (M, N) FP8, scale (M, 1) float32).
+        (M, N) in ``out_dtype``; with ``fp8_out``: (q (M, N) FP8, scale (M, 1) float32);
+        with ``norm_stats`` the mean squares are appended to either.
     """
     m, k, n = check_gemm_operands(a, b)
+    if norm_stats is not None and (not isinstance(norm_stats, int) or norm_stats < 1
+                                   or norm_stats & (norm_stats - 1)):
+        raise ValueError(f"norm_stats must be a BlockNorm block size that is a power of two, "
+                         f"got {norm_stats!r}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {sorted(map(str, ACTIVATIONS))}, got {activation!r}")
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -169,8 +208,11 @@ def gemm_rowwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
         from .quantize import quantize_rowwise
 
         y = gemm_rowwise(a, b, scale_a, scale_b, bias=bias, activation=activation,
-                         out_dtype=torch.bfloat16, fast_accum=fast_accum)
-        return quantize_rowwise(y, fp8_out)
+                         out_dtype=torch.bfloat16, fast_accum=fast_accum, norm_stats=norm_stats)
+        if norm_stats is None:
+            return quantize_rowwise(y, fp8_out)
+        y, ms = y
+        return (*quantize_rowwise(y, fp8_out), ms)
     sa_stride = _scale_stride(scale_a, m, "scale_a", 0)
     sb_stride = _scale_stride(scale_b, n, "scale_b", 1)
     meta = fp8_meta(fp8_out or "e4m3")
@@ -179,9 +221,13 @@ def gemm_rowwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
             raise ValueError("FP8 GEMM with K = 0 is undefined")
         c = torch.empty((m, n), dtype=get_format(fp8_out).dtype if fp8_out else out_dtype,
                         device=a.device)
-        return (c, torch.empty((m, 1), device=a.device)) if fp8_out is not None else c
-    split = 1 if (bias is not None or activation not in (None, "identity") or fp8_out) \
-        else split_k(m, n, k)
+        out = (c, torch.empty((m, 1), device=a.device)) if fp8_out is not None else (c,)
+        if norm_stats is not None:
+            out += (torch.empty((m, triton.cdiv(n, norm_stats)), device=a.device),)
+        return out if len(out) > 1 else c
+    fused = (bias is not None or activation not in (None, "identity") or fp8_out
+             or norm_stats is not None)  # an epilogue needs the whole sum: no K split
+    split = 1 if fused else split_k(m, n, k)
     k_split = triton.cdiv(triton.cdiv(k, split), SPLIT_K_UNIT) * SPLIT_K_UNIT if split > 1 else k
     split = triton.cdiv(k, k_split)
     if fp8_out is not None:
@@ -193,15 +239,20 @@ def gemm_rowwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
     else:
         c = torch.empty((m, n), dtype=out_dtype, device=a.device)
         cs = c  # unused
+    nblk = triton.cdiv(n, norm_stats) if norm_stats is not None else 0
+    ss = torch.zeros((m, nblk), dtype=torch.float32, device=a.device) if nblk else cs
     grid = lambda meta_: (triton.cdiv(m, meta_["BLOCK_M"]) * triton.cdiv(n, meta_["BLOCK_N"]), split)  # noqa: E731
     rowwise_gemm_kernel[grid](
-        a, b, c, scale_a, scale_b, bias if bias is not None else scale_a, cs, m, n, k, k_split,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0) if split > 1 else 0,
-        c.stride(-2), c.stride(-1), sa_stride, sb_stride, HAS_BIAS=bias is not None,
-        ACT=ACTIVATIONS[activation], FP8_OUT=fp8_out is not None, FAST_ACC=fast_accum, **meta)
-    if fp8_out is not None:
-        return c, cs
-    return c.sum(0).to(out_dtype) if split > 1 else c
+        a, b, c, scale_a, scale_b, bias if bias is not None else scale_a, cs, ss, m, n, k,
+        k_split, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        c.stride(0) if split > 1 else 0, c.stride(-2), c.stride(-1), sa_stride, sb_stride,
+        HAS_BIAS=bias is not None, ACT=ACTIVATIONS[activation], NORM_BLOCK=norm_stats or 0,
+        FP8_OUT=fp8_out is not None, FAST_ACC=fast_accum, **meta)
+    out = (c, cs) if fp8_out is not None else (c.sum(0).to(out_dtype) if split > 1 else c,)
+    if norm_stats is not None:  # sums of squares -> mean squares (the last block shorter)
+        lengths = (n - torch.arange(nblk, device=a.device) * norm_stats).clamp(max=norm_stats)
+        out += (ss / lengths.to(torch.float32),)
+    return out if len(out) > 1 else out[0]
 
 
 def split_k(m: int, n: int, k: int) -> int:
