@@ -959,24 +959,34 @@ def run_sweep(cfg: BenchConfig, batch_sizes: List[int],
 
 
 def plot_sweep(sweep: dict, path: str, ref: str = "bf16+mods") -> str:
-    """Speedup against ``ref`` (else bf16) per variant across batch sizes."""
+    """Speedup against ``ref`` (else bf16) per variant across batch sizes, one panel per
+    mode that has such points."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    for ax, mode in zip(axes, ("train", "infer")):
-        key = f"speedup_vs_{ref}"
-        for variant, by_b in sweep[mode].items():
-            pts = [(int(b), r[key]) for b, r in by_b.items() if key in r]
-            if pts:
-                xs, ys = zip(*sorted(pts))
-                ax.plot(xs, ys, marker="o", label=variant)
+    panels = []
+    for mode in ("train", "infer"):
+        for r in dict.fromkeys((ref, "bf16")):
+            key = f"speedup_vs_{r}"
+            lines = {v: sorted((int(b), row[key]) for b, row in by_b.items() if key in row)
+                     for v, by_b in sweep[mode].items()}
+            lines = {v: pts for v, pts in lines.items() if pts}
+            if lines:
+                panels.append((mode, r, lines))
+                break
+    if not panels:
+        raise ValueError(f"nothing to plot: no speedup against {ref} or bf16")
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5), squeeze=False)
+    for ax, (mode, r, lines) in zip(axes[0], panels):
+        for variant, pts in lines.items():
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, marker="o", label=variant)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("batch size")
-        ax.set_ylabel(f"speedup vs {ref}")
-        ax.set_title(mode)
+        ax.set_ylabel(f"speedup vs {r}")
+        ax.set_title("training step" if mode == "train" else "inference forward")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -336,7 +336,7 @@ def test_search_variant_times_every_candidate_and_skips_unavailable_kernels(tmp_
 
 def test_batch_size_sweep_runs_every_size_and_summarizes(tmp_path):
     cfg = _cfg(tmp_path, train_variants=["bf16", "bf16+mods"], infer_variants=["bf16"], steps=1,
-               warmup=1, out=str(tmp_path / "sweep.json"))
+               warmup=1, out=str(tmp_path / "sweep.json"), plot=True)
     sweep = bench.run_sweep(cfg, [32, 64], progress=lambda s: None)
     assert sweep["out"] == str(tmp_path / "sweep.json")
     assert set(sweep["runs"]) == {"32", "64"}
@@ -355,6 +355,14 @@ def test_batch_size_sweep_runs_every_size_and_summarizes(tmp_path):
     assert "| batch 32 | batch 64 |" in text and f"{ms:.3f} (1.000)" in text
     with pytest.raises(ValueError, match="positive"):
         bench.run_sweep(cfg, [])
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert sweep["chart"] == str(tmp_path / "sweep.png")
+        assert open(sweep["chart"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+        # inference ran bf16 alone: no speedup against bf16 + Mods there, so against bf16
+        infer_only = {"train": {}, "infer": {"bf16": {"32": {"speedup_vs_bf16": 1.0}}}}
+        assert bench.plot_sweep(infer_only, str(tmp_path / "i.png")) == str(tmp_path / "i.png")
+        with pytest.raises(ValueError, match="nothing to plot"):
+            bench.plot_sweep({"train": {}, "infer": {}}, str(tmp_path / "none.png"))
 
 
 def test_source_digest_names_the_code_that_ran(tmp_path, monkeypatch):

@@ -567,11 +567,11 @@ def audit(plan: Plan, report: "ProbeReport | str | os.PathLike") -> dict:
             kern = registry.get(kname)
         except KeyError:
             return False
-        if allowed is not None and kname not in allowed or role not in kern.roles:
+        if allowed is not None and kname not in allowed:
             return False
         m_pad = -(-max(site.tokens, 1) // kern.align) * kern.align
-        _, k, n = role_shape(role, m_pad, site.in_features, site.out_features)
-        return kern.pads or (k % kern.align == 0 and n % kern.align == 0)
+        return bool(kern.fits(*role_shape(role, m_pad, site.in_features, site.out_features),
+                              role=role))
 
     checked, violations = 0, []
     for name, sp in plan.sites.items():
@@ -1067,6 +1067,7 @@ def search_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], 
     log: List[dict] = []
     timer = _StepTimer(model, time_step, inference, log)
     base = _on_baseline(plan, plan.sites, "baseline")
+
     def timed() -> int:
         return sum("time" in e for e in log)
 
@@ -1112,7 +1113,7 @@ def search_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], 
             best, best_time = base, base_time
         best = best.copy()
         best.budget["speed_searched"] = {"baseline_time": base_time, "time": best_time,
-                                         "trials": sum("time" in e for e in log),
+                                         "trials": timed(),
                                          "candidates": [c.to_dict() for c in configs]}
         best.notes.append(f"exhaustive search per group: {len(best.fp8_sites())} FP8 site(s), "
                           f"step {best_time:.4g} vs {base_time:.4g} without FP8")

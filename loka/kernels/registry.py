@@ -112,8 +112,13 @@ class Kernel:
         if role is not None and Role.parse(role) not in self.roles:
             return Capability(False, f"does not serve role {Role.parse(role)}")
         ok = self.device_ok(device)
-        if not ok:
-            return ok
+        return self.fits(m, k, n) if ok else ok
+
+    def fits(self, m: int, k: int, n: int, role: "Role | str | None" = None) -> Capability:
+        """Does ``(M, K) @ (K, N)`` (for ``role``) meet this kernel's shape rules, whatever
+        the device? (:meth:`supports` is this and the device.)"""
+        if role is not None and Role.parse(role) not in self.roles:
+            return Capability(False, f"does not serve role {Role.parse(role)}")
         if min(m, k, n) <= 0:
             return Capability(False, f"empty GEMM {m}x{k}x{n}")
         if not self.pads and (k % self.align or n % self.align):

@@ -30,6 +30,22 @@ def test_alignment_predicate(name):
     assert not k.supports("cpu", 0, 256, 256)
 
 
+def test_shape_rules_hold_whatever_the_device():
+    """``fits`` is ``supports`` without the device: a kernel this machine cannot run still
+    says which shapes and roles it takes (what a plan made elsewhere is checked against)."""
+    k = get("triton-rowwise")  # runs on CUDA only
+    assert not k.supports("cpu", 64, 256, 256)
+    assert k.fits(64, 256, 256, role="fwd")
+    cap = k.fits(64, 250, 256)
+    assert not cap and "multiples of" in cap.reason
+    assert not k.fits(0, 256, 256)
+    e5m2 = get("emulated-tensorwise-e5m2")
+    assert not e5m2.fits(64, 64, 64, role="fwd") and e5m2.fits(64, 64, 64, role="dgrad")
+    for name in ("emulated-tensorwise-e4m3", "cublas-tensorwise"):  # runnable here: the same
+        for shape in ((64, 256, 256), (64, 250, 256), (0, 256, 256)):
+            assert bool(get(name).fits(*shape)) == bool(get(name).supports("cpu", *shape))
+
+
 def test_role_predicate_for_gradient_formats():
     k = get("emulated-tensorwise-e5m2")
     assert not k.supports("cpu", 64, 64, 64, role="fwd")
