@@ -14,6 +14,7 @@ optimizer) after warm-up; on the CPU, wall-clock medians (a smoke test, not a re
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime as _dt
 import gc
@@ -58,7 +59,11 @@ LoKA's shape Mod that merges sibling Linears reading one input into one GEMM), +
 (LoKA's plan tuned by whole-step timings, ``loka.dispatch.tune_speed``), +search (the
 best fixed choice per group of same-shape sites by exhaustive whole-step timing,
 ``loka.dispatch.search_speed``: the yardstick the plan is judged against),
-+graphs (the whole step captured in one CUDA graph)."""
++graphs (the whole step captured in one CUDA graph), +aten-gemm (Inductor lowers GEMMs to
+ATen's kernels only, ``max_autotune_gemm_backends="ATEN"``: Inductor otherwise autotunes its
+Triton templates for every ``torch._scaled_mm`` of a torchao model even without
+max-autotune, minutes of compilation on the Wukong paper preset; LoKA's kernels are custom
+ops Inductor does not lower, so the suffix changes nothing for them)."""
 
 
 def variant_mods(name: str) -> Optional[ModsConfig]:
@@ -350,7 +355,24 @@ def _torchao_convert(model, recipe: str, auto: bool) -> Optional[str]:
             return (isinstance(mod, torch.nn.Linear) and fqn not in last
                     and mod.in_features % 16 == 0 and mod.out_features % 16 == 0)
     convert_to_float8_training(model, config=config, module_filter_fn=filt)
+    if recipe.startswith("rowwise"):
+        # torchao 0.17's rowwise casts cannot clone a strided input ("aten.clone.default
+        # with axiswise scaling is not supported yet"), which Wukong's FM projection of the
+        # transposed embeddings is: its Linears get their input made contiguous, a copy
+        # charged to these rows
+        n = 0
+        for mod in model.modules():
+            if type(mod).__name__ == "Float8Linear":
+                mod.register_forward_pre_hook(_contiguous_input)
+                n += 1
+        if n:
+            note = "; ".join(filter(None, [note, f"inputs made contiguous at {n} Linear(s) "
+                                                  "(torchao's rowwise casts need it)"]))
     return note
+
+
+def _contiguous_input(module, args):
+    return (args[0].contiguous(),) + tuple(args[1:])
 
 
 def _torchao_inference(model, recipe: str):
@@ -530,7 +552,7 @@ def prepare_train(name: str, cfg: BenchConfig, device: torch.device, shared: dic
                                     progress=shared.get("progress"))
         apply(model, plan)
     row["fp8_sites"] = _count_fp8(model)
-    graphs = name.endswith("+graphs") and device.type == "cuda"
+    graphs = "+graphs" in name and device.type == "cuda"
     model.train()
     return _make_step(model, batch, cfg, device, graphs), row, batch
 
@@ -612,7 +634,7 @@ def _whole_step_plan(plans: dict, name: str, model, batch, cfg: BenchConfig, dev
     from .dispatch.plan import FUSIBLE_TWINS
     from .kernels import registry
 
-    graphs = name.endswith("+graphs") and device.type == "cuda"
+    graphs = "+graphs" in name and device.type == "cuda"
     how = "search" if "+search" in name else "tuned"
     key = ("infer-" if inference else "") + how + ("+graphs" if graphs else "")
     if key not in plans:
@@ -811,7 +833,7 @@ def run_infer_variant(name: str, cfg: BenchConfig, device: torch.device, shared:
         gc.collect()  # what earlier variants or tuning trials left in cycles is not counted
         torch.cuda.reset_peak_memory_stats(device)
     step = _make_forward(model, batch, cfg, device,
-                         name.endswith("+graphs") and device.type == "cuda")
+                         "+graphs" in name and device.type == "cuda")
     row.update(_time_steps(step, device, cfg.steps, cfg.warmup))
     if device.type == "cuda":
         row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
@@ -833,6 +855,14 @@ def _ratios(rows: List[dict]) -> None:
         for ref in RATIO_REFS:
             if ref in by:
                 r[f"speedup_vs_{ref}"] = by[ref]["median_ms"] / r["median_ms"]
+
+
+def _inductor_gemms(name: str):
+    """The Inductor settings a variant compiles under (``+aten-gemm``: ATen GEMMs only)."""
+    if "+aten-gemm" not in name:
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor_config
+    return inductor_config.patch(max_autotune_gemm_backends="ATEN")
 
 
 def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
@@ -859,8 +889,12 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
             t0 = time.perf_counter()
             counters = torch._dynamo.utils.counters
             counters.clear()
+            phases = getattr(torch._dynamo.utils, "compilation_time_metrics", None)
+            if isinstance(phases, dict):
+                phases.clear()
             try:
-                row = fn(name, cfg, device, shared)
+                with _inductor_gemms(name):
+                    row = fn(name, cfg, device, shared)
             except Exception as e:  # noqa: BLE001 - one variant's failure must not lose the rest
                 row = {"variant": name, "mode": mode, "error": f"{type(e).__name__}: {e}",
                        "traceback": traceback.format_exc(limit=8)}
@@ -868,6 +902,9 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
             if cfg.compile:  # a graph break costs a host round trip per step: show them
                 row["graph_breaks"] = sum(counters["graph_break"].values())
                 row["compiled_graphs"] = counters["stats"].get("unique_graphs", 0)
+                if isinstance(phases, dict) and phases:  # where compilation time went
+                    top = sorted(((k, sum(v)) for k, v in phases.items()), key=lambda kv: -kv[1])
+                    row["compile_phases_s"] = {k: round(v, 3) for k, v in top[:8]}
             result[mode].append(row)
             _ratios(result[mode])
             progress("   " + _row_text(row))
@@ -1114,7 +1151,7 @@ def _variants(text: Optional[str], default, allowed) -> List[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     bad = [n for n in names if n not in allowed and not n.startswith("loka-uniform-")
            and n.replace("+tuned", "").replace("+search", "").replace("+automerge", "+merge")
-           not in allowed
+           .replace("+aten-gemm", "") not in allowed
            and not (n.startswith("loka@") and plan_name(n))]
     if bad:
         raise ValueError(f"unknown variant(s) {bad}; choose from {list(allowed)}")

@@ -582,3 +582,35 @@ def test_chart_has_a_panel_per_measured_mode_against_the_first_baseline(tmp_path
     if importlib.util.find_spec("matplotlib") is not None:
         path = bench.plot(both, str(tmp_path / "both.png"))
         assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_aten_gemm_variant_compiles_with_aten_gemms_only(tmp_path, monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    before = inductor_config.max_autotune_gemm_backends
+    assert "ATEN" != before  # the default autotunes Triton templates for torch._scaled_mm
+    seen = {}
+    real = bench.run_train_variant
+
+    def spy(name, cfg, device, shared):
+        seen[name] = inductor_config.max_autotune_gemm_backends
+        return real(name, cfg, device, shared)
+    monkeypatch.setattr(bench, "run_train_variant", spy)
+    names = bench._variants("bf16+mods+aten-gemm,bf16+mods", bench.TRAIN_VARIANTS,
+                            bench.TRAIN_VARIANTS)
+    result = bench.run(_cfg(tmp_path, train_variants=names, infer_variants=[], steps=1,
+                            warmup=1), progress=lambda s: None)
+    assert seen == {"bf16+mods+aten-gemm": "ATEN", "bf16+mods": before}
+    assert inductor_config.max_autotune_gemm_backends == before  # restored after the row
+    assert all("error" not in r and r["median_ms"] > 0 for r in result["train"])
+    with pytest.raises(ValueError, match="unknown variant"):
+        bench._variants("bf16+aten-gemm+warp", bench.TRAIN_VARIANTS, bench.TRAIN_VARIANTS)
+    assert bench.variant_mods("torchao-rowwise+mods+aten-gemm") is not None
+
+
+def test_contiguous_input_hook_copies_a_strided_input_only():
+    x = torch.arange(24.0).reshape(2, 3, 4).transpose(1, 2)  # strided, as Wukong's FM input
+    (y,) = bench._contiguous_input(None, (x,))
+    assert y.is_contiguous() and not x.is_contiguous() and torch.equal(y, x)
+    z = torch.ones(3, 4)
+    assert bench._contiguous_input(None, (z, 1))[0] is z  # no copy when already contiguous
