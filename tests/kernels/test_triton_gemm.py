@@ -200,6 +200,27 @@ def test_blocknorm_statistics_with_fp8_output(G, n):
     torch.testing.assert_close(ms.double(), blocknorm_stats(y, 64), rtol=1e-5, atol=0)
 
 
+def test_blocknorm_statistics_survive_autotuning(G, monkeypatch):
+    """The autotuner launches every config on the same arguments before the real launch;
+    statistics added by atomics must not pile up over those launches. Forced here with two
+    configs and a benchmark that launches each twice (on a GPU, any fresh shape does it)."""
+    tuner = G.rowwise_gemm_kernel
+    launches = []
+
+    def bench(kernel_call, quantiles=None):
+        kernel_call()
+        kernel_call()
+        launches.append(2)
+        return [1.0, 1.0, 1.0]
+    monkeypatch.setattr(tuner, "do_bench", bench)
+    monkeypatch.setattr(tuner, "early_config_prune", lambda cfgs, nargs, **kw: list(cfgs[:2]))
+    monkeypatch.setattr(tuner, "cache", {})
+    qa, qw = operands(16, 64, 48, seed=7)
+    y, ms = G.gemm_rowwise(qa.data, qw.data.t(), qa.scale, qw.scale.t(), norm_stats=16)
+    assert launches == [2, 2]  # both configs were benchmarked on these very arguments
+    torch.testing.assert_close(ms.double(), blocknorm_stats(y, 16), rtol=1e-5, atol=0)
+
+
 def test_blocknorm_statistics_need_a_power_of_two_block(G):
     qa, qw = operands(32, 64, 64)
     for bad in (0, 100, -256, 2.0):

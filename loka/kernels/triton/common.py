@@ -116,11 +116,14 @@ def _tile_area(cfg: triton.Config) -> int:
     return area
 
 
-def autotune(configs: List[triton.Config], key: List[str], prune=None):
+def autotune(configs: List[triton.Config], key: List[str], prune=None, pre_hook=None):
     """``triton.autotune`` with LoKA's pruning and benchmark. Under the interpreter, or
     with ``LOKA_TRITON_AUTOTUNE=0`` (numerical self-tests), only the surviving config with
     the largest tile is kept: nothing to tune on a CPU, the interpreter's cost grows with the
-    number of programs, and every compiled config costs seconds."""
+    number of programs, and every compiled config costs seconds. ``pre_hook(nargs,
+    reset_only=False)`` runs before every benchmarked launch and once more before the real
+    one: a kernel that accumulates into an output (atomics) must reset it there, as the
+    benchmark launches it many times on the same arguments."""
 
     def early_prune(cfgs, named_args, **kwargs):
         kept = prune(cfgs, named_args, **kwargs) if prune is not None else list(cfgs)
@@ -129,7 +132,7 @@ def autotune(configs: List[triton.Config], key: List[str], prune=None):
             return [max(kept, key=_tile_area)]
         return kept
 
-    return triton.autotune(configs=configs, key=key, do_bench=_bench,
+    return triton.autotune(configs=configs, key=key, do_bench=_bench, pre_hook=pre_hook,
                            prune_configs_by={"early_config_prune": early_prune})
 
 

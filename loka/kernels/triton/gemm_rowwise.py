@@ -66,8 +66,17 @@ def _prune(configs, named_args, **kwargs):
     return keep
 
 
+def _zero_norm_stats(nargs, reset_only=False):
+    """Autotuning launches every config on the same arguments, and the BlockNorm
+    statistics are added by atomics: they restart from zero before each launch (Triton's
+    ``reset_to_zero``, only when the kernel computes them)."""
+    if nargs.get("NORM_BLOCK"):
+        nargs["ss_ptr"].zero_()
+
+
 @autotune(configs=GEMM_CONFIGS,
-          key=["M", "N", "K", "K_SPLIT", "FP8_OUT", "FAST_ACC", "NORM_BLOCK"], prune=_prune)
+          key=["M", "N", "K", "K_SPLIT", "FP8_OUT", "FAST_ACC", "NORM_BLOCK"], prune=_prune,
+          pre_hook=_zero_norm_stats)
 @triton.jit
 def rowwise_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, cs_ptr, ss_ptr, M, N,
                         K, K_SPLIT, stride_am, stride_ak, stride_bk, stride_bn, stride_cs,
