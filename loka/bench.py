@@ -14,7 +14,6 @@ optimizer) after warm-up; on the CPU, wall-clock medians (a smoke test, not a re
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime as _dt
 import gc
@@ -59,11 +58,12 @@ LoKA's shape Mod that merges sibling Linears reading one input into one GEMM), +
 (LoKA's plan tuned by whole-step timings, ``loka.dispatch.tune_speed``), +search (the
 best fixed choice per group of same-shape sites by exhaustive whole-step timing,
 ``loka.dispatch.search_speed``: the yardstick the plan is judged against),
-+graphs (the whole step captured in one CUDA graph), +aten-gemm (Inductor lowers GEMMs to
-ATen's kernels only, ``max_autotune_gemm_backends="ATEN"``: Inductor otherwise autotunes its
-Triton templates for every ``torch._scaled_mm`` of a torchao model even without
-max-autotune, minutes of compilation on the Wukong paper preset; LoKA's kernels are custom
-ops Inductor does not lower, so the suffix changes nothing for them)."""
++graphs (the whole step captured in one CUDA graph), +plain-inductor (torchao's inference
+quantization leaves Inductor's settings as they are, ``set_inductor_config=False``: by
+default ``quantize_`` switches on coordinate-descent tuning for the whole process, which
+took 212 s of compilation on the Wukong paper inference step on an H200). Every row runs
+under the Inductor settings the run started with; what a row changed is recorded in its
+``inductor_changed`` and undone before the next row."""
 
 
 def variant_mods(name: str) -> Optional[ModsConfig]:
@@ -375,7 +375,10 @@ def _contiguous_input(module, args):
     return (args[0].contiguous(),) + tuple(args[1:])
 
 
-def _torchao_inference(model, recipe: str):
+def _torchao_inference(model, recipe: str, set_inductor_config: bool = True):
+    """torchao's float8 inference quantization (dynamic activations, weights once) of every
+    Linear with both dimensions divisible by 16 except the logit; ``set_inductor_config``
+    is torchao's own switch (its default, True, turns on coordinate-descent tuning)."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor, quantize_
 
     gran = PerRow() if recipe == "rowwise" else PerTensor()
@@ -384,7 +387,8 @@ def _torchao_inference(model, recipe: str):
     def filt(mod, fqn):
         return (isinstance(mod, torch.nn.Linear) and mod not in last
                 and mod.in_features % 16 == 0 and mod.out_features % 16 == 0)
-    quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=gran), filter_fn=filt)
+    quantize_(model, Float8DynamicActivationFloat8WeightConfig(
+        granularity=gran, set_inductor_config=set_inductor_config), filter_fn=filt)
     return model
 
 
@@ -809,7 +813,8 @@ def run_infer_variant(name: str, cfg: BenchConfig, device: torch.device, shared:
     if "+automerge" in name:
         row["automerge"] = automerge(model, batch, device, roles=("fwd",))
     if name.startswith("torchao-"):
-        _torchao_inference(model, name[len("torchao-"):].split("+")[0])
+        _torchao_inference(model, name[len("torchao-"):].split("+")[0],
+                           set_inductor_config="+plain-inductor" not in name)
     elif name.startswith("loka"):
         from .dispatch import apply
 
@@ -857,12 +862,26 @@ def _ratios(rows: List[dict]) -> None:
                 r[f"speedup_vs_{ref}"] = by[ref]["median_ms"] / r["median_ms"]
 
 
-def _inductor_gemms(name: str):
-    """The Inductor settings a variant compiles under (``+aten-gemm``: ATen GEMMs only)."""
-    if "+aten-gemm" not in name:
-        return contextlib.nullcontext()
+def _inductor_settings() -> dict:
+    """Inductor's settings and the float32 matmul precision, to restore after a row."""
     import torch._inductor.config as inductor_config
-    return inductor_config.patch(max_autotune_gemm_backends="ATEN")
+    return {"inductor": inductor_config.get_config_copy(),
+            "matmul": torch.get_float32_matmul_precision()}
+
+
+def _restore_inductor_settings(saved: dict) -> dict:
+    """Undo what a row changed of the settings (torchao's ``quantize_`` sets Inductor
+    options for the whole process); returns the changes as {name: value the row set}."""
+    import torch._inductor.config as inductor_config
+    now = inductor_config.get_config_copy()
+    changed = {k: v for k, v in now.items()
+               if k in saved["inductor"] and v != saved["inductor"][k]
+               and isinstance(v, (bool, int, float, str, type(None)))}
+    inductor_config.load_config(saved["inductor"])
+    if torch.get_float32_matmul_precision() != saved["matmul"]:
+        changed["float32_matmul_precision"] = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision(saved["matmul"])
+    return changed
 
 
 def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
@@ -892,13 +911,16 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
             phases = getattr(torch._dynamo.utils, "compilation_time_metrics", None)
             if isinstance(phases, dict):
                 phases.clear()
+            inductor = _inductor_settings()
             try:
-                with _inductor_gemms(name):
-                    row = fn(name, cfg, device, shared)
+                row = fn(name, cfg, device, shared)
             except Exception as e:  # noqa: BLE001 - one variant's failure must not lose the rest
                 row = {"variant": name, "mode": mode, "error": f"{type(e).__name__}: {e}",
                        "traceback": traceback.format_exc(limit=8)}
             row["wall_s"] = time.perf_counter() - t0
+            changed = _restore_inductor_settings(inductor)
+            if changed:
+                row["inductor_changed"] = changed
             if cfg.compile:  # a graph break costs a host round trip per step: show them
                 row["graph_breaks"] = sum(counters["graph_break"].values())
                 row["compiled_graphs"] = counters["stats"].get("unique_graphs", 0)
@@ -1151,7 +1173,7 @@ def _variants(text: Optional[str], default, allowed) -> List[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     bad = [n for n in names if n not in allowed and not n.startswith("loka-uniform-")
            and n.replace("+tuned", "").replace("+search", "").replace("+automerge", "+merge")
-           .replace("+aten-gemm", "") not in allowed
+           .replace("+plain-inductor", "") not in allowed
            and not (n.startswith("loka@") and plan_name(n))]
     if bad:
         raise ValueError(f"unknown variant(s) {bad}; choose from {list(allowed)}")

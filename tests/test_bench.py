@@ -584,28 +584,57 @@ def test_chart_has_a_panel_per_measured_mode_against_the_first_baseline(tmp_path
         assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
-def test_aten_gemm_variant_compiles_with_aten_gemms_only(tmp_path, monkeypatch):
+def test_a_row_that_changes_inductor_settings_is_undone_and_recorded(tmp_path, monkeypatch):
+    """torchao's quantize_ switches Inductor options on for the whole process: a row may
+    change them, but the next row compiles under the settings the run started with."""
     import torch._inductor.config as inductor_config
 
-    before = inductor_config.max_autotune_gemm_backends
-    assert "ATEN" != before  # the default autotunes Triton templates for torch._scaled_mm
+    before = inductor_config.coordinate_descent_tuning
+    precision = torch.get_float32_matmul_precision()
     seen = {}
     real = bench.run_train_variant
 
     def spy(name, cfg, device, shared):
-        seen[name] = inductor_config.max_autotune_gemm_backends
+        seen[name] = inductor_config.coordinate_descent_tuning
+        if name == "bf16+mods":  # as torchao's recommended_inductor_config_setter does
+            inductor_config.coordinate_descent_tuning = not before
+            torch.set_float32_matmul_precision("medium")
         return real(name, cfg, device, shared)
     monkeypatch.setattr(bench, "run_train_variant", spy)
-    names = bench._variants("bf16+mods+aten-gemm,bf16+mods", bench.TRAIN_VARIANTS,
-                            bench.TRAIN_VARIANTS)
-    result = bench.run(_cfg(tmp_path, train_variants=names, infer_variants=[], steps=1,
-                            warmup=1), progress=lambda s: None)
-    assert seen == {"bf16+mods+aten-gemm": "ATEN", "bf16+mods": before}
-    assert inductor_config.max_autotune_gemm_backends == before  # restored after the row
-    assert all("error" not in r and r["median_ms"] > 0 for r in result["train"])
+    result = bench.run(_cfg(tmp_path, train_variants=["bf16+mods", "bf16"], infer_variants=[],
+                            steps=1, warmup=1), progress=lambda s: None)
+    first, second = result["train"]
+    assert seen == {"bf16+mods": before, "bf16": before}
+    assert first["inductor_changed"] == {"coordinate_descent_tuning": not before,
+                                         "float32_matmul_precision": "medium"}
+    assert "inductor_changed" not in second
+    assert inductor_config.coordinate_descent_tuning == before
+    assert torch.get_float32_matmul_precision() == precision
+
+
+def test_plain_inductor_torchao_inference_keeps_torchao_off_inductor(monkeypatch):
+    import sys
+    import types
+
+    made = []
+
+    class Config:
+        def __init__(self, granularity, set_inductor_config):
+            made.append((type(granularity).__name__, set_inductor_config))
+    quant = types.SimpleNamespace(Float8DynamicActivationFloat8WeightConfig=Config,
+                                  PerRow=type("PerRow", (), {}), PerTensor=type("PerTensor", (), {}),
+                                  quantize_=lambda model, config, filter_fn: None)
+    monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
+    monkeypatch.setitem(sys.modules, "torchao.quantization", quant)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32))
+    bench._torchao_inference(model, "rowwise")
+    bench._torchao_inference(model, "tensorwise", set_inductor_config=False)
+    assert made == [("PerRow", True), ("PerTensor", False)]
+    names = bench._variants("torchao-rowwise+mods+plain-inductor", bench.INFER_VARIANTS,
+                            bench.INFER_VARIANTS)
+    assert names == ["torchao-rowwise+mods+plain-inductor"]
     with pytest.raises(ValueError, match="unknown variant"):
-        bench._variants("bf16+aten-gemm+warp", bench.TRAIN_VARIANTS, bench.TRAIN_VARIANTS)
-    assert bench.variant_mods("torchao-rowwise+mods+aten-gemm") is not None
+        bench._variants("bf16+plain-inductor+warp", bench.INFER_VARIANTS, bench.INFER_VARIANTS)
 
 
 def test_contiguous_input_hook_copies_a_strided_input_only():
