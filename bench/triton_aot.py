@@ -120,6 +120,14 @@ def _norm(m, d, **kw):
     return lambda: norm_act_quant(x, **kw)
 
 
+def _bags(bags, mean_len, rows, d):
+    from loka.kernels.triton.embedding_bag import embedding_bag_sum
+    offsets = torch.arange(bags + 1, dtype=torch.int64) * mean_len
+    values = torch.zeros(bags * mean_len, dtype=torch.int64)
+    weight = torch.zeros(rows, d, dtype=torch.bfloat16)
+    return lambda: embedding_bag_sum(values, offsets, weight)
+
+
 def cases(quick: bool) -> Dict[str, Callable[[], Callable[[], object]]]:
     """name -> a builder of the call to compile (Wukong ``paper`` shapes, every operand
     layout loka.Linear passes, every epilogue and norm option)."""
@@ -156,6 +164,8 @@ def cases(quick: bool) -> Dict[str, Callable[[], Callable[[], object]]]:
         "norm_act_quant chunked 20000 tensorwise": lambda: _norm(
             64, 20000, norm="none", granularity="tensorwise"),
         "norm_act_quant layernorm affine": lambda: _norm(4096, 96, norm="layernorm", affine=True),
+        "embedding_bag_sum Wukong tables (56 x 4096 bags, d 256)": lambda: _bags(
+            56 * 4096, 4, 56000, 256),
     }
     if quick:  # one case per kernel family and option that the others do not cover
         keep = ("quantize_rowwise row-major", "quantize_rowwise transposed (wgrad)",
@@ -165,7 +175,8 @@ def cases(quick: bool) -> Dict[str, Callable[[], Callable[[], object]]]:
                 "gemm_rowwise BlockNorm statistics",
                 "gemm_rowwise fp8 out + BlockNorm statistics",
                 "gemm_blockwise", "norm_act_quant blocknorm tensorwise fp8-only",
-                "norm_act_quant chunked 20000 tensorwise")
+                "norm_act_quant chunked 20000 tensorwise",
+                "embedding_bag_sum Wukong tables (56 x 4096 bags, d 256)")
         out = {k: v for k, v in out.items() if k in keep}
     return out
 

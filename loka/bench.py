@@ -63,7 +63,8 @@ quantization leaves Inductor's settings as they are, ``set_inductor_config=False
 default ``quantize_`` switches on coordinate-descent tuning for the whole process, which
 took 212 s of compilation on the Wukong paper inference step on an H200). Every row runs
 under the Inductor settings the run started with; what a row changed is recorded in its
-``inductor_changed`` and undone before the next row."""
+``inductor_changed`` and undone before the next row. +triton-emb (the embedding bags pooled
+by LoKA's Triton kernel instead of ``F.embedding_bag``; the model's function is the same)."""
 
 
 def variant_mods(name: str) -> Optional[ModsConfig]:
@@ -197,6 +198,22 @@ def build_model(cfg: BenchConfig, mods: Optional[ModsConfig], device: torch.devi
         fuse_embeddings(model)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return model.to(device=device, dtype=dtype)
+
+
+def set_pooling(model, name: str) -> int:
+    """``+triton-emb``: the fused embedding tables pool their bags with LoKA's Triton kernel
+    (``loka.kernels.triton.embedding_bag``) instead of ``F.embedding_bag``; returns how many
+    embedding archs were switched."""
+    if "+triton-emb" not in name:
+        return 0
+    from .models.fused_embedding import FusedEmbeddingArch
+
+    archs = [m for m in model.modules() if isinstance(m, FusedEmbeddingArch)]
+    if not archs:
+        raise ValueError(f"{name}: +triton-emb needs fused embedding tables (fused_embeddings)")
+    for m in archs:
+        m.pooling = "triton"
+    return len(archs)
 
 
 def automerge(model, batch, device: torch.device, roles=("fwd", "dgrad", "wgrad")) -> dict:
@@ -533,6 +550,7 @@ def prepare_train(name: str, cfg: BenchConfig, device: torch.device, shared: dic
     training step; ``row`` holds what was learned while building (FP8 sites, plan)."""
     mods = variant_mods(name)
     model = build_model(cfg, mods, device)
+    set_pooling(model, name)
     batch = _cast_batch(make_batch(model, cfg, device), next(model.parameters()).dtype)
     row = {"variant": name, "mode": "train"}
     if "+automerge" in name:
@@ -808,6 +826,7 @@ def _make_forward(model, batch, cfg: BenchConfig, device, graphs: bool) -> Calla
 def run_infer_variant(name: str, cfg: BenchConfig, device: torch.device, shared: dict) -> dict:
     mods = variant_mods(name)
     model = build_model(cfg, mods, device).eval()
+    set_pooling(model, name)
     batch = _cast_batch(make_batch(model, cfg, device), next(model.parameters()).dtype)
     row = {"variant": name, "mode": "infer"}
     if "+automerge" in name:
@@ -1173,7 +1192,7 @@ def _variants(text: Optional[str], default, allowed) -> List[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     bad = [n for n in names if n not in allowed and not n.startswith("loka-uniform-")
            and n.replace("+tuned", "").replace("+search", "").replace("+automerge", "+merge")
-           .replace("+plain-inductor", "") not in allowed
+           .replace("+plain-inductor", "").replace("+triton-emb", "") not in allowed
            and not (n.startswith("loka@") and plan_name(n))]
     if bad:
         raise ValueError(f"unknown variant(s) {bad}; choose from {list(allowed)}")

@@ -643,3 +643,28 @@ def test_contiguous_input_hook_copies_a_strided_input_only():
     assert y.is_contiguous() and not x.is_contiguous() and torch.equal(y, x)
     z = torch.ones(3, 4)
     assert bench._contiguous_input(None, (z, 1))[0] is z  # no copy when already contiguous
+
+
+def test_triton_emb_variant_switches_the_fused_tables_to_triton_pooling(tmp_path, monkeypatch):
+    from loka.models.fused_embedding import FusedEmbeddingArch
+
+    seen = []
+    real = bench.set_pooling
+
+    def spy(model, name):
+        n = real(model, name)
+        seen.append((name, n, sorted({m.pooling for m in model.modules()
+                                      if isinstance(m, FusedEmbeddingArch)})))
+        return n
+    monkeypatch.setattr(bench, "set_pooling", spy)
+    names = bench._variants("bf16+mods+triton-emb,bf16+mods", bench.TRAIN_VARIANTS,
+                            bench.TRAIN_VARIANTS)
+    result = bench.run(_cfg(tmp_path, train_variants=names, infer_variants=["bf16+triton-emb"],
+                            steps=1, warmup=1), progress=lambda s: None)
+    assert seen == [("bf16+mods+triton-emb", 1, ["triton"]), ("bf16+mods", 0, ["torch"]),
+                    ("bf16+triton-emb", 1, ["triton"])]
+    # on a CPU without Triton's interpreter the tables pool with torch: same numbers
+    assert all("error" not in r for r in result["train"] + result["infer"])
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="fused embedding tables"):
+        bench.set_pooling(model, "bf16+triton-emb")

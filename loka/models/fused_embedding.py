@@ -9,6 +9,8 @@ into one forward kernel and one backward sort. The function of the model is unch
 
 from __future__ import annotations
 
+import os
+
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
@@ -19,6 +21,57 @@ from loka.data.batch import Jagged
 
 from .arch import EmbeddingArch, jagged_to_padded
 
+POOLINGS = ("torch", "triton")
+"""how a :class:`FusedEmbeddingArch` pools its bags: ``torch`` (``F.embedding_bag``) or
+``triton`` (LoKA's one-pass Triton kernel, ``loka.kernels.triton.embedding_bag``, on a CUDA
+device with Triton; elsewhere, and for sparse gradients, ``torch`` stands in)"""
+
+
+@torch.library.custom_op("loka::embedding_bag_sum", mutates_args=())
+def embedding_bag_sum(values: torch.Tensor, offsets: torch.Tensor,
+                      weight: torch.Tensor) -> torch.Tensor:
+    """(bags, D) bag sums by the Triton kernel: one opaque graph node under
+    ``torch.compile``, differentiable in ``weight`` (dense gradient)."""
+    from ..kernels.triton.embedding_bag import embedding_bag_sum as kernel
+
+    return kernel(values, offsets, weight)
+
+
+@embedding_bag_sum.register_fake
+def _(values, offsets, weight):
+    return weight.new_empty((offsets.shape[0] - 1, weight.shape[1]))
+
+
+def _setup_context(ctx, inputs, output):
+    values, offsets, weight = inputs
+    ctx.save_for_backward(values, offsets)
+    ctx.num_weights = weight.shape[0]
+
+
+def _backward(ctx, grad):
+    values, offsets = ctx.saved_tensors
+    bags = offsets.shape[0] - 1
+    # the bag of every id, without a host sync (the output size is the ids' count)
+    bag_of = torch.repeat_interleave(torch.arange(bags, device=offsets.device),
+                                     offsets[1:] - offsets[:-1], output_size=values.shape[0])
+    dweight = torch.ops.aten.embedding_dense_backward(grad[bag_of], values, ctx.num_weights,
+                                                      -1, False)
+    return None, None, dweight
+
+
+embedding_bag_sum.register_autograd(_backward, setup_context=_setup_context)
+
+
+def triton_pooling_available(weight: torch.Tensor) -> bool:
+    """Whether the Triton pooling kernel runs for ``weight``: a CUDA tensor with Triton, or
+    a CPU tensor under Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
+    from ..kernels import capabilities as caps
+
+    if weight.device.type == "cuda":
+        return caps.triton_available(weight.device)
+    return (weight.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+            and caps.module_available("triton"))
+
 
 class FusedEmbeddingArch(nn.Module):
     """All tables of an :class:`EmbeddingArch` in one ``(sum of rows, d)`` weight.
@@ -27,8 +80,11 @@ class FusedEmbeddingArch(nn.Module):
         sparse: {name: Jagged(values (nnz,), offsets (B + 1,))} -> (B, T, d), tables in order.
     """
 
-    def __init__(self, arch: EmbeddingArch) -> None:
+    def __init__(self, arch: EmbeddingArch, pooling: str = "torch") -> None:
         super().__init__()
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        self.pooling = pooling
         self.names: Tuple[str, ...] = tuple(arch.names)
         self.dim = arch.dim
         tables = [arch.tables[n] for n in self.names]
@@ -65,8 +121,12 @@ class FusedEmbeddingArch(nn.Module):
         shift = torch.cumsum(ends, 0) - ends
         offsets = torch.cat([sparse[n].offsets[:-1] + shift[i] for i, n in enumerate(names)]
                             + [ends.sum().reshape(1)])
-        pooled = F.embedding_bag(values, self.weight, offsets, mode="sum", sparse=self.sparse,
-                                 include_last_offset=True)
+        if (self.pooling == "triton" and not self.sparse
+                and triton_pooling_available(self.weight)):
+            pooled = embedding_bag_sum(values, offsets, self.weight)
+        else:
+            pooled = F.embedding_bag(values, self.weight, offsets, mode="sum",
+                                     sparse=self.sparse, include_last_offset=True)
         return pooled.view(len(names), batch, self.dim).transpose(0, 1)
 
     def sequence(self, name: str, sparse: Dict[str, Jagged], max_len: int
@@ -77,12 +137,14 @@ class FusedEmbeddingArch(nn.Module):
         return jagged_to_padded(emb, jagged.offsets, max_len)
 
     def extra_repr(self) -> str:
-        return f"tables={len(self.names)}, rows={self.weight.shape[0]}, dim={self.dim}"
+        return (f"tables={len(self.names)}, rows={self.weight.shape[0]}, dim={self.dim}, "
+                f"pooling={self.pooling}")
 
 
-def fuse_embeddings(model: nn.Module) -> int:
+def fuse_embeddings(model: nn.Module, pooling: str = "torch") -> int:
     """Replace every :class:`EmbeddingArch` in ``model`` by a :class:`FusedEmbeddingArch`
-    holding the same weights (in place). Returns how many were fused.
+    holding the same weights (in place), pooling with ``pooling`` (:data:`POOLINGS`).
+    Returns how many were fused.
 
     The state_dict changes (one ``weight`` per arch instead of one per table): fuse before
     training, or after loading a checkpoint of the unfused model."""
@@ -91,6 +153,6 @@ def fuse_embeddings(model: nn.Module) -> int:
         if isinstance(mod, EmbeddingArch) and mod.names:
             parent, _, child = fqn.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child,
-                    FusedEmbeddingArch(mod))
+                    FusedEmbeddingArch(mod, pooling))
             count += 1
     return count
