@@ -141,19 +141,22 @@ def quality_table(path: str) -> str:
     r = json.load(open(path))
     s, cfg = r["summary"], r["config"]
     out = [f"{cfg['model']} `{cfg['preset']}` on {r['env'].get('gpu', r['env']['device'])}, "
-           f"{cfg['steps']} steps, {len(r['runs']) // 2} seed(s), commit "
+           f"{cfg['steps']} steps, {len({x['seed'] for x in r['runs']})} seed(s), commit "
            f"{r['env'].get('commit')}; source: `{path}`", "",
            "| arm | NE per seed | NE mean ± std | AUC mean |", "|---|---|---|---|"]
-    for arm in ("bf16+mods", "loka+mods"):
+    arms = r.get("arms") or ["bf16+mods", "loka+mods"]
+    for arm in arms:
         if arm not in s:
             continue
         per = ", ".join(f"{x['final']['ne']:.5f}" for x in sorted(
             (x for x in r["runs"] if x["arm"] == arm), key=lambda x: x["seed"]))
         out.append(f"| {arm} | {per} | {s[arm]['ne_mean']:.5f} ± {s[arm]['ne_std']:.5f} | "
                    f"{s[arm]['auc_mean']:.5f} |")
-    pc = s.get("paired_ne_change_pct")
-    if pc:
-        out += ["", "paired NE change (LoKA against bf16 + Mods, same seed): "
+    by_arm = s.get("paired_by_arm") or (
+        {"loka+mods": s["paired_ne_change_pct"]} if s.get("paired_ne_change_pct") else {})
+    for arm, pc in by_arm.items():
+        who = "LoKA" if arm == "loka+mods" else f"`{arm}`"
+        out += ["", f"paired NE change ({who} against bf16 + Mods, same seed): "
                 + ", ".join(f"{v:+.3f}%" for v in pc["per_seed"])
                 + f"; mean {pc['mean']:+.3f}% ± {pc['std']:.3f}%; seed noise of bf16 + Mods "
                 f"{s.get('seed_noise_pct', float('nan')):.3f}%"]

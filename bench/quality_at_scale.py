@@ -14,7 +14,8 @@ Bayes floor of the stream) is reported beside them.
         --schedule cosine --cache-batches --out bench/results/<date>-quality.json
 
 Without ``--plan`` the Probe runs once (on the first seed's model) and its plan serves all
-seeds. The JSON holds every run's final metrics, loss curve and held-out NE curve
+seeds. ``--plans name=path,...`` adds one arm ``loka@<name>+mods`` per named plan (ablations:
+which FP8 sites cost NE), each paired with the same bf16 + Mods arm. The JSON holds every run's final metrics, loss curve and held-out NE curve
 (``ne_curve``, every ``--eval-every`` steps), the mean and spread per arm, and the paired
 per-seed NE change.
 
@@ -47,7 +48,9 @@ from loka.config import ModsConfig  # noqa: E402
 from loka.data.metrics import Metrics  # noqa: E402
 from loka.data.synthetic import SyntheticCTR  # noqa: E402
 
-ARMS = ("bf16+mods", "loka+mods")
+BASE = "bf16+mods"
+ARMS = (BASE, "loka+mods")
+"""the arms of a run without named plans"""
 
 
 def _cast(batch, dtype):
@@ -142,6 +145,7 @@ def train_batches(model, args, seed: int, device):
 
 
 def run_arm(arm: str, seed: int, plan, args, device, cached=None) -> dict:
+    """One training run of ``arm`` (``plan``: the plan its LoKA arm applies)."""
     cfg = bench.BenchConfig(model=args.model, preset=args.preset, device=str(device),
                             batch_size=args.batch_size, seed=seed, table_rows=args.table_rows)
     model = bench.build_model(cfg, _mods(args), device)
@@ -202,9 +206,12 @@ def run_arm(arm: str, seed: int, plan, args, device, cached=None) -> dict:
             "ne_curve": curve}
 
 
-def summarize(runs) -> dict:
+def summarize(runs, arms=ARMS) -> dict:
+    """Mean and spread of NE per arm, and each LoKA arm's per-seed NE change against the
+    bf16 + Mods arm of the same seed (``paired_ne_change_pct`` for the first LoKA arm,
+    ``paired_by_arm`` for all)."""
     out = {}
-    for arm in ARMS:
+    for arm in arms:
         nes = [r["final"]["ne"] for r in runs if r["arm"] == arm]
         aucs = [r["final"]["auc"] for r in runs if r["arm"] == arm]
         if nes:
@@ -212,13 +219,19 @@ def summarize(runs) -> dict:
                         "ne_std": statistics.stdev(nes) if len(nes) > 1 else 0.0,
                         "auc_mean": statistics.fmean(aucs), "seeds": len(nes)}
     by = {(r["arm"], r["seed"]): r["final"]["ne"] for r in runs}
-    paired = [100.0 * (by[("loka+mods", s)] / by[("bf16+mods", s)] - 1.0)
-              for a, s in by if a == "bf16+mods" and ("loka+mods", s) in by]
-    if paired:
-        out["paired_ne_change_pct"] = {
-            "per_seed": paired, "mean": statistics.fmean(paired),
-            "std": statistics.stdev(paired) if len(paired) > 1 else 0.0}
-        base = out.get("bf16+mods", {})
+    for arm in arms:
+        if arm == BASE:
+            continue
+        paired = [100.0 * (by[(arm, s)] / by[(BASE, s)] - 1.0)
+                  for a, s in by if a == BASE and (arm, s) in by]
+        if not paired:
+            continue
+        stats = {"per_seed": paired, "mean": statistics.fmean(paired),
+                 "std": statistics.stdev(paired) if len(paired) > 1 else 0.0}
+        out.setdefault("paired_by_arm", {})[arm] = stats
+        out.setdefault("paired_ne_change_pct", stats)
+    if "paired_ne_change_pct" in out:
+        base = out.get(BASE, {})
         if base.get("ne_mean"):
             out["seed_noise_pct"] = 100.0 * base["ne_std"] / base["ne_mean"]
     return out
@@ -230,6 +243,9 @@ def main(argv=None) -> int:
     p.add_argument("--preset", default=None, help="default: paper on CUDA, tiny on the CPU")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--plan", default=None, help="plan JSON (default: probe once)")
+    p.add_argument("--plans", default="",
+                   help="named plans, name=path[,name=path]: one arm loka@<name>+mods each "
+                        "(with them, no Probe runs and loka+mods only with --plan)")
     p.add_argument("--steps", type=int, default=3000,
                    help="training steps per run (250 left Wukong paper at NE ~1.0 on an H200)")
     p.add_argument("--seeds", type=int, default=3)
@@ -278,11 +294,12 @@ def main(argv=None) -> int:
     args.compile = not args.no_compile and device.type == "cuda"
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
+    named = bench._named_plans(args.plans)
     plan, plan_src = None, args.plan
-    if args.plan:
+    if args.plan or named:
         from loka.dispatch import Plan
 
-        plan = Plan.load(args.plan)
+        plan = Plan.load(args.plan) if args.plan else None
     else:
         cfg = bench.BenchConfig(model=args.model, preset=args.preset, device=str(device),
                                 batch_size=args.batch_size, table_rows=args.table_rows)
@@ -296,9 +313,16 @@ def main(argv=None) -> int:
                              assume_fast=True)
             plan_src += " (assume_fast: the lowest-error kernel within the budget)"
         del model
+    plans = {"loka+mods": plan} if plan is not None else {}
+    for name, path in named.items():
+        from loka.dispatch import Plan
+
+        plans[f"loka@{name}+mods"] = Plan.load(path)
+    arms = (BASE,) + tuple(plans)
     result = {"schema": "loka.quality", "version": 1, "env": bench.environment(device),
               "config": {k: v for k, v in vars(args).items()}, "plan_source": plan_src,
-              "plan": plan.to_dict(), "runs": []}
+              "plan": plan.to_dict() if plan is not None else None, "arms": list(arms),
+              "plans": {arm: p.to_dict() for arm, p in plans.items()}, "runs": []}
     next_seed_s = 0.0
     for seed in range(args.seeds):
         elapsed = time.perf_counter() - start
@@ -314,12 +338,12 @@ def main(argv=None) -> int:
         if args.cache_batches:
             cached = train_batches(_spec_holder(args), args, seed, device)
         gen_s = time.perf_counter() - t_seed
-        for arm in ARMS:
+        for arm in arms:
             t0 = time.perf_counter()
-            run = run_arm(arm, seed, plan, args, device, cached)
+            run = run_arm(arm, seed, plans.get(arm), args, device, cached)
             run["wall_s"] = time.perf_counter() - t0
             result["runs"].append(run)
-            result["summary"] = summarize(result["runs"])
+            result["summary"] = summarize(result["runs"], arms)
             print(f"seed {seed} {arm:10s} NE {run['final']['ne']:.5f} AUC {run['final']['auc']:.4f} "
                   f"teacher NE {run['final']['teacher_ne']:.4f} fp8={run['fp8_sites']} "
                   f"({run['wall_s']:.0f} s)", flush=True)

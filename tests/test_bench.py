@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import os
+import types
 
 import pytest
 import torch
@@ -668,3 +669,46 @@ def test_triton_emb_variant_switches_the_fused_tables_to_triton_pooling(tmp_path
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="fused embedding tables"):
         bench.set_pooling(model, "bf16+triton-emb")
+
+
+def test_quality_named_arms_pair_each_with_the_bf16_arm(tmp_path):
+    q = _load("quality_at_scale")
+    arms = ("bf16+mods", "loka@fm+mods", "loka@top+mods")
+    runs = [{"arm": a, "seed": s, "final": {"ne": ne, "auc": 0.7}}
+            for s, nes in enumerate([(0.80, 0.8008, 0.80), (0.82, 0.82, 0.8282)])
+            for a, ne in zip(arms, nes)]
+    s = q.summarize(runs, arms)
+    assert s["paired_by_arm"]["loka@fm+mods"]["per_seed"] == pytest.approx([0.1, 0.0])
+    assert s["paired_by_arm"]["loka@top+mods"]["per_seed"] == pytest.approx([0.0, 1.0])
+    assert s["paired_ne_change_pct"] == s["paired_by_arm"]["loka@fm+mods"]
+    md = _load("make_benchmarks_md")
+    path = tmp_path / "quality.json"
+    path.write_text(json.dumps({"schema": "loka.quality", "env": {"device": "cpu", "commit": "abc"},
+                                "config": {"model": "wukong", "preset": "small", "steps": 600},
+                                "arms": list(arms), "runs": runs, "summary": s}))
+    text = md.render(str(path))
+    assert "600 steps, 2 seed(s)" in text
+    assert "| loka@top+mods | 0.80000, 0.82820 | 0.81410 ± 0.01994 | 0.70000 |" in text
+    assert "paired NE change (`loka@top+mods` against bf16 + Mods, same seed): +0.000%, +1.000%" in text
+
+
+def test_quality_harness_runs_named_plans_side_by_side(tmp_path):
+    """The harness end to end on the CPU (tiny Wukong, a few steps): one bf16 arm and one
+    arm per named plan, each applying its own plan."""
+    q = _load("quality_at_scale")
+    cfg = bench.BenchConfig(model="wukong", preset="tiny", device="cpu", table_rows=100)
+    model = bench.build_model(cfg, q._mods(types.SimpleNamespace(merge=False)), torch.device("cpu"))
+    Plan.uniform(model, "emulated-rowwise-e4m3").save(tmp_path / "all.plan.json")
+    Plan.uniform(model, "bf16").save(tmp_path / "none.plan.json")
+    out = tmp_path / "q.json"
+    assert q.main(["--device", "cpu", "--preset", "tiny", "--steps", "4", "--seeds", "2",
+                   "--eval-steps", "2", "--eval-every", "0", "--table-rows", "100",
+                   "--plans", f"all={tmp_path / 'all.plan.json'},none={tmp_path / 'none.plan.json'}",
+                   "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["arms"] == ["bf16+mods", "loka@all+mods", "loka@none+mods"] and r["plan"] is None
+    fp8 = {(x["arm"], x["seed"]): x["fp8_sites"] for x in r["runs"]}
+    assert fp8[("bf16+mods", 1)] == 0 and fp8[("loka@none+mods", 1)] == 0
+    assert fp8[("loka@all+mods", 0)] == len(Plan.load(tmp_path / "all.plan.json").fp8_sites()) > 0
+    none = r["summary"]["paired_by_arm"]["loka@none+mods"]["per_seed"]
+    assert none == pytest.approx([0.0, 0.0], abs=1e-9)  # a bf16 plan changes nothing

@@ -35,3 +35,18 @@ rows = json.load(open("bench/results/2026-12-03-h200-wukong-search-torchao/bench
 row = next(r for r in rows if r["variant"] == "loka+mods+merge+tuned+graphs")
 Plan.from_dict(row["tuned_plan"]).save("bench/plans/wukong-paper-tuned.merge.plan.json")
 PY
+# Ablations of the tuned plan, for the quality harness's named arms
+# (`bench/quality_at_scale.py --merge --plans fm=...,top=...`): which FP8 sites cost NE.
+#   tuned-fm:   only the four FM fmb.mlp.2 forwards (triton-rowwise-cublas-fastacc)
+#   tuned-top:  only the top Linear, forward and input gradient (cublas-rowwise-fastacc)
+#   tuned-top-exact: the top Linear as tuned-top, without fast accumulation
+#                    (triton-rowwise-cublas: the same cuBLAS GEMM, LoKA's Triton quantizer)
+rep=bench/results/2026-12-03-h200-wukong-merge/bench.merge.report.json
+python -m loka plan "$rep" -o bench/plans/wukong-paper-tuned-fm.merge.plan.json --kernels bf16 \
+  --assign '*.fmb.mlp.2:fwd=triton-rowwise-cublas-fastacc'
+python -m loka plan "$rep" -o bench/plans/wukong-paper-tuned-top.merge.plan.json --kernels bf16 \
+  --assign 'over_arch.mlp.0:fwd=cublas-rowwise-fastacc' \
+  --assign 'over_arch.mlp.0:dgrad=cublas-rowwise-fastacc'
+python -m loka plan "$rep" -o bench/plans/wukong-paper-tuned-top-exact.merge.plan.json --kernels bf16 \
+  --assign 'over_arch.mlp.0:fwd=triton-rowwise-cublas' \
+  --assign 'over_arch.mlp.0:dgrad=triton-rowwise-cublas'
