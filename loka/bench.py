@@ -64,14 +64,17 @@ default ``quantize_`` switches on coordinate-descent tuning for the whole proces
 took 212 s of compilation on the Wukong paper inference step on an H200). Every row runs
 under the Inductor settings the run started with; what a row changed is recorded in its
 ``inductor_changed`` and undone before the next row. +triton-emb (the embedding bags pooled
-by LoKA's Triton kernel instead of ``F.embedding_bag``; the model's function is the same)."""
+by LoKA's Triton kernel instead of ``F.embedding_bag``; the model's function is the same),
++token-major (with +mods: ``ModsConfig.token_major``, Wukong's token-axis Linears as
+``W @ X`` on the layout the layer holds)."""
 
 
 def variant_mods(name: str) -> Optional[ModsConfig]:
     """The Mods a variant's model is built with (None: the plain model)."""
     if "+mods" not in name:
         return None
-    return dataclasses.replace(ModsConfig.paper(), merge_siblings="+merge" in name)
+    return dataclasses.replace(ModsConfig.paper(), merge_siblings="+merge" in name,
+                               token_major="+token-major" in name)
 
 
 @dataclass
@@ -1192,7 +1195,8 @@ def _variants(text: Optional[str], default, allowed) -> List[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     bad = [n for n in names if n not in allowed and not n.startswith("loka-uniform-")
            and n.replace("+tuned", "").replace("+search", "").replace("+automerge", "+merge")
-           .replace("+plain-inductor", "").replace("+triton-emb", "") not in allowed
+           .replace("+plain-inductor", "").replace("+triton-emb", "")
+           .replace("+token-major", "") not in allowed
            and not (n.startswith("loka@") and plan_name(n))]
     if bad:
         raise ValueError(f"unknown variant(s) {bad}; choose from {list(allowed)}")

@@ -738,7 +738,7 @@ def _model_args(p: argparse.ArgumentParser, positional: bool = False) -> None:
     p.add_argument("--preset", default="tiny", help="model preset: tiny, small, paper")
     p.add_argument("--mods", default="none",
                    help="Mods: none, paper (no_bias,blocknorm=256,hardswish) or a comma list "
-                        "of no_bias, blocknorm=N, hardswish, pad_to=N, merge_siblings")
+                        "of no_bias, blocknorm=N, hardswish, pad_to=N, merge_siblings, token_major")
     p.add_argument("--data", default="synthetic",
                    help="synthetic, or criteo:TRAIN.tsv[,EVAL.tsv] (criteo:sample: the "
                         "shipped sample)")

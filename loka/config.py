@@ -222,6 +222,13 @@ class ModsConfig:
     """pad Linear feature dims to a multiple of this (16 for FP8 GEMMs); None: no padding"""
     merge_siblings: bool = False
     """merge sibling Linears that read the same input into one GEMM"""
+    token_major: bool = False
+    """compute Linears over the token axis (Wukong's FM projection, LCB and residual) as
+    ``W @ X`` on the (B, n, d) layout the layer holds, instead of a Linear on ``Xᵀ``: no
+    transposed copy of X goes into the GEMM, and the norm that follows reads contiguous
+    rows. The same function (up to the GEMMs' summation order); a Linear a plan or a Mod
+    has swapped (``loka.Linear``, padding) keeps the transposed path. The Probe does not see
+    these Linears (they are not called as modules), so a plan it makes keeps them in bf16"""
 
     def __post_init__(self) -> None:
         if self.blocknorm is not None and self.blocknorm < 1:
@@ -238,7 +245,8 @@ class ModsConfig:
     def any(self) -> bool:
         return any(
             (self.no_bias, self.blocknorm is not None, self.hardswish,
-             self.fuse_norm_quant, self.pad_to is not None, self.merge_siblings)
+             self.fuse_norm_quant, self.pad_to is not None, self.merge_siblings,
+             self.token_major)
         )
 
 

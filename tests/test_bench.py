@@ -712,3 +712,12 @@ def test_quality_harness_runs_named_plans_side_by_side(tmp_path):
     assert fp8[("loka@all+mods", 0)] == len(Plan.load(tmp_path / "all.plan.json").fp8_sites()) > 0
     none = r["summary"]["paired_by_arm"]["loka@none+mods"]["per_seed"]
     assert none == pytest.approx([0.0, 0.0], abs=1e-9)  # a bf16 plan changes nothing
+
+
+def test_token_major_variants_build_the_token_major_model():
+    assert bench.variant_mods("bf16+mods+merge+token-major").token_major
+    assert bench.variant_mods("bf16+mods+merge+token-major").merge_siblings
+    assert not bench.variant_mods("bf16+mods").token_major
+    names = bench._variants("loka+mods+merge+tuned+graphs+token-major", bench.TRAIN_VARIANTS,
+                            bench.TRAIN_VARIANTS)
+    assert names == ["loka+mods+merge+tuned+graphs+token-major"]

@@ -58,6 +58,18 @@ class WukongConfig:
         return self.features.num_dense + len(self.features.tables)
 
 
+def token_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A Linear over the token axis of ``x`` (B, n, d), token-major: (B, out, d).
+
+    A plain ``nn.Linear`` runs as ``W @ x`` (one batched GEMM reading x as it lies, the
+    output in the layout the layer's norm reads); any other Linear (``loka.Linear`` of a
+    plan, a padded Linear) runs as itself on ``xᵀ``, and its output is transposed back."""
+    if type(linear) is nn.Linear:
+        y = torch.matmul(linear.weight, x)
+        return y if linear.bias is None else y + linear.bias[:, None]
+    return linear(x.transpose(1, 2)).transpose(1, 2)
+
+
 class FactorizationMachineBlock(nn.Module):
     """FMB: ``MLP(norm(flatten(X · proj(Xᵀ))))`` reshaped to nF embeddings.
 
@@ -77,6 +89,7 @@ class FactorizationMachineBlock(nn.Module):
         self.norm = make_norm(n * rank, mods)
         self.mlp = nn.Sequential(make_linear(n * rank, hidden, mods), make_activation(mods),
                                  make_linear(hidden, num_out * d, mods))
+        self.token_major = bool(mods is not None and mods.token_major)
 
     def interact(self, x: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
         """Args: x (B, n, d), projected = proj(xᵀ) (B, d, k). Returns: (B, nF, d)."""
@@ -85,6 +98,8 @@ class FactorizationMachineBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args: x (B, n, d). Returns: (B, nF, d)."""
+        if self.token_major:
+            return self.interact(x, token_linear(self.proj, x).transpose(1, 2))
         return self.interact(x, self.proj(x.transpose(1, 2)))
 
 
@@ -98,9 +113,12 @@ class LinearCompressionBlock(nn.Module):
     def __init__(self, n: int, num_out: int, mods: Optional[ModsConfig] = None) -> None:
         super().__init__()
         self.proj = make_linear(n, num_out, mods)
+        self.token_major = bool(mods is not None and mods.token_major)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args: x (B, n, d). Returns: (B, nL, d)."""
+        if self.token_major:
+            return token_linear(self.proj, x)
         return self.proj(x.transpose(1, 2)).transpose(1, 2)
 
 
@@ -124,9 +142,12 @@ class WukongLayer(nn.Module):
         self.residual = make_linear(n, self.n_out, mods) if n != self.n_out else None
         self.norm = make_norm(d, mods)
         self.merged: Optional[MergedLinear] = None
+        self.token_major = bool(mods is not None and mods.token_major)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args: x (B, n, d). Returns: (B, nF + nL, d)."""
+        if self.token_major:
+            return self._forward_token_major(x)
         xt = x.transpose(1, 2)  # (B, d, n): the Linears below act on the n axis
         if self.merged is not None:
             outs = self.merged(xt)
@@ -136,6 +157,18 @@ class WukongLayer(nn.Module):
             fm_proj, lcb = self.fmb.proj(xt), self.lcb.proj(xt)
             res = self.residual(xt).transpose(1, 2) if self.residual is not None else x
         out = torch.cat([self.fmb.interact(x, fm_proj), lcb.transpose(1, 2)], dim=1)
+        return self.norm(out + res)
+
+    def _forward_token_major(self, x: torch.Tensor) -> torch.Tensor:
+        """The same function with the n-axis Linears as ``W @ x`` (:func:`token_linear`)."""
+        if self.merged is not None:
+            outs = token_linear(self.merged.linear, x).split(self.merged.split_sizes, dim=1)
+            fm_proj, lcb = outs[0], outs[1]
+            res = outs[2] if len(outs) == 3 else x
+        else:
+            fm_proj, lcb = token_linear(self.fmb.proj, x), token_linear(self.lcb.proj, x)
+            res = token_linear(self.residual, x) if self.residual is not None else x
+        out = torch.cat([self.fmb.interact(x, fm_proj.transpose(1, 2)), lcb], dim=1)
         return self.norm(out + res)
 
     def _loka_merge_siblings(self, when=None) -> List[ModuleChange]:

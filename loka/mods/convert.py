@@ -69,6 +69,8 @@ def convert(model: nn.Module, mods: ModsConfig) -> ModsReport:
     * ``blocknorm``: ``nn.LayerNorm`` / ``nn.RMSNorm`` over one dim -> ``BlockNorm(B)``.
     * ``hardswish``: ``nn.SiLU`` -> ``nn.Hardswish``.
     * ``pad_to``: Linears with a dim not a multiple of it -> ``PaddedLinear``.
+    * ``token_major``: every module with a ``token_major`` switch (Wukong's layers and FM
+      blocks) computes its token-axis Linears as ``W @ X``; the same function, no swap.
     * ``fuse_norm_quant`` is not a module swap: the fused producer is the explicit
       ``loka.mods.fused.FusedNormActQuant`` module in front of a ``loka.Linear``; it is
       reported as skipped here.
@@ -100,6 +102,16 @@ def convert(model: nn.Module, mods: ModsConfig) -> ModsReport:
             skipped += s
     if mods.pad_to is not None:
         changes += pad_linears(model, mods.pad_to)
+    if mods.token_major:
+        switched = [(fqn, m) for fqn, m in model.named_modules()
+                    if isinstance(getattr(m, "token_major", None), bool)]
+        for fqn, m in switched:
+            if not m.token_major:
+                m.token_major = True
+                changes.append(ModuleChange(fqn, f"{type(m).__name__}(n-axis Linears on Xᵀ)",
+                                            f"{type(m).__name__}(n-axis Linears as W @ X)"))
+        if not switched:
+            skipped.append(("", "token_major: no module of this model has token-axis Linears"))
     if mods.fuse_norm_quant:
         skipped.append(("", "fuse_norm_quant is not a module swap: put "
                             "loka.mods.fused.FusedNormActQuant in front of the loka.Linear"))
