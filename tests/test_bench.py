@@ -721,3 +721,15 @@ def test_token_major_variants_build_the_token_major_model():
     names = bench._variants("loka+mods+merge+tuned+graphs+token-major", bench.TRAIN_VARIANTS,
                             bench.TRAIN_VARIANTS)
     assert names == ["loka+mods+merge+tuned+graphs+token-major"]
+
+
+def test_compiled_rows_record_where_compilation_time_went(tmp_path):
+    torch._dynamo.reset()
+    result = bench.run(_cfg(tmp_path, train_variants=[], infer_variants=["bf16+mods"], steps=1,
+                            warmup=1, compile=True), progress=lambda s: None)
+    row = result["infer"][0]
+    assert "error" not in row, row.get("traceback")
+    assert row["graph_breaks"] == 0 and row["compiled_graphs"] >= 1
+    phases = row["compile_phases_s"]
+    assert 0 < len(phases) <= 8 and all(v >= 0 for v in phases.values())
+    assert max(phases.values()) <= row["wall_s"]
