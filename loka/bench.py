@@ -66,7 +66,9 @@ under the Inductor settings the run started with; what a row changed is recorded
 ``inductor_changed`` and undone before the next row. +triton-emb (the embedding bags pooled
 by LoKA's Triton kernel instead of ``F.embedding_bag``; the model's function is the same),
 +token-major (with +mods: ``ModsConfig.token_major``, Wukong's token-axis Linears as
-``W @ X`` on the layout the layer holds)."""
+``W @ X`` on the layout the layer holds), +static (LoKA inference rows: static activation
+scales from the Probe's observed amax where the forward kernel takes one, and the logits'
+relative change against dynamic scales in ``static_logit_change``)."""
 
 
 def variant_mods(name: str) -> Optional[ModsConfig]:
@@ -850,9 +852,14 @@ def run_infer_variant(name: str, cfg: BenchConfig, device: torch.device, shared:
             model.eval()
         row["plan_fwd_fp8_sites"] = sum(sp.kernel("fwd", plan.baseline) != plan.baseline
                                         for sp in plan.sites.values())
+        static = None
+        if "+static" in name:
+            static = static_scales(plan, plans.get("report"))
+            row["static_sites"] = len(static)
+            row["static_logit_change"] = _static_change(model, plan, static, batch)
         # served as deployed: FP8 weights only where the forward is FP8 (the bf16 copies
         # are freed, so peak memory counts what a server holds)
-        apply(model, plan, inference=True, drop_weights=True)
+        apply(model, plan, inference=True, drop_weights=True, static_scales=static)
         row["hp_weights_dropped"] = sum(getattr(m, "weight", True) is None
                                         for m in model.modules())
     row["fp8_sites"] = _count_fp8(model)
@@ -872,6 +879,45 @@ def run_infer_variant(name: str, cfg: BenchConfig, device: torch.device, shared:
 
 RATIO_REFS = ("bf16", "bf16+mods", "bf16+mods+graphs", "bf16+mods+merge+graphs")
 """the baselines every row's speedup is given against (those measured in the run)"""
+
+
+def static_scales(plan, report) -> Dict[str, float]:
+    """``+static``: a static input amax (the Probe's observed ``act.amax``) for every site
+    whose FP8 forward kernel takes one (PyTorch-quantized kernels; LoKA's Triton and
+    FBGEMM kernels quantize inside and stay dynamic)."""
+    from .dispatch import amax_from_report
+    from .kernels import registry
+    from .numerics import Granularity
+
+    if report is None:
+        raise ValueError("+static needs the Probe's statistics: probe in this run, or a "
+                         ".report.json beside --plan")
+    amax = amax_from_report(report)
+    out = {}
+    for site, sp in plan.sites.items():
+        name = sp.kernel("fwd", plan.baseline)
+        if name == plan.baseline or site not in amax:
+            continue
+        k = registry.get(name)
+        if k.is_fp8 and k.quantize_a is not None and k.scaling in set(Granularity):
+            out[site] = amax[site]
+    return out
+
+
+def _static_change(model, plan, static: Dict[str, float], batch) -> Optional[float]:
+    """Relative change of the logits on ``batch`` from dynamic to static activation scales
+    (the same serving plan, eager): what the static scales cost in output accuracy."""
+    from .dispatch import apply, unapply
+
+    if not static:
+        return None
+    with torch.inference_mode():
+        apply(model, plan, inference=True)
+        dynamic = model(batch).double()
+        apply(model, plan, inference=True, static_scales=static)
+        fixed = model(batch).double()
+    unapply(model)
+    return float((fixed - dynamic).norm() / dynamic.norm().clamp(min=1e-30))
 
 
 def _ratios(rows: List[dict]) -> None:
@@ -1196,7 +1242,7 @@ def _variants(text: Optional[str], default, allowed) -> List[str]:
     bad = [n for n in names if n not in allowed and not n.startswith("loka-uniform-")
            and n.replace("+tuned", "").replace("+search", "").replace("+automerge", "+merge")
            .replace("+plain-inductor", "").replace("+triton-emb", "")
-           .replace("+token-major", "") not in allowed
+           .replace("+token-major", "").replace("+static", "") not in allowed
            and not (n.startswith("loka@") and plan_name(n))]
     if bad:
         raise ValueError(f"unknown variant(s) {bad}; choose from {list(allowed)}")

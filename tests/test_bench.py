@@ -733,3 +733,34 @@ def test_compiled_rows_record_where_compilation_time_went(tmp_path):
     phases = row["compile_phases_s"]
     assert 0 < len(phases) <= 8 and all(v >= 0 for v in phases.values())
     assert max(phases.values()) <= row["wall_s"]
+
+
+def test_static_variant_sets_the_probes_amax_where_the_kernel_takes_one(tmp_path, monkeypatch):
+    import loka.dispatch
+    from loka.dispatch import amax_from_report
+    from loka.config import ProbeConfig
+    from loka.probe import probe
+
+    cfg = _cfg(tmp_path, train_variants=[], infer_variants=["loka+mods+static", "loka+mods"],
+               steps=1, warmup=1, plan=str(tmp_path / "uniform.plan.json"))
+    model = bench.build_model(cfg, bench.variant_mods("loka+mods"), torch.device("cpu"))
+    batch = bench.make_batch(model, cfg, torch.device("cpu"))
+    report = probe(model, [batch] * 2, bench._loss,
+                   config=ProbeConfig(num_samples=2, bootstrap=10, timing=False,
+                                      kernels=("bf16", "emulated-rowwise-e4m3"), progress=False))
+    report.save(tmp_path / "uniform.report.json")
+    plan = Plan.uniform(model, "emulated-rowwise-e4m3")
+    plan.save(cfg.plan)
+    static = bench.static_scales(plan, report)
+    assert static and set(static) <= set(plan.fp8_sites())
+    assert static == {s: a for s, a in amax_from_report(report).items() if s in static}
+    # the serving plan the run makes from the report (CPU timings decide nothing): FP8 forwards
+    monkeypatch.setattr(loka.dispatch, "plan", lambda report, **kw: plan)
+    result = bench.run(cfg, progress=lambda s: None)
+    fixed, dynamic = result["infer"]
+    assert "error" not in fixed, fixed.get("traceback")
+    assert fixed["static_sites"] == len(static) and "static_sites" not in dynamic
+    # the Probe saw these very batches: static scales from their amax change little
+    assert 0 < fixed["static_logit_change"] < 0.1
+    with pytest.raises(ValueError, match="Probe's statistics"):
+        bench.static_scales(plan, None)
