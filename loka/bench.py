@@ -992,7 +992,9 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
             if cfg.compile:  # a graph break costs a host round trip per step: show them
                 row["graph_breaks"] = sum(counters["graph_break"].values())
                 row["compiled_graphs"] = counters["stats"].get("unique_graphs", 0)
-                if isinstance(phases, dict) and phases:  # where compilation time went
+                if isinstance(phases, dict) and phases:
+                    # where compilation time went: seconds per phase, summed over its calls
+                    # (a phase that runs inside itself, a nested frame, counts twice)
                     top = sorted(((k, sum(v)) for k, v in phases.items()), key=lambda kv: -kv[1])
                     row["compile_phases_s"] = {k: round(v, 3) for k, v in top[:8]}
             result[mode].append(row)
