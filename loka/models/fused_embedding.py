@@ -31,7 +31,8 @@ device with Triton; elsewhere, and for sparse gradients, ``torch`` stands in)"""
 def embedding_bag_sum(values: torch.Tensor, offsets: torch.Tensor,
                       weight: torch.Tensor) -> torch.Tensor:
     """(bags, D) bag sums by the Triton kernel: one opaque graph node under
-    ``torch.compile``, differentiable in ``weight`` (dense gradient)."""
+    ``torch.compile``, differentiable in ``weight`` (dense gradient, by PyTorch's
+    embedding-bag backward)."""
     from ..kernels.triton.embedding_bag import embedding_bag_sum as kernel
 
     return kernel(values, offsets, weight)
@@ -49,13 +50,17 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad):
+    """PyTorch's own dense embedding-bag backward (sum mode): it reads each id's gradient
+    row through its bag, never materializing an (nnz, D) copy."""
     values, offsets = ctx.saved_tensors
     bags = offsets.shape[0] - 1
+    lengths = offsets[1:] - offsets[:-1]
     # the bag of every id, without a host sync (the output size is the ids' count)
-    bag_of = torch.repeat_interleave(torch.arange(bags, device=offsets.device),
-                                     offsets[1:] - offsets[:-1], output_size=values.shape[0])
-    dweight = torch.ops.aten.embedding_dense_backward(grad[bag_of], values, ctx.num_weights,
-                                                      -1, False)
+    bag_of = torch.repeat_interleave(torch.arange(bags, device=offsets.device), lengths,
+                                     output_size=values.shape[0])
+    dweight = torch.ops.aten._embedding_bag_dense_backward(
+        grad.contiguous(), values, bag_of, lengths, values.new_empty(0), ctx.num_weights,
+        False, 0, None, -1)
     return None, None, dweight
 
 

@@ -9,8 +9,8 @@ per id and the output is written once, so the kernel is bound by the bytes of th
 gathers. An empty bag sums to zero, as in torch.
 
 The reference is :func:`reference_embedding_bag_sum` (float64 on request); the autograd of
-the op that wraps this kernel (``loka.models.fused_embedding``) uses PyTorch's own embedding
-backward.
+the op that wraps this kernel (``loka.models.fused_embedding``) uses PyTorch's own
+embedding-bag backward.
 """
 
 from __future__ import annotations
