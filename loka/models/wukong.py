@@ -61,11 +61,14 @@ class WukongConfig:
 def token_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A Linear over the token axis of ``x`` (B, n, d), token-major: (B, out, d).
 
-    A plain ``nn.Linear`` runs as ``W @ x`` (one batched GEMM reading x as it lies, the
-    output in the layout the layer's norm reads); any other Linear (``loka.Linear`` of a
-    plan, a padded Linear) runs as itself on ``xᵀ``, and its output is transposed back."""
+    A plain ``nn.Linear`` runs as ``W @ x_b`` for every sample b: one batched GEMM with the
+    weight broadcast (a stride-0 batch), reading x as it lies and writing the output in the
+    layout the layer's norm reads. (``torch.matmul(W, x)`` would not do: it folds the batch
+    into the rows of ``xᵀ``, which copies x transposed and returns a transposed view.) Any
+    other Linear (``loka.Linear`` of a plan, a padded Linear) runs as itself on ``xᵀ``, and
+    its output is transposed back."""
     if type(linear) is nn.Linear:
-        y = torch.matmul(linear.weight, x)
+        y = torch.bmm(linear.weight.expand(x.shape[0], -1, -1), x)
         return y if linear.bias is None else y + linear.bias[:, None]
     return linear(x.transpose(1, 2)).transpose(1, 2)
 
