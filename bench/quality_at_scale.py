@@ -15,7 +15,8 @@ Bayes floor of the stream) is reported beside them.
 
 Without ``--plan`` the Probe runs once (on the first seed's model) and its plan serves all
 seeds. ``--plans name=path,...`` adds one arm ``loka@<name>+mods`` per named plan (ablations:
-which FP8 sites cost NE), each paired with the same bf16 + Mods arm. The JSON holds every run's final metrics, loss curve and held-out NE curve
+which FP8 sites cost NE), each paired with the same bf16 + Mods arm. The JSON holds every
+run's final metrics, loss curve and held-out NE curve
 (``ne_curve``, every ``--eval-every`` steps), the mean and spread per arm, and the paired
 per-seed NE change.
 
@@ -294,11 +295,11 @@ def main(argv=None) -> int:
     args.compile = not args.no_compile and device.type == "cuda"
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
+    from loka.dispatch import Plan
+
     named = bench._named_plans(args.plans)
     plan, plan_src = None, args.plan
     if args.plan or named:
-        from loka.dispatch import Plan
-
         plan = Plan.load(args.plan) if args.plan else None
     else:
         cfg = bench.BenchConfig(model=args.model, preset=args.preset, device=str(device),
@@ -315,8 +316,6 @@ def main(argv=None) -> int:
         del model
     plans = {"loka+mods": plan} if plan is not None else {}
     for name, path in named.items():
-        from loka.dispatch import Plan
-
         plans[f"loka@{name}+mods"] = Plan.load(path)
     arms = (BASE,) + tuple(plans)
     result = {"schema": "loka.quality", "version": 1, "env": bench.environment(device),

@@ -886,8 +886,8 @@ def static_scales(plan, report) -> Dict[str, float]:
     whose FP8 forward kernel takes one (PyTorch-quantized kernels; LoKA's Triton and
     FBGEMM kernels quantize inside and stay dynamic)."""
     from .dispatch import amax_from_report
+    from .dispatch.linear import takes_static_input_scale
     from .kernels import registry
-    from .numerics import Granularity
 
     if report is None:
         raise ValueError("+static needs the Probe's statistics: probe in this run, or a "
@@ -898,8 +898,7 @@ def static_scales(plan, report) -> Dict[str, float]:
         name = sp.kernel("fwd", plan.baseline)
         if name == plan.baseline or site not in amax:
             continue
-        k = registry.get(name)
-        if k.is_fp8 and k.quantize_a is not None and k.scaling in set(Granularity):
+        if takes_static_input_scale(registry.get(name)):
             out[site] = amax[site]
     return out
 
@@ -1235,6 +1234,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="profiles also attribute GPU time to launching ops and stack frames")
 
 
+MODIFIERS = ("+tuned", "+search", "+plain-inductor", "+triton-emb", "+token-major", "+static")
+"""suffixes that may be added to any listed variant (+automerge stands for +merge)"""
+
+
+def _base_variant(name: str) -> str:
+    """``name`` without the :data:`MODIFIERS` (and +automerge read as +merge)."""
+    for suffix in MODIFIERS:
+        name = name.replace(suffix, "")
+    return name.replace("+automerge", "+merge")
+
+
 def _variants(text: Optional[str], default, allowed) -> List[str]:
     if text is None:
         return list(default)
@@ -1242,10 +1252,7 @@ def _variants(text: Optional[str], default, allowed) -> List[str]:
         return []
     names = [t.strip() for t in text.split(",") if t.strip()]
     bad = [n for n in names if n not in allowed and not n.startswith("loka-uniform-")
-           and n.replace("+tuned", "").replace("+search", "").replace("+automerge", "+merge")
-           .replace("+plain-inductor", "").replace("+triton-emb", "")
-           .replace("+token-major", "").replace("+static", "") not in allowed
-           and not (n.startswith("loka@") and plan_name(n))]
+           and _base_variant(n) not in allowed and not (n.startswith("loka@") and plan_name(n))]
     if bad:
         raise ValueError(f"unknown variant(s) {bad}; choose from {list(allowed)}")
     return names

@@ -47,6 +47,14 @@ from . import ops
 BASELINE = "bf16"
 
 
+def takes_static_input_scale(kernel: Kernel) -> bool:
+    """Whether a forward ``kernel`` can quantize its activation with a static scale
+    (:meth:`Linear.set_input_amax`): an FP8 kernel whose activation quantizer is PyTorch's,
+    at a known granularity (Triton and FBGEMM kernels quantize inside)."""
+    return bool(kernel.is_fp8 and kernel.quantize_a is not None
+                and kernel.scaling in set(Granularity))
+
+
 def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
     extra = (-t.shape[0]) % multiple
     return F.pad(t, (0, 0, 0, extra)) if extra else t
@@ -321,7 +329,7 @@ class Linear(nn.Linear):
             self.input_amax = None
             return
         kf = self._kernels[0]
-        if not kf.is_fp8 or kf.quantize_a is None or kf.scaling not in set(Granularity):
+        if not takes_static_input_scale(kf):
             raise ValueError(f"forward kernel {kf.name!r} does not take a static input scale")
         amax = torch.as_tensor(amax, dtype=torch.float32).detach()
         if amax.numel() != 1 or not bool(torch.isfinite(amax)) or float(amax) <= 0:
