@@ -496,7 +496,7 @@ def _named_plan(named: str, tag: str, cfg: BenchConfig, plans: dict) -> dict:
     key = f"@{named}{'.' + tag if tag else ''}"
     if key not in plans:
         path = cfg.plans[named]
-        if tag:
+        if tag and not path.endswith(f".{tag}.plan.json"):  # a merged model's plan as given
             path = _beside(path, "plan", tag)
             if not os.path.exists(path):
                 raise FileNotFoundError(f"a +{tag} variant of plan {named!r} needs {path}")

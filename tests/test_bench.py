@@ -195,6 +195,21 @@ def test_named_plans_run_side_by_side(tmp_path):
     assert bench._named_plans("a=x.json, b=y.json") == {"a": "x.json", "b": "y.json"}
 
 
+def test_named_merged_plan_is_taken_as_given(tmp_path):
+    """A +merge variant takes a plan whose name already says .merge as it is; a plain plan
+    needs its .merge sibling beside it, and its absence is a clear error."""
+    cfg = _cfg(tmp_path, train_variants=["loka@m+mods+merge", "loka@p+mods+merge"],
+               infer_variants=[], steps=1, warmup=1)
+    model = bench.build_model(cfg, bench.variant_mods("loka+mods+merge"), torch.device("cpu"))
+    Plan.uniform(model, "emulated-rowwise-e4m3").save(tmp_path / "m.merge.plan.json")
+    Plan.uniform(model, "bf16").save(tmp_path / "p.plan.json")
+    cfg.plans = {"m": str(tmp_path / "m.merge.plan.json"), "p": str(tmp_path / "p.plan.json")}
+    merged, plain = bench.run(cfg, progress=lambda s: None)["train"]
+    assert "error" not in merged, merged.get("traceback")
+    assert merged["fp8_sites"] == len(Plan.load(cfg.plans["m"]).fp8_sites()) > 0
+    assert "p.merge.plan.json" in plain["error"]
+
+
 def test_unknown_variants_are_refused():
     with pytest.raises(ValueError, match="unknown variant"):
         bench._variants("bf16,warp", bench.TRAIN_VARIANTS, bench.TRAIN_VARIANTS)

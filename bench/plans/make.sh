@@ -50,3 +50,19 @@ python -m loka plan "$rep" -o bench/plans/wukong-paper-tuned-top.merge.plan.json
 python -m loka plan "$rep" -o bench/plans/wukong-paper-tuned-top-exact.merge.plan.json --kernels bf16 \
   --assign 'over_arch.mlp.0:fwd=triton-rowwise-cublas' \
   --assign 'over_arch.mlp.0:dgrad=triton-rowwise-cublas'
+#   tuned-exacttop: the tuned plan with the top Linear as tuned-top-exact (FM forwards keep
+#                   fast accumulation at K = 2048; the top Linear, K = 16384, does not)
+python -m loka plan "$rep" -o bench/plans/wukong-paper-tuned-exacttop.merge.plan.json --kernels bf16 \
+  --assign '*.fmb.mlp.2:fwd=triton-rowwise-cublas-fastacc' \
+  --assign 'over_arch.mlp.0:fwd=triton-rowwise-cublas' \
+  --assign 'over_arch.mlp.0:dgrad=triton-rowwise-cublas'
+# wukong-paper-serve-tuned.merge: the serving plan the inference benchmark ran at its best (the
+# `tuned_plan` of its loka+mods+merge+tuned+graphs row: FP8 forwards of the eight FM Linears
+# on cuBLAS rowwise with fast accumulation), so that serving rows can apply it untuned
+python - <<'PY'
+import json
+from loka.dispatch.plan import Plan
+rows = json.load(open("bench/results/2026-12-03-h200-infer-profile/bench.json"))["infer"]
+row = next(r for r in rows if r["variant"] == "loka+mods+merge+tuned+graphs")
+Plan.from_dict(row["tuned_plan"]).save("bench/plans/wukong-paper-serve-tuned.merge.plan.json")
+PY
