@@ -70,11 +70,25 @@ embedding_bag_sum.register_autograd(_backward, setup_context=_setup_context)
 def triton_pooling_available(weight: torch.Tensor) -> bool:
     """Whether the Triton pooling kernel runs for ``weight``: a CUDA tensor with Triton, or
     a CPU tensor under Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return _triton_pooling_available(weight.device.type)
+
+
+@torch.compiler.assume_constant_result
+def _triton_pooling_available(device_type: str) -> bool:
+    """Decided once per device type, and a constant to ``torch.compile``: tracing the
+    import probe behind it would break the graph (Dynamo cannot trace ``importlib``)."""
+    return _POOLING_OK.setdefault(device_type, _probe_triton_pooling(device_type))
+
+
+_POOLING_OK: Dict[str, bool] = {}
+
+
+def _probe_triton_pooling(device_type: str) -> bool:
     from ..kernels import capabilities as caps
 
-    if weight.device.type == "cuda":
-        return caps.triton_available(weight.device)
-    return (weight.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    if device_type == "cuda":
+        return caps.triton_available("cuda")
+    return (device_type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
             and caps.module_available("triton"))
 
 

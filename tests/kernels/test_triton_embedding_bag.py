@@ -154,3 +154,33 @@ def test_op_compiles_in_one_graph_with_its_backward(E):
     compiled(w1).backward()
     f(w2).backward()
     torch.testing.assert_close(w1.grad, w2.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_fused_arch_with_triton_pooling_compiles_without_graph_breaks(E, monkeypatch):
+    """The availability check of ``pooling="triton"`` is a constant to Dynamo: the whole
+    arch compiles as one graph (tracing the import probe behind it would break it), calls
+    the op, and gives the eager numbers, forward and backward."""
+    from loka.data.batch import Jagged
+    from loka.models.arch import EmbeddingArch
+    from loka.models.fused_embedding import FusedEmbeddingArch
+    from loka.models.presets import feature_spec
+
+    spec = feature_spec(0, 2, 30, (1, 3))
+    arch = EmbeddingArch(spec.tables, 16).to(DEVICE)
+    sparse = {}
+    for i, t in enumerate(spec.tables):
+        values, offsets = bags([1 + (b * (i + 2)) % 4 for b in range(5)], t.num_embeddings,
+                               seed=20 + i)
+        sparse[t.name] = Jagged(values, offsets)
+    eager, comp = FusedEmbeddingArch(arch, pooling="triton"), FusedEmbeddingArch(arch, pooling="triton")
+    calls = []
+    real = E.embedding_bag_sum
+    monkeypatch.setattr(E, "embedding_bag_sum", lambda *a: calls.append(1) or real(*a))
+    torch._dynamo.reset()
+    out = torch.compile(comp, fullgraph=True, backend="aot_eager")(sparse)
+    assert calls == [1]  # the Triton op ran inside the compiled graph
+    ref = eager(sparse)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    torch.testing.assert_close(comp.weight.grad, eager.weight.grad, rtol=1e-5, atol=1e-5)
