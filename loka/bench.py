@@ -38,17 +38,21 @@ PROBE_KERNELS = ("bf16", "cublas-rowwise", "cublas-tensorwise", "cublas-rowwise-
                  "triton-tensorwise-cublas", "fbgemm-rowwise",
                  "emulated-rowwise-e4m3", "emulated-tensorwise-e4m3")
 """the Probe's default shortlist in the benchmark (kernels absent on a device are skipped)"""
+FASTEST = ("bf16+mods+merge+graphs+token-major+triton-emb",
+           "loka+mods+merge+tuned+graphs+token-major+triton-emb")
+"""the strongest bf16 row and LoKA's fastest configuration: every Mod and layout change
+that keeps the model's function, with and without LoKA's FP8 plan"""
 TRAIN_VARIANTS = (
     ["bf16", "bf16+graphs", "bf16+mods", "bf16+mods+graphs"]
     + [f"torchao-{r}{a}{m}" for m in ("", "+mods") for r in TORCHAO_RECIPES for a in ("", "-auto")]
     + ["loka+mods", "loka+mods+graphs", "bf16+mods+merge+graphs", "loka+mods+merge+graphs",
-       "loka+mods+merge+tuned+graphs"]
+       "loka+mods+merge+tuned+graphs"] + list(FASTEST)
 )
 INFER_VARIANTS = (
     ["bf16", "bf16+mods", "bf16+mods+graphs"]
     + [f"torchao-{r}{m}" for m in ("", "+mods") for r in ("tensorwise", "rowwise")]
     + ["loka+mods", "loka+mods+graphs", "bf16+mods+merge+graphs", "loka+mods+merge+graphs",
-       "loka+mods+merge+tuned+graphs"]
+       "loka+mods+merge+tuned+graphs"] + list(FASTEST)
 )
 """Variant names: a base (bf16, torchao-<recipe>[-auto], loka, loka-uniform-<kernel>[-big])
 and suffixes: +mods (the paper's Mods: No Bias, BlockNorm, Hard Swish), +merge (also
