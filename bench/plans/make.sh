@@ -66,3 +66,10 @@ rows = json.load(open("bench/results/2026-12-03-h200-infer-profile/bench.json"))
 row = next(r for r in rows if r["variant"] == "loka+mods+merge+tuned+graphs")
 Plan.from_dict(row["tuned_plan"]).save("bench/plans/wukong-paper-serve-tuned.merge.plan.json")
 PY
+#   tuned-exacttop-emulated: tuned-exacttop's FP8 site-roles on the emulated rowwise e4m3
+#                   kernel (PyTorch quantize -> dequantize -> bf16 GEMM, the CPU reference):
+#                   the same FP8 rounding without the FP8 kernels, to tell numerics from kernels
+python -m loka plan "$rep" -o bench/plans/wukong-paper-tuned-exacttop-emulated.merge.plan.json --kernels bf16 \
+  --assign '*.fmb.mlp.2:fwd=emulated-rowwise-e4m3' \
+  --assign 'over_arch.mlp.0:fwd=emulated-rowwise-e4m3' \
+  --assign 'over_arch.mlp.0:dgrad=emulated-rowwise-e4m3'
