@@ -120,8 +120,9 @@ class BenchConfig:
     one run); a ``+merge`` variant reads ``<stem>.merge.plan.json`` beside the file"""
     profile: Tuple[str, ...] = ()
     """variants whose timed step is also profiled (torch.profiler, CUDA only): GPU time
-    per kernel class goes into the row's ``profile``; ``infer:<variant>`` names an
-    inference variant"""
+    per kernel class goes into the row's ``profile``; ``train:<variant>`` (or a bare name)
+    names a training variant, ``infer:<variant>`` an inference one; a name that is not
+    among the run's variants is refused"""
     profile_ops: bool = False
     """profiles also attribute GPU time to the operator and stack frame that launched it
     (``profile['by_op_us']``; meaningful for variants without CUDA graphs)"""
@@ -706,7 +707,7 @@ def run_train_variant(name: str, cfg: BenchConfig, device: torch.device, shared:
     row["final_loss"] = float(loss.detach())
     if device.type == "cuda":
         row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
-        if name in cfg.profile:
+        if name in cfg.profile or f"train:{name}" in cfg.profile:
             row["profile"] = profile_breakdown(step, ops=cfg.profile_ops)
     row["samples_per_s"] = batch.labels.shape[0] / (row["median_ms"] / 1e3)
     return row
@@ -956,6 +957,7 @@ def _restore_inductor_settings(saved: dict) -> dict:
 
 
 def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
+    _check_profile(cfg)
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda asked for, but no CUDA device is visible")
@@ -1291,6 +1293,16 @@ def config_from_args(args) -> BenchConfig:
                        else tuple(k.strip() for k in args.probe_kernels.split(",") if k.strip())),
         profile=tuple(v.strip() for v in args.profile.split(",") if v.strip()),
         profile_ops=args.profile_ops)
+
+
+def _check_profile(cfg: BenchConfig) -> None:
+    """Every ``--profile`` entry names a variant of the run (a typo would profile nothing)."""
+    known = set(cfg.train_variants) | {f"train:{v}" for v in cfg.train_variants} | {
+        f"infer:{v}" for v in cfg.infer_variants}
+    unknown = [p for p in cfg.profile if p not in known]
+    if unknown:
+        raise ValueError(f"--profile names no variant of this run: {unknown} (training "
+                         f"variants as train:<name> or <name>, inference ones as infer:<name>)")
 
 
 def run_from_args(args) -> dict:

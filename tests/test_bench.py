@@ -210,6 +210,15 @@ def test_named_merged_plan_is_taken_as_given(tmp_path):
     assert "p.merge.plan.json" in plain["error"]
 
 
+def test_profile_names_must_be_variants_of_the_run(tmp_path):
+    cfg = _cfg(tmp_path, train_variants=["bf16"], infer_variants=["bf16+mods"])
+    for ok in (("bf16",), ("train:bf16",), ("infer:bf16+mods",)):
+        bench._check_profile(dataclasses.replace(cfg, profile=ok))
+    for bad in (("infer:bf16",), ("train:bf16+mods",), ("bf16+graphs",)):
+        with pytest.raises(ValueError, match="names no variant"):
+            bench.run(dataclasses.replace(cfg, profile=bad), progress=lambda s: None)
+
+
 def test_unknown_variants_are_refused():
     with pytest.raises(ValueError, match="unknown variant"):
         bench._variants("bf16,warp", bench.TRAIN_VARIANTS, bench.TRAIN_VARIANTS)
