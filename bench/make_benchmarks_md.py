@@ -160,6 +160,11 @@ def quality_table(path: str) -> str:
                 + ", ".join(f"{v:+.3f}%" for v in pc["per_seed"])
                 + f"; mean {pc['mean']:+.3f}% ± {pc['std']:.3f}%; seed noise of bf16 + Mods "
                 f"{s.get('seed_noise_pct', float('nan')):.3f}%"]
+    for name, pc in (s.get("served_ne_change_pct") or {}).items():
+        out += ["", f"the trained bf16 + Mods model served with plan `{name}` (NE change "
+                "against serving it in bf16, same model): "
+                + ", ".join(f"{v:+.3f}%" for v in pc["per_seed"])
+                + f"; mean {pc['mean']:+.3f}% ± {pc['std']:.3f}%"]
     return "\n".join(out)
 
 

@@ -20,6 +20,13 @@ run's final metrics, loss curve and held-out NE curve
 (``ne_curve``, every ``--eval-every`` steps), the mean and spread per arm, and the paired
 per-seed NE change.
 
+``--serve-plans name=path,...`` asks the serving question: after each seed's bf16 + Mods
+arm has trained, its model is served with each named plan (``loka.apply(...,
+inference=True)``: FP8 weights quantized once, the plan's forward kernels) and evaluated on
+the same held-out batches. The NE change against the same model served in bf16 is the
+plan's own effect on a trained model (``served`` per run, ``served_ne_change_pct`` in the
+summary).
+
 Learning on this stream is limited by examples per embedding row: with 56 tables of 1,000
 rows a model is still at NE ~0.99 after ~1M examples, with 100 rows it is at ~0.92 (CPU
 runs of a narrow Wukong at batch 4096). The tables are not what FP8 changes (the plan is
@@ -145,8 +152,27 @@ def train_batches(model, args, seed: int, device):
     return train, [train.batch(i) for i in range(args.steps)]
 
 
-def run_arm(arm: str, seed: int, plan, args, device, cached=None) -> dict:
-    """One training run of ``arm`` (``plan``: the plan its LoKA arm applies)."""
+def serve(model, plan, held_out: SyntheticCTR, args, dtype) -> dict:
+    """Held-out metrics of a trained ``model`` served with ``plan`` (a copy of it, applied
+    with ``inference=True``; compiled as the training arms are), on the batches the
+    training arms are evaluated on."""
+    import copy
+
+    from loka.dispatch import apply
+
+    served = copy.deepcopy(model).eval()
+    apply(served, plan, inference=True)
+    run = torch.compile(served) if args.compile else served
+    with torch.inference_mode():
+        out = evaluate(run, held_out, args.eval_steps, dtype)
+    out["fp8_sites"] = bench._count_fp8(served)
+    del served, run
+    return out
+
+
+def run_arm(arm: str, seed: int, plan, args, device, cached=None, serve_plans=None) -> dict:
+    """One training run of ``arm`` (``plan``: the plan its LoKA arm applies;
+    ``serve_plans``: {name: plan} the trained bf16 + Mods model is also served with)."""
     cfg = bench.BenchConfig(model=args.model, preset=args.preset, device=str(device),
                             batch_size=args.batch_size, seed=seed, table_rows=args.table_rows)
     model = bench.build_model(cfg, _mods(args), device)
@@ -198,8 +224,13 @@ def run_arm(arm: str, seed: int, plan, args, device, cached=None) -> dict:
     if curve_every:
         point = _held_out_ne(step_model, model, curve_set, dtype)
         curve.append({"step": args.steps, "lr_factor": lr_factor(args.steps - 1, args), **point})
+    served = {}
+    if arm == BASE:
+        for name, serve_plan in (serve_plans or {}).items():
+            served[name] = serve(model, serve_plan, held_out, args, dtype)
     every = max(1, args.steps // 100)
-    return {"arm": arm, "seed": seed, "final": final, "train_s": train_s,
+    extra = {"served": served} if served else {}
+    return {"arm": arm, "seed": seed, "final": final, **extra, "train_s": train_s,
             "ms_per_step": 1e3 * train_s / max(1, args.steps), "steady_ms_per_step": steady_ms,
             "curve_eval_s": eval_s,
             "fp8_sites": bench._count_fp8(model), "finite": all(math.isfinite(x) for x in losses),
@@ -231,7 +262,15 @@ def summarize(runs, arms=ARMS) -> dict:
                  "std": statistics.stdev(paired) if len(paired) > 1 else 0.0}
         out.setdefault("paired_by_arm", {})[arm] = stats
         out.setdefault("paired_ne_change_pct", stats)
-    if "paired_ne_change_pct" in out:
+    served = {}
+    for r in runs:
+        for name, m in r.get("served", {}).items():
+            served.setdefault(name, []).append(100.0 * (m["ne"] / r["final"]["ne"] - 1.0))
+    for name, changes in served.items():
+        out.setdefault("served_ne_change_pct", {})[name] = {
+            "per_seed": changes, "mean": statistics.fmean(changes),
+            "std": statistics.stdev(changes) if len(changes) > 1 else 0.0}
+    if "paired_ne_change_pct" in out or served:
         base = out.get(BASE, {})
         if base.get("ne_mean"):
             out["seed_noise_pct"] = 100.0 * base["ne_std"] / base["ne_mean"]
@@ -247,6 +286,9 @@ def main(argv=None) -> int:
     p.add_argument("--plans", default="",
                    help="named plans, name=path[,name=path]: one arm loka@<name>+mods each "
                         "(with them, no Probe runs and loka+mods only with --plan)")
+    p.add_argument("--serve-plans", default="",
+                   help="name=path[,name=path]: serve each seed's trained bf16 + Mods model "
+                        "with these plans (inference=True) and report the NE change")
     p.add_argument("--steps", type=int, default=3000,
                    help="training steps per run (250 left Wukong paper at NE ~1.0 on an H200)")
     p.add_argument("--seeds", type=int, default=3)
@@ -299,7 +341,7 @@ def main(argv=None) -> int:
 
     named = bench._named_plans(args.plans)
     plan, plan_src = None, args.plan
-    if args.plan or named:
+    if args.plan or named or args.serve_plans:  # serving alone: no Probe, no LoKA arm
         plan = Plan.load(args.plan) if args.plan else None
     else:
         cfg = bench.BenchConfig(model=args.model, preset=args.preset, device=str(device),
@@ -317,11 +359,15 @@ def main(argv=None) -> int:
     plans = {"loka+mods": plan} if plan is not None else {}
     for name, path in named.items():
         plans[f"loka@{name}+mods"] = Plan.load(path)
+    serve_plans = {name: Plan.load(path)
+                   for name, path in bench._named_plans(args.serve_plans).items()}
     arms = (BASE,) + tuple(plans)
     result = {"schema": "loka.quality", "version": 1, "env": bench.environment(device),
               "config": {k: v for k, v in vars(args).items()}, "plan_source": plan_src,
               "plan": plan.to_dict() if plan is not None else None, "arms": list(arms),
-              "plans": {arm: p.to_dict() for arm, p in plans.items()}, "runs": []}
+              "plans": {arm: p.to_dict() for arm, p in plans.items()},
+              "serve_plans": {name: p.to_dict() for name, p in serve_plans.items()},
+              "runs": []}
     next_seed_s = 0.0
     for seed in range(args.seeds):
         elapsed = time.perf_counter() - start
@@ -339,13 +385,16 @@ def main(argv=None) -> int:
         gen_s = time.perf_counter() - t_seed
         for arm in arms:
             t0 = time.perf_counter()
-            run = run_arm(arm, seed, plans.get(arm), args, device, cached)
+            run = run_arm(arm, seed, plans.get(arm), args, device, cached, serve_plans)
             run["wall_s"] = time.perf_counter() - t0
             result["runs"].append(run)
             result["summary"] = summarize(result["runs"], arms)
             print(f"seed {seed} {arm:10s} NE {run['final']['ne']:.5f} AUC {run['final']['auc']:.4f} "
                   f"teacher NE {run['final']['teacher_ne']:.4f} fp8={run['fp8_sites']} "
                   f"({run['wall_s']:.0f} s)", flush=True)
+            for name, m in run.get("served", {}).items():
+                print(f"seed {seed} {arm} served with {name}: NE {m['ne']:.5f} "
+                      f"fp8={m['fp8_sites']}", flush=True)
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as f:
                 json.dump(result, f, indent=1)

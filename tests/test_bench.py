@@ -738,6 +738,36 @@ def test_quality_harness_runs_named_plans_side_by_side(tmp_path):
     assert none == pytest.approx([0.0, 0.0], abs=1e-9)  # a bf16 plan changes nothing
 
 
+def test_quality_harness_serves_the_trained_model_with_plans(tmp_path):
+    """--serve-plans: each seed's trained bf16 + Mods model is evaluated again as served by
+    each plan. A bf16 plan serves the very same function (NE change 0); an FP8 plan moves
+    NE a little, not a lot, and its sites run in FP8."""
+    q = _load("quality_at_scale")
+    cfg = bench.BenchConfig(model="wukong", preset="tiny", device="cpu", table_rows=100)
+    model = bench.build_model(cfg, q._mods(types.SimpleNamespace(merge=False)), torch.device("cpu"))
+    Plan.uniform(model, "emulated-rowwise-e4m3").save(tmp_path / "fp8.plan.json")
+    Plan.uniform(model, "bf16").save(tmp_path / "none.plan.json")
+    out = tmp_path / "q.json"
+    assert q.main(["--device", "cpu", "--preset", "tiny", "--steps", "30", "--seeds", "2",
+                   "--eval-steps", "4", "--eval-every", "0", "--table-rows", "100",
+                   "--serve-plans", f"fp8={tmp_path / 'fp8.plan.json'},none={tmp_path / 'none.plan.json'}",
+                   "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["arms"] == ["bf16+mods"] and r["plan"] is None  # serving alone: no LoKA arm
+    assert sorted(r["serve_plans"]) == ["fp8", "none"]
+    n_fp8 = len(Plan.load(tmp_path / "fp8.plan.json").fp8_sites())
+    for run in r["runs"]:
+        assert run["served"]["none"]["ne"] == pytest.approx(run["final"]["ne"], rel=1e-12)
+        assert run["served"]["none"]["fp8_sites"] == 0
+        assert 0 < run["served"]["fp8"]["fp8_sites"] <= n_fp8  # forwards that serve in FP8
+        assert run["served"]["fp8"]["ne"] != run["final"]["ne"]
+    change = r["summary"]["served_ne_change_pct"]
+    assert change["none"]["per_seed"] == pytest.approx([0.0, 0.0], abs=1e-9)
+    assert len(change["fp8"]["per_seed"]) == 2 and abs(change["fp8"]["mean"]) < 2.0
+    text = _load("make_benchmarks_md").render(str(out))
+    assert "served with plan `fp8`" in text and "served with plan `none`" in text
+
+
 def test_token_major_variants_build_the_token_major_model():
     assert bench.variant_mods("bf16+mods+merge+token-major").token_major
     assert bench.variant_mods("bf16+mods+merge+token-major").merge_siblings
