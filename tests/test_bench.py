@@ -716,20 +716,27 @@ def test_quality_named_arms_pair_each_with_the_bf16_arm(tmp_path):
     assert "paired NE change (`loka@top+mods` against bf16 + Mods, same seed): +0.000%, +1.000%" in text
 
 
-def test_quality_harness_runs_named_plans_side_by_side(tmp_path):
-    """The harness end to end on the CPU (tiny Wukong, a few steps): one bf16 arm and one
-    arm per named plan, each applying its own plan."""
+def _run_quality_harness(tmp_path, flag: str, steps: int, eval_steps: int) -> dict:
+    """The quality harness on the CPU (tiny Wukong, two seeds) with two plans of the tiny
+    model given to ``flag``: ``all`` (every role on emulated rowwise e4m3) and ``none``
+    (bf16)."""
     q = _load("quality_at_scale")
     cfg = bench.BenchConfig(model="wukong", preset="tiny", device="cpu", table_rows=100)
     model = bench.build_model(cfg, q._mods(types.SimpleNamespace(merge=False)), torch.device("cpu"))
     Plan.uniform(model, "emulated-rowwise-e4m3").save(tmp_path / "all.plan.json")
     Plan.uniform(model, "bf16").save(tmp_path / "none.plan.json")
     out = tmp_path / "q.json"
-    assert q.main(["--device", "cpu", "--preset", "tiny", "--steps", "4", "--seeds", "2",
-                   "--eval-steps", "2", "--eval-every", "0", "--table-rows", "100",
-                   "--plans", f"all={tmp_path / 'all.plan.json'},none={tmp_path / 'none.plan.json'}",
+    assert q.main(["--device", "cpu", "--preset", "tiny", "--steps", str(steps), "--seeds", "2",
+                   "--eval-steps", str(eval_steps), "--eval-every", "0", "--table-rows", "100",
+                   flag, f"all={tmp_path / 'all.plan.json'},none={tmp_path / 'none.plan.json'}",
                    "--out", str(out)]) == 0
-    r = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+def test_quality_harness_runs_named_plans_side_by_side(tmp_path):
+    """The harness end to end on the CPU (tiny Wukong, a few steps): one bf16 arm and one
+    arm per named plan, each applying its own plan."""
+    r = _run_quality_harness(tmp_path, "--plans", steps=4, eval_steps=2)
     assert r["arms"] == ["bf16+mods", "loka@all+mods", "loka@none+mods"] and r["plan"] is None
     fp8 = {(x["arm"], x["seed"]): x["fp8_sites"] for x in r["runs"]}
     assert fp8[("bf16+mods", 1)] == 0 and fp8[("loka@none+mods", 1)] == 0
@@ -742,30 +749,20 @@ def test_quality_harness_serves_the_trained_model_with_plans(tmp_path):
     """--serve-plans: each seed's trained bf16 + Mods model is evaluated again as served by
     each plan. A bf16 plan serves the very same function (NE change 0); an FP8 plan moves
     NE a little, not a lot, and its sites run in FP8."""
-    q = _load("quality_at_scale")
-    cfg = bench.BenchConfig(model="wukong", preset="tiny", device="cpu", table_rows=100)
-    model = bench.build_model(cfg, q._mods(types.SimpleNamespace(merge=False)), torch.device("cpu"))
-    Plan.uniform(model, "emulated-rowwise-e4m3").save(tmp_path / "fp8.plan.json")
-    Plan.uniform(model, "bf16").save(tmp_path / "none.plan.json")
-    out = tmp_path / "q.json"
-    assert q.main(["--device", "cpu", "--preset", "tiny", "--steps", "30", "--seeds", "2",
-                   "--eval-steps", "4", "--eval-every", "0", "--table-rows", "100",
-                   "--serve-plans", f"fp8={tmp_path / 'fp8.plan.json'},none={tmp_path / 'none.plan.json'}",
-                   "--out", str(out)]) == 0
-    r = json.loads(out.read_text())
+    r = _run_quality_harness(tmp_path, "--serve-plans", steps=30, eval_steps=4)
     assert r["arms"] == ["bf16+mods"] and r["plan"] is None  # serving alone: no LoKA arm
-    assert sorted(r["serve_plans"]) == ["fp8", "none"]
-    n_fp8 = len(Plan.load(tmp_path / "fp8.plan.json").fp8_sites())
+    assert sorted(r["serve_plans"]) == ["all", "none"]
+    n_fp8 = len(Plan.load(tmp_path / "all.plan.json").fp8_sites())
     for run in r["runs"]:
         assert run["served"]["none"]["ne"] == pytest.approx(run["final"]["ne"], rel=1e-12)
         assert run["served"]["none"]["fp8_sites"] == 0
-        assert 0 < run["served"]["fp8"]["fp8_sites"] <= n_fp8  # forwards that serve in FP8
-        assert run["served"]["fp8"]["ne"] != run["final"]["ne"]
+        assert 0 < run["served"]["all"]["fp8_sites"] <= n_fp8  # forwards that serve in FP8
+        assert run["served"]["all"]["ne"] != run["final"]["ne"]
     change = r["summary"]["served_ne_change_pct"]
     assert change["none"]["per_seed"] == pytest.approx([0.0, 0.0], abs=1e-9)
-    assert len(change["fp8"]["per_seed"]) == 2 and abs(change["fp8"]["mean"]) < 2.0
-    text = _load("make_benchmarks_md").render(str(out))
-    assert "served with plan `fp8`" in text and "served with plan `none`" in text
+    assert len(change["all"]["per_seed"]) == 2 and abs(change["all"]["mean"]) < 2.0
+    text = _load("make_benchmarks_md").render(str(tmp_path / "q.json"))
+    assert "served with plan `all`" in text and "served with plan `none`" in text
 
 
 def test_token_major_variants_build_the_token_major_model():
