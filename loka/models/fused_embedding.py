@@ -77,7 +77,10 @@ def triton_pooling_available(weight: torch.Tensor) -> bool:
 def _triton_pooling_available(device_type: str) -> bool:
     """Decided once per device type, and a constant to ``torch.compile``: tracing the
     import probe behind it would break the graph (Dynamo cannot trace ``importlib``)."""
-    return _POOLING_OK.setdefault(device_type, _probe_triton_pooling(device_type))
+    ok = _POOLING_OK.get(device_type)
+    if ok is None:
+        ok = _POOLING_OK[device_type] = _probe_triton_pooling(device_type)
+    return ok
 
 
 _POOLING_OK: Dict[str, bool] = {}
