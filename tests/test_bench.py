@@ -815,3 +815,24 @@ def test_static_variant_sets_the_probes_amax_where_the_kernel_takes_one(tmp_path
     assert 0 < fixed["static_logit_change"] < 0.1
     with pytest.raises(ValueError, match="Probe's statistics"):
         bench.static_scales(plan, None)
+
+
+@pytest.mark.parametrize("kernel, roles", [("cublas-rowwise", ("fwd",)),
+                                           ("cublas-tensorwise", ("fwd", "dgrad"))])
+def test_selftest_training_step_matches_the_emulated_twin(kernel, roles, monkeypatch):
+    """The GPU self-test's training-path check, run on the CPU kernels: a compiled training
+    step on a kernel agrees with its emulated twin in eager mode, and the check fails when
+    the twin's rounding is not the kernel's (the other scaling granularity)."""
+    st = _load("gpu_selftest")
+    torch._dynamo.reset()
+    r = st.linear_vs_twin(kernel, roles, device="cpu", m=64, k=128, n=256)
+    assert r["ok"], r
+    assert r["twin"] == st.emulated_twin(loka.kernels.get(kernel))
+    # on the CPU the kernel's GEMM is exact over FP8 codes, as the twin's is: the same
+    # function up to float32 summation order
+    assert r["relfro_y_vs_twin"] < 1e-5 and r["relfro_dw_vs_twin"] < 1e-5
+    assert r["relfro_dx_vs_twin"] < 1e-5
+    monkeypatch.setattr(st, "emulated_twin", lambda k: "emulated-rowwise-e4m3"
+                        if k.scaling == "tensorwise" else "emulated-tensorwise-e4m3")
+    bad = st.linear_vs_twin(kernel, roles, device="cpu", m=64, k=128, n=256, compile=False)
+    assert not bad["ok"] and bad["relfro_y_vs_twin"] > 5e-3
