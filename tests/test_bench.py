@@ -829,9 +829,9 @@ def test_selftest_training_step_matches_the_emulated_twin(kernel, roles, monkeyp
     assert r["ok"], r
     assert r["twin"] == st.emulated_twin(loka.kernels.get(kernel))
     # on the CPU the kernel's GEMM is exact over FP8 codes, as the twin's is: the same
-    # function up to float32 summation order
-    assert r["relfro_y_vs_twin"] < 1e-5 and r["relfro_dw_vs_twin"] < 1e-5
-    assert r["relfro_dx_vs_twin"] < 1e-5
+    # function up to summation order and bf16 rounding of the outputs (a twin of the other
+    # granularity is ~0.035 away)
+    assert max(r["relfro_y_vs_twin"], r["relfro_dx_vs_twin"], r["relfro_dw_vs_twin"]) < 1e-3
     monkeypatch.setattr(st, "emulated_twin", lambda k: "emulated-rowwise-e4m3"
                         if k.scaling == "tensorwise" else "emulated-tensorwise-e4m3")
     bad = st.linear_vs_twin(kernel, roles, device="cpu", m=64, k=128, n=256, compile=False)
