@@ -836,3 +836,25 @@ def test_selftest_training_step_matches_the_emulated_twin(kernel, roles, monkeyp
                         if k.scaling == "tensorwise" else "emulated-tensorwise-e4m3")
     bad = st.linear_vs_twin(kernel, roles, device="cpu", m=64, k=128, n=256, compile=False)
     assert not bad["ok"] and bad["relfro_y_vs_twin"] > 5e-3
+
+
+def test_grad_noise_separates_a_plan_from_the_models_own_rounding(tmp_path):
+    """bench/grad_noise.py: against float64, the float32 model's gradients are exact to
+    float32 rounding, a bf16 plan adds nothing, and an FP8 plan adds its rounding."""
+    g = _load("grad_noise")
+    cfg = bench.BenchConfig(model="wukong", preset="tiny", device="cpu", table_rows=100)
+    model = bench.build_model(cfg, loka.ModsConfig.paper(), torch.device("cpu"))
+    Plan.uniform(model, "emulated-rowwise-e4m3").save(tmp_path / "fp8.plan.json")
+    Plan.uniform(model, "bf16").save(tmp_path / "none.plan.json")
+    out = tmp_path / "g.json"
+    assert g.main(["--preset", "tiny", "--plans",
+                   f"fp8={tmp_path / 'fp8.plan.json'},none={tmp_path / 'none.plan.json'}",
+                   "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    s = r["summary"]
+    assert r["dtype"] == "float32" and s["model"]["max"] < 1e-4
+    assert r["per_parameter"]["none"] == r["per_parameter"]["model"]
+    assert 5e-3 < s["fp8"]["median"] < 0.2  # FP8's rounding, not a broken gradient
+    assert set(r["per_parameter"]["fp8"]) == set(dict(model.named_parameters()))
+    with pytest.raises(SystemExit):  # --plans is required
+        g.main(["--preset", "tiny"])
