@@ -292,6 +292,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3000,
                    help="training steps per run (250 left Wukong paper at NE ~1.0 on an H200)")
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="seeds --first-seed .. --first-seed + --seeds - 1 (a later run adds "
+                        "seeds to an earlier one's; pool the runs' 'runs' lists)")
     p.add_argument("--eval-steps", type=int, default=50, help="held-out batches")
     p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--table-rows", type=int, default=100_000,
@@ -369,9 +372,9 @@ def main(argv=None) -> int:
               "serve_plans": {name: p.to_dict() for name, p in serve_plans.items()},
               "runs": []}
     next_seed_s = 0.0
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         elapsed = time.perf_counter() - start
-        if args.budget_s and seed and elapsed + next_seed_s > args.budget_s:
+        if args.budget_s and seed > args.first_seed and elapsed + next_seed_s > args.budget_s:
             result["stopped"] = (f"--budget-s {args.budget_s:.0f}: seed {seed} not started "
                                  f"after {elapsed:.0f} s (a seed needs ~{next_seed_s:.0f} s)")
             print(result["stopped"], flush=True)

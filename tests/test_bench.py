@@ -743,6 +743,18 @@ def test_quality_harness_runs_named_plans_side_by_side(tmp_path):
     assert fp8[("loka@all+mods", 0)] == len(Plan.load(tmp_path / "all.plan.json").fp8_sites()) > 0
     none = r["summary"]["paired_by_arm"]["loka@none+mods"]["per_seed"]
     assert none == pytest.approx([0.0, 0.0], abs=1e-9)  # a bf16 plan changes nothing
+    # a later run adds seeds: --first-seed 1 reproduces the seed-1 runs of this one
+    q = _load("quality_at_scale")
+    later = tmp_path / "later.json"
+    assert q.main(["--device", "cpu", "--preset", "tiny", "--steps", "4", "--seeds", "1",
+                   "--first-seed", "1", "--eval-steps", "2", "--eval-every", "0",
+                   "--table-rows", "100", "--plans", f"all={tmp_path / 'all.plan.json'}",
+                   "--out", str(later)]) == 0
+    again = {x["arm"]: x for x in json.loads(later.read_text())["runs"]}
+    assert {x["seed"] for x in again.values()} == {1}
+    for arm in ("bf16+mods", "loka@all+mods"):
+        first = next(x for x in r["runs"] if x["arm"] == arm and x["seed"] == 1)
+        assert again[arm]["final"]["ne"] == first["final"]["ne"]
 
 
 def test_quality_harness_serves_the_trained_model_with_plans(tmp_path):
