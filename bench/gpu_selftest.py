@@ -309,9 +309,8 @@ def linear_vs_twin(kernel_name: str, roles=("fwd",), device="cuda", m=4096, k=20
     tol = 2e-2 if kern.fast_accum else 5e-3
     errs = {"y": relative_frobenius(y, y_r), "dx": relative_frobenius(dx, dx_r),
             "dw": relative_frobenius(dw, dw_r)}
-    grad_tol = {"dx": tol if "dgrad" in roles else 1e-2, "dw": tol if "wgrad" in roles else 1e-2}
-    ok = (errs["y"] < (tol if "fwd" in roles else 1e-2)
-          and all(errs[g_] < grad_tol[g_] for g_ in ("dx", "dw"))
+    bound = {role: tol if role in roles else 1e-2 for role in ("fwd", "dgrad", "wgrad")}
+    ok = (errs["y"] < bound["fwd"] and errs["dx"] < bound["dgrad"] and errs["dw"] < bound["wgrad"]
           and all(bool(torch.isfinite(t).all()) for t in (y, dx, dw)))
     return {**{f"relfro_{k_}_vs_twin": v for k_, v in errs.items()}, "twin": twin, "ok": ok}
 

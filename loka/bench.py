@@ -210,6 +210,11 @@ def build_model(cfg: BenchConfig, mods: Optional[ModsConfig], device: torch.devi
     return model.to(device=device, dtype=dtype)
 
 
+def _graphs(name: str, device: torch.device) -> bool:
+    """Whether variant ``name`` captures its step in a CUDA graph (``+graphs``, on CUDA)."""
+    return "+graphs" in name and device.type == "cuda"
+
+
 def set_pooling(model, name: str) -> int:
     """``+triton-emb``: the fused embedding tables pool their bags with LoKA's Triton kernel
     (``loka.kernels.triton.embedding_bag``) instead of ``F.embedding_bag``; returns how many
@@ -584,7 +589,7 @@ def prepare_train(name: str, cfg: BenchConfig, device: torch.device, shared: dic
                                     progress=shared.get("progress"))
         apply(model, plan)
     row["fp8_sites"] = _count_fp8(model)
-    graphs = "+graphs" in name and device.type == "cuda"
+    graphs = _graphs(name, device)
     model.train()
     return _make_step(model, batch, cfg, device, graphs), row, batch
 
@@ -666,7 +671,7 @@ def _whole_step_plan(plans: dict, name: str, model, batch, cfg: BenchConfig, dev
     from .dispatch.plan import FUSIBLE_TWINS
     from .kernels import registry
 
-    graphs = "+graphs" in name and device.type == "cuda"
+    graphs = _graphs(name, device)
     how = "search" if "+search" in name else "tuned"
     key = ("infer-" if inference else "") + how + ("+graphs" if graphs else "")
     if key not in plans:
@@ -871,8 +876,7 @@ def run_infer_variant(name: str, cfg: BenchConfig, device: torch.device, shared:
     if device.type == "cuda":
         gc.collect()  # what earlier variants or tuning trials left in cycles is not counted
         torch.cuda.reset_peak_memory_stats(device)
-    step = _make_forward(model, batch, cfg, device,
-                         "+graphs" in name and device.type == "cuda")
+    step = _make_forward(model, batch, cfg, device, _graphs(name, device))
     row.update(_time_steps(step, device, cfg.steps, cfg.warmup))
     if device.type == "cuda":
         row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
