@@ -14,6 +14,7 @@ optimizer) after warm-up; on the CPU, wall-clock medians (a smoke test, not a re
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime as _dt
 import gc
@@ -274,6 +275,29 @@ def _optimizer(model, device, capturable: bool):
     return torch.optim.AdamW(model.parameters(), **kw)
 
 
+@contextlib.contextmanager
+def _capture_peak(owner):
+    """Records in ``owner.capture_peak_bytes`` the allocator's peak while a CUDA graph is
+    captured. A replay reuses the graph's private pool without the caching allocator seeing
+    it, so the peak of replayed steps counts only what stays allocated between steps
+    (weights, optimizer state, static outputs), not the activations of a step; the peak of
+    the capture does count them (one step's allocations, made through the allocator)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize()
+        owner.capture_peak_bytes = torch.cuda.max_memory_allocated()
+
+
+def peak_memory_gb(peak_bytes: int, step=None) -> float:
+    """Peak GPU memory of a benchmarked step in GiB: ``peak_bytes`` (the allocator's peak
+    since the last reset) or, for a step replayed from a CUDA graph, the larger of that and
+    the peak while the graph was captured (see :func:`_capture_peak`)."""
+    return max(int(peak_bytes), int(getattr(step, "capture_peak_bytes", 0))) / 2 ** 30
+
+
 class GraphedStep:
     """A whole training step (forward, loss, backward, optimizer) captured in one CUDA
     graph: the step never waits on the host. Inputs are copied into static buffers."""
@@ -290,10 +314,11 @@ class GraphedStep:
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         opt.zero_grad(set_to_none=True)
-        with torch.cuda.graph(self.graph):
-            self.loss = _loss(model, batch)
-            self.loss.backward()
-            opt.step()
+        with _capture_peak(self):
+            with torch.cuda.graph(self.graph):
+                self.loss = _loss(model, batch)
+                self.loss.backward()
+                opt.step()
 
     def __call__(self):
         self.graph.replay()
@@ -311,7 +336,7 @@ class GraphedForward:
                 model(batch)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(self.graph):
+        with _capture_peak(self), torch.inference_mode(), torch.cuda.graph(self.graph):
             self.out = model(batch)
 
     def __call__(self):
@@ -711,7 +736,7 @@ def run_train_variant(name: str, cfg: BenchConfig, device: torch.device, shared:
     _sync(device)
     row["final_loss"] = float(loss.detach())
     if device.type == "cuda":
-        row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+        row["peak_mem_gb"] = peak_memory_gb(torch.cuda.max_memory_allocated(device), step)
         if name in cfg.profile or f"train:{name}" in cfg.profile:
             row["profile"] = profile_breakdown(step, ops=cfg.profile_ops)
     row["samples_per_s"] = batch.labels.shape[0] / (row["median_ms"] / 1e3)
@@ -879,7 +904,7 @@ def run_infer_variant(name: str, cfg: BenchConfig, device: torch.device, shared:
     step = _make_forward(model, batch, cfg, device, _graphs(name, device))
     row.update(_time_steps(step, device, cfg.steps, cfg.warmup))
     if device.type == "cuda":
-        row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+        row["peak_mem_gb"] = peak_memory_gb(torch.cuda.max_memory_allocated(device), step)
         if f"infer:{name}" in cfg.profile:
             row["profile"] = profile_breakdown(step, ops=cfg.profile_ops)
     row["samples_per_s"] = batch.labels.shape[0] / (row["median_ms"] / 1e3)

@@ -870,3 +870,60 @@ def test_grad_noise_separates_a_plan_from_the_models_own_rounding(tmp_path):
     assert set(r["per_parameter"]["fp8"]) == set(dict(model.named_parameters()))
     with pytest.raises(SystemExit):  # --plans is required
         g.main(["--preset", "tiny"])
+
+
+def test_peak_memory_counts_the_graph_capture():
+    """A step replayed from a CUDA graph reports the larger of the replay peak and the
+    capture peak (the replays' activations live in the graph's pool, unseen by the
+    allocator's peak); a plain step reports its own peak."""
+    from loka.bench import peak_memory_gb
+
+    class Graphed:
+        capture_peak_bytes = 3 * 2 ** 30
+
+    assert peak_memory_gb(2 ** 30) == 1.0
+    assert peak_memory_gb(2 ** 30, object()) == 1.0
+    assert peak_memory_gb(2 ** 29, Graphed()) == 3.0
+    assert peak_memory_gb(5 * 2 ** 30, Graphed()) == 5.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_graphed_step_peak_includes_activations():
+    """On a GPU: an MLP whose activations (8192 x 8192 floats, 256 MiB per layer) dwarf its
+    weights; the graphed step's reported peak must hold at least one layer's activation,
+    and be within 2x of the eager step's peak."""
+    from loka.bench import GraphedStep, _capture_peak, peak_memory_gb
+
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 8192), torch.nn.ReLU(),
+                                torch.nn.Linear(8192, 1)).to(dev)
+    x = torch.randn(8192, 64, device=dev)
+    opt = torch.optim.AdamW(model.parameters(), capturable=True)
+
+    def eager():
+        opt.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        opt.step()
+
+    eager()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    eager()
+    torch.cuda.synchronize()
+    eager_peak = torch.cuda.max_memory_allocated() / 2 ** 30
+    step = GraphedStep.__new__(GraphedStep)  # only its capture_peak_bytes is used
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with _capture_peak(step):
+        with torch.cuda.graph(graph):
+            model(x).square().mean().backward()
+            opt.step()
+    torch.cuda.reset_peak_memory_stats()
+    graph.replay()
+    torch.cuda.synchronize()
+    replay_only = torch.cuda.max_memory_allocated() / 2 ** 30
+    reported = peak_memory_gb(torch.cuda.max_memory_allocated(), step)
+    activation = 8192 * 8192 * 4 / 2 ** 30
+    assert reported >= activation, (reported, replay_only, eager_peak)
+    assert reported <= 2.0 * eager_peak + 0.1, (reported, eager_peak)

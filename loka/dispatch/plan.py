@@ -457,6 +457,7 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
                 sp.roles[role] = baseline_choice
                 continue
             timed, untimed, misfit, other = [], [], 0, 0  # other: over budget, failed, slow
+            slow: List[float] = []  # decisive speedups below min_speedup
             for kname, kr in rr.kernels.items():
                 if kname == cfg.baseline or (allowed is not None and kname not in allowed):
                     continue
@@ -486,6 +487,7 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
                     if speedup >= cfg.min_speedup:
                         timed.append((speedup, stat, kname))
                     else:
+                        slow.append(speedup)
                         other += 1
                 else:
                     untimed.append((stat, kern, kname))
@@ -493,12 +495,15 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
                 speed, stat, kname = min(timed, key=lambda t: (-t[0], t[1].hi, t[2]))
                 sp.roles[role] = RoleChoice(kname, stat.hi, stat.mean, speed, budget,
                                             "fastest kernel within the budget")
-            elif untimed and assume_fast:
+            elif untimed and assume_fast and not slow:
                 stat, kern, kname = min(untimed, key=lambda t: (t[1].is_emulated, t[0].hi, t[2]))
                 sp.roles[role] = RoleChoice(kname, stat.hi, stat.mean, None, budget,
                                             "lowest error within the budget (assume_fast)")
             else:
-                if untimed:
+                if slow:  # timed on this device and not fast enough: emulated twins aside
+                    baseline_choice.reason = (f"no kernel within the budget is {cfg.min_speedup:g}x "
+                                              f"faster (best {max(slow):.2f}x)")
+                elif untimed:
                     undecided += 1
                     baseline_choice.reason = "safe kernels have no decisive timing"
                 elif misfit and not other:

@@ -800,4 +800,25 @@ def test_a_role_no_kernel_fits_says_so():
     assert p.sites["proj"].roles[Role.DGRAD].reason == "no kernel fits the GEMM shape (alignment) on cuda"
     assert p.sites["proj"].roles[Role.WGRAD].kernel == "t-mid"  # (8, 64, 16): K = M, N = 16 fit
     assert p.sites["mlp"].roles[Role.FWD].reason == "no kernel meets the budget"  # over budget
-    assert p.sites["mlp"].roles[Role.DGRAD].reason == "no kernel meets the budget"  # too slow
+    assert p.sites["mlp"].roles[Role.DGRAD].reason == \
+        "no kernel within the budget is 1.05x faster (best 1.01x)"  # too slow
+
+
+def test_real_kernels_timed_slower_than_bf16_are_reported_as_slow():
+    """A GPU report where every real FP8 kernel was timed slower than bf16 and only the
+    emulated reference is untimed (DCNv2's shapes on an H200): bf16 for the measured reason
+    (the best speedup named), not 'no decisive timing', and assume_fast does not override
+    the decisive timings with an emulated kernel."""
+    kernels = {"t-mid": (0.05, 0.68), "t-faster": (0.05, 0.91),
+               "emulated-rowwise-e4m3": (0.05, None)}
+    report = make_report({"s": (3456, 1024, 4096, {"fwd": kernels})})
+    for fast in (False, True):
+        p = plan(report, device="cuda", assume_fast=fast)
+        choice = p.sites["s"].roles[Role.FWD]
+        assert choice.kernel == "bf16"
+        assert choice.reason == "no kernel within the budget is 1.05x faster (best 0.91x)"
+        assert not any("no decisive timing" in n for n in p.notes)
+    # one real kernel fast enough: it is chosen as before
+    kernels["t-faster"] = (0.05, 1.3)
+    report = make_report({"s": (3456, 1024, 4096, {"fwd": kernels})})
+    assert plan(report, device="cuda").sites["s"].kernel("fwd") == "t-faster"
