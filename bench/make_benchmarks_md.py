@@ -197,11 +197,32 @@ def fused_table(path: str) -> str:
     return "\n".join(out)
 
 
+def pool_table(path: str) -> str:
+    """Quality runs pooled arm by arm (``bench/quality_pool.py``)."""
+    r = json.load(open(path))
+    s = r["summary"]
+    commits = sorted({x["commit"] or "?" for x in r["runs"]})
+    out = [f"### Quality runs pooled: {s['n_runs']} runs from {len(r['files'])} files "
+           f"(commits {', '.join(commits)}); source: `{path}`", "",
+           "| arm | runs | NE mean | std | min | max | change vs bf16+Mods | permutation p |",
+           "|---|---|---|---|---|---|---|---|"]
+    for arm, a in s["arms"].items():
+        ch = f"{a['change_pct']:+.2f}%" if "change_pct" in a else "-"
+        pv = f"{a['p_value']:.3f}" if "p_value" in a else "-"
+        out.append(f"| {arm} | {a['n']} | {a['ne_mean']:.5f} | {a['ne_std']:.5f} | "
+                   f"{a['ne_min']:.5f} | {a['ne_max']:.5f} | {ch} | {pv} |")
+    out += ["", f"seed noise of bf16+Mods (std / mean): {s['seed_noise_pct']:.2f}%; `fp8` "
+            "pools every run with FP8 sites"]
+    return "\n".join(out)
+
+
 def render(path: str) -> str:
     with open(path) as f:
         d = json.load(f)
     if d.get("schema") == "loka.quality":
         return quality_table(path)
+    if d.get("schema") == "loka.quality-pool":
+        return pool_table(path)
     if d.get("schema") == "loka.bench.fused-norm":
         return fused_table(path)
     if d.get("schema") == "loka.bench-sweep":

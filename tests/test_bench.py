@@ -927,3 +927,58 @@ def test_graphed_step_peak_includes_activations():
     activation = 8192 * 8192 * 4 / 2 ** 30
     assert reported >= activation, (reported, replay_only, eager_peak)
     assert reported <= 2.0 * eager_peak + 0.1, (reported, eager_peak)
+
+
+def _quality_json(path, runs, lr=1e-3, commit="c0"):
+    cfg = {"model": "wukong", "preset": "paper", "steps": 2500, "eval_steps": 50,
+           "batch_size": None, "table_rows": 100, "lr": lr, "emb_lr": 1e-2,
+           "weight_decay": 0.01, "warmup": 200, "schedule": "cosine", "min_lr_ratio": 0.1,
+           "merge": True}
+    with open(path, "w") as f:
+        json.dump({"schema": "loka.quality", "version": 1, "env": {"commit": commit},
+                   "config": cfg, "runs": [{"arm": a, "seed": s, "final": {"ne": ne},
+                                            "fp8_sites": 0 if a == "bf16+mods" else 5}
+                                           for a, s, ne in runs]}, f)
+    return str(path)
+
+
+def test_quality_pool_pools_arms_across_runs(tmp_path, capsys):
+    pool = _load("quality_pool")
+    a = _quality_json(tmp_path / "a.json", [("bf16+mods", 0, 0.80), ("loka@x+mods", 0, 0.82),
+                                            ("bf16+mods", 1, 0.81), ("loka@x+mods", 1, 0.83)])
+    # the same bf16 run again, 1e-6 off (counted once), one new seed per arm, a NaN run
+    b = _quality_json(tmp_path / "b.json", [("bf16+mods", 0, 0.800001), ("bf16+mods", 2, 0.79),
+                                            ("loka@x+mods", 2, 0.84),
+                                            ("loka@x+mods", 3, float("nan"))])
+    out = tmp_path / "pooled.json"
+    assert pool.main([a, b, "--out", str(out)]) == 0
+    s = json.load(open(out))["summary"]
+    base, x = s["arms"]["bf16+mods"], s["arms"]["loka@x+mods"]
+    assert base["n"] == 3 and x["n"] == 3
+    assert base["ne_mean"] == pytest.approx(0.80, abs=1e-12)
+    assert x["ne_mean"] == pytest.approx(0.83, abs=1e-12)
+    assert x["change_pct"] == pytest.approx(100 * (0.83 / 0.80 - 1), abs=1e-9)
+    # every FP8 run above every bf16 run: of the 20 relabellings only the two extreme ones
+    # give a gap this large
+    assert x["p_value"] == pytest.approx(2 / 20)
+    assert s["arms"]["fp8"]["n"] == 3
+    assert s["seed_noise_pct"] == pytest.approx(100 * 0.01 / 0.80, rel=1e-9)
+    assert "change +3.75%" in capsys.readouterr().out
+
+
+def test_quality_pool_refuses_mixed_configs_and_bad_files(tmp_path, capsys):
+    pool = _load("quality_pool")
+    a = _quality_json(tmp_path / "a.json", [("bf16+mods", 0, 0.80), ("loka@x+mods", 0, 0.82)])
+    b = _quality_json(tmp_path / "b.json", [("bf16+mods", 1, 0.80)], lr=2e-3)
+    assert pool.main([a, b]) == 2
+    assert "different training configuration" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert pool.main([a, str(bad)]) == 2
+    assert "not a readable quality JSON" in capsys.readouterr().err
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"schema": "loka.bench", "runs": []}))
+    assert pool.main([str(other)]) == 2
+    only_fp8 = _quality_json(tmp_path / "c.json", [("loka@x+mods", 0, 0.82)])
+    assert pool.main([only_fp8]) == 2
+    assert "no bf16+mods runs" in capsys.readouterr().err

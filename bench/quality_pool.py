@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""Pool the runs of several quality JSONs (``bench/quality_at_scale.py``) arm by arm.
+
+One GPU call holds 2-3 seeds of 3 arms, and a training run is not reproducible across code
+versions or machines to the last bit: a rounding-level change (an Inductor kernel choice, a
+new op in the graph) moves one Wukong ``paper`` run's final NE by up to ~2%, the same order
+as the seed-to-seed spread. So the per-seed pairing of one call says little, and the arms
+are compared as samples: the mean NE per arm over every run of every file, and the change
+of each arm's mean against the bf16 + Mods mean with a permutation p-value (how often a
+random relabelling of the pooled runs gives a gap at least as large).
+
+A run that appears in several files with the same arm and seed and a final NE within
+``SAME_RUN`` (1e-4) of it counts once: two runs that end that close took the same path (a
+rerun of the same code; bit-level nondeterminism moved them by ~1e-6), and counting both
+would overstate the evidence. Only files whose training configuration matches the first file's
+(steps, learning rates, schedule, tables, model) are pooled; others are refused.
+
+    python bench/quality_pool.py bench/results/*/quality.json --out pooled.json
+"""
+
+import argparse
+import itertools
+import json
+import random
+import statistics
+import sys
+
+BASE = "bf16+mods"
+CONFIG_KEYS = ("model", "preset", "steps", "eval_steps", "batch_size", "table_rows", "lr",
+               "emb_lr", "weight_decay", "warmup", "schedule", "min_lr_ratio", "merge")
+SAME_RUN = 1e-4
+"""final NEs of one arm and seed closer than this are one run"""
+FP8_ARMS = "fp8"
+"""the pseudo-arm of every run with FP8 sites (all plans together)"""
+
+
+def load(paths):
+    """(config of the first file, runs with ``file`` added), duplicates dropped."""
+    ref, runs = None, []
+    for path in paths:
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not a readable quality JSON ({e})") from None
+        if d.get("schema") != "loka.quality" or not isinstance(d.get("runs"), list):
+            raise ValueError(f"{path}: not a quality JSON (schema {d.get('schema')!r})")
+        cfg = {k: d.get("config", {}).get(k) for k in CONFIG_KEYS}
+        if ref is None:
+            ref = cfg
+        elif cfg != ref:
+            diff = {k: (ref[k], cfg[k]) for k in CONFIG_KEYS if ref[k] != cfg[k]}
+            raise ValueError(f"{path}: a different training configuration {diff}")
+        for r in d["runs"]:
+            ne = r.get("final", {}).get("ne")
+            if not isinstance(ne, (int, float)) or ne != ne:
+                continue
+            if any(x["arm"] == r["arm"] and x["seed"] == r["seed"]
+                   and abs(x["ne"] - ne) < SAME_RUN for x in runs):
+                continue
+            runs.append({"arm": r["arm"], "seed": r["seed"], "ne": float(ne),
+                         "fp8_sites": r.get("fp8_sites", 0), "file": path,
+                         "commit": d.get("env", {}).get("commit")})
+    return ref, runs
+
+
+def permutation_p(a, b, trials: int = 20000, seed: int = 0) -> float:
+    """Two-sided p-value of the gap of means between samples ``a`` and ``b`` (exact when
+    the relabellings are few)."""
+    pooled, na = a + b, len(a)
+    gap = abs(statistics.fmean(a) - statistics.fmean(b))
+    total = sum(pooled)
+    combos = None
+    n_combos = 1
+    for i in range(na):
+        n_combos = n_combos * (len(pooled) - i) // (i + 1)
+    if n_combos <= trials:
+        combos = itertools.combinations(range(len(pooled)), na)
+    else:
+        rng = random.Random(seed)
+        combos = (rng.sample(range(len(pooled)), na) for _ in range(trials))
+    hits = count = 0
+    for idx in combos:
+        sa = sum(pooled[i] for i in idx)
+        g = abs(sa / na - (total - sa) / (len(pooled) - na))
+        hits += g >= gap - 1e-12
+        count += 1
+    return hits / count
+
+
+def summarize(runs) -> dict:
+    arms = {}
+    for r in runs:
+        arms.setdefault(r["arm"], []).append(r["ne"])
+        if r["arm"] != BASE and r["fp8_sites"]:
+            arms.setdefault(FP8_ARMS, []).append(r["ne"])
+    if BASE not in arms:
+        raise ValueError(f"no {BASE} runs to compare with")
+    base = arms[BASE]
+    out = {"n_runs": len(runs), "arms": {}}
+    for arm, nes in arms.items():
+        s = {"n": len(nes), "ne_mean": statistics.fmean(nes),
+             "ne_std": statistics.stdev(nes) if len(nes) > 1 else 0.0,
+             "ne_min": min(nes), "ne_max": max(nes)}
+        if arm != BASE:
+            s["change_pct"] = 100.0 * (s["ne_mean"] / statistics.fmean(base) - 1.0)
+            if len(nes) > 1 and len(base) > 1:
+                s["p_value"] = permutation_p(nes, base)
+        out["arms"][arm] = s
+    b = out["arms"][BASE]
+    out["seed_noise_pct"] = 100.0 * b["ne_std"] / b["ne_mean"]
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("files", nargs="+", help="quality JSONs of one training configuration")
+    p.add_argument("--out", default=None, help="write the pooled summary here (JSON)")
+    args = p.parse_args(argv)
+    try:
+        cfg, runs = load(args.files)
+        summary = summarize(runs)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result = {"schema": "loka.quality-pool", "version": 1, "files": args.files,
+              "config": cfg, "runs": runs, "summary": summary}
+    for arm, s in summary["arms"].items():
+        extra = (f"  change {s['change_pct']:+.2f}%" + (f"  p={s['p_value']:.3f}"
+                                                      if "p_value" in s else "")
+                 if "change_pct" in s else "")
+        print(f"{arm:22s} n={s['n']:2d}  NE {s['ne_mean']:.5f} ± {s['ne_std']:.5f}"
+              f"  [{s['ne_min']:.5f}, {s['ne_max']:.5f}]{extra}")
+    print(f"seed noise of {BASE}: {summary['seed_noise_pct']:.2f}%")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
