@@ -20,6 +20,11 @@ run's final metrics, loss curve and held-out NE curve
 (``ne_curve``, every ``--eval-every`` steps), the mean and spread per arm, and the paired
 per-seed NE change.
 
+``--jitter X`` adds a control arm, ``bf16+mods+jitter``: the bf16 + Mods model with each
+initial weight multiplied by ``1 + X * N(0, 1)``, trained on the same batches. Its NE
+change against bf16 + Mods (``jitter_ne_change_pct``) is what a rounding-size difference
+alone does to a run; an FP8 arm's change is only attributable to FP8 beyond that.
+
 ``--serve-plans name=path,...`` asks the serving question: after each seed's bf16 + Mods
 arm has trained, its model is served with each named plan (``loka.apply(...,
 inference=True)``: FP8 weights quantized once, the plan's forward kernels) and evaluated on
@@ -57,6 +62,8 @@ from loka.data.metrics import Metrics  # noqa: E402
 from loka.data.synthetic import SyntheticCTR  # noqa: E402
 
 BASE = "bf16+mods"
+JITTER_ARM = "bf16+mods+jitter"
+"""the control arm of ``--jitter``: bf16 + Mods from rounding-size perturbed weights"""
 ARMS = (BASE, "loka+mods")
 """the arms of a run without named plans"""
 
@@ -170,6 +177,21 @@ def serve(model, plan, held_out: SyntheticCTR, args, dtype) -> dict:
     return out
 
 
+def jitter_(model, scale: float, seed: int) -> None:
+    """Multiplies every floating parameter of ``model`` by ``1 + scale * N(0, 1)`` in place
+    (noise drawn on the CPU from ``seed``, so every device perturbs alike). With ``scale``
+    = 2^-9 about half the weights of a bf16 model move by one rounding step: a change of
+    the size FP8 arms are suspected of, without FP8."""
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"--jitter must be a positive finite scale, got {scale}")
+    gen = torch.Generator().manual_seed(1_000_003 + seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+                p.mul_((1.0 + scale * noise).to(p.device, p.dtype))
+
+
 def run_arm(arm: str, seed: int, plan, args, device, cached=None, serve_plans=None) -> dict:
     """One training run of ``arm`` (``plan``: the plan its LoKA arm applies;
     ``serve_plans``: {name: plan} the trained bf16 + Mods model is also served with)."""
@@ -185,6 +207,8 @@ def run_arm(arm: str, seed: int, plan, args, device, cached=None, serve_plans=No
                             device=device, _teacher=train.teacher)
     curve_every = args.eval_every if args.eval_every >= 0 else max(1, args.steps // 10)
     curve_set = [held_out.batch(i) for i in range(args.curve_eval_steps)] if curve_every else []
+    if arm == JITTER_ARM:
+        jitter_(model, args.jitter, seed)
     if arm.startswith("loka"):
         from loka.dispatch import apply
 
@@ -261,7 +285,10 @@ def summarize(runs, arms=ARMS) -> dict:
         stats = {"per_seed": paired, "mean": statistics.fmean(paired),
                  "std": statistics.stdev(paired) if len(paired) > 1 else 0.0}
         out.setdefault("paired_by_arm", {})[arm] = stats
-        out.setdefault("paired_ne_change_pct", stats)
+        if arm == JITTER_ARM:  # the yardstick: what a rounding-size change alone does
+            out["jitter_ne_change_pct"] = stats
+        else:
+            out.setdefault("paired_ne_change_pct", stats)
     served = {}
     for r in runs:
         for name, m in r.get("served", {}).items():
@@ -289,6 +316,11 @@ def main(argv=None) -> int:
     p.add_argument("--serve-plans", default="",
                    help="name=path[,name=path]: serve each seed's trained bf16 + Mods model "
                         "with these plans (inference=True) and report the NE change")
+    p.add_argument("--jitter", type=float, default=0.0,
+                   help="also train the control arm bf16+mods+jitter: the bf16 + Mods model "
+                        "with each weight times (1 + X*N(0,1)) (2^-9 ~ 0.00195: one bf16 "
+                        "rounding step for about half the weights), the NE change a "
+                        "rounding-size difference alone makes (default: off)")
     p.add_argument("--steps", type=int, default=3000,
                    help="training steps per run (250 left Wukong paper at NE ~1.0 on an H200)")
     p.add_argument("--seeds", type=int, default=3)
@@ -337,6 +369,8 @@ def main(argv=None) -> int:
     start = time.perf_counter()  # --budget-s counts from here (the probe included)
     device = torch.device(args.device)
     args.preset = args.preset or ("paper" if device.type == "cuda" else "tiny")
+    if not (math.isfinite(args.jitter) and args.jitter >= 0):
+        p.error(f"--jitter must be a finite scale >= 0, got {args.jitter}")
     args.compile = not args.no_compile and device.type == "cuda"
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -364,7 +398,7 @@ def main(argv=None) -> int:
         plans[f"loka@{name}+mods"] = Plan.load(path)
     serve_plans = {name: Plan.load(path)
                    for name, path in bench._named_plans(args.serve_plans).items()}
-    arms = (BASE,) + tuple(plans)
+    arms = (BASE,) + ((JITTER_ARM,) if args.jitter else ()) + tuple(plans)
     result = {"schema": "loka.quality", "version": 1, "env": bench.environment(device),
               "config": {k: v for k, v in vars(args).items()}, "plan_source": plan_src,
               "plan": plan.to_dict() if plan is not None else None, "arms": list(arms),

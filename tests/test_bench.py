@@ -982,3 +982,62 @@ def test_quality_pool_refuses_mixed_configs_and_bad_files(tmp_path, capsys):
     only_fp8 = _quality_json(tmp_path / "c.json", [("loka@x+mods", 0, 0.82)])
     assert pool.main([only_fp8]) == 2
     assert "no bf16+mods runs" in capsys.readouterr().err
+
+
+def test_quality_harness_jitter_control_arm(tmp_path):
+    """--jitter: a bf16 + Mods arm from perturbed weights. Its runs differ from the bf16
+    arm's (the perturbation reached the model) but hold no FP8 site, its NE change is
+    reported as the yardstick and not as the LoKA arm's, and a bad scale is refused."""
+    q = _load("quality_at_scale")
+    out = tmp_path / "q.json"
+    assert q.main(["--device", "cpu", "--preset", "tiny", "--steps", "6", "--seeds", "2",
+                   "--eval-steps", "2", "--eval-every", "0", "--table-rows", "100",
+                   "--plans", "none=" + str(_bf16_plan(tmp_path)), "--jitter", str(2 ** -9),
+                   "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["arms"] == ["bf16+mods", "bf16+mods+jitter", "loka@none+mods"]
+    ne = {(x["arm"], x["seed"]): x["final"]["ne"] for x in r["runs"]}
+    for seed in (0, 1):
+        assert ne[("bf16+mods+jitter", seed)] != ne[("bf16+mods", seed)]
+        # a rounding-size change moves a 6-step tiny run only a little
+        assert abs(ne[("bf16+mods+jitter", seed)] / ne[("bf16+mods", seed)] - 1) < 0.02
+        assert ne[("loka@none+mods", seed)] == pytest.approx(ne[("bf16+mods", seed)], rel=1e-12)
+    s = r["summary"]
+    assert s["jitter_ne_change_pct"] == s["paired_by_arm"]["bf16+mods+jitter"]
+    assert s["paired_ne_change_pct"] == s["paired_by_arm"]["loka@none+mods"]
+    assert all(x["fp8_sites"] == 0 for x in r["runs"] if x["arm"] == "bf16+mods+jitter")
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises(SystemExit):
+            q.main(["--device", "cpu", "--preset", "tiny", "--jitter", bad])
+
+
+def test_jitter_perturbs_every_weight_by_the_scale():
+    """Relative changes of spread ``scale`` and mean ~0, the same for the same seed (every
+    arm and device perturbs alike), different for another seed; no scale, no jitter."""
+    q = _load("quality_at_scale")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256).to(torch.float64)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    q.jitter_(model, 1e-3, seed=3)
+    rel = model.weight.detach() / before["weight"] - 1.0
+    assert rel.std().item() == pytest.approx(1e-3, rel=0.02)  # 65536 draws
+    assert abs(rel.mean().item()) < 3e-5
+    assert not torch.equal(model.bias, before["bias"])
+    first = model.weight.detach().clone()
+    for seed, same in ((3, True), (4, False)):
+        model.load_state_dict(before)
+        q.jitter_(model, 1e-3, seed=seed)
+        assert torch.equal(model.weight, first) == same
+    for bad in (0.0, -1e-3, float("nan")):
+        with pytest.raises(ValueError, match="positive finite"):
+            q.jitter_(model, bad, seed=3)
+
+
+def _bf16_plan(tmp_path):
+    q = _load("quality_at_scale")
+    cfg = bench.BenchConfig(model="wukong", preset="tiny", device="cpu", table_rows=100)
+    model = bench.build_model(cfg, q._mods(types.SimpleNamespace(merge=False)),
+                              torch.device("cpu"))
+    path = tmp_path / "none.plan.json"
+    Plan.uniform(model, "bf16").save(path)
+    return path
