@@ -483,7 +483,13 @@ def _loka_plan(model, batch, cfg: BenchConfig, device, log: dict):
     # variant (they would count in its peak memory)
     model.zero_grad(set_to_none=True)
     del opt
+    # nor what the Probe's compiled kernel timings left in Dynamo's caches (compiled
+    # callables and the tensors their guards and graphs hold); the variant compiles anew
+    torch._dynamo.reset()
     gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
     plan = dispatch.plan(report, max_error=cfg.max_error, min_speedup=cfg.min_speedup)
     log["plan"] = plan.to_dict() if hasattr(plan, "to_dict") else str(plan)
     return report, plan
