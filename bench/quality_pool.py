@@ -21,6 +21,7 @@ would overstate the evidence. Only files whose training configuration matches th
 import argparse
 import itertools
 import json
+import math
 import random
 import statistics
 import sys
@@ -70,11 +71,7 @@ def permutation_p(a, b, trials: int = 20000, seed: int = 0) -> float:
     pooled, na = a + b, len(a)
     gap = abs(statistics.fmean(a) - statistics.fmean(b))
     total = sum(pooled)
-    combos = None
-    n_combos = 1
-    for i in range(na):
-        n_combos = n_combos * (len(pooled) - i) // (i + 1)
-    if n_combos <= trials:
+    if math.comb(len(pooled), na) <= trials:
         combos = itertools.combinations(range(len(pooled)), na)
     else:
         rng = random.Random(seed)
