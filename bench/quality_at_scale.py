@@ -262,6 +262,12 @@ def run_arm(arm: str, seed: int, plan, args, device, cached=None, serve_plans=No
             "ne_curve": curve}
 
 
+def _per_seed(changes) -> dict:
+    """Per-seed NE changes (%) with their mean and spread."""
+    return {"per_seed": changes, "mean": statistics.fmean(changes),
+            "std": statistics.stdev(changes) if len(changes) > 1 else 0.0}
+
+
 def summarize(runs, arms=ARMS) -> dict:
     """Mean and spread of NE per arm, and each LoKA arm's per-seed NE change against the
     bf16 + Mods arm of the same seed (``paired_ne_change_pct`` for the first LoKA arm,
@@ -282,8 +288,7 @@ def summarize(runs, arms=ARMS) -> dict:
                   for a, s in by if a == BASE and (arm, s) in by]
         if not paired:
             continue
-        stats = {"per_seed": paired, "mean": statistics.fmean(paired),
-                 "std": statistics.stdev(paired) if len(paired) > 1 else 0.0}
+        stats = _per_seed(paired)
         out.setdefault("paired_by_arm", {})[arm] = stats
         if arm == JITTER_ARM:  # the yardstick: what a rounding-size change alone does
             out["jitter_ne_change_pct"] = stats
@@ -294,9 +299,7 @@ def summarize(runs, arms=ARMS) -> dict:
         for name, m in r.get("served", {}).items():
             served.setdefault(name, []).append(100.0 * (m["ne"] / r["final"]["ne"] - 1.0))
     for name, changes in served.items():
-        out.setdefault("served_ne_change_pct", {})[name] = {
-            "per_seed": changes, "mean": statistics.fmean(changes),
-            "std": statistics.stdev(changes) if len(changes) > 1 else 0.0}
+        out.setdefault("served_ne_change_pct", {})[name] = _per_seed(changes)
     if "paired_ne_change_pct" in out or served:
         base = out.get(BASE, {})
         if base.get("ne_mean"):

@@ -211,6 +211,19 @@ def build_model(cfg: BenchConfig, mods: Optional[ModsConfig], device: torch.devi
     return model.to(device=device, dtype=dtype)
 
 
+def _release_memory(device: torch.device) -> None:
+    """Frees what finished work left: reference cycles (hooks, optimizers, compiled
+    callables) and, on CUDA, the allocator's cache and cuBLAS's workspaces, one per stream
+    it ran on (side streams of graph captures and timings), so that none of it counts in
+    the next row's peak."""
+    gc.collect()
+    if device.type == "cuda":
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
+        torch.cuda.empty_cache()
+
+
 def _graphs(name: str, device: torch.device) -> bool:
     """Whether variant ``name`` captures its step in a CUDA graph (``+graphs``, on CUDA)."""
     return "+graphs" in name and device.type == "cuda"
@@ -486,10 +499,7 @@ def _loka_plan(model, batch, cfg: BenchConfig, device, log: dict):
     # nor what the Probe's compiled kernel timings left in Dynamo's caches (compiled
     # callables and the tensors their guards and graphs hold); the variant compiles anew
     torch._dynamo.reset()
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
+    _release_memory(device)
     plan = dispatch.plan(report, max_error=cfg.max_error, min_speedup=cfg.min_speedup)
     log["plan"] = plan.to_dict() if hasattr(plan, "to_dict") else str(plan)
     return report, plan
@@ -1040,14 +1050,7 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
             result[mode].append(row)
             _ratios(result[mode])
             progress("   " + _row_text(row))
-            gc.collect()  # reference cycles (hooks, optimizers) of the finished variant
-            if device.type == "cuda":
-                # cuBLAS keeps a workspace per stream it ran on (side streams of graph
-                # captures and timings): free them, or they count in later rows' peaks
-                clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-                if clear is not None:
-                    clear()
-                torch.cuda.empty_cache()
+            _release_memory(device)  # the finished variant's, before the next one's peak
             torch._dynamo.reset()
             result["checks"] = checks(shared, result)  # a run cut short keeps them too
             _write(result, out)
