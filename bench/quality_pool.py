@@ -12,13 +12,18 @@ random relabelling of the pooled runs gives a gap at least as large).
 A run that appears in several files with the same arm and seed and a final NE within
 ``SAME_RUN`` (1e-4) of it counts once: two runs that end that close took the same path (a
 rerun of the same code; bit-level nondeterminism moved them by ~1e-6), and counting both
-would overstate the evidence. Only files whose training configuration matches the first file's
+would overstate the evidence. Arms that ran the same plan (equal plan JSON) pool under the
+name the first file gave that plan, whatever later files call it (``loka+mods`` with
+``--plan X`` in one call, ``loka@tuned+mods`` with ``--plans tuned=X`` in another), and
+arms of one name that ran different plans are kept apart (``name~<digest>``); the
+renamings are listed under ``aliases``. Only files whose training configuration matches the first file's
 (steps, learning rates, schedule, tables, model) are pooled; others are refused.
 
     python bench/quality_pool.py bench/results/*/quality.json --out pooled.json
 """
 
 import argparse
+import hashlib
 import itertools
 import json
 import math
@@ -35,9 +40,26 @@ FP8_ARMS = "fp8"
 """the pseudo-arm of every run with FP8 sites (all plans together)"""
 
 
-def load(paths):
-    """(config of the first file, runs with ``file`` added), duplicates dropped."""
+def _plan_arms(d) -> dict:
+    """arm name -> digest of the plan that arm ran, for the LoKA arms of one quality JSON."""
+    def digest(plan):
+        return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
+
+    out = {}
+    if isinstance(d.get("plan"), dict):
+        out["loka+mods"] = digest(d["plan"])
+    for arm, plan in (d.get("plans") or {}).items():  # keyed by arm name
+        if isinstance(plan, dict):
+            out[arm] = digest(plan)
+    return out
+
+
+def load(paths, aliases=None):
+    """(config of the first file, runs with ``file`` added), duplicates dropped; arms that
+    ran an equal plan take one name (each renaming recorded in ``aliases``)."""
     ref, runs = None, []
+    names = {}  # plan digest -> the arm name it pools under
+    aliases = {} if aliases is None else aliases
     for path in paths:
         try:
             with open(path) as f:
@@ -52,14 +74,23 @@ def load(paths):
         elif cfg != ref:
             diff = {k: (ref[k], cfg[k]) for k in CONFIG_KEYS if ref[k] != cfg[k]}
             raise ValueError(f"{path}: a different training configuration {diff}")
+        rename = {}
+        for arm, dig in _plan_arms(d).items():
+            if dig not in names:  # a new plan; under a name of its own
+                taken = arm in names.values()
+                names[dig] = f"{arm}~{dig[:8]}" if taken else arm
+            rename[arm] = names[dig]
+            if rename[arm] != arm:
+                aliases[f"{path}:{arm}"] = rename[arm]
         for r in d["runs"]:
             ne = r.get("final", {}).get("ne")
             if not isinstance(ne, (int, float)) or ne != ne:
                 continue
-            if any(x["arm"] == r["arm"] and x["seed"] == r["seed"]
+            arm = rename.get(r["arm"], r["arm"])
+            if any(x["arm"] == arm and x["seed"] == r["seed"]
                    and abs(x["ne"] - ne) < SAME_RUN for x in runs):
                 continue
-            runs.append({"arm": r["arm"], "seed": r["seed"], "ne": float(ne),
+            runs.append({"arm": arm, "seed": r["seed"], "ne": float(ne),
                          "fp8_sites": r.get("fp8_sites", 0), "file": path,
                          "commit": d.get("env", {}).get("commit")})
     return ref, runs
@@ -114,14 +145,17 @@ def main(argv=None) -> int:
     p.add_argument("files", nargs="+", help="quality JSONs of one training configuration")
     p.add_argument("--out", default=None, help="write the pooled summary here (JSON)")
     args = p.parse_args(argv)
+    aliases = {}
     try:
-        cfg, runs = load(args.files)
+        cfg, runs = load(args.files, aliases)
         summary = summarize(runs)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result = {"schema": "loka.quality-pool", "version": 1, "files": args.files,
-              "config": cfg, "runs": runs, "summary": summary}
+              "config": cfg, "aliases": aliases, "runs": runs, "summary": summary}
+    for where, arm in aliases.items():
+        print(f"{where} ran the plan of {arm}: pooled with it")
     for arm, s in summary["arms"].items():
         extra = (f"  change {s['change_pct']:+.2f}%" + (f"  p={s['p_value']:.3f}"
                                                       if "p_value" in s else "")

@@ -929,16 +929,17 @@ def test_graphed_step_peak_includes_activations():
     assert reported <= 2.0 * eager_peak + 0.1, (reported, eager_peak)
 
 
-def _quality_json(path, runs, lr=1e-3, commit="c0"):
+def _quality_json(path, runs, lr=1e-3, commit="c0", plans=None):
     cfg = {"model": "wukong", "preset": "paper", "steps": 2500, "eval_steps": 50,
            "batch_size": None, "table_rows": 100, "lr": lr, "emb_lr": 1e-2,
            "weight_decay": 0.01, "warmup": 200, "schedule": "cosine", "min_lr_ratio": 0.1,
            "merge": True}
     with open(path, "w") as f:
         json.dump({"schema": "loka.quality", "version": 1, "env": {"commit": commit},
-                   "config": cfg, "runs": [{"arm": a, "seed": s, "final": {"ne": ne},
-                                            "fp8_sites": 0 if a == "bf16+mods" else 5}
-                                           for a, s, ne in runs]}, f)
+                   "config": cfg, "plans": plans or {},
+                   "runs": [{"arm": a, "seed": s, "final": {"ne": ne},
+                             "fp8_sites": 0 if a == "bf16+mods" else 5}
+                            for a, s, ne in runs]}, f)
     return str(path)
 
 
@@ -964,6 +965,29 @@ def test_quality_pool_pools_arms_across_runs(tmp_path, capsys):
     assert s["arms"]["fp8"]["n"] == 3
     assert s["seed_noise_pct"] == pytest.approx(100 * 0.01 / 0.80, rel=1e-9)
     assert "change +3.75%" in capsys.readouterr().out
+
+
+def test_quality_pool_joins_arms_by_plan_content(tmp_path, capsys):
+    """Arms that ran an equal plan pool whatever their name; one name over two different
+    plans is split."""
+    pool = _load("quality_pool")
+    p1, p2 = {"sites": {"a": "fp8"}}, {"sites": {"a": "bf16"}}
+    a = _quality_json(tmp_path / "a.json", [("bf16+mods", 0, 0.80), ("loka@x+mods", 0, 0.82)],
+                      plans={"loka@x+mods": p1})
+    b = _quality_json(tmp_path / "b.json", [("bf16+mods", 1, 0.81), ("loka@y+mods", 1, 0.84),
+                                            ("loka@x+mods", 1, 0.90)],
+                      plans={"loka@y+mods": dict(p1), "loka@x+mods": p2})
+    out = tmp_path / "pooled.json"
+    assert pool.main([a, b, "--out", str(out)]) == 0
+    r = json.load(open(out))
+    arms = r["summary"]["arms"]
+    assert arms["loka@x+mods"]["n"] == 2
+    assert arms["loka@x+mods"]["ne_mean"] == pytest.approx(0.83, abs=1e-12)
+    split = [k for k in arms if k.startswith("loka@x+mods~")]
+    assert len(split) == 1 and arms[split[0]]["ne_mean"] == pytest.approx(0.90, abs=1e-12)
+    assert "loka@y+mods" not in arms
+    assert r["aliases"] == {f"{b}:loka@y+mods": "loka@x+mods", f"{b}:loka@x+mods": split[0]}
+    assert "ran the plan of loka@x+mods" in capsys.readouterr().out
 
 
 def test_quality_pool_refuses_mixed_configs_and_bad_files(tmp_path, capsys):
