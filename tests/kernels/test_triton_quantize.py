@@ -53,6 +53,10 @@ def assert_same(q, scale, ref):
     a, b = q.float().cpu(), ref.data.float().cpu()
     assert torch.equal(torch.isnan(a), torch.isnan(b))
     assert torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)), (a != b).sum()
+    # the bytes, so the sign of a zero counts too (NaN's sign bit is free)
+    keep = ~torch.isnan(a)
+    qb, rb = q.contiguous().cpu().view(torch.uint8), ref.data.contiguous().cpu().view(torch.uint8)
+    assert torch.equal(qb[keep], rb[keep]), (qb[keep] != rb[keep]).sum()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -124,6 +128,38 @@ def test_non_finite_inputs_give_non_finite_scales(Q, kind):
         assert torch.equal(q[finite].float().cpu(), ref.data[finite].float().cpu())
         if GPU:  # the interpreter casts NaN to a finite value; the GPU keeps it NaN
             assert q[2].float().isnan().all()
+            # the row with inf: scale inf, finite values / inf = ±0, inf / inf = NaN
+            assert torch.equal(q[3].float().cpu().isnan(), ref.data[3].float().cpu().isnan())
+            keep = ~ref.data[3].float().cpu().isnan()
+            assert torch.equal(q[3].cpu().view(torch.uint8)[keep],
+                               ref.data[3].cpu().view(torch.uint8)[keep])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quotients_next_to_fp8_ties_round_as_the_reference(Q, fmt):
+    """Rows whose quotients x / scale sit within two float32 ulps of the points where the
+    FP8 value changes (the midpoints of the FP8 grid), with both signs and signed zeros:
+    a division one ulp off shows here. The first column holds the row's amax."""
+    dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fmt]
+    grid = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    grid = torch.unique(grid[torch.isfinite(grid) & (grid >= 0)])
+    ties = (grid[1:] + grid[:-1]) / 2
+    fmax = grid.max().item()
+    g = torch.Generator().manual_seed(5)
+    rows = 64
+    amax = (1 + torch.rand(rows, 1, generator=g)) * torch.exp2(
+        torch.randint(-20, 20, (rows, 1), generator=g).float())
+    scale = (amax.to(DEVICE) / fmax).cpu()  # as the reference computes it on this device
+    t = ties[torch.randint(0, len(ties), (rows, 200), generator=g)]
+    x = (t.double() * scale.double()).float()
+    ulps = torch.randint(-2, 3, x.shape, generator=g)
+    x = (x.view(torch.int32) + ulps.int()).view(torch.float32)  # float32 neighbours
+    x = torch.where(torch.rand(x.shape, generator=g) < 0.5, -x, x)
+    x = torch.cat([amax, x, torch.zeros(rows, 2), -torch.zeros(rows, 2)], dim=1).to(DEVICE)
+    q, s = Q.quantize_rowwise(x, fmt)
+    assert_same(q, s, quantize(x, fmt, "rowwise", "a"))
+    q, s = Q.quantize_tensorwise(x[:1], fmt)
+    assert_same(q, s, quantize(x[:1], fmt, "tensorwise", "a"))
 
 
 def test_zero_rows_quantize_to_zero_with_tiny_scale(Q):

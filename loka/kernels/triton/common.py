@@ -158,12 +158,12 @@ def nan_max(a, b):
 
 @triton.jit
 def abs_amax(x, axis: tl.constexpr):
-    """``amax(|x|)`` along ``axis``, NaN if any element is NaN (``tl.max`` alone drops NaN;
-    a reduction with a NaN-propagating combine is as fast on the GPU but crawls under the
-    interpreter, hence the separate NaN count)."""
-    a = tl.abs(x)
-    has_nan = tl.sum((a != a).to(tl.int32), axis) > 0
-    return tl.where(has_nan, float("nan"), tl.max(a, axis))
+    """``amax(|x|)`` of float32 ``x`` along ``axis``, NaN if any element is NaN (as
+    ``torch.amax``; ``tl.max`` alone drops NaN). One integer max over the bits of ``|x|``:
+    the bits of a non-negative float order as the float does, with +inf above every finite
+    value and every NaN above +inf, so NaN propagates with no separate NaN test."""
+    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return tl.max(bits, axis).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -188,7 +188,8 @@ def round_to_fp8_grid(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
     ulp = ((exp - MANT_BITS + 127) << 23).to(tl.float32, bitcast=True)
     t = y / ulp  # exact: ulp is a power of two
     r = (t + 12582912.0) - 12582912.0  # 1.5 * 2**23: rounds |t| < 2**22 to an integer, RNE
-    return r * ulp
+    r = r * ulp  # a value that rounds to zero keeps the sign of y, as the hardware cast does
+    return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -207,13 +208,44 @@ def round_to(y, dtype: tl.constexpr, SOFT_ROUND: tl.constexpr):
 
 
 @triton.jit
+def div_by_scale(x, scale):
+    """``x / scale`` correctly rounded (IEEE), for a positive ``scale`` (inf and NaN
+    included) that broadcasts against ``x`` and ``|x / scale| < 2**126`` (every scale here
+    is an amax divided by the format's max, ``|x| <= amax``).
+
+    The division is a product with the reciprocal of the scale, computed once per scale
+    (not per element), and two fma corrections: ``q0 = x * r`` is within 1.5 ulp of the
+    quotient, the first correction ``q1 = q0 + (x - s q0) r`` within 0.5 ulp + O(2**-46),
+    so faithful, and with ``r = RN(1/s)`` and a faithful ``q1`` the residual ``x - s q1`` is
+    exact and ``q2 = RN(q1 + (x - s q1) r)`` is the correctly rounded quotient (Markstein's
+    theorem; J.-M. Muller et al., *Handbook of Floating-Point Arithmetic*, 2nd ed., §4.9).
+    Five floating-point operations per element, against a division's reciprocal
+    approximation, Newton steps, range check and slow-path branch. Special cases as IEEE:
+    ``scale = inf`` gives ``±0`` for finite ``x`` and NaN for ``x = ±inf``; a NaN scale gives
+    NaN (its sign bit may be set); ``x = -0`` gives ``-0`` (a quotient that rounds to zero
+    keeps the sign of ``x``)."""
+    s_inf = scale == float("inf")
+    r = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)  # once per scale; 0 for inf
+    ns = tl.where(s_inf, -1.0, -scale)  # inf: r = 0 makes every correction vanish
+    q = x * r
+    q = tl.fma(tl.fma(q, ns, x), r, q)  # -scale per scale: Triton's ``-q`` is ``0 - q``,
+    q = tl.fma(tl.fma(q, ns, x), r, q)  # an extra instruction per element
+    # a zero quotient has the sign of x (the corrections give -0 + 0 = +0): x's sign bit
+    sign = x.to(tl.int32, bitcast=True) & -2147483648
+    return (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def scale_and_clamp(x, scale, FMT_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
                     MIN_EXP: tl.constexpr, SOFT_ROUND: tl.constexpr):
     """``clamp(x / scale, ±FMT_MAX)`` in float32, ready for the cast to FP8 (``scale``
-    broadcasts against ``x``)."""
-    y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
+    broadcasts against ``x``; ``|x| <= 448 scale`` up to rounding, as :func:`div_by_scale`
+    needs). Under the interpreter, whose ``fma`` rounds twice, an IEEE division."""
+    if SOFT_ROUND:
+        y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
+    else:
+        y = div_by_scale(x, scale)
     y = tl.clamp(y, -FMT_MAX, FMT_MAX, propagate_nan=tl.PropagateNan.ALL)
     if SOFT_ROUND:
         y = round_to_fp8_grid(y, MANT_BITS, MIN_EXP)
     return y
-
