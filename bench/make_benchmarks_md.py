@@ -213,6 +213,8 @@ def pool_table(path: str) -> str:
                    f"{a['ne_min']:.5f} | {a['ne_max']:.5f} | {ch} | {pv} |")
     out += ["", f"seed noise of bf16+Mods (std / mean): {s['seed_noise_pct']:.2f}%; `fp8` "
             "pools every run with FP8 sites"]
+    for where, arm in r.get("aliases", {}).items():
+        out += ["", f"`{where}` ran the same plan as `{arm}` and is pooled with it."]
     return "\n".join(out)
 
 

@@ -14,7 +14,11 @@ How: Triton's active driver is swapped for one that only names the target, and
 (compile, never launch). Both are restored on exit. The outputs the wrappers return are
 uninitialized and meaningless; only compilation is checked.
 
-    python bench/triton_aot.py [--arch 90,100] [--quick] [--out aot.json]
+    python bench/triton_aot.py [--arch 90,100] [--quick] [--sass] [--out aot.json]
+
+``--sass`` adds each compiled config's instruction count and most frequent opcodes (from
+the cubin's SASS, which Triton disassembles with the ``cuobjdump`` it ships): a way to
+compare two versions of a kernel's arithmetic without a GPU.
 
 Exit status 1 if any case fails to compile. ``tests/kernels/test_triton_aot.py`` runs it
 (``--quick``) whenever Triton is installed.
@@ -23,6 +27,7 @@ Exit status 1 if any case fails to compile. ``tests/kernels/test_triton_aot.py``
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -38,10 +43,27 @@ os.environ.setdefault("LOKA_TRITON_AUTOTUNE", "1")  # every config the tuner wou
 import torch  # noqa: E402
 
 
+def sass_profile(kernel) -> dict:
+    """``{"instructions": n, "top_ops": [(opcode, count), ...]}`` of a compiled kernel's
+    SASS (predicates dropped, so ``@P0 LDG.E.128`` counts as ``LDG.E.128``)."""
+    ops = collections.Counter()
+    for line in kernel.asm["sass"].splitlines():
+        parts = line.split("\t")  # "<control codes>\t<instruction>;"
+        if len(parts) < 2 or parts[0].count(":") != 4:
+            continue
+        words = parts[1].strip().rstrip(";").split()
+        if words and words[0].startswith("@"):
+            words = words[1:]
+        if words:
+            ops[words[0]] += 1
+    return {"instructions": sum(ops.values()), "top_ops": ops.most_common(12)}
+
+
 @contextlib.contextmanager
-def compile_only(arch: int, log: List[dict]):
+def compile_only(arch: int, log: List[dict], sass: bool = False):
     """Within the block, Triton launches compile for ``sm_<arch>`` and do not run; each
-    compiled (kernel, config) is appended to ``log``."""
+    compiled (kernel, config) is appended to ``log`` (with its :func:`sass_profile` if
+    ``sass``)."""
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
     from triton.runtime.autotuner import Autotuner
@@ -66,6 +88,8 @@ def compile_only(arch: int, log: List[dict]):
         log.append({"kernel": fn.__name__, "config": cfg, "seconds": round(seconds, 3),
                     "cubin": kernel is not None and "cubin" in kernel.asm,
                     "arch": kernel.metadata.target.arch if kernel is not None else None})
+        if sass and kernel is not None:
+            log[-1].update(sass_profile(kernel))
 
     def jit_run(self, *args, grid, warmup, **kwargs):  # a launch of a kernel not autotuned
         t = time.perf_counter()
@@ -182,7 +206,8 @@ def cases(quick: bool) -> Dict[str, Callable[[], Callable[[], object]]]:
 
 
 def run(archs: List[int], quick: bool = False,
-        progress: Callable[[str], None] = print) -> Tuple[List[dict], List[dict]]:
+        progress: Callable[[str], None] = print, sass: bool = False,
+        only: str = "") -> Tuple[List[dict], List[dict]]:
     """(compiled, failures): every (kernel, config, arch) compiled, and every case that
     raised, with its error."""
     import triton  # noqa: F401  (ImportError: nothing to check)
@@ -190,10 +215,12 @@ def run(archs: List[int], quick: bool = False,
     compiled, failures = [], []
     for arch in archs:
         for name, build in cases(quick).items():
+            if only and only not in name:
+                continue
             before = len(compiled)
             t = time.perf_counter()
             try:
-                with compile_only(arch, compiled):
+                with compile_only(arch, compiled, sass):
                     build()()
             except Exception as e:  # noqa: BLE001 - report every case, not the first
                 failures.append({"case": name, "arch": arch,
@@ -215,11 +242,19 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", default="90", help="comma list of SM versions (90: Hopper)")
     p.add_argument("--quick", action="store_true", help="one case per kernel option")
+    p.add_argument("--sass", action="store_true",
+                   help="report each config's SASS instruction count and top opcodes")
+    p.add_argument("--case", default="", help="only the cases whose name contains this")
     p.add_argument("--out", default=None, help="write the compiled configs and failures as JSON")
     args = p.parse_args(argv)
     archs = [int(a) for a in args.arch.split(",") if a.strip()]
     t = time.perf_counter()
-    compiled, failures = run(archs, args.quick)
+    compiled, failures = run(archs, args.quick, sass=args.sass, only=args.case)
+    if args.sass:
+        for c in compiled:
+            top = ", ".join(f"{op} {n}" for op, n in c.get("top_ops", [])[:6])
+            print(f"sm_{c['arch']} {c['case']} | {c['kernel']} [{c['config']}]: "
+                  f"{c.get('instructions', '?')} instructions ({top})")
     kernels = sorted({c["kernel"] for c in compiled})
     print(f"{len(compiled)} kernel configs of {len(kernels)} kernels compiled for "
           f"{', '.join(f'sm_{a}' for a in archs)} in {time.perf_counter() - t:.0f} s; "

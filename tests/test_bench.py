@@ -988,6 +988,9 @@ def test_quality_pool_joins_arms_by_plan_content(tmp_path, capsys):
     assert "loka@y+mods" not in arms
     assert r["aliases"] == {f"{b}:loka@y+mods": "loka@x+mods", f"{b}:loka@x+mods": split[0]}
     assert "ran the plan of loka@x+mods" in capsys.readouterr().out
+    text = _load("make_benchmarks_md").render(str(out))
+    assert "| loka@x+mods | 2 | 0.83000 |" in text
+    assert f"`{b}:loka@y+mods` ran the same plan as `loka@x+mods`" in text
 
 
 def test_quality_pool_refuses_mixed_configs_and_bad_files(tmp_path, capsys):

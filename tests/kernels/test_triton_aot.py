@@ -106,3 +106,39 @@ def test_a_kernel_that_does_not_compile_is_reported(tmp_path, monkeypatch):
     with aot.compile_only(90, log):
         fine_kernel[(1,)](x, x, BLOCK=32)
     assert [(e["kernel"], e["cubin"], e["arch"]) for e in log] == [("fine_kernel", True, 90)]
+
+
+def test_sass_profile_counts_instructions_and_the_division_is_cheaper(tmp_path, monkeypatch):
+    """``--sass``'s profile of two compiled kernels that divide 4096 values by one scale:
+    the quantizers' reciprocal-and-fma division (``div_by_scale``) has no per-element slow
+    path and far fewer instructions than an IEEE division (``div_rn``)."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    from loka.kernels.triton.common import div_by_scale
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    aot = _aot()
+
+    @triton.jit
+    def fast_kernel(x_ptr, s_ptr, y_ptr, BLOCK: tl.constexpr):
+        r = tl.arange(0, BLOCK)
+        tl.store(y_ptr + r, div_by_scale(tl.load(x_ptr + r), tl.load(s_ptr)))
+
+    @triton.jit
+    def ieee_kernel(x_ptr, s_ptr, y_ptr, BLOCK: tl.constexpr):
+        r = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + r)
+        tl.store(y_ptr + r, tl.math.div_rn(x, tl.zeros_like(x) + tl.load(s_ptr)))
+
+    x = torch.zeros(4096)
+    log = []
+    with aot.compile_only(90, log, sass=True):  # 32 values per thread
+        fast_kernel[(1,)](x, x, x, BLOCK=4096, num_warps=4)
+        ieee_kernel[(1,)](x, x, x, BLOCK=4096, num_warps=4)
+    fast, ieee = ({op: n for op, n in e["top_ops"]} | {"n": e["instructions"]} for e in log)
+    assert ieee.get("MUFU.RCP", 0) >= 32 and ieee.get("CALL.REL.NOINC", 0) >= 32  # per value
+    assert fast.get("MUFU.RCP", 0) <= 1 and fast.get("CALL.REL.NOINC", 0) <= 1  # per scale
+    assert fast["FFMA"] >= 4 * 32  # two corrections of two fmas per value
+    assert fast["n"] < 0.6 * ieee["n"], (fast["n"], ieee["n"])

@@ -5,7 +5,9 @@ Numerics follow :func:`loka.numerics.quantize` bit for bit on the kernel's devic
 scale is ``max(amax, AMAX_EPS) / fmt.max`` in float32 as torch computes it there (see
 :func:`amax_to_scale`), the value is
 ``x / scale`` (IEEE division), clamped to ``±fmt.max`` and cast round-to-nearest-even.
-Triton's plain ``/`` is an approximate division on NVIDIA GPUs, hence ``tl.math.div_rn``.
+Triton's plain ``/`` is an approximate division on NVIDIA GPUs; the kernels divide exactly
+with one reciprocal per scale and two fma corrections (:func:`div_by_scale`), which costs
+far fewer instructions per element than ``tl.math.div_rn``.
 
 Under Triton's CPU interpreter (``TRITON_INTERPRET=1``) the float-to-FP8 cast is not
 round-to-nearest-even (it truncates, and a mantissa carry does not reach the exponent), so
