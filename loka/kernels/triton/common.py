@@ -220,7 +220,9 @@ def div_by_scale(x, scale):
     quotient, the first correction ``q1 = q0 + (x - s q0) r`` within 0.5 ulp + O(2**-46),
     so faithful, and with ``r = RN(1/s)`` and a faithful ``q1`` the residual ``x - s q1`` is
     exact and ``q2 = RN(q1 + (x - s q1) r)`` is the correctly rounded quotient (Markstein's
-    theorem; J.-M. Muller et al., *Handbook of Floating-Point Arithmetic*, 2nd ed., §4.9).
+    theorem: P. Markstein, IBM J. Res. Dev. 34(1), 1990; see also J.-M. Muller et al.,
+    *Handbook of Floating-Point Arithmetic*). ``tests/kernels/test_exact_division.py``
+    checks the sequence with exact rational arithmetic.
     Five floating-point operations per element, against a division's reciprocal
     approximation, Newton steps, range check and slow-path branch. Special cases as IEEE:
     ``scale = inf`` gives ``±0`` for finite ``x`` and NaN for ``x = ±inf``; a NaN scale gives
@@ -228,10 +230,12 @@ def div_by_scale(x, scale):
     keeps the sign of ``x``)."""
     s_inf = scale == float("inf")
     r = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)  # once per scale; 0 for inf
-    ns = tl.where(s_inf, -1.0, -scale)  # inf: r = 0 makes every correction vanish
+    # -scale once per scale (Triton's ``-q`` is ``0 - q``: an instruction per element);
+    # for an inf scale r = 0, and -1 in its place makes every correction vanish
+    ns = tl.where(s_inf, -1.0, -scale)
     q = x * r
-    q = tl.fma(tl.fma(q, ns, x), r, q)  # -scale per scale: Triton's ``-q`` is ``0 - q``,
-    q = tl.fma(tl.fma(q, ns, x), r, q)  # an extra instruction per element
+    q = tl.fma(tl.fma(q, ns, x), r, q)
+    q = tl.fma(tl.fma(q, ns, x), r, q)
     # a zero quotient has the sign of x (the corrections give -0 + 0 = +0): x's sign bit
     sign = x.to(tl.int32, bitcast=True) & -2147483648
     return (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
