@@ -50,7 +50,7 @@ TRAIN_VARIANTS = (
        "loka+mods+merge+tuned+graphs"] + list(FASTEST)
 )
 INFER_VARIANTS = (
-    ["bf16", "bf16+mods", "bf16+mods+graphs"]
+    ["bf16", "bf16+graphs", "bf16+mods", "bf16+mods+graphs"]
     + [f"torchao-{r}{m}" for m in ("", "+mods") for r in ("tensorwise", "rowwise")]
     + ["loka+mods", "loka+mods+graphs", "bf16+mods+merge+graphs", "loka+mods+merge+graphs",
        "loka+mods+merge+tuned+graphs"] + list(FASTEST)
