@@ -215,6 +215,14 @@ def pool_table(path: str) -> str:
             "pools every run with FP8 sites"]
     for where, arm in r.get("aliases", {}).items():
         out += ["", f"`{where}` ran the same plan as `{arm}` and is pooled with it."]
+    if s.get("paired"):
+        out += ["", "paired: each run's NE change against the bf16 + Mods run of the same seed in "
+                "the same call", "",
+                "| arm | pairs | changes | mean | s.e. | sign-flip p |", "|---|---|---|---|---|---|"]
+        for arm, a in s["paired"].items():
+            ch = ", ".join(f"{c:+.2f}%" for c in a["changes_pct"])
+            out.append(f"| {arm} | {a['n']} | {ch} | {a['mean_pct']:+.2f}% | "
+                       f"{a['sem_pct']:.2f}% | {a['p_sign_flip']:.3f} |")
     return "\n".join(out)
 
 

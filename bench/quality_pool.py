@@ -19,6 +19,13 @@ arms of one name that ran different plans are kept apart (``name~<digest>``); th
 renamings are listed under ``aliases``. Only files whose training configuration matches the first file's
 (steps, learning rates, schedule, tables, model) are pooled; others are refused.
 
+Pooling by arm mixes in whatever differs between calls (the code version, hence each run's
+path), so the paired view is reported beside it: each run's NE change against the bf16 +
+Mods run of the same seed in the same file, pooled over files, with a sign-flip
+permutation p-value (how often flipping the signs of the changes at random gives a mean
+at least as far from zero). A control arm with no FP8 (``bf16+mods+jitter``) shows how
+large such a change is without FP8.
+
     python bench/quality_pool.py bench/results/*/quality.json --out pooled.json
 """
 
@@ -55,9 +62,11 @@ def _plan_arms(d) -> dict:
 
 
 def load(paths, aliases=None):
-    """(config of the first file, runs with ``file`` added), duplicates dropped; arms that
-    ran an equal plan take one name (each renaming recorded in ``aliases``)."""
-    ref, runs = None, []
+    """(config of the first file, runs with ``file`` added, pairs), duplicates dropped;
+    arms that ran an equal plan take one name (each renaming recorded in ``aliases``). A
+    pair is a run of another arm with the bf16 + Mods run of the same seed in the same
+    file (``change_pct``: its relative NE change)."""
+    ref, runs, pairs = None, [], []
     names = {}  # plan digest -> the arm name it pools under
     aliases = {} if aliases is None else aliases
     for path in paths:
@@ -74,7 +83,7 @@ def load(paths, aliases=None):
         elif cfg != ref:
             diff = {k: (ref[k], cfg[k]) for k in CONFIG_KEYS if ref[k] != cfg[k]}
             raise ValueError(f"{path}: a different training configuration {diff}")
-        rename = {}
+        rename, in_file = {}, {}
         for arm, dig in _plan_arms(d).items():
             if dig not in names:  # a new plan; under a name of its own
                 taken = arm in names.values()
@@ -87,13 +96,25 @@ def load(paths, aliases=None):
             if not isinstance(ne, (int, float)) or ne != ne:
                 continue
             arm = rename.get(r["arm"], r["arm"])
-            if any(x["arm"] == arm and x["seed"] == r["seed"]
-                   and abs(x["ne"] - ne) < SAME_RUN for x in runs):
+            run = {"arm": arm, "seed": r["seed"], "ne": float(ne),
+                   "fp8_sites": r.get("fp8_sites", 0), "file": path,
+                   "commit": d.get("env", {}).get("commit")}
+            in_file[(arm, r["seed"])] = run
+            if not _seen(runs, run):
+                runs.append(run)
+        for (arm, seed), run in in_file.items():
+            base = in_file.get((BASE, seed))
+            if arm == BASE or base is None or _seen(pairs, run):
                 continue
-            runs.append({"arm": arm, "seed": r["seed"], "ne": float(ne),
-                         "fp8_sites": r.get("fp8_sites", 0), "file": path,
-                         "commit": d.get("env", {}).get("commit")})
-    return ref, runs
+            pairs.append({**run, "base_ne": base["ne"],
+                          "change_pct": 100.0 * (run["ne"] / base["ne"] - 1.0)})
+    return ref, runs, pairs
+
+
+def _seen(runs, run) -> bool:
+    """Whether ``runs`` holds ``run`` already (same arm and seed, NE within SAME_RUN)."""
+    return any(x["arm"] == run["arm"] and x["seed"] == run["seed"]
+               and abs(x["ne"] - run["ne"]) < SAME_RUN for x in runs)
 
 
 def permutation_p(a, b, trials: int = 20000, seed: int = 0) -> float:
@@ -116,7 +137,40 @@ def permutation_p(a, b, trials: int = 20000, seed: int = 0) -> float:
     return hits / count
 
 
-def summarize(runs) -> dict:
+def sign_flip_p(diffs, trials: int = 20000, seed: int = 0) -> float:
+    """Two-sided p-value that paired changes ``diffs`` are centred on zero: the share of
+    sign assignments whose mean is at least as far from zero (exact when there are few)."""
+    n, gap = len(diffs), abs(statistics.fmean(diffs))
+    if 2 ** n <= trials:
+        signs = itertools.product((1, -1), repeat=n)
+    else:
+        rng = random.Random(seed)
+        signs = ([rng.choice((1, -1)) for _ in range(n)] for _ in range(trials))
+    hits = count = 0
+    for sg in signs:
+        hits += abs(sum(a * b for a, b in zip(sg, diffs))) / n >= gap - 1e-12
+        count += 1
+    return hits / count
+
+
+def summarize_pairs(pairs) -> dict:
+    """Per arm (and ``fp8`` for every run with FP8 sites): the paired NE changes' mean,
+    spread, standard error and sign-flip p-value."""
+    arms = {}
+    for p in pairs:
+        arms.setdefault(p["arm"], []).append(p["change_pct"])
+        if p["fp8_sites"]:
+            arms.setdefault(FP8_ARMS, []).append(p["change_pct"])
+    out = {}
+    for arm, ch in arms.items():
+        sd = statistics.stdev(ch) if len(ch) > 1 else 0.0
+        out[arm] = {"n": len(ch), "changes_pct": ch, "mean_pct": statistics.fmean(ch),
+                    "std_pct": sd, "sem_pct": sd / math.sqrt(len(ch)),
+                    "p_sign_flip": sign_flip_p(ch)}
+    return out
+
+
+def summarize(runs, pairs=()) -> dict:
     arms = {}
     for r in runs:
         arms.setdefault(r["arm"], []).append(r["ne"])
@@ -137,6 +191,7 @@ def summarize(runs) -> dict:
         out["arms"][arm] = s
     b = out["arms"][BASE]
     out["seed_noise_pct"] = 100.0 * b["ne_std"] / b["ne_mean"]
+    out["paired"] = summarize_pairs(pairs)
     return out
 
 
@@ -147,13 +202,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     aliases = {}
     try:
-        cfg, runs = load(args.files, aliases)
-        summary = summarize(runs)
+        cfg, runs, pairs = load(args.files, aliases)
+        summary = summarize(runs, pairs)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result = {"schema": "loka.quality-pool", "version": 1, "files": args.files,
-              "config": cfg, "aliases": aliases, "runs": runs, "summary": summary}
+              "config": cfg, "aliases": aliases, "runs": runs, "pairs": pairs,
+              "summary": summary}
     for where, arm in aliases.items():
         print(f"{where} ran the plan of {arm}: pooled with it")
     for arm, s in summary["arms"].items():
@@ -163,6 +219,10 @@ def main(argv=None) -> int:
         print(f"{arm:22s} n={s['n']:2d}  NE {s['ne_mean']:.5f} ± {s['ne_std']:.5f}"
               f"  [{s['ne_min']:.5f}, {s['ne_max']:.5f}]{extra}")
     print(f"seed noise of {BASE}: {summary['seed_noise_pct']:.2f}%")
+    print(f"paired with the {BASE} run of the same seed and file:")
+    for arm, s in summary["paired"].items():
+        print(f"{arm:22s} n={s['n']:2d}  change {s['mean_pct']:+.2f}% ± {s['sem_pct']:.2f}% (s.e.)"
+              f"  std {s['std_pct']:.2f}%  p={s['p_sign_flip']:.3f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

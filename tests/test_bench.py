@@ -965,6 +965,14 @@ def test_quality_pool_pools_arms_across_runs(tmp_path, capsys):
     assert s["arms"]["fp8"]["n"] == 3
     assert s["seed_noise_pct"] == pytest.approx(100 * 0.01 / 0.80, rel=1e-9)
     assert "change +3.75%" in capsys.readouterr().out
+    # paired within a file: x against the bf16 run of its seed in its own file
+    pr = s["paired"]["loka@x+mods"]
+    want = [100 * (0.82 / 0.80 - 1), 100 * (0.83 / 0.81 - 1), 100 * (0.84 / 0.79 - 1)]
+    assert pr["n"] == 3 and pr["changes_pct"] == pytest.approx(want, abs=1e-9)
+    assert pr["mean_pct"] == pytest.approx(sum(want) / 3, abs=1e-9)
+    # all three changes positive: of the 8 sign patterns only all-plus and all-minus reach
+    assert pr["p_sign_flip"] == pytest.approx(2 / 8)
+    assert "bf16+mods" not in s["paired"]
 
 
 def test_quality_pool_joins_arms_by_plan_content(tmp_path, capsys):
@@ -991,6 +999,7 @@ def test_quality_pool_joins_arms_by_plan_content(tmp_path, capsys):
     text = _load("make_benchmarks_md").render(str(out))
     assert "| loka@x+mods | 2 | 0.83000 |" in text
     assert f"`{b}:loka@y+mods` ran the same plan as `loka@x+mods`" in text
+    assert "| loka@x+mods | 2 | +2.50%, +3.70% | +3.10% |" in text  # 0.82/0.80, 0.84/0.81
 
 
 def test_quality_pool_refuses_mixed_configs_and_bad_files(tmp_path, capsys):
