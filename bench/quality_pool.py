@@ -128,10 +128,14 @@ def permutation_p(a, b, trials: int = 20000, seed: int = 0) -> float:
     else:
         rng = random.Random(seed)
         combos = (rng.sample(range(len(pooled)), na) for _ in range(trials))
+    return _share_at_least((abs(sa / na - (total - sa) / (len(pooled) - na))
+                            for sa in (sum(pooled[i] for i in idx) for idx in combos)), gap)
+
+
+def _share_at_least(gaps, gap: float) -> float:
+    """The share of the relabelled ``gaps`` at least as large as the observed ``gap``."""
     hits = count = 0
-    for idx in combos:
-        sa = sum(pooled[i] for i in idx)
-        g = abs(sa / na - (total - sa) / (len(pooled) - na))
+    for g in gaps:
         hits += g >= gap - 1e-12
         count += 1
     return hits / count
@@ -146,11 +150,7 @@ def sign_flip_p(diffs, trials: int = 20000, seed: int = 0) -> float:
     else:
         rng = random.Random(seed)
         signs = ([rng.choice((1, -1)) for _ in range(n)] for _ in range(trials))
-    hits = count = 0
-    for sg in signs:
-        hits += abs(sum(a * b for a, b in zip(sg, diffs))) / n >= gap - 1e-12
-        count += 1
-    return hits / count
+    return _share_at_least((abs(sum(a * b for a, b in zip(sg, diffs))) / n for sg in signs), gap)
 
 
 def summarize_pairs(pairs) -> dict:

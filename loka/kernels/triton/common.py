@@ -181,6 +181,14 @@ def amax_to_scale(amax, FMT_MAX: tl.constexpr, SOFT_ROUND: tl.constexpr):
 
 
 @triton.jit
+def or_sign(q, x):
+    """float32 ``q`` with the sign bit of ``x`` set in it: ``q`` itself wherever its sign
+    already is ``x``'s, and ``-0`` for a ``+0`` that should be negative."""
+    sign = x.to(tl.int32, bitcast=True) & -2147483648
+    return (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def round_to_fp8_grid(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
     """Round float32 ``y`` (already clamped to the format's range) to the nearest value of
     an FP8 grid with ``MANT_BITS`` mantissa bits, ties to even, subnormals included."""
@@ -190,8 +198,7 @@ def round_to_fp8_grid(y, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr):
     ulp = ((exp - MANT_BITS + 127) << 23).to(tl.float32, bitcast=True)
     t = y / ulp  # exact: ulp is a power of two
     r = (t + 12582912.0) - 12582912.0  # 1.5 * 2**23: rounds |t| < 2**22 to an integer, RNE
-    r = r * ulp  # a value that rounds to zero keeps the sign of y, as the hardware cast does
-    return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+    return or_sign(r * ulp, y)  # a value rounded to zero keeps y's sign, as the cast does
 
 
 @triton.jit
@@ -236,9 +243,7 @@ def div_by_scale(x, scale):
     q = x * r
     q = tl.fma(tl.fma(q, ns, x), r, q)
     q = tl.fma(tl.fma(q, ns, x), r, q)
-    # a zero quotient has the sign of x (the corrections give -0 + 0 = +0): x's sign bit
-    sign = x.to(tl.int32, bitcast=True) & -2147483648
-    return (q.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return or_sign(q, x)  # a zero quotient has x's sign (the corrections give -0 + 0 = +0)
 
 
 @triton.jit
