@@ -31,6 +31,7 @@ import torch  # noqa: E402
 from loka import bench  # noqa: E402
 from loka.config import ModsConfig  # noqa: E402
 from loka.dispatch import Plan, apply  # noqa: E402
+from loka.numerics import relative_frobenius  # noqa: E402
 
 
 def gradients(model, batch) -> dict:
@@ -41,8 +42,7 @@ def gradients(model, batch) -> dict:
 
 
 def relative_errors(grads: dict, exact: dict) -> dict:
-    return {n: float((g - exact[n]).norm() / exact[n].norm().clamp_min(1e-300))
-            for n, g in grads.items()}
+    return {n: relative_frobenius(g, exact[n]) for n, g in grads.items()}
 
 
 def main(argv=None) -> int:
