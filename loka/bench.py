@@ -1223,8 +1223,10 @@ def plot(result: dict, path: str) -> str:
     if not panels:
         raise ValueError("nothing to plot: no row has a speedup against a measured baseline")
     heights = max(len(rows) for _, _, rows in panels)
-    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 1.5 + 0.45 * heights),
-                             squeeze=False)
+    # room for the longest variant name left of the bars, so titles never run off the page
+    label_in = 0.075 * max(len(r["variant"]) for _, _, rows in panels for r in rows)
+    fig, axes = plt.subplots(1, len(panels), figsize=((4.5 + label_in) * len(panels),
+                                                      1.5 + 0.45 * heights), squeeze=False)
     for ax, (mode, ref, rows) in zip(axes[0], panels):
         names = [r["variant"] for r in rows]
         vals = [r[f"speedup_vs_{ref}"] for r in rows]
@@ -1232,8 +1234,9 @@ def plot(result: dict, path: str) -> str:
                   else "tab:blue" for n in names]
         ax.barh(names, vals, color=colors)
         ax.axvline(1.0, color="k", lw=0.8)
-        ax.set_title(f"{'training step' if mode == 'train' else 'inference forward'}: "
-                     f"speedup vs {ref}")
+        ax.set_xlim(0, 1.15 * max(max(vals), 1.0))  # room for the value printed after each bar
+        ax.set_title("training step" if mode == "train" else "inference forward")
+        ax.set_xlabel(f"speedup vs {ref} (median step time)")
         ax.invert_yaxis()
         for y, v in enumerate(vals):
             ax.text(v, y, f" {v:.2f}", va="center", fontsize=8)

@@ -69,6 +69,39 @@ def test_rowwise_one_pass_is_exact(Q, fmt, shape, dtype):
     assert_same(q, s, quantize(x, fmt, "rowwise", "a"))
 
 
+# The transposed (dgrad b, wgrad a and b) operands of the Wukong `paper` GEMMs: (rows, columns)
+# of the view the two-stage path quantizes. Two waves of programs left these at 32-128.
+WUKONG_TRANSPOSED = {"top_mlp.1 dgrad Wᵀ": (2048, 1024), "fm_mlp.0 dgrad Wᵀ": (2048, 2048),
+                     "fm_mlp.0 wgrad dyᵀ": (2048, 4096), "top_mlp.0 dgrad Wᵀ": (2048, 16384),
+                     "top_mlp.2 wgrad xᵀ": (1024, 4096), "fm_projection wgrad dyᵀ": (32, 1 << 20)}
+
+
+@pytest.mark.parametrize("case", sorted(WUKONG_TRANSPOSED))
+def test_split_plan_fills_the_gpu_and_tiles_the_columns(case):
+    tq = importlib.import_module("loka.kernels.triton.quantize")
+    r, c = WUKONG_TRANSPOSED[case]
+    nsplit, span = tq.split_plan(r, c, transposed=True)
+    unit = tq._SPAN_UNIT[True]
+    assert span % unit == 0 and (nsplit - 1) * span < c <= nsplit * span
+    # at least two waves of 132 SMs at every Wukong operand (64-row blocks)
+    assert -(-r // 64) * nsplit >= 256, (nsplit, span)
+
+
+@pytest.mark.parametrize("r,c", [(1, 4096), (32, 1 << 20), (40, 4096), (2048, 1024), (20, 2100)])
+@pytest.mark.parametrize("transposed", [True, False])
+def test_split_configs_never_cross_a_span(r, c, transposed):
+    """Each kept tile is of the view's own family and divides its span unit, so no program
+    reads (or writes) a column of the next span; a tensor smaller than every tile still
+    gets one."""
+    tq = importlib.import_module("loka.kernels.triton.quantize")
+    kept = tq._prune_split(tq._SPLIT_CONFIGS, {"R": r, "C": c, "stride_xc": c if transposed else 1})
+    assert kept
+    for cfg in kept:
+        assert (cfg.kwargs["BLOCK_C"] >= 128) == (not transposed)
+        assert tq._SPAN_UNIT[transposed] % cfg.kwargs["BLOCK_C"] == 0
+    assert tq.split_plan(r, c, transposed)[1] % tq._SPAN_UNIT[transposed] == 0
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("transposed", [True, False])
 def test_rowwise_two_stage_is_exact(Q, fmt, transposed, monkeypatch):
@@ -78,6 +111,23 @@ def test_rowwise_two_stage_is_exact(Q, fmt, transposed, monkeypatch):
     q, s = Q.quantize_rowwise(x, fmt)
     assert q.is_contiguous()
     assert_same(q, s, quantize(x, fmt, "rowwise", "a"))
+
+
+def test_many_spans_reduce_in_chunks_with_nan_and_inf(Q):
+    """A transposed view split into more spans than stage 2 loads at once (64 > 32): the
+    chunked reduction of the partials still gives every row its exact scale, and a NaN or
+    an inf in the second chunk of spans still reaches its row's scale."""
+    x = heavy_tailed(4096, 40)  # viewed as (40, 4096), contiguous along the 40 rows
+    x[3000, 7], x[3500, 11] = float("nan"), float("inf")
+    nsplit, span = Q.split_plan(40, 4096, transposed=True)
+    assert nsplit > Q._PARTS_CHUNK.value and 3000 // span >= Q._PARTS_CHUNK.value
+    q, s = Q.quantize_rowwise(x.t())
+    ref = quantize(x.t(), "e4m3", "rowwise", "a")
+    got = s.reshape(ref.scale.shape).cpu()
+    assert got[7].isnan().all() and got[11].isinf().all()
+    finite = [i for i in range(40) if i not in (7, 11)]
+    assert torch.equal(got[finite], ref.scale[finite].cpu())
+    assert torch.equal(q[finite].float().cpu(), ref.data[finite].float().cpu())
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

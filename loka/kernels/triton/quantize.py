@@ -31,10 +31,12 @@ from .common import (abs_amax, amax_to_scale, autotune, check_float_input, fp8_m
 
 MAX_ROW = 16384
 """longest contiguous row quantized in one pass (BLOCK_R x MAX_ROW values in registers)"""
-_SPAN_UNIT = 1024
-"""column spans of the two-stage rowwise path are multiples of this (and of every BLOCK_C)"""
-_TARGET_PROGRAMS = 264
-"""about two waves of an H100/H200 (132 SMs)"""
+_PARTS_CHUNK = tl.constexpr(32)
+"""partial amaxes per row that stage 2 of the two-stage path loads at once"""
+_TARGET_PROGRAMS = 528
+"""programs the two-stage rowwise path aims for: four waves of an H100/H200 (132 SMs), so
+that enough loads are in flight on every SM (two waves left the transposed dgrad and wgrad
+operands of the Wukong MLPs at 32-128 programs, see :func:`split_plan`)"""
 
 
 # -- rowwise, one pass ------------------------------------------------------------------
@@ -72,19 +74,37 @@ def rowwise_quant_kernel(x_ptr, q_ptr, scale_ptr, R, C, stride_xr, stride_xc,
 
 # -- rowwise, two stages (long rows, transposed views) ----------------------------------
 
-_SPLIT_CONFIGS = [triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=w)
-                  for r, c, w in ((64, 64, 4), (128, 32, 4), (32, 128, 4), (8, 512, 4),
-                                  (4, 1024, 4), (16, 256, 4))]
+# Two families of tiles: wide ones for row-major views (contiguous along C) and tall ones
+# for transposed views (contiguous along R, so a tile must be tall to coalesce there).
+_ROW_TILES = ((32, 128), (16, 256), (8, 512), (4, 1024))
+_TALL_TILES = ((128, 32), (64, 64), (32, 64), (16, 64))
+_SPLIT_CONFIGS = [triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=4)
+                  for r, c in _ROW_TILES + _TALL_TILES]
+_SPAN_UNIT = {False: max(c for _, c in _ROW_TILES), True: max(c for _, c in _TALL_TILES)}
+"""column spans of the two-stage path are multiples of this (of every BLOCK_C of the view's
+tile family), keyed on "transposed": no program reads a column of a neighbouring span"""
 
 
 def _prune_split(configs, named_args, **kwargs):
-    # A transposed view is contiguous along R: tiles tall enough to coalesce there.
-    col_contig = named_args["stride_xc"] == 1
+    # Only the view's own tile family (BLOCK_C >= 128 exactly for row-major views), and
+    # never taller or wider than the tensor; if nothing fits, the family's shortest tile.
+    row_major = named_args["stride_xc"] == 1
     r, c = named_args["R"], named_args["C"]
-    keep = [cfg for cfg in configs if (cfg.kwargs["BLOCK_C"] >= 128) == col_contig
-            and cfg.kwargs["BLOCK_R"] <= max(4, next_pow2(r))
+    family = [cfg for cfg in configs if (cfg.kwargs["BLOCK_C"] >= 128) == row_major]
+    keep = [cfg for cfg in family if cfg.kwargs["BLOCK_R"] <= max(4, next_pow2(r))
             and cfg.kwargs["BLOCK_C"] <= max(32, next_pow2(c))]
-    return keep or list(configs)
+    return keep or [min(family, key=lambda cfg: cfg.kwargs["BLOCK_R"])]
+
+
+def split_plan(r: int, c: int, transposed: bool) -> Tuple[int, int]:
+    """(nsplit, span) of the two-stage rowwise path for an (r, c) view: the column spans
+    each program covers, so that ``ceil(r / 64) * nsplit`` reaches about
+    ``_TARGET_PROGRAMS`` where the rows allow it (at most 256 spans)."""
+    unit = _SPAN_UNIT[transposed]
+    row_blocks = triton.cdiv(r, 64)
+    nsplit = max(1, min(256, triton.cdiv(c, unit), triton.cdiv(_TARGET_PROGRAMS, row_blocks)))
+    span = triton.cdiv(triton.cdiv(c, nsplit), unit) * unit
+    return triton.cdiv(c, span), span
 
 
 @autotune(configs=_SPLIT_CONFIGS, key=["R", "C", "stride_xc"], prune=_prune_split)
@@ -110,15 +130,18 @@ def rowwise_amax_split_kernel(x_ptr, partial_ptr, R, C, stride_xr, stride_xc, SP
 def rowwise_cast_split_kernel(x_ptr, q_ptr, scale_ptr, partial_ptr, R, C, stride_xr, stride_xc,
                               SPAN, NSPLIT, FMT_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
                               MIN_EXP: tl.constexpr, SOFT_ROUND: tl.constexpr,
-                              NSPLIT_P2: tl.constexpr, BLOCK_R: tl.constexpr,
-                              BLOCK_C: tl.constexpr):
+                              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Stage 2: reduce the partials of BLOCK_R rows, then cast their span; q row-major."""
     pid_r, pid_s = tl.program_id(0), tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    splits = tl.arange(0, NSPLIT_P2)
-    p = tl.load(partial_ptr + splits[:, None] * R + rows[None, :],
-                mask=(splits[:, None] < NSPLIT) & (rows[None, :] < R), other=0.0)
-    scale = amax_to_scale(abs_amax(p, 0), FMT_MAX, SOFT_ROUND)
+    # the NSPLIT partials of each row, _PARTS_CHUNK at a time (a bounded register tile)
+    amax = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for s0 in range(0, NSPLIT, _PARTS_CHUNK):
+        splits = s0 + tl.arange(0, _PARTS_CHUNK)
+        p = tl.load(partial_ptr + splits[:, None] * R + rows[None, :],
+                    mask=(splits[:, None] < NSPLIT) & (rows[None, :] < R), other=0.0)
+        amax = nan_max(amax, abs_amax(p, 0))
+    scale = amax_to_scale(amax, FMT_MAX, SOFT_ROUND)
     tl.store(scale_ptr + rows, scale, mask=(rows < R) & (pid_s == 0))
     r64 = rows[:, None].to(tl.int64)
     for off in range(0, tl.minimum(SPAN, C - pid_s * SPAN), BLOCK_C):
@@ -260,16 +283,13 @@ def quantize_rowwise(x: torch.Tensor, fmt="e4m3") -> Tuple[torch.Tensor, torch.T
         rowwise_quant_kernel[grid](x, q, scale, r, c, x.stride(0), x.stride(1),
                                    BLOCK_C=next_pow2(c), **meta)
         return q, scale
-    # Two stages over NSPLIT column spans, sized for about two waves of programs.
-    row_blocks = triton.cdiv(r, 64)
-    nsplit = max(1, min(256, triton.cdiv(c, _SPAN_UNIT), triton.cdiv(_TARGET_PROGRAMS, row_blocks)))
-    span = triton.cdiv(triton.cdiv(c, nsplit), _SPAN_UNIT) * _SPAN_UNIT
-    nsplit = triton.cdiv(c, span)
+    # Two stages over NSPLIT column spans, sized to fill the GPU.
+    nsplit, span = split_plan(r, c, transposed=x.stride(1) != 1)
     partial = torch.empty((nsplit, r), dtype=torch.float32, device=x.device)
     grid = lambda meta_: (triton.cdiv(r, meta_["BLOCK_R"]), nsplit)  # noqa: E731
     rowwise_amax_split_kernel[grid](x, partial, r, c, x.stride(0), x.stride(1), span)
     rowwise_cast_split_kernel[grid](x, q, scale, partial, r, c, x.stride(0), x.stride(1), span,
-                                    nsplit, NSPLIT_P2=next_pow2(nsplit), **meta)
+                                    nsplit, **meta)
     return q, scale
 
 
