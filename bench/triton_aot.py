@@ -130,6 +130,14 @@ def _gemm(m, k, n, **kw):
                                 torch.ones(m, 1), torch.ones(1, n), **kw)
 
 
+def _inline_gemm(m, k, n, a_transposed=True, **kw):
+    """The inline-quantizing GEMM on bf16 operands (its amax passes compile too)."""
+    from loka.kernels.triton.gemm_rowwise import gemm_rowwise_inline
+    a = torch.zeros((k, m) if a_transposed else (m, k), dtype=torch.bfloat16)
+    return lambda: gemm_rowwise_inline(a.t() if a_transposed else a,
+                                       torch.zeros(k, n, dtype=torch.bfloat16), **kw)
+
+
 def _blockwise_gemm(m, k, n):
     from loka.kernels.triton.gemm_blockwise import gemm_blockwise
     return lambda: gemm_blockwise(_fp8((m, k)), _fp8((k, n), col_major=True),
@@ -179,6 +187,9 @@ def cases(quick: bool) -> Dict[str, Callable[[], Callable[[], object]]]:
         "gemm_rowwise BlockNorm statistics": lambda: _gemm(4096, 2048, 2048, norm_stats=256),
         "gemm_rowwise fp8 out + BlockNorm statistics": lambda: _gemm(
             4096, 2048, 256, fp8_out="e4m3", norm_stats=64),
+        "gemm_rowwise_inline fm_projection wgrad": lambda: _inline_gemm(32, 1 << 20, 64),
+        "gemm_rowwise_inline top_mlp.2 wgrad fastacc e5m2": lambda: _inline_gemm(
+            1, 4096, 1024, a_transposed=False, a_fmt="e5m2", fast_accum=True),
         "gemm_blockwise": lambda: _blockwise_gemm(4096, 2048, 2048),
         "norm_act_quant blocknorm+hardswish rowwise": lambda: _norm(4096, 2048),
         "norm_act_quant blocknorm tensorwise fp8-only": lambda: _norm(
@@ -198,7 +209,7 @@ def cases(quick: bool) -> Dict[str, Callable[[], Callable[[], object]]]:
                 "gemm_rowwise bias+hardswish fastacc", "gemm_rowwise fp8 out (N=256)",
                 "gemm_rowwise BlockNorm statistics",
                 "gemm_rowwise fp8 out + BlockNorm statistics",
-                "gemm_blockwise", "norm_act_quant blocknorm tensorwise fp8-only",
+                "gemm_rowwise_inline fm_projection wgrad", "gemm_blockwise", "norm_act_quant blocknorm tensorwise fp8-only",
                 "norm_act_quant chunked 20000 tensorwise",
                 "embedding_bag_sum Wukong tables (56 x 4096 bags, d 256)")
         out = {k: v for k, v in out.items() if k in keep}

@@ -16,12 +16,15 @@ DEVICE = "cuda" if GPU else "cpu"
 HAS_TRITON = caps.module_available("triton")
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
 TRITON_NAMES = ["triton-rowwise", "triton-rowwise-fastacc", "triton-rowwise-cublas",
-                "triton-rowwise-cublas-fastacc", "triton-rowwise-e5m2", "triton-tensorwise",
+                "triton-rowwise-cublas-fastacc", "triton-rowwise-e5m2", "triton-rowwise-inline",
+                "triton-rowwise-inline-fastacc", "triton-tensorwise",
                 "triton-tensorwise-cublas", "triton-tensorwise-cublas-fastacc",
                 "triton-blockwise", "triton-blockwise-cublas"]
 TWINS = {"triton-rowwise": "emulated-rowwise-e4m3", "triton-rowwise-fastacc": "emulated-rowwise-e4m3",
          "triton-rowwise-cublas": "emulated-rowwise-e4m3",
          "triton-rowwise-cublas-fastacc": "emulated-rowwise-e4m3", "triton-rowwise-e5m2": "emulated-rowwise-e5m2",
+         "triton-rowwise-inline": "emulated-rowwise-e4m3",
+         "triton-rowwise-inline-fastacc": "emulated-rowwise-e4m3",
          "triton-tensorwise": "emulated-tensorwise-e4m3",
          "triton-tensorwise-cublas": "emulated-tensorwise-e4m3",
          "triton-tensorwise-cublas-fastacc": "emulated-tensorwise-e4m3",
@@ -96,6 +99,9 @@ def test_custom_op_fake_shapes(granularity, scale_shape, layout):
         y = torch.ops.loka.triton_gemm(a, b, torch.empty(48, 1), torch.empty(1, 32), "rowwise",
                                        torch.bfloat16, False)
         assert y.shape == (48, 32) and y.dtype == torch.bfloat16
+        y = torch.ops.loka.triton_gemm_inline(x[:, :64], b, None, torch.empty(1, 32), "e4m3",
+                                              "e4m3", torch.float32, True)
+        assert y.shape == (48, 32) and y.dtype == torch.float32
 
 
 @needs_triton
@@ -217,16 +223,20 @@ def test_prequantized_operands_are_used_as_is_and_checked():
 @needs_triton
 def test_compiled_call_has_no_graph_break():
     kernels_run_here()
-    from loka.kernels.adapters.triton_kernels import triton_gemm, triton_quantize
+    from loka.kernels.adapters.triton_kernels import triton_gemm, triton_gemm_inline, triton_quantize
 
     def f(x, w):
         qa, sa = triton_quantize(x, "e4m3", "rowwise")
         qb, sb = triton_quantize(w.t(), "e4m3", "rowwise", layout="col")
         return triton_gemm(qa, qb, sa, sb, "rowwise", torch.float32)
 
+    def g(x, w):
+        return triton_gemm_inline(x, w.t(), "e4m3", "e4m3", torch.float32)
+
     x, w = role_operands("fwd")[0], role_operands("fwd")[1].t()
-    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
-    torch.testing.assert_close(compiled(x, w), f(x, w), rtol=0, atol=0)
+    for fn in (f, g):
+        compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+        torch.testing.assert_close(compiled(x, w), fn(x, w), rtol=0, atol=0)
 
 
 # -- torchao and FBGEMM (optional) --------------------------------------------------------

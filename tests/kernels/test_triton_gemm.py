@@ -27,7 +27,7 @@ def test_under_interpreter(run_under_interpreter):
     picks when it is first imported: the tests of this file run in a fresh process."""
     if GPU or INTERPRETED:
         pytest.skip("the kernels run in this process")
-    run_under_interpreter(__file__, "not test_under_interpreter", min_passed=18)
+    run_under_interpreter(__file__, "not test_under_interpreter", min_passed=24)
 
 
 @pytest.fixture(scope="module")
@@ -228,3 +228,103 @@ def test_blocknorm_statistics_need_a_power_of_two_block(G):
             G.gemm_rowwise(qa.data, qw.data.t(), qa.scale, qw.scale.t(), norm_stats=bad)
     y, ms = G.gemm_rowwise(qa.data[:0], qw.data.t(), qa.scale[:0], qw.scale.t(), norm_stats=32)
     assert y.shape == (0, 64) and ms.shape == (0, 2)
+
+
+# -- inline quantization (the GEMM casts its float operands in its loads) -----------------
+
+def inline_operands(m, k, n, a_transposed, seed=0):
+    """Float a (M, K), row-major or a transposed view as loka.Linear's wgrad passes dyᵀ, and
+    b (K, N) row-major, with rows of a and columns of b spread over 2**-4..2**4."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-4, 5, (m, 1), generator=g).float())
+    b = torch.randn(k, n, generator=g) * torch.exp2(torch.randint(-4, 5, (1, n), generator=g).float())
+    a = a.bfloat16().to(DEVICE)
+    if a_transposed:
+        a = a.t().contiguous().t()
+    return a, b.bfloat16().to(DEVICE)
+
+
+@pytest.mark.parametrize("m,k,n,a_transposed,a_fmt", [
+    (32, 2048, 64, True, "e4m3"),   # wgrad-like: K split into 16 partial sums
+    (1, 1536, 96, False, "e4m3"),   # one row (the logit layer's wgrad)
+    (70, 300, 40, True, "e5m2"),    # unaligned, no split, an e5m2 gradient operand
+])
+def test_inline_quantization_is_quantize_then_gemm(G, monkeypatch, m, k, n, a_transposed, a_fmt):
+    """The FP8 values and scales cast in the loads are the quantizers': the product equals
+    the rowwise GEMM of quantize_rowwise's operands up to float32 summation order, and the
+    float64 product of the dequantized operands within the GEMM's tolerance."""
+    from loka.kernels.triton.quantize import quantize_rowwise
+
+    monkeypatch.setattr(G, "INLINE_SPLIT_UNIT", 128)  # K splits at interpreter-sized K
+    a, b = inline_operands(m, k, n, a_transposed)
+    y = G.gemm_rowwise_inline(a, b, a_fmt, "e4m3", out_dtype=torch.float32)
+    qa, sa = quantize_rowwise(a, a_fmt)
+    qb, sb = quantize_rowwise(b.t())
+    ref = (qa.double() * sa.double()) @ (qb.double() * sb.double()).t()
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert relative_frobenius(y, ref) < TOL
+    two_step = G.gemm_rowwise(qa, qb.t(), sa, sb.t(), out_dtype=torch.float32)
+    torch.testing.assert_close(y, two_step, rtol=TOL, atol=TOL * ref.abs().max().item())
+    if m * n > 1:  # and FP8 it is: the bf16 product differs by FP8's rounding, not less
+        assert 5e-3 < relative_frobenius(y, a.double() @ b.double()) < 0.08
+    assert G.split_k(m, n, k, tile=64, unit=128) == (16 if k == 2048 else 12 if k == 1536 else 1)
+
+
+def test_inline_quantization_beside_an_fp8_operand(G):
+    """One operand arrives in FP8 (a weight quantized once), the other is cast inline."""
+    from loka.kernels.triton.quantize import quantize_rowwise
+
+    a, b = inline_operands(48, 256, 32, False, seed=3)
+    qb, sb = quantize_rowwise(b.t())
+    y = G.gemm_rowwise_inline(a, qb.t(), scale_b=sb.t(), out_dtype=torch.float32)
+    qa, sa = quantize_rowwise(a)
+    ref = (qa.double() * sa.double()) @ (qb.double() * sb.double()).t()
+    assert relative_frobenius(y, ref) < TOL
+    qa_t, sa_t = quantize_rowwise(a, "e4m3")
+    y2 = G.gemm_rowwise_inline(qa_t, b, scale_a=sa_t, out_dtype=torch.bfloat16)
+    assert y2.dtype == torch.bfloat16 and relative_frobenius(y2, ref) < 4e-3
+
+
+def test_inline_quantization_propagates_nan_and_inf_like_the_quantizers(G, monkeypatch):
+    """An inf in a row of a makes that row's scale inf and its output NaN (inf / inf), a NaN
+    in a column of b poisons that column, in every K split: the quantizers' semantics.
+    The other outputs stay finite and exact."""
+    from loka.kernels.triton.quantize import quantize_rowwise
+
+    monkeypatch.setattr(G, "INLINE_SPLIT_UNIT", 128)
+    a, b = inline_operands(32, 2048, 64, True, seed=5)
+    a[3, 1500] = float("inf")  # in the twelfth K split
+    b[100, 7] = float("nan")   # in the first
+    y = G.gemm_rowwise_inline(a, b, out_dtype=torch.float32)
+    assert torch.isnan(y[3]).all() and torch.isnan(y[:, 7]).all()
+    finite = torch.ones_like(y, dtype=torch.bool)
+    finite[3], finite[:, 7] = False, False
+    assert torch.isfinite(y[finite]).all()
+    qa, sa = quantize_rowwise(a)
+    qb, sb = quantize_rowwise(b.t())
+    ref = (qa.double() * sa.double()) @ (qb.double() * sb.double()).t()
+    assert torch.isnan(ref[3]).all() and torch.isnan(ref[:, 7]).all()
+    assert relative_frobenius(y[finite], ref[finite]) < TOL
+
+
+def test_inline_quantization_rejects_bad_operands(G):
+    a, b = inline_operands(16, 64, 32, False)
+    qa = torch.zeros(16, 64, device=DEVICE).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="needs its scale_a"):
+        G.gemm_rowwise_inline(qa, b)
+    with pytest.raises(ValueError, match="no scale_b"):
+        G.gemm_rowwise_inline(a, b, scale_b=torch.ones(1, 32, device=DEVICE))
+    with pytest.raises(ValueError, match="do not match"):
+        G.gemm_rowwise_inline(a, b[:32])
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        G.gemm_rowwise_inline(a.to(torch.int32), b)
+    with pytest.raises(ValueError, match="2-D"):
+        G.gemm_rowwise_inline(a[0], b)
+    with pytest.raises(ValueError, match="K = 0"):
+        G.gemm_rowwise_inline(a[:, :0], b[:0])
+    with pytest.raises(ValueError, match="e4m3 and e5m2"):
+        G.gemm_rowwise_inline(a, b, "e4m3fnuz")
+    with pytest.raises(TypeError, match="out_dtype"):
+        G.gemm_rowwise_inline(a, b, out_dtype=torch.int8)
+    empty = G.gemm_rowwise_inline(a[:0], b)
+    assert empty.shape == (0, 32) and empty.dtype == torch.bfloat16

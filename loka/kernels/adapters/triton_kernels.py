@@ -8,6 +8,8 @@ triton-rowwise-fastacc      same                                         same, f
 triton-rowwise-cublas       same                                         ``_scaled_mm`` rowwise
 triton-rowwise-cublas-fastacc  same                                      same, fast accum
 triton-rowwise-e5m2         same, gradient operand in e5m2 (dgrad/wgrad) Triton rowwise
+triton-rowwise-inline       amax pass only; the GEMM casts in its loads  Triton rowwise
+triton-rowwise-inline-fastacc  same                                      same, fast accum
 triton-tensorwise           Triton, two-stage amax                       Triton (scalar scales)
 triton-tensorwise-cublas    same                                         ``_scaled_mm``
 triton-tensorwise-cublas-fastacc  same                                   same, fast accum
@@ -38,7 +40,7 @@ from .. import capabilities as caps
 from ..cublas import _scaled_mm as _cublas_scaled_mm
 from ..emulated import GRAD_ROLES
 from ..recipes import check_gemm_operands
-from ..registry import YES, Capability, Kernel, register
+from ..registry import YES, Capability, Kernel, Operand, register
 
 _GEMM_OUT = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -88,6 +90,19 @@ def _(a, b, scale_a, scale_b, scaling, out_dtype, fast_accum):
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
+@torch.library.custom_op("loka::triton_gemm_inline", mutates_args=())
+def _gemm_inline_op(a: torch.Tensor, b: torch.Tensor, scale_a: Optional[torch.Tensor],
+                    scale_b: Optional[torch.Tensor], a_fmt: str, b_fmt: str,
+                    out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    return _tk()[1].gemm_rowwise_inline(a, b, a_fmt, b_fmt, scale_a=scale_a, scale_b=scale_b,
+                                        out_dtype=out_dtype, fast_accum=fast_accum)
+
+
+@_gemm_inline_op.register_fake
+def _(a, b, scale_a, scale_b, a_fmt, b_fmt, out_dtype, fast_accum):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
 def _quantize_direct(x, fmt, granularity, layout):
     quantize, _, _ = _tk()
     if granularity == "rowwise":
@@ -128,6 +143,22 @@ def triton_gemm(a, b, scale_a, scale_b, scaling: str, out_dtype: torch.dtype,
     if torch.compiler.is_compiling():
         return torch.ops.loka.triton_gemm(a, b, scale_a, scale_b, scaling, out_dtype, fast_accum)
     return _gemm_direct(a, b, scale_a, scale_b, scaling, out_dtype, fast_accum)
+
+
+def triton_gemm_inline(a: Operand, b: Operand, a_fmt: str, b_fmt: str, out_dtype: torch.dtype,
+                       fast_accum: bool = False) -> torch.Tensor:
+    """:func:`~loka.kernels.triton.gemm_rowwise.gemm_rowwise_inline` of float or rowwise
+    QTensor operands (a QTensor's FP8 data and scales are used as they are)."""
+    sa = sb = None
+    if isinstance(a, QTensor):
+        a, sa = a.data, a.scale
+    if isinstance(b, QTensor):
+        b, sb = b.data, b.scale
+    if torch.compiler.is_compiling():
+        return torch.ops.loka.triton_gemm_inline(a, b, sa, sb, a_fmt, b_fmt, out_dtype,
+                                                 fast_accum)
+    return _tk()[1].gemm_rowwise_inline(a, b, a_fmt, b_fmt, scale_a=sa, scale_b=sb,
+                                        out_dtype=out_dtype, fast_accum=fast_accum)
 
 
 # -- quantizers returning QTensors -------------------------------------------------------
@@ -174,12 +205,22 @@ def make_triton_kernel(name: str, granularity: Granularity, *, gemm: str,
                        a_format: str = "e4m3", b_format: str = "e4m3",
                        fast_accum: bool = False, roles=None, description: str) -> Kernel:
     """A registry kernel: Triton quantization of both operands, then ``gemm``:
-    'triton' (LoKA's Triton GEMM) or 'cublas' (``torch._scaled_mm`` / ``F.scaled_mm``)."""
+    'triton' (LoKA's Triton GEMM) or 'cublas' (``torch._scaled_mm`` / ``F.scaled_mm``);
+    or 'triton-inline' (rowwise only): the Triton GEMM that casts float operands in its
+    own loads after one amax pass each (QTensor operands are used as they are)."""
+    if gemm == "triton-inline" and granularity is not Granularity.ROWWISE:
+        raise ValueError("the inline-quantizing GEMM is rowwise")
     quantize_a, quantize_b = make_quantizers(granularity, a_format, b_format)
     scaling = "blockwise" if granularity is Granularity.BLOCKWISE else "rowwise"
 
     def fn(a, b, out_dtype):
         check_gemm_operands(a, b, out_dtype)
+        if gemm == "triton-inline":
+            a = _checked(a, a_format, granularity, "a") if isinstance(a, QTensor) else a
+            b = _checked(b, b_format, granularity, "b") if isinstance(b, QTensor) else b
+            lib_dtype = out_dtype if out_dtype in _GEMM_OUT else torch.float32
+            out = triton_gemm_inline(a, b, a_format, b_format, lib_dtype, fast_accum)
+            return out if out.dtype == out_dtype else out.to(out_dtype)
         qa = _checked(a, a_format, granularity, "a") if isinstance(a, QTensor) else quantize_a(a)
         qb = _checked(b, b_format, granularity, "b") if isinstance(b, QTensor) else quantize_b(b)
         if gemm == "cublas":
@@ -228,6 +269,14 @@ TRITON_KERNELS = (
     make_triton_kernel("triton-rowwise-e5m2", RW, gemm="triton", a_format="e5m2",
                        roles=GRAD_ROLES,
                        description="Triton rowwise quantization (e5m2 gradient) + Triton GEMM"),
+    make_triton_kernel("triton-rowwise-inline", RW, gemm="triton-inline",
+                       description="Triton rowwise amax pass + Triton rowwise GEMM that casts "
+                                   "each loaded tile to FP8 (no FP8 copy written; float32 "
+                                   "promotion every K tile)"),
+    make_triton_kernel("triton-rowwise-inline-fastacc", RW, gemm="triton-inline",
+                       fast_accum=True,
+                       description="Triton rowwise amax pass + inline-quantizing Triton GEMM, "
+                                   "fast accumulation"),
     make_triton_kernel("triton-tensorwise", TW, gemm="triton",
                        description="Triton two-stage tensorwise quantization + Triton GEMM"),
     make_triton_kernel("triton-tensorwise-cublas", TW, gemm="cublas",

@@ -28,8 +28,10 @@ import triton
 import triton.language as tl
 
 from ...numerics import get_format
-from .common import (abs_amax, amax_to_scale, autotune, check_gemm_operands, fp8_meta,
-                     grouped_tile, next_pow2, round_to, scale_and_clamp)
+from .common import (abs_amax, amax_to_scale, autotune, check_float_input,
+                     check_gemm_operands, fp8_meta, grouped_tile, next_pow2, round_to,
+                     scale_and_clamp)
+from .quantize import amax_partials, reduce_partials
 
 ACTIVATIONS = {None: 0, "identity": 0, "hardswish": 1}
 MAX_FP8_OUT_N = 256
@@ -49,6 +51,15 @@ GEMM_CONFIGS = [
 ]
 SPLIT_K_UNIT = 1024
 """K range of one split is a multiple of this (and so of every BLOCK_K)"""
+INLINE_SPLIT_UNIT = 256
+"""the same for the inline-quantizing GEMM, whose splits are finer (see :func:`split_k`)"""
+INLINE_TILE_ELEMENTS = 24576
+"""most float values of a and b one K step of the inline-quantizing GEMM loads (48 KB of
+bf16): the tiles are cast in registers, so the largest FP8 tiles would spill"""
+_AS_IS = {"FMT_MAX": 0.0, "MANT_BITS": 0, "MIN_EXP": 0}
+"""the inline-quantization constants of an operand that arrives in FP8"""
+_NO_INLINE = {"QA_MAX": 0.0, "QA_MANT": 0, "QA_MIN_EXP": 0,
+              "QB_MAX": 0.0, "QB_MANT": 0, "QB_MIN_EXP": 0}
 
 
 def _prune(configs, named_args, **kwargs):
@@ -63,6 +74,9 @@ def _prune(configs, named_args, **kwargs):
             if c.kwargs["BLOCK_N"] <= max(32, next_pow2(n))
             and c.kwargs["BLOCK_K"] <= max(64, next_pow2(k))
             and c.kwargs["BLOCK_M"] <= max(64, next_pow2(m))]
+    if kwargs.get("QA_MAX") or kwargs.get("QB_MAX"):
+        keep = [c for c in keep if (c.kwargs["BLOCK_M"] + c.kwargs["BLOCK_N"])
+                * c.kwargs["BLOCK_K"] <= INLINE_TILE_ELEMENTS]
     return keep
 
 
@@ -75,22 +89,30 @@ def _zero_norm_stats(nargs, reset_only=False):
 
 
 @autotune(configs=GEMM_CONFIGS,
-          key=["M", "N", "K", "K_SPLIT", "FP8_OUT", "FAST_ACC", "NORM_BLOCK"], prune=_prune,
-          pre_hook=_zero_norm_stats)
+          key=["M", "N", "K", "K_SPLIT", "FP8_OUT", "FAST_ACC", "NORM_BLOCK", "QA_MAX",
+               "QB_MAX"], prune=_prune, pre_hook=_zero_norm_stats)
 @triton.jit
 def rowwise_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, cs_ptr, ss_ptr, M, N,
                         K, K_SPLIT, stride_am, stride_ak, stride_bk, stride_bn, stride_cs,
-                        stride_cm, stride_cn, stride_sa, stride_sb, HAS_BIAS: tl.constexpr,
-                        ACT: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                        stride_cm, stride_cn, stride_sa, stride_sb, NPART_A, NPART_B,
+                        HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NORM_BLOCK: tl.constexpr,
                         FP8_OUT: tl.constexpr, FAST_ACC: tl.constexpr, FMT_MAX: tl.constexpr,
                         MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
+                        QA_MAX: tl.constexpr, QA_MANT: tl.constexpr, QA_MIN_EXP: tl.constexpr,
+                        QB_MAX: tl.constexpr, QB_MANT: tl.constexpr, QB_MIN_EXP: tl.constexpr,
                         SOFT_ROUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """One (BLOCK_M, BLOCK_N) tile of c over the K range ``[pid_k * K_SPLIT, +K_SPLIT)``;
     grouped launch order for L2 reuse of b. With several K splits each writes its scaled
     partial sum to slice ``pid_k`` of c (stride_cs) and the caller adds them. With
     ``NORM_BLOCK`` (a power of two; one K split), the sums of squares of the stored output
-    over each row's blocks of NORM_BLOCK columns are added into ss (M, cdiv(N, NORM_BLOCK))."""
+    over each row's blocks of NORM_BLOCK columns are added into ss (M, cdiv(N, NORM_BLOCK)).
+
+    Inline quantization (``QA_MAX > 0``, likewise for b): a is a float tensor, sa_ptr holds
+    the (NPART_A, M) partial row amaxes of :func:`~loka.kernels.triton.quantize.amax_partials`;
+    the prologue reduces them to the rows' scales and every loaded tile is cast to the FP8
+    format (QA_MAX, QA_MANT, QA_MIN_EXP) before the dot, with the quantizers' exact
+    numerics, so the FP8 operand is never written to memory."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -105,11 +127,18 @@ def rowwise_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, cs_ptr, s
     b_ptrs = (b_ptr + (k0 + ks[:, None]).to(tl.int64) * stride_bk
               + (cols % N)[None, :].to(tl.int64) * stride_bn)
     k_end = tl.minimum(K - k0, K_SPLIT)
+    row_ok, col_ok = rows < M, cols < N
+    sa = _operand_scale(sa_ptr, rows, M, stride_sa, NPART_A, QA_MAX, SOFT_ROUND)
+    sb = _operand_scale(sb_ptr, cols, N, stride_sb, NPART_B, QB_MAX, SOFT_ROUND)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kk in range(0, tl.cdiv(k_end, BLOCK_K)):
         k_left = k_end - kk * BLOCK_K
         a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
         b = tl.load(b_ptrs, mask=ks[:, None] < k_left, other=0.0)
+        if QA_MAX > 0:
+            a = _cast_tile(a, sa[:, None], QA_MAX, QA_MANT, QA_MIN_EXP, SOFT_ROUND)
+        if QB_MAX > 0:
+            b = _cast_tile(b, sb[None, :], QB_MAX, QB_MANT, QB_MIN_EXP, SOFT_ROUND)
         if FAST_ACC:
             acc = tl.dot(a, b, acc)
         else:
@@ -117,9 +146,6 @@ def rowwise_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, cs_ptr, s
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    row_ok, col_ok = rows < M, cols < N
-    sa = tl.load(sa_ptr + rows * stride_sa, mask=row_ok, other=0.0)
-    sb = tl.load(sb_ptr + cols * stride_sb, mask=col_ok, other=0.0)
     acc = acc * sa[:, None] * sb[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -140,6 +166,31 @@ def rowwise_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, cs_ptr, s
     if NORM_BLOCK > 0:
         _add_block_sums(ss_ptr, tl.where(mask, y * y, 0.0), rows, row_ok, pid_n, N, BLOCK_M,
                         BLOCK_N, NORM_BLOCK)
+
+
+@triton.jit
+def _operand_scale(ptr, idx, n, stride, NPART, Q_MAX: tl.constexpr, SOFT_ROUND: tl.constexpr):
+    """The dequantization scales of rows ``idx`` of a (or columns of b): loaded (an FP8
+    operand, ``Q_MAX == 0``; stride 0 for a tensorwise scale), or reduced from the operand's
+    (NPART, n) partial amaxes (inline quantization); 0 past ``n``."""
+    if Q_MAX > 0:
+        s = amax_to_scale(reduce_partials(ptr, idx, n, NPART), Q_MAX, SOFT_ROUND)
+    else:
+        s = tl.load(ptr + idx * stride, mask=idx < n, other=0.0)
+    return s
+
+
+@triton.jit
+def _cast_tile(x, scale, Q_MAX: tl.constexpr, Q_MANT: tl.constexpr, Q_MIN_EXP: tl.constexpr,
+               SOFT_ROUND: tl.constexpr):
+    """A loaded float tile as the quantizers would store it: e4m3 (3 mantissa bits) or
+    e5m2, with the exact scale-and-cast of :func:`~loka.kernels.triton.common.scale_and_clamp`."""
+    y = scale_and_clamp(x.to(tl.float32), scale, Q_MAX, Q_MANT, Q_MIN_EXP, SOFT_ROUND)
+    if Q_MANT == 3:
+        q = y.to(tl.float8e4nv)
+    else:
+        q = y.to(tl.float8e5)
+    return q
 
 
 @triton.jit
@@ -254,9 +305,9 @@ def gemm_rowwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
     rowwise_gemm_kernel[grid](
         a, b, c, scale_a, scale_b, bias if bias is not None else scale_a, cs, ss, m, n, k,
         k_split, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        c.stride(0) if split > 1 else 0, c.stride(-2), c.stride(-1), sa_stride, sb_stride,
+        c.stride(0) if split > 1 else 0, c.stride(-2), c.stride(-1), sa_stride, sb_stride, 0, 0,
         HAS_BIAS=bias is not None, ACT=ACTIVATIONS[activation], NORM_BLOCK=norm_stats or 0,
-        FP8_OUT=fp8_out is not None, FAST_ACC=fast_accum, **meta)
+        FP8_OUT=fp8_out is not None, FAST_ACC=fast_accum, **meta, **_NO_INLINE)
     out = (c, cs) if fp8_out is not None else (c.sum(0).to(out_dtype) if split > 1 else c,)
     if norm_stats is not None:  # sums of squares -> mean squares (the last block shorter)
         lengths = (n - torch.arange(nblk, device=a.device) * norm_stats).clamp(max=norm_stats)
@@ -264,13 +315,94 @@ def gemm_rowwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
     return out if len(out) > 1 else out[0]
 
 
-def split_k(m: int, n: int, k: int) -> int:
+def split_k(m: int, n: int, k: int, tile: int = 128, unit: int = SPLIT_K_UNIT) -> int:
     """K splits for GEMMs with few output tiles and a long K (the wgrad of a Linear over a
-    large batch: M, N of 32-64, K of a million): enough programs for two waves of SMs."""
-    tiles = triton.cdiv(m, 128) * triton.cdiv(n, 128)
-    if tiles >= 66 or k < 8 * SPLIT_K_UNIT:
+    large batch: M, N of 32-64, K of a million): enough programs for two waves of SMs,
+    counting (tile, tile) output tiles, each split at least ``unit`` long; none below
+    ``8 * unit``."""
+    tiles = triton.cdiv(m, tile) * triton.cdiv(n, tile)
+    if tiles >= 66 or k < 8 * unit:
         return 1
-    return max(1, min(triton.cdiv(k, SPLIT_K_UNIT), triton.cdiv(264, tiles)))
+    return max(1, min(triton.cdiv(k, unit), triton.cdiv(264, tiles)))
+
+
+def gemm_rowwise_inline(a: torch.Tensor, b: torch.Tensor, a_fmt="e4m3", b_fmt="e4m3", *,
+                        scale_a: Optional[torch.Tensor] = None,
+                        scale_b: Optional[torch.Tensor] = None,
+                        out_dtype: torch.dtype = torch.bfloat16,
+                        fast_accum: bool = False) -> torch.Tensor:
+    """Rowwise FP8 GEMM that quantizes its float operands in its own loads.
+
+    The same result as quantizing with :func:`~loka.kernels.triton.quantize.quantize_rowwise`
+    (``a`` per row, ``b`` per column) and calling :func:`gemm_rowwise` (identical FP8 values
+    and scales; only the float32 summation order may differ), but the FP8 copies are never
+    written: a float operand costs one amax pass (partials per column span) and the GEMM
+    reads it in its float format. This pays where quantization, not the GEMM, dominates: a
+    Linear's weight gradient over a large batch (M, N of 32-64, K of a million) or any GEMM
+    with few output tiles; the K range is split to fill the GPU. Where each tile of an
+    operand is loaded by many programs it is also cast many times: the Probe times it.
+
+    Args:
+        a: (M, K) float (quantized here) or FP8 with ``scale_a`` (M, 1) or (1, 1).
+        b: (K, N) float (quantized per column here) or FP8 with ``scale_b`` (1, N) or (1, 1).
+        a_fmt, b_fmt: 'e4m3' or 'e5m2' for a float operand (ignored for an FP8 one).
+        out_dtype: bf16, fp16 or fp32.
+        fast_accum: never promote the FP8 accumulator to float32.
+
+    Returns:
+        (M, N) in ``out_dtype``.
+    """
+    metas = []
+    for name, t, scale, fmt in (("a", a, scale_a, a_fmt), ("b", b, scale_b, b_fmt)):
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            if scale is None:
+                raise ValueError(f"an FP8 {name} needs its scale_{name}")
+            metas.append(_AS_IS)
+        else:
+            check_float_input(t, name)
+            if scale is not None:
+                raise ValueError(f"{name} is {t.dtype}, quantized here: pass no scale_{name}")
+            metas.append(fp8_meta(fmt))
+    qa, qb = metas
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(f"GEMM shapes do not match: a {tuple(a.shape)} @ b {tuple(b.shape)}")
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
+    m, k = a.shape
+    n = b.shape[1]
+    if m == 0 or n == 0:
+        return torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if k == 0:
+        raise ValueError("FP8 GEMM with K = 0 is undefined")
+    # a float operand's scales come from its partial amaxes (rows of a, rows of bᵀ)
+    if qa is _AS_IS:
+        pa, sa_stride, npart_a = scale_a, _scale_stride(scale_a, m, "scale_a", 0), 0
+    else:
+        pa = amax_partials(a)[0]
+        sa_stride, npart_a = 0, pa.shape[0]
+    if qb is _AS_IS:
+        pb, sb_stride, npart_b = scale_b, _scale_stride(scale_b, n, "scale_b", 1), 0
+    else:
+        pb = amax_partials(b.t())[0]
+        sb_stride, npart_b = 0, pb.shape[0]
+    split = split_k(m, n, k, tile=64, unit=INLINE_SPLIT_UNIT)
+    k_split = (triton.cdiv(triton.cdiv(k, split), INLINE_SPLIT_UNIT) * INLINE_SPLIT_UNIT
+               if split > 1 else k)
+    split = triton.cdiv(k, k_split)
+    c = torch.empty((split, m, n) if split > 1 else (m, n),
+                    dtype=torch.float32 if split > 1 else out_dtype, device=a.device)
+    grid = lambda meta_: (triton.cdiv(m, meta_["BLOCK_M"]) * triton.cdiv(n, meta_["BLOCK_N"]), split)  # noqa: E731
+    inline = {"QA_MAX": qa["FMT_MAX"], "QA_MANT": qa["MANT_BITS"], "QA_MIN_EXP": qa["MIN_EXP"],
+              "QB_MAX": qb["FMT_MAX"], "QB_MANT": qb["MANT_BITS"], "QB_MIN_EXP": qb["MIN_EXP"]}
+    rowwise_gemm_kernel[grid](
+        a, b, c, pa, pb, pa, c, c, m, n, k, k_split, a.stride(0), a.stride(1), b.stride(0),
+        b.stride(1), c.stride(0) if split > 1 else 0, c.stride(-2), c.stride(-1), sa_stride,
+        sb_stride, npart_a, npart_b,
+        HAS_BIAS=False, ACT=0, NORM_BLOCK=0, FP8_OUT=False, FAST_ACC=fast_accum,
+        **fp8_meta("e4m3"), **inline)
+    return c.sum(0).to(out_dtype) if split > 1 else c
 
 
 def reference(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,

@@ -125,6 +125,20 @@ def rowwise_amax_split_kernel(x_ptr, partial_ptr, R, C, stride_xr, stride_xc, SP
     tl.store(partial_ptr + pid_s * R + rows, amax, mask=rows < R)
 
 
+@triton.jit
+def reduce_partials(partial_ptr, rows, R, NSPLIT):
+    """The amax of each of ``rows`` from stage 1's (NSPLIT, R) partials, read
+    ``_PARTS_CHUNK`` spans at a time (a register tile that does not grow with NSPLIT);
+    0 for rows at or past R."""
+    amax = tl.zeros(rows.shape, dtype=tl.float32)
+    for s0 in range(0, NSPLIT, _PARTS_CHUNK):
+        splits = s0 + tl.arange(0, _PARTS_CHUNK)
+        p = tl.load(partial_ptr + splits[:, None] * R + rows[None, :],
+                    mask=(splits[:, None] < NSPLIT) & (rows[None, :] < R), other=0.0)
+        amax = nan_max(amax, abs_amax(p, 0))
+    return amax
+
+
 @autotune(configs=_SPLIT_CONFIGS, key=["R", "C", "stride_xc"], prune=_prune_split)
 @triton.jit
 def rowwise_cast_split_kernel(x_ptr, q_ptr, scale_ptr, partial_ptr, R, C, stride_xr, stride_xc,
@@ -134,14 +148,7 @@ def rowwise_cast_split_kernel(x_ptr, q_ptr, scale_ptr, partial_ptr, R, C, stride
     """Stage 2: reduce the partials of BLOCK_R rows, then cast their span; q row-major."""
     pid_r, pid_s = tl.program_id(0), tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    # the NSPLIT partials of each row, _PARTS_CHUNK at a time (a bounded register tile)
-    amax = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for s0 in range(0, NSPLIT, _PARTS_CHUNK):
-        splits = s0 + tl.arange(0, _PARTS_CHUNK)
-        p = tl.load(partial_ptr + splits[:, None] * R + rows[None, :],
-                    mask=(splits[:, None] < NSPLIT) & (rows[None, :] < R), other=0.0)
-        amax = nan_max(amax, abs_amax(p, 0))
-    scale = amax_to_scale(amax, FMT_MAX, SOFT_ROUND)
+    scale = amax_to_scale(reduce_partials(partial_ptr, rows, R, NSPLIT), FMT_MAX, SOFT_ROUND)
     tl.store(scale_ptr + rows, scale, mask=(rows < R) & (pid_s == 0))
     r64 = rows[:, None].to(tl.int64)
     for off in range(0, tl.minimum(SPAN, C - pid_s * SPAN), BLOCK_C):
@@ -284,13 +291,28 @@ def quantize_rowwise(x: torch.Tensor, fmt="e4m3") -> Tuple[torch.Tensor, torch.T
                                    BLOCK_C=next_pow2(c), **meta)
         return q, scale
     # Two stages over NSPLIT column spans, sized to fill the GPU.
+    partial, span = amax_partials(x)
+    grid = lambda meta_: (triton.cdiv(r, meta_["BLOCK_R"]), partial.shape[0])  # noqa: E731
+    rowwise_cast_split_kernel[grid](x, q, scale, partial, r, c, x.stride(0), x.stride(1), span,
+                                    partial.shape[0], **meta)
+    return q, scale
+
+
+def amax_partials(x: torch.Tensor) -> Tuple[torch.Tensor, int]:
+    """Stage 1 of the two-stage rowwise path alone: ``(partial, span)``, where
+    ``partial[s, r]`` (float32, (nsplit, R) contiguous) is ``amax |x[r, s*span:(s+1)*span]|``
+    (NaN if the span holds one). :func:`reduce_partials` turns a row's partials into its
+    amax; :func:`~loka.kernels.triton.gemm_rowwise.gemm_rowwise_inline` does so in the
+    GEMM's prologue and casts in its loads, so the FP8 copy is never written."""
+    check_float_input(x)
+    r, c = x.shape
+    if r == 0 or c == 0:
+        raise ValueError(f"amax of an empty tensor of shape {tuple(x.shape)} is undefined")
     nsplit, span = split_plan(r, c, transposed=x.stride(1) != 1)
     partial = torch.empty((nsplit, r), dtype=torch.float32, device=x.device)
     grid = lambda meta_: (triton.cdiv(r, meta_["BLOCK_R"]), nsplit)  # noqa: E731
     rowwise_amax_split_kernel[grid](x, partial, r, c, x.stride(0), x.stride(1), span)
-    rowwise_cast_split_kernel[grid](x, q, scale, partial, r, c, x.stride(0), x.stride(1), span,
-                                    nsplit, **meta)
-    return q, scale
+    return partial, span
 
 
 def quantize_colwise(x: torch.Tensor, fmt="e4m3") -> Tuple[torch.Tensor, torch.Tensor]:
