@@ -17,14 +17,13 @@ HAS_TRITON = caps.module_available("triton")
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed")
 TRITON_NAMES = ["triton-rowwise", "triton-rowwise-fastacc", "triton-rowwise-cublas",
                 "triton-rowwise-cublas-fastacc", "triton-rowwise-e5m2", "triton-rowwise-inline",
-                "triton-rowwise-inline-fastacc", "triton-tensorwise",
+                "triton-tensorwise",
                 "triton-tensorwise-cublas", "triton-tensorwise-cublas-fastacc",
                 "triton-blockwise", "triton-blockwise-cublas"]
 TWINS = {"triton-rowwise": "emulated-rowwise-e4m3", "triton-rowwise-fastacc": "emulated-rowwise-e4m3",
          "triton-rowwise-cublas": "emulated-rowwise-e4m3",
          "triton-rowwise-cublas-fastacc": "emulated-rowwise-e4m3", "triton-rowwise-e5m2": "emulated-rowwise-e5m2",
          "triton-rowwise-inline": "emulated-rowwise-e4m3",
-         "triton-rowwise-inline-fastacc": "emulated-rowwise-e4m3",
          "triton-tensorwise": "emulated-tensorwise-e4m3",
          "triton-tensorwise-cublas": "emulated-tensorwise-e4m3",
          "triton-tensorwise-cublas-fastacc": "emulated-tensorwise-e4m3",
@@ -258,7 +257,7 @@ def test_torchao_kernels_and_converter():
             continue
         a, b = x.to(DEVICE), w.t().to(DEVICE)
         y = kern(a, b, torch.float32)
-        assert 0.005 < relative_frobenius(y, ref) < 0.08, name  # FP8, and the right product
+        assert 0.005 < relative_frobenius(y.cpu(), ref) < 0.08, name  # FP8, and the right product
         qb = kern.quantize_b(b)
         assert qb.data.stride(0) == 1 and torch.equal(kern(a, qb, torch.float32), y)
         if kern.scaling == "rowwise":  # torchao's rowwise recipe rounds scales to powers of two

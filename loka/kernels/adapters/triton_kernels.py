@@ -8,8 +8,7 @@ triton-rowwise-fastacc      same                                         same, f
 triton-rowwise-cublas       same                                         ``_scaled_mm`` rowwise
 triton-rowwise-cublas-fastacc  same                                      same, fast accum
 triton-rowwise-e5m2         same, gradient operand in e5m2 (dgrad/wgrad) Triton rowwise
-triton-rowwise-inline       amax pass only; the GEMM casts in its loads  Triton rowwise
-triton-rowwise-inline-fastacc  same                                      same, fast accum
+triton-rowwise-inline       amax pass only; the GEMM casts in its loads  Triton, fp16 MMA
 triton-tensorwise           Triton, two-stage amax                       Triton (scalar scales)
 triton-tensorwise-cublas    same                                         ``_scaled_mm``
 triton-tensorwise-cublas-fastacc  same                                   same, fast accum
@@ -271,12 +270,9 @@ TRITON_KERNELS = (
                        description="Triton rowwise quantization (e5m2 gradient) + Triton GEMM"),
     make_triton_kernel("triton-rowwise-inline", RW, gemm="triton-inline",
                        description="Triton rowwise amax pass + Triton rowwise GEMM that casts "
-                                   "each loaded tile to FP8 (no FP8 copy written; float32 "
-                                   "promotion every K tile)"),
-    make_triton_kernel("triton-rowwise-inline-fastacc", RW, gemm="triton-inline",
-                       fast_accum=True,
-                       description="Triton rowwise amax pass + inline-quantizing Triton GEMM, "
-                                   "fast accumulation"),
+                                   "each loaded tile to FP8 and multiplies the FP8 values "
+                                   "exactly on the fp16 tensor cores (no FP8 copy written; "
+                                   "float32 accumulation)"),
     make_triton_kernel("triton-tensorwise", TW, gemm="triton",
                        description="Triton two-stage tensorwise quantization + Triton GEMM"),
     make_triton_kernel("triton-tensorwise-cublas", TW, gemm="cublas",

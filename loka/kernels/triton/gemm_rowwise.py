@@ -112,7 +112,8 @@ def rowwise_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, cs_ptr, s
     the (NPART_A, M) partial row amaxes of :func:`~loka.kernels.triton.quantize.amax_partials`;
     the prologue reduces them to the rows' scales and every loaded tile is cast to the FP8
     format (QA_MAX, QA_MANT, QA_MIN_EXP) before the dot, with the quantizers' exact
-    numerics, so the FP8 operand is never written to memory."""
+    numerics, so the FP8 operand is never written to memory. The dot then multiplies the
+    FP8 values on the fp16 tensor cores (exact), always accumulating in float32."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -139,7 +140,13 @@ def rowwise_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, cs_ptr, s
             a = _cast_tile(a, sa[:, None], QA_MAX, QA_MANT, QA_MIN_EXP, SOFT_ROUND)
         if QB_MAX > 0:
             b = _cast_tile(b, sb[None, :], QB_MAX, QB_MANT, QB_MIN_EXP, SOFT_ROUND)
-        if FAST_ACC:
+        if QA_MAX > 0 or QB_MAX > 0:
+            # e4m3 and e5m2 values are exact in fp16 and their products in float32: the fp16
+            # MMA gives the FP8 GEMM's products, accumulated in float32, and takes either
+            # operand layout from shared memory (the FP8 MMA wants both K-major, and these
+            # tiles were cast in registers: an N-major b would be transposed byte by byte)
+            acc = tl.dot(a.to(tl.float16), b.to(tl.float16), acc)
+        elif FAST_ACC:
             acc = tl.dot(a, b, acc)
         else:
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
@@ -337,7 +344,11 @@ def gemm_rowwise_inline(a: torch.Tensor, b: torch.Tensor, a_fmt="e4m3", b_fmt="e
     (``a`` per row, ``b`` per column) and calling :func:`gemm_rowwise` (identical FP8 values
     and scales; only the float32 summation order may differ), but the FP8 copies are never
     written: a float operand costs one amax pass (partials per column span) and the GEMM
-    reads it in its float format. This pays where quantization, not the GEMM, dominates: a
+    reads it in its float format. The cast tiles are multiplied on the fp16 tensor cores
+    (e4m3 and e5m2 values are exact in fp16, their products in float32, and the sum is
+    float32: the numerics of the FP8 GEMM with float32 accumulation, whatever
+    ``fast_accum`` says), which read operands of either layout; the FP8 MMA would need both
+    K-major, and the operands of a weight gradient (``dyᵀ``, ``x``) are not. This pays where quantization, not the GEMM, dominates: a
     Linear's weight gradient over a large batch (M, N of 32-64, K of a million) or any GEMM
     with few output tiles; the K range is split to fill the GPU. Where each tile of an
     operand is loaded by many programs it is also cast many times: the Probe times it.
@@ -347,7 +358,8 @@ def gemm_rowwise_inline(a: torch.Tensor, b: torch.Tensor, a_fmt="e4m3", b_fmt="e
         b: (K, N) float (quantized per column here) or FP8 with ``scale_b`` (1, N) or (1, 1).
         a_fmt, b_fmt: 'e4m3' or 'e5m2' for a float operand (ignored for an FP8 one).
         out_dtype: bf16, fp16 or fp32.
-        fast_accum: never promote the FP8 accumulator to float32.
+        fast_accum: never promote the FP8 accumulator to float32 (only when both operands
+            arrive in FP8; an inline cast accumulates in float32).
 
     Returns:
         (M, N) in ``out_dtype``.
