@@ -43,6 +43,11 @@ os.environ.setdefault("LOKA_TRITON_AUTOTUNE", "1")  # every config the tuner wou
 import torch  # noqa: E402
 
 
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
+"""shared memory one block may opt into, bytes, per SM version (CUDA programming guide,
+compute capabilities table); the sm_90 figure is the H200's ``Hardware limit``"""
+
+
 def sass_profile(kernel) -> dict:
     """``{"instructions": n, "top_ops": [(opcode, count), ...]}`` of a compiled kernel's
     SASS (predicates dropped, so ``@P0 LDG.E.128`` counts as ``LDG.E.128``)."""
@@ -87,7 +92,8 @@ def compile_only(arch: int, log: List[dict], sass: bool = False):
     def record(fn, cfg, kernel, seconds):
         log.append({"kernel": fn.__name__, "config": cfg, "seconds": round(seconds, 3),
                     "cubin": kernel is not None and "cubin" in kernel.asm,
-                    "arch": kernel.metadata.target.arch if kernel is not None else None})
+                    "arch": kernel.metadata.target.arch if kernel is not None else None,
+                    "shared": kernel.metadata.shared if kernel is not None else None})
         if sass and kernel is not None:
             log[-1].update(sass_profile(kernel))
 
@@ -190,6 +196,8 @@ def cases(quick: bool) -> Dict[str, Callable[[], Callable[[], object]]]:
         "gemm_rowwise_inline fm_projection wgrad": lambda: _inline_gemm(32, 1 << 20, 64),
         "gemm_rowwise_inline top_mlp.2 wgrad fastacc e5m2": lambda: _inline_gemm(
             1, 4096, 1024, a_transposed=False, a_fmt="e5m2", fast_accum=True),
+        "gemm_rowwise_inline small dgrad (K = 64)": lambda: _inline_gemm(
+            48, 64, 160, a_transposed=False),
         "gemm_blockwise": lambda: _blockwise_gemm(4096, 2048, 2048),
         "norm_act_quant blocknorm+hardswish rowwise": lambda: _norm(4096, 2048),
         "norm_act_quant blocknorm tensorwise fp8-only": lambda: _norm(
@@ -209,7 +217,8 @@ def cases(quick: bool) -> Dict[str, Callable[[], Callable[[], object]]]:
                 "gemm_rowwise bias+hardswish fastacc", "gemm_rowwise fp8 out (N=256)",
                 "gemm_rowwise BlockNorm statistics",
                 "gemm_rowwise fp8 out + BlockNorm statistics",
-                "gemm_rowwise_inline fm_projection wgrad", "gemm_blockwise", "norm_act_quant blocknorm tensorwise fp8-only",
+                "gemm_rowwise_inline fm_projection wgrad",
+                "gemm_rowwise_inline small dgrad (K = 64)", "gemm_blockwise", "norm_act_quant blocknorm tensorwise fp8-only",
                 "norm_act_quant chunked 20000 tensorwise",
                 "embedding_bag_sum Wukong tables (56 x 4096 bags, d 256)")
         out = {k: v for k, v in out.items() if k in keep}
@@ -246,6 +255,15 @@ def run(archs: List[int], quick: bool = False,
             if n == 0 or not all(c["cubin"] and c["arch"] == arch for c in compiled[before:]):
                 failures.append({"case": name, "arch": arch, "error": (
                     f"no cubin for sm_{arch}" if n else "nothing was compiled")})
+            limit = SHARED_LIMIT.get(arch)
+            for c in compiled[before:]:
+                # a kept config that cannot launch is a pruning defect: with autotuning off
+                # (one config) the launch fails, with it each GPU compiles it for nothing
+                if limit and c["shared"] is not None and c["shared"] > limit:
+                    failures.append({"case": name, "arch": arch, "error": (
+                        f"{c['kernel']} [{c['config']}] needs {c['shared']} bytes of shared "
+                        f"memory, sm_{arch} has {limit}")})
+                    progress(f"sm_{arch} {name}: {failures[-1]['error']}")
     return compiled, failures
 
 

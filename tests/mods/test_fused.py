@@ -295,36 +295,6 @@ def test_triton_kernel_tiles_and_chunks(norm, block, m, d, act, fmt, granularity
     check_against_composition(x, norm, block, act, fmt, granularity)
 
 
-@pytest.mark.parametrize("norm,block,m,d", [("blocknorm", 256, 37, 512),
-                                             ("none", 256, 9, 20000)])  # chunks
-@pytest.mark.parametrize("fmt,granularity", [("e4m3", "rowwise"), ("e5m2", "tensorwise")])
-def test_triton_kernel_persistent_walk(monkeypatch, norm, block, m, d, fmt, granularity):
-    """The persistent configs: a few programs walk every block of rows (here 4 programs
-    over 19 or 5 blocks, the last one partial), the same bytes as one block per program."""
-    kernel_runs_here()
-    import importlib
-
-    naq = importlib.import_module("loka.kernels.triton.norm_act_quant")
-    tuner = naq.norm_act_quant_kernel
-    launches = []
-
-    def persistent_only(cfgs, nargs, **kw):
-        keep = [c for c in cfgs if c.kwargs["PERSIST"] and c.kwargs["BLOCK_M"] <= 2
-                and c.num_warps == 4]
-        return [max(keep, key=lambda c: c.kwargs["BLOCK_M"])]
-    monkeypatch.setattr(tuner, "early_config_prune", persistent_only)
-    monkeypatch.setattr(tuner, "cache", {})
-    monkeypatch.setattr(naq, "sm_count", lambda device: 1)  # PERSIST 4 -> 4 programs
-    real_programs = naq._programs
-    monkeypatch.setattr(naq, "_programs", lambda *a: launches.append(real_programs(*a))
-                        or launches[-1])
-    g = torch.Generator().manual_seed(d)
-    x = (torch.randn(m, d, generator=g) * 3 + 0.5).bfloat16().to(DEVICE)
-    x[m // 2, 7] = float("inf")  # a non-finite row inside the walk
-    check_against_composition(x, norm, block, "hardswish", fmt, granularity)
-    assert launches and set(launches) == {4}
-
-
 @pytest.mark.parametrize("d", [96, 3000, 20000])
 @pytest.mark.parametrize("granularity", ["rowwise", "tensorwise"])
 def test_triton_kernel_layernorm_affine(d, granularity):

@@ -18,7 +18,6 @@ cast (``cvt.rn.satfinite``) rounds.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Dict, List, Tuple
 
@@ -109,16 +108,6 @@ def _bench(kernel_call, quantiles=None):
     if interpreted():
         return [0.0, 0.0, 0.0] if quantiles else 0.0
     return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device) -> int:
-    """Streaming multiprocessors of a CUDA device; 132 (an H100/H200) elsewhere: under the
-    interpreter, or when kernels are only compiled (``bench/triton_aot.py``)."""
-    device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132
 
 
 def _tile_area(cfg: triton.Config) -> int:

@@ -56,6 +56,9 @@ INLINE_SPLIT_UNIT = 256
 INLINE_TILE_ELEMENTS = 24576
 """most float values of a and b one K step of the inline-quantizing GEMM loads (48 KB of
 bf16): the tiles are cast in registers, so the largest FP8 tiles would spill"""
+INLINE_SHARED_BYTES = 196608
+"""shared memory the inline GEMM's pipeline may plan for (192 KB, under the 227 KB an
+H100/H200 block may use, with room for the epilogue's scratch)"""
 _AS_IS = {"FMT_MAX": 0.0, "MANT_BITS": 0, "MIN_EXP": 0}
 """the inline-quantization constants of an operand that arrives in FP8"""
 _NO_INLINE = {"QA_MAX": 0.0, "QA_MANT": 0, "QA_MIN_EXP": 0,
@@ -75,9 +78,25 @@ def _prune(configs, named_args, **kwargs):
             and c.kwargs["BLOCK_K"] <= max(64, next_pow2(k))
             and c.kwargs["BLOCK_M"] <= max(64, next_pow2(m))]
     if kwargs.get("QA_MAX") or kwargs.get("QB_MAX"):
-        keep = [c for c in keep if (c.kwargs["BLOCK_M"] + c.kwargs["BLOCK_N"])
-                * c.kwargs["BLOCK_K"] <= INLINE_TILE_ELEMENTS]
+        # float tiles in registers and their fp16 casts in shared memory: small tiles, and
+        # never the autotuner's fallback to the first (largest) config when none is kept
+        def fits(c):
+            return (c.kwargs["BLOCK_M"] + c.kwargs["BLOCK_N"]) * c.kwargs["BLOCK_K"] \
+                <= INLINE_TILE_ELEMENTS
+        keep = [c for c in keep if fits(c)] or [min(
+            (c for c in configs if fits(c)),
+            key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"])]
+        return [_inline_stages(c) for c in keep]
     return keep
+
+
+def _inline_stages(c: triton.Config) -> triton.Config:
+    """``c`` with at most as many pipeline stages as the inline GEMM's shared memory holds:
+    each stage keeps a float tile of a and b, and the fp16 casts take one stage more
+    (a 4-stage (64, 128, 128) config needs 256 KB; an H100/H200 block gets 227 KB)."""
+    stage = (c.kwargs["BLOCK_M"] + c.kwargs["BLOCK_N"]) * c.kwargs["BLOCK_K"] * 2
+    stages = max(1, min(c.num_stages, INLINE_SHARED_BYTES // stage - 1))
+    return triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=stages)
 
 
 def _zero_norm_stats(nargs, reset_only=False):

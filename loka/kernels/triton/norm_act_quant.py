@@ -47,7 +47,7 @@ import triton.language as tl
 
 from ...numerics import get_format
 from .common import (abs_amax, amax_to_scale, autotune, fp8_meta, next_pow2, round_to,
-                     scale_and_clamp, sm_count)
+                     scale_and_clamp)
 from .quantize import tensor_cast_kernel
 
 NORMS = {"none": 0, "blocknorm": 1, "layernorm": 2}
@@ -77,12 +77,6 @@ def _tile_shape(d: int, norm: str, block: int) -> Tuple[int, int, int, int]:
     return CHUNK, 1, CHUNK, triton.cdiv(d, CHUNK)
 
 
-def _programs(m: int, meta: dict, device) -> int:
-    """Programs of a launch: one per block of BLOCK_M rows, or at most PERSIST per SM."""
-    blocks = triton.cdiv(m, meta["BLOCK_M"])
-    return min(blocks, meta["PERSIST"] * sm_count(device)) if meta["PERSIST"] else blocks
-
-
 def _prune(configs, named_args, **kwargs):
     """Tiles of 8 to 64 lanes per thread (16-byte loads, no spills), at most 16K lanes;
     no taller than the tensor. Short rows of a short tensor: the tallest that fits."""
@@ -98,8 +92,7 @@ def _prune(configs, named_args, **kwargs):
     if keep:
         return keep
     small = min(c.num_warps for c in fits)
-    return [max((c for c in fits if c.num_warps == small and not c.kwargs["PERSIST"]),
-                key=lambda c: c.kwargs["BLOCK_M"])]
+    return [max((c for c in fits if c.num_warps == small), key=lambda c: c.kwargs["BLOCK_M"])]
 
 
 @triton.jit
@@ -164,9 +157,8 @@ def _global_amax(partial_ptr, amax):
     tl.atomic_max(partial_ptr, bits)
 
 
-@autotune(configs=[triton.Config({"BLOCK_M": m, "PERSIST": p, "STAGES": 2 if p else 1},
-                                 num_warps=w)
-                   for m in (1, 2, 4, 8, 16, 32, 64) for w in (4, 8, 16) for p in (0, 4)],
+@autotune(configs=[triton.Config({"BLOCK_M": m}, num_warps=w)
+                   for m in (1, 2, 4, 8, 16, 32, 64) for w in (4, 8, 16)],
           key=["M", "D", "NORM", "GROUP", "NG", "GP", "ACT", "ROWWISE", "WRITE_HP", "CAST"],
           prune=_prune)
 @triton.jit
@@ -177,97 +169,92 @@ def norm_act_quant_kernel(x_ptr, w_ptr, b_ptr, y_ptr, q_ptr, scale_ptr, partial_
                           WRITE_HP: tl.constexpr, ROWWISE: tl.constexpr,
                           CAST: tl.constexpr, FMT_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
                           MIN_EXP: tl.constexpr, SOFT_ROUND: tl.constexpr,
-                          BLOCK_M: tl.constexpr, PERSIST: tl.constexpr, STAGES: tl.constexpr):
-    """Blocks of BLOCK_M rows of x (M, D) (program pid takes blocks pid, pid + P, ... of
-    P programs: one block each, or a persistent walk) -> y (M, D) in x's dtype (if WRITE_HP),
+                          BLOCK_M: tl.constexpr):
+    """Rows [pid * BLOCK_M, +BLOCK_M) of x (M, D) -> y (M, D) in x's dtype (if WRITE_HP),
     q (M, D) FP8 with rowwise scales (M,) (ROWWISE), or the global amax's int32 bits in
     ``partial`` (tensorwise), or, with ``CAST`` (tensorwise, second launch), q cast with the
     scale of the global amax already in ``partial`` (the scale stored by program 0)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     g_scale = 0.0
     if CAST:
         g_amax = tl.load(partial_ptr).to(tl.float32, bitcast=True)
         g_scale = amax_to_scale(g_amax, FMT_MAX, SOFT_ROUND)
         tl.store(scale_ptr, g_scale, mask=tl.program_id(0) == 0)
-    nblocks = tl.cdiv(M, BLOCK_M)
-    # One block of rows per program, or (PERSIST) a grid of a few programs per SM that
-    # walk the blocks, the next block's loads issued while this one computes (STAGES)
-    for blk in tl.range(tl.program_id(0), nblocks, tl.num_programs(0), num_stages=STAGES):
-        rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_ok = rows < M
-        r64 = rows[:, None, None].to(tl.int64)
-        zero_m = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if NCHUNK == 1:  # the whole row in registers: one read of x, nothing recomputed
-            x, cols, col_ok, mask = _load_tile(x_ptr, r64, row_ok, 0, D, stride_xm, GROUP, NG, GP)
-            mean, rstd = zero_m, zero_m
-            if NORM == 2:
-                mean = tl.math.div_rn(tl.sum(tl.sum(x, 2), 1), zero_m + D)
+    row_ok = rows < M
+    r64 = rows[:, None, None].to(tl.int64)
+    zero_m = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NCHUNK == 1:  # the whole row in registers: one read of x, nothing recomputed
+        x, cols, col_ok, mask = _load_tile(x_ptr, r64, row_ok, 0, D, stride_xm, GROUP, NG, GP)
+        mean, rstd = zero_m, zero_m
+        if NORM == 2:
+            mean = tl.math.div_rn(tl.sum(tl.sum(x, 2), 1), zero_m + D)
+            xc = tl.where(mask, x - mean[:, None, None], 0.0)
+            var = tl.math.div_rn(tl.sum(tl.sum(xc * xc, 2), 1), zero_m + D)
+            rstd = tl.rsqrt(var + eps)
+        y = _norm_act(x, cols, col_ok, mask, 0, D, x_ptr, w_ptr, b_ptr, eps, mean, rstd, NORM,
+                      GROUP, NG, HAS_W, HAS_B, ACT, SOFT_ROUND)
+        if WRITE_HP:
+            tl.store(y_ptr + r64 * D + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        if CAST:
+            qv = scale_and_clamp(y, g_scale, FMT_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND)
+            tl.store(q_ptr + r64 * D + cols, qv.to(q_ptr.dtype.element_ty), mask=mask)
+        elif ROWWISE:
+            amax = _row_amax(y)
+            scale = amax_to_scale(amax, FMT_MAX, SOFT_ROUND)
+            qv = scale_and_clamp(y, scale[:, None, None], FMT_MAX, MANT_BITS, MIN_EXP,
+                                 SOFT_ROUND)
+            tl.store(q_ptr + r64 * D + cols, qv.to(q_ptr.dtype.element_ty), mask=mask)
+            tl.store(scale_ptr + rows, scale, mask=row_ok)
+        else:
+            _global_amax(partial_ptr, _row_amax(y))
+    else:  # long rows: chunks of NG blocks, the activation computed twice
+        CW: tl.constexpr = NG * GROUP
+        mean, rstd = zero_m, zero_m
+        if NORM == 2:  # row statistics first: mean, then the centred second moment
+            acc = zero_m
+            for c0 in range(0, D, CW):
+                x, cols, col_ok, mask = _load_tile(x_ptr, r64, row_ok, c0, D, stride_xm,
+                                                   GROUP, NG, GP)
+                acc += tl.sum(tl.sum(x, 2), 1)
+            mean = tl.math.div_rn(acc, zero_m + D)
+            acc = zero_m
+            for c0 in range(0, D, CW):
+                x, cols, col_ok, mask = _load_tile(x_ptr, r64, row_ok, c0, D, stride_xm,
+                                                   GROUP, NG, GP)
                 xc = tl.where(mask, x - mean[:, None, None], 0.0)
-                var = tl.math.div_rn(tl.sum(tl.sum(xc * xc, 2), 1), zero_m + D)
-                rstd = tl.rsqrt(var + eps)
-            y = _norm_act(x, cols, col_ok, mask, 0, D, x_ptr, w_ptr, b_ptr, eps, mean, rstd, NORM,
-                          GROUP, NG, HAS_W, HAS_B, ACT, SOFT_ROUND)
-            if WRITE_HP:
-                tl.store(y_ptr + r64 * D + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-            if CAST:
+                acc += tl.sum(tl.sum(xc * xc, 2), 1)
+            rstd = tl.rsqrt(tl.math.div_rn(acc, zero_m + D) + eps)
+        if CAST:
+            for c0 in range(0, D, CW):
+                x, cols, col_ok, mask = _load_tile(x_ptr, r64, row_ok, c0, D, stride_xm,
+                                                   GROUP, NG, GP)
+                y = _norm_act(x, cols, col_ok, mask, c0, D, x_ptr, w_ptr, b_ptr, eps, mean, rstd,
+                              NORM, GROUP, NG, HAS_W, HAS_B, ACT, SOFT_ROUND)
                 qv = scale_and_clamp(y, g_scale, FMT_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND)
                 tl.store(q_ptr + r64 * D + cols, qv.to(q_ptr.dtype.element_ty), mask=mask)
-            elif ROWWISE:
-                amax = _row_amax(y)
+        else:
+            amax = zero_m
+            for c0 in range(0, D, CW):
+                x, cols, col_ok, mask = _load_tile(x_ptr, r64, row_ok, c0, D, stride_xm, GROUP,
+                                                   NG, GP)
+                y = _norm_act(x, cols, col_ok, mask, c0, D, x_ptr, w_ptr, b_ptr, eps, mean, rstd,
+                              NORM, GROUP, NG, HAS_W, HAS_B, ACT, SOFT_ROUND)
+                if WRITE_HP:
+                    tl.store(y_ptr + r64 * D + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+                amax = tl.maximum(amax, _row_amax(y), propagate_nan=tl.PropagateNan.ALL)
+            if ROWWISE:
                 scale = amax_to_scale(amax, FMT_MAX, SOFT_ROUND)
-                qv = scale_and_clamp(y, scale[:, None, None], FMT_MAX, MANT_BITS, MIN_EXP,
-                                     SOFT_ROUND)
-                tl.store(q_ptr + r64 * D + cols, qv.to(q_ptr.dtype.element_ty), mask=mask)
                 tl.store(scale_ptr + rows, scale, mask=row_ok)
-            else:
-                _global_amax(partial_ptr, _row_amax(y))
-        else:  # long rows: chunks of NG blocks, the activation computed twice
-            CW: tl.constexpr = NG * GROUP
-            mean, rstd = zero_m, zero_m
-            if NORM == 2:  # row statistics first: mean, then the centred second moment
-                acc = zero_m
                 for c0 in range(0, D, CW):
                     x, cols, col_ok, mask = _load_tile(x_ptr, r64, row_ok, c0, D, stride_xm,
                                                        GROUP, NG, GP)
-                    acc += tl.sum(tl.sum(x, 2), 1)
-                mean = tl.math.div_rn(acc, zero_m + D)
-                acc = zero_m
-                for c0 in range(0, D, CW):
-                    x, cols, col_ok, mask = _load_tile(x_ptr, r64, row_ok, c0, D, stride_xm,
-                                                       GROUP, NG, GP)
-                    xc = tl.where(mask, x - mean[:, None, None], 0.0)
-                    acc += tl.sum(tl.sum(xc * xc, 2), 1)
-                rstd = tl.rsqrt(tl.math.div_rn(acc, zero_m + D) + eps)
-            if CAST:
-                for c0 in range(0, D, CW):
-                    x, cols, col_ok, mask = _load_tile(x_ptr, r64, row_ok, c0, D, stride_xm,
-                                                       GROUP, NG, GP)
-                    y = _norm_act(x, cols, col_ok, mask, c0, D, x_ptr, w_ptr, b_ptr, eps, mean, rstd,
-                                  NORM, GROUP, NG, HAS_W, HAS_B, ACT, SOFT_ROUND)
-                    qv = scale_and_clamp(y, g_scale, FMT_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND)
+                    y = _norm_act(x, cols, col_ok, mask, c0, D, x_ptr, w_ptr, b_ptr, eps, mean,
+                                  rstd, NORM, GROUP, NG, HAS_W, HAS_B, ACT, SOFT_ROUND)
+                    qv = scale_and_clamp(y, scale[:, None, None], FMT_MAX, MANT_BITS, MIN_EXP,
+                                         SOFT_ROUND)
                     tl.store(q_ptr + r64 * D + cols, qv.to(q_ptr.dtype.element_ty), mask=mask)
             else:
-                amax = zero_m
-                for c0 in range(0, D, CW):
-                    x, cols, col_ok, mask = _load_tile(x_ptr, r64, row_ok, c0, D, stride_xm, GROUP,
-                                                       NG, GP)
-                    y = _norm_act(x, cols, col_ok, mask, c0, D, x_ptr, w_ptr, b_ptr, eps, mean, rstd,
-                                  NORM, GROUP, NG, HAS_W, HAS_B, ACT, SOFT_ROUND)
-                    if WRITE_HP:
-                        tl.store(y_ptr + r64 * D + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
-                    amax = tl.maximum(amax, _row_amax(y), propagate_nan=tl.PropagateNan.ALL)
-                if ROWWISE:
-                    scale = amax_to_scale(amax, FMT_MAX, SOFT_ROUND)
-                    tl.store(scale_ptr + rows, scale, mask=row_ok)
-                    for c0 in range(0, D, CW):
-                        x, cols, col_ok, mask = _load_tile(x_ptr, r64, row_ok, c0, D, stride_xm,
-                                                           GROUP, NG, GP)
-                        y = _norm_act(x, cols, col_ok, mask, c0, D, x_ptr, w_ptr, b_ptr, eps, mean,
-                                      rstd, NORM, GROUP, NG, HAS_W, HAS_B, ACT, SOFT_ROUND)
-                        qv = scale_and_clamp(y, scale[:, None, None], FMT_MAX, MANT_BITS, MIN_EXP,
-                                             SOFT_ROUND)
-                        tl.store(q_ptr + r64 * D + cols, qv.to(q_ptr.dtype.element_ty), mask=mask)
-                else:
-                    _global_amax(partial_ptr, amax)
+                _global_amax(partial_ptr, amax)
 
 
 def norm_act_quant(x: torch.Tensor, *, norm: str = "blocknorm", block: int = 256,
@@ -322,7 +309,7 @@ def norm_act_quant(x: torch.Tensor, *, norm: str = "blocknorm", block: int = 256
     group, ng, gp, nchunk = _tile_shape(d, norm, block)
     # tensorwise: the global amax as int32 bits, folded in with atomic max from 0
     amax_bits = torch.zeros((1,), dtype=torch.int32, device=x.device) if not rowwise else scale
-    grid = lambda meta_: (_programs(m, meta_, x.device),)  # noqa: E731
+    grid = lambda meta_: (triton.cdiv(m, meta_["BLOCK_M"]),)  # noqa: E731
     args = (x, weight if weight is not None else x, bias if bias is not None else x,
             y if y is not None else x, q, scale, amax_bits, m, d, x.stride(0), float(eps))
     kw = dict(NORM=NORMS[norm], GROUP=group, NG=ng, GP=gp, NCHUNK=nchunk,
