@@ -149,6 +149,7 @@ def test_split_k_for_a_long_reduction(G, monkeypatch):
     """wgrad-like shape (few output tiles, long K): partial sums over K splits, added."""
     monkeypatch.setattr(G, "SPLIT_K_UNIT", 128)  # small K splits, so the interpreter stays quick
     assert G.split_k(32, 64, 8192) > 1 and G.split_k(4096, 4096, 8192) == 1
+    assert G.k_ranges(32, 48, 1200) == (10, 128)  # the GEMM below runs in 10 K ranges
     qa, qw = operands(32, 1200, 48)
     y = G.gemm_rowwise(qa.data, qw.data.t(), qa.scale, qw.scale.t(), out_dtype=torch.float32)
     assert relative_frobenius(y, ref64(qa, qw)) < TOL

@@ -313,9 +313,7 @@ def gemm_rowwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
         return out if len(out) > 1 else c
     fused = (bias is not None or activation not in (None, "identity") or fp8_out
              or norm_stats is not None)  # an epilogue needs the whole sum: no K split
-    split = 1 if fused else split_k(m, n, k)
-    k_split = triton.cdiv(triton.cdiv(k, split), SPLIT_K_UNIT) * SPLIT_K_UNIT if split > 1 else k
-    split = triton.cdiv(k, k_split)
+    split, k_split = (1, k) if fused else k_ranges(m, n, k, unit=SPLIT_K_UNIT)
     if fp8_out is not None:
         c = torch.empty((m, n), dtype=get_format(fp8_out).dtype, device=a.device)
         cs = torch.empty((m, 1), dtype=torch.float32, device=a.device)
@@ -341,15 +339,28 @@ def gemm_rowwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
     return out if len(out) > 1 else out[0]
 
 
-def split_k(m: int, n: int, k: int, tile: int = 128, unit: int = SPLIT_K_UNIT) -> int:
+def split_k(m: int, n: int, k: int, tile: int = 128, unit: Optional[int] = None) -> int:
     """K splits for GEMMs with few output tiles and a long K (the wgrad of a Linear over a
     large batch: M, N of 32-64, K of a million): enough programs for two waves of SMs,
     counting (tile, tile) output tiles, each split at least ``unit`` long; none below
-    ``8 * unit``."""
+    ``8 * unit`` (``unit`` defaults to :data:`SPLIT_K_UNIT`, read at the call)."""
+    unit = SPLIT_K_UNIT if unit is None else unit
     tiles = triton.cdiv(m, tile) * triton.cdiv(n, tile)
     if tiles >= 66 or k < 8 * unit:
         return 1
     return max(1, min(triton.cdiv(k, unit), triton.cdiv(264, tiles)))
+
+
+def k_ranges(m: int, n: int, k: int, tile: int = 128, unit: Optional[int] = None
+             ) -> Tuple[int, int]:
+    """``(splits, k_split)``: :func:`split_k`'s count rounded to K ranges that are whole
+    multiples of ``unit`` (so of every BLOCK_K), and the number of such ranges K needs."""
+    unit = SPLIT_K_UNIT if unit is None else unit
+    split = split_k(m, n, k, tile, unit)
+    if split == 1:
+        return 1, k
+    k_split = triton.cdiv(triton.cdiv(k, split), unit) * unit
+    return triton.cdiv(k, k_split), k_split
 
 
 def gemm_rowwise_inline(a: torch.Tensor, b: torch.Tensor, a_fmt="e4m3", b_fmt="e4m3", *,
@@ -418,10 +429,7 @@ def gemm_rowwise_inline(a: torch.Tensor, b: torch.Tensor, a_fmt="e4m3", b_fmt="e
     else:
         pb = amax_partials(b.t())[0]
         sb_stride, npart_b = 0, pb.shape[0]
-    split = split_k(m, n, k, tile=64, unit=INLINE_SPLIT_UNIT)
-    k_split = (triton.cdiv(triton.cdiv(k, split), INLINE_SPLIT_UNIT) * INLINE_SPLIT_UNIT
-               if split > 1 else k)
-    split = triton.cdiv(k, k_split)
+    split, k_split = k_ranges(m, n, k, tile=64, unit=INLINE_SPLIT_UNIT)
     c = torch.empty((split, m, n) if split > 1 else (m, n),
                     dtype=torch.float32 if split > 1 else out_dtype, device=a.device)
     grid = lambda meta_: (triton.cdiv(m, meta_["BLOCK_M"]) * triton.cdiv(n, meta_["BLOCK_N"]), split)  # noqa: E731
