@@ -271,6 +271,31 @@ def test_inline_quantization_is_quantize_then_gemm(G, monkeypatch, m, k, n, a_tr
     assert G.split_k(m, n, k, tile=64, unit=128) == (16 if k == 2048 else 12 if k == 1536 else 1)
 
 
+@pytest.mark.parametrize("m,k,n", [(32, 1 << 20, 64), (64, 1 << 20, 64), (48, 64, 160),
+                                   (1, 4096, 1024), (4096, 2048, 2048)])
+def test_inline_configs_fit_registers_and_shared_memory(m, k, n):
+    """The inline GEMM tunes over its own tiles only, each within its register budget
+    (float values a thread holds) and, after the stage cap, within the shared memory an
+    H100/H200 block may use; an M of 32 gets 32-row tiles (not loaded and cast twice)."""
+    G = importlib.import_module("loka.kernels.triton.gemm_rowwise")
+    meta = {"QA_MAX": 448.0, "QB_MAX": 448.0}
+    kept = G._prune(G.GEMM_CONFIGS, {"M": m, "N": n, "K": k}, **meta)
+    assert kept
+    tiles = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps)
+             for c in G.INLINE_CONFIGS}
+    for c in kept:
+        bm, bn, bk = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
+        assert (bm, bn, bk, c.num_warps) in tiles
+        assert (bm + bn) * bk // (32 * c.num_warps) <= G.INLINE_TILE_ELEMENTS // 128
+        assert (bm + bn) * bk * 2 * (c.num_stages + 1) <= G.INLINE_SHARED_BYTES
+        assert 1 <= c.num_stages
+    if m == 32:
+        assert any(c.kwargs["BLOCK_M"] == 32 for c in kept)
+    # the plain FP8 GEMM never sees the inline tiles
+    plain = G._prune(G.GEMM_CONFIGS, {"M": m, "N": n, "K": k}, QA_MAX=0.0, QB_MAX=0.0)
+    assert all(c in G.GEMM_CONFIGS for c in plain)
+
+
 def test_inline_quantization_beside_an_fp8_operand(G):
     """One operand arrives in FP8 (a weight quantized once), the other is cast inline."""
     from loka.kernels.triton.quantize import quantize_rowwise

@@ -89,17 +89,42 @@ def test_split_plan_fills_the_gpu_and_tiles_the_columns(case):
 
 @pytest.mark.parametrize("r,c", [(1, 4096), (32, 1 << 20), (40, 4096), (2048, 1024), (20, 2100)])
 @pytest.mark.parametrize("transposed", [True, False])
-def test_split_configs_never_cross_a_span(r, c, transposed):
-    """Each kept tile is of the view's own family and divides its span unit, so no program
-    reads (or writes) a column of the next span; a tensor smaller than every tile still
-    gets one."""
+def test_split_configs_are_of_the_views_family(r, c, transposed):
+    """Each kept tile is of the view's own family (tall tiles for a transposed view, wide
+    ones for a row-major one), never larger than the tensor, and a tensor smaller than
+    every tile still gets one."""
     tq = importlib.import_module("loka.kernels.triton.quantize")
     kept = tq._prune_split(tq._SPLIT_CONFIGS, {"R": r, "C": c, "stride_xc": c if transposed else 1})
     assert kept
     for cfg in kept:
-        assert (cfg.kwargs["BLOCK_C"] >= 128) == (not transposed)
-        assert tq._SPAN_UNIT[transposed] % cfg.kwargs["BLOCK_C"] == 0
+        tile = (cfg.kwargs["BLOCK_R"], cfg.kwargs["BLOCK_C"], cfg.num_warps)
+        assert (tile in tq._ROW_TILES) == (not transposed)
+        assert (tile in tq._TALL_TILES) == transposed
+    assert len(kept) == 1 or all(cfg.kwargs["BLOCK_R"] <= max(4, r) * 2 for cfg in kept)
     assert tq.split_plan(r, c, transposed)[1] % tq._SPAN_UNIT[transposed] == 0
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+def test_tiles_that_overhang_a_span_read_none_of_the_next(Q, transposed, monkeypatch):
+    """Spans that no tile divides (unit 48 or 384 against tiles 64-1024 wide): every
+    partial amax is its own span's, with a NaN and a huge value placed just past a span's
+    end (a tile reading over the end would carry them into the wrong partial), and the
+    quantized output is exact."""
+    monkeypatch.setattr(Q, "MAX_ROW", 64)
+    monkeypatch.setattr(Q, "_SPAN_UNIT", {True: 48, False: 384})
+    x = heavy_tailed(1000, 40).t() if transposed else heavy_tailed(40, 1000)
+    nsplit, span = Q.split_plan(40, 1000, transposed)
+    assert span % (256 if transposed else 512) and nsplit >= 2, (nsplit, span)
+    x[3, span], x[5, span + 1] = float("nan"), 1e30
+    partial, got_span = Q.amax_partials(x)
+    assert got_span == span and partial.shape == (nsplit, 40)
+    ref = torch.stack([x[:, i * span:(i + 1) * span].float().abs().amax(1) for i in range(nsplit)])
+    assert torch.equal(partial.cpu().nan_to_num(-1.0), ref.cpu().nan_to_num(-1.0))
+    assert not partial[0, 3].isnan() and partial[1, 3].isnan()
+    assert partial[0, 5] < 1e3 and partial[1, 5] > 1e29
+    x[3, span] = 0.5  # (a NaN row's scale is NaN, which torch.equal cannot compare)
+    q, s = Q.quantize_rowwise(x)
+    assert_same(q, s, quantize(x, "e4m3", "rowwise", "a"))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

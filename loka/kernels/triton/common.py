@@ -235,6 +235,14 @@ def div_by_scale(x, scale):
     ``scale = inf`` gives ``±0`` for finite ``x`` and NaN for ``x = ±inf``; a NaN scale gives
     NaN (its sign bit may be set); ``x = -0`` gives ``-0`` (a quotient that rounds to zero
     keeps the sign of ``x``)."""
+    return or_sign(unsigned_zero_quotient(x, scale), x)  # a zero quotient has x's sign
+
+
+@triton.jit
+def unsigned_zero_quotient(x, scale):
+    """:func:`div_by_scale` except that a zero quotient may be ``+0`` where IEEE says
+    ``-0`` (the corrections give ``-0 + 0 = +0``): for a consumer that cannot tell the two
+    apart, such as a product sum."""
     s_inf = scale == float("inf")
     r = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)  # once per scale; 0 for inf
     # -scale once per scale (Triton's ``-q`` is ``0 - q``: an instruction per element);
@@ -242,8 +250,7 @@ def div_by_scale(x, scale):
     ns = tl.where(s_inf, -1.0, -scale)
     q = x * r
     q = tl.fma(tl.fma(q, ns, x), r, q)
-    q = tl.fma(tl.fma(q, ns, x), r, q)
-    return or_sign(q, x)  # a zero quotient has x's sign (the corrections give -0 + 0 = +0)
+    return tl.fma(tl.fma(q, ns, x), r, q)
 
 
 @triton.jit

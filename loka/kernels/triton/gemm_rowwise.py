@@ -30,7 +30,7 @@ import triton.language as tl
 from ...numerics import get_format
 from .common import (abs_amax, amax_to_scale, autotune, check_float_input,
                      check_gemm_operands, fp8_meta, grouped_tile, next_pow2, round_to,
-                     scale_and_clamp)
+                     scale_and_clamp, unsigned_zero_quotient)
 from .quantize import amax_partials, reduce_partials
 
 ACTIVATIONS = {None: 0, "identity": 0, "hardswish": 1}
@@ -49,13 +49,24 @@ GEMM_CONFIGS = [
     _cfg(64, 128, 128, 4, 4), _cfg(128, 64, 128, 4, 4), _cfg(64, 64, 128, 4, 4),
     _cfg(128, 32, 64, 4, 4), _cfg(256, 32, 64, 3, 4), _cfg(256, 64, 64, 3, 8),
 ]
+INLINE_CONFIGS = [
+    _cfg(32, 64, 128, 4, 4), _cfg(32, 64, 256, 3, 4), _cfg(32, 64, 128, 3, 8),
+    _cfg(32, 32, 256, 4, 4), _cfg(64, 64, 128, 4, 4), _cfg(64, 64, 128, 3, 8),
+    _cfg(64, 64, 256, 3, 8), _cfg(64, 128, 128, 4, 4), _cfg(128, 64, 128, 4, 4),
+    _cfg(128, 32, 64, 4, 4), _cfg(256, 32, 64, 3, 4), _cfg(256, 64, 64, 3, 8),
+]
+"""the inline-quantizing GEMM's tiles: it is bound by the cast of every loaded value, not by
+the MMA, so 32-row tiles (an M of 32 is not loaded and cast twice), and 8 warps per tile
+(more warps to hide the cast's latency) beside GEMM_CONFIGS' shapes that fit
+:data:`INLINE_TILE_ELEMENTS`"""
 SPLIT_K_UNIT = 1024
 """K range of one split is a multiple of this (and so of every BLOCK_K)"""
 INLINE_SPLIT_UNIT = 256
 """the same for the inline-quantizing GEMM, whose splits are finer (see :func:`split_k`)"""
 INLINE_TILE_ELEMENTS = 24576
-"""most float values of a and b one K step of the inline-quantizing GEMM loads (48 KB of
-bf16): the tiles are cast in registers, so the largest FP8 tiles would spill"""
+"""most float values of a and b one K step of the inline-quantizing GEMM loads per four
+warps (48 KB of bf16, 192 values a thread): the tiles are cast in registers, so the
+largest FP8 tiles would spill"""
 INLINE_SHARED_BYTES = 196608
 """shared memory the inline GEMM's pipeline may plan for (192 KB, under the 227 KB an
 H100/H200 block may use, with room for the epilogue's scratch)"""
@@ -73,19 +84,16 @@ def _prune(configs, named_args, **kwargs):
         return [_cfg(bm, bn, bk, s, w) for bm, bk, s, w in
                 ((64, 128, 4, 4), (128, 64, 4, 4 if bn <= 64 else 8), (128, 128, 3, 8),
                  (64, 64, 4, 4)) if bm * bn <= 128 * 256]
+    inline = bool(kwargs.get("QA_MAX") or kwargs.get("QB_MAX"))
+    if inline:  # its own tiles (never the autotuner's fallback to the first, largest one)
+        configs = INLINE_CONFIGS
     keep = [c for c in configs
             if c.kwargs["BLOCK_N"] <= max(32, next_pow2(n))
             and c.kwargs["BLOCK_K"] <= max(64, next_pow2(k))
             and c.kwargs["BLOCK_M"] <= max(64, next_pow2(m))]
-    if kwargs.get("QA_MAX") or kwargs.get("QB_MAX"):
-        # float tiles in registers and their fp16 casts in shared memory: small tiles, and
-        # never the autotuner's fallback to the first (largest) config when none is kept
-        def fits(c):
-            return (c.kwargs["BLOCK_M"] + c.kwargs["BLOCK_N"]) * c.kwargs["BLOCK_K"] \
-                <= INLINE_TILE_ELEMENTS
-        keep = [c for c in keep if fits(c)] or [min(
-            (c for c in configs if fits(c)),
-            key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"])]
+    if inline:
+        keep = keep or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"]
+                            * c.kwargs["BLOCK_K"])]
         return [_inline_stages(c) for c in keep]
     return keep
 
@@ -210,8 +218,16 @@ def _operand_scale(ptr, idx, n, stride, NPART, Q_MAX: tl.constexpr, SOFT_ROUND: 
 def _cast_tile(x, scale, Q_MAX: tl.constexpr, Q_MANT: tl.constexpr, Q_MIN_EXP: tl.constexpr,
                SOFT_ROUND: tl.constexpr):
     """A loaded float tile as the quantizers would store it: e4m3 (3 mantissa bits) or
-    e5m2, with the exact scale-and-cast of :func:`~loka.kernels.triton.common.scale_and_clamp`."""
-    y = scale_and_clamp(x.to(tl.float32), scale, Q_MAX, Q_MANT, Q_MIN_EXP, SOFT_ROUND)
+    e5m2, with the exact scale-and-cast of :func:`~loka.kernels.triton.common.scale_and_clamp`
+    up to the sign of a zero. On the GPU the clamp to ``±Q_MAX`` is left to the cast, which
+    saturates (``cvt.rn.satfinite``: a quotient past the format's max, which only rounding
+    makes, becomes the max, NaN stays NaN), and a zero keeps no sign: neither changes a
+    product sum, and the two cost three of the dozen instructions per element this GEMM
+    spends on casting."""
+    if SOFT_ROUND:
+        y = scale_and_clamp(x.to(tl.float32), scale, Q_MAX, Q_MANT, Q_MIN_EXP, SOFT_ROUND)
+    else:
+        y = unsigned_zero_quotient(x.to(tl.float32), scale)
     if Q_MANT == 3:
         q = y.to(tl.float8e4nv)
     else:

@@ -75,14 +75,23 @@ def rowwise_quant_kernel(x_ptr, q_ptr, scale_ptr, R, C, stride_xr, stride_xc,
 # -- rowwise, two stages (long rows, transposed views) ----------------------------------
 
 # Two families of tiles: wide ones for row-major views (contiguous along C) and tall ones
-# for transposed views (contiguous along R, so a tile must be tall to coalesce there).
-_ROW_TILES = ((32, 128), (16, 256), (8, 512), (4, 1024))
-_TALL_TILES = ((128, 32), (64, 64), (32, 64), (16, 64))
-_SPLIT_CONFIGS = [triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=4)
-                  for r, c in _ROW_TILES + _TALL_TILES]
-_SPAN_UNIT = {False: max(c for _, c in _ROW_TILES), True: max(c for _, c in _TALL_TILES)}
-"""column spans of the two-stage path are multiples of this (of every BLOCK_C of the view's
-tile family), keyed on "transposed": no program reads a column of a neighbouring span"""
+# for transposed views (contiguous along R, so a tile must be tall to coalesce there). The
+# large 8-warp tiles keep 32 KB of loads in flight per program: a long K range split over
+# only a few hundred programs (the FM projection's wgrad operands, 32-64 rows of 2**20)
+# is otherwise bound by load latency, not bandwidth.
+_ROW_TILES = ((32, 128, 4), (16, 256, 4), (8, 512, 4), (4, 1024, 4), (32, 512, 8), (16, 1024, 8))
+_TALL_TILES = ((128, 32, 4), (64, 64, 4), (32, 64, 4), (16, 64, 4), (32, 256, 4), (64, 256, 8),
+               (128, 128, 8))
+_SPLIT_CONFIGS = [triton.Config({"BLOCK_R": r, "BLOCK_C": c}, num_warps=w)
+                  for r, c, w in _ROW_TILES + _TALL_TILES]
+_SPAN_UNIT = {False: 1024, True: 64}
+"""column spans of the two-stage path are multiples of this, keyed on "transposed" (the
+kernels mask each span's own end, so a tile need not divide it)"""
+
+
+def _family(cfg: triton.Config) -> bool:
+    """Whether a split config is of the row-major family (else the tall one)."""
+    return (cfg.kwargs["BLOCK_R"], cfg.kwargs["BLOCK_C"], cfg.num_warps) in _ROW_TILES
 
 
 def _prune_split(configs, named_args, **kwargs):
@@ -90,7 +99,7 @@ def _prune_split(configs, named_args, **kwargs):
     # never taller or wider than the tensor; if nothing fits, the family's shortest tile.
     row_major = named_args["stride_xc"] == 1
     r, c = named_args["R"], named_args["C"]
-    family = [cfg for cfg in configs if (cfg.kwargs["BLOCK_C"] >= 128) == row_major]
+    family = [cfg for cfg in configs if _family(cfg) == row_major]
     keep = [cfg for cfg in family if cfg.kwargs["BLOCK_R"] <= max(4, next_pow2(r))
             and cfg.kwargs["BLOCK_C"] <= max(32, next_pow2(c))]
     return keep or [min(family, key=lambda cfg: cfg.kwargs["BLOCK_R"])]
@@ -116,9 +125,11 @@ def rowwise_amax_split_kernel(x_ptr, partial_ptr, R, C, stride_xr, stride_xc, SP
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     r64 = rows[:, None].to(tl.int64)
     amax = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for off in range(0, tl.minimum(SPAN, C - pid_s * SPAN), BLOCK_C):
-        cols = pid_s * SPAN + off + tl.arange(0, BLOCK_C)
-        mask = (rows[:, None] < R) & (cols[None, :] < C)
+    c0 = pid_s * SPAN
+    c_end = tl.minimum(C, c0 + SPAN)  # a tile that overhangs the span reads none of the next
+    for off in range(0, c_end - c0, BLOCK_C):
+        cols = c0 + off + tl.arange(0, BLOCK_C)
+        mask = (rows[:, None] < R) & (cols[None, :] < c_end)
         x = tl.load(x_ptr + r64 * stride_xr + cols[None, :].to(tl.int64) * stride_xc,
                     mask=mask, other=0.0)
         amax = nan_max(amax, abs_amax(x.to(tl.float32), 1))
@@ -151,9 +162,11 @@ def rowwise_cast_split_kernel(x_ptr, q_ptr, scale_ptr, partial_ptr, R, C, stride
     scale = amax_to_scale(reduce_partials(partial_ptr, rows, R, NSPLIT), FMT_MAX, SOFT_ROUND)
     tl.store(scale_ptr + rows, scale, mask=(rows < R) & (pid_s == 0))
     r64 = rows[:, None].to(tl.int64)
-    for off in range(0, tl.minimum(SPAN, C - pid_s * SPAN), BLOCK_C):
-        cols = pid_s * SPAN + off + tl.arange(0, BLOCK_C)
-        mask = (rows[:, None] < R) & (cols[None, :] < C)
+    c0 = pid_s * SPAN
+    c_end = tl.minimum(C, c0 + SPAN)
+    for off in range(0, c_end - c0, BLOCK_C):
+        cols = c0 + off + tl.arange(0, BLOCK_C)
+        mask = (rows[:, None] < R) & (cols[None, :] < c_end)
         x = tl.load(x_ptr + r64 * stride_xr + cols[None, :].to(tl.int64) * stride_xc,
                     mask=mask, other=0.0).to(tl.float32)
         y = scale_and_clamp(x, scale[:, None], FMT_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND)
