@@ -276,9 +276,12 @@ def test_inline_quantization_is_quantize_then_gemm(G, monkeypatch, m, k, n, a_tr
 def test_inline_configs_fit_registers_and_shared_memory(m, k, n):
     """The inline GEMM tunes over its own tiles only, each within its register budget
     (float values a thread holds) and, after the stage cap, within the shared memory an
-    H100/H200 block may use; an M of 32 gets 32-row tiles (not loaded and cast twice)."""
+    H100/H200 block may use; an M of 32 runs transposed (the wrapper swaps the operands)
+    and gets 32-column tiles, so it is not loaded and cast twice."""
     G = importlib.import_module("loka.kernels.triton.gemm_rowwise")
     meta = {"QA_MAX": 448.0, "QB_MAX": 448.0}
+    if m < min(n, 64):
+        m, n = n, m
     kept = G._prune(G.GEMM_CONFIGS, {"M": m, "N": n, "K": k}, **meta)
     assert kept
     tiles = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps)
@@ -289,8 +292,9 @@ def test_inline_configs_fit_registers_and_shared_memory(m, k, n):
         assert (bm + bn) * bk // (32 * c.num_warps) <= G.INLINE_TILE_ELEMENTS // 128
         assert (bm + bn) * bk * 2 * (c.num_stages + 1) <= G.INLINE_SHARED_BYTES
         assert 1 <= c.num_stages
-    if m == 32:
-        assert any(c.kwargs["BLOCK_M"] == 32 for c in kept)
+    if n == 32:
+        assert any(c.kwargs["BLOCK_N"] == 32 for c in kept)
+    assert all(c.kwargs["BLOCK_M"] >= 64 or c.num_warps == 8 for c in kept)  # no spilling tile
     # the plain FP8 GEMM never sees the inline tiles
     plain = G._prune(G.GEMM_CONFIGS, {"M": m, "N": n, "K": k}, QA_MAX=0.0, QB_MAX=0.0)
     assert all(c in G.GEMM_CONFIGS for c in plain)
@@ -309,6 +313,26 @@ def test_inline_quantization_beside_an_fp8_operand(G):
     qa_t, sa_t = quantize_rowwise(a, "e4m3")
     y2 = G.gemm_rowwise_inline(qa_t, b, scale_a=sa_t, out_dtype=torch.bfloat16)
     assert y2.dtype == torch.bfloat16 and relative_frobenius(y2, ref) < 4e-3
+
+
+@pytest.mark.parametrize("fp8", ["a", "b", None])
+def test_inline_gemm_with_m_under_64_runs_transposed(G, fp8):
+    """M = 16 < N = 96: the wrapper computes cᵀ = bᵀ aᵀ (64-row MMA tiles filled by N),
+    with either operand in FP8 or neither; the product is still (M, N), row-major, and
+    each operand keeps its own scales (rows of a, columns of b, distinct powers of two)."""
+    from loka.kernels.triton.quantize import quantize_rowwise
+
+    a, b = inline_operands(16, 320, 96, True, seed=7)
+    qa, sa = quantize_rowwise(a)
+    qb, sb = quantize_rowwise(b.t())
+    ref = (qa.double() * sa.double()) @ (qb.double() * sb.double()).t()
+    kw = {"a": dict(a=qa, scale_a=sa, b=b), "b": dict(a=a, b=qb.t(), scale_b=sb.t()),
+          None: dict(a=a, b=b)}[fp8]
+    y = G.gemm_rowwise_inline(out_dtype=torch.float32, **kw)
+    assert y.shape == (16, 96) and y.is_contiguous()
+    assert relative_frobenius(y, ref) < TOL
+    # each row and column on its own scale: a swapped scale would be off by 2**k
+    assert ((y - ref).abs() <= TOL * ref.abs().amax(1, keepdim=True) + 1e-30).all()
 
 
 def test_inline_quantization_propagates_nan_and_inf_like_the_quantizers(G, monkeypatch):

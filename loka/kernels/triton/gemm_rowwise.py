@@ -50,15 +50,16 @@ GEMM_CONFIGS = [
     _cfg(128, 32, 64, 4, 4), _cfg(256, 32, 64, 3, 4), _cfg(256, 64, 64, 3, 8),
 ]
 INLINE_CONFIGS = [
-    _cfg(32, 64, 128, 4, 4), _cfg(32, 64, 256, 3, 4), _cfg(32, 64, 128, 3, 8),
-    _cfg(32, 32, 256, 4, 4), _cfg(64, 64, 128, 4, 4), _cfg(64, 64, 128, 3, 8),
-    _cfg(64, 64, 256, 3, 8), _cfg(64, 128, 128, 4, 4), _cfg(128, 64, 128, 4, 4),
-    _cfg(128, 32, 64, 4, 4), _cfg(256, 32, 64, 3, 4), _cfg(256, 64, 64, 3, 8),
+    _cfg(64, 64, 128, 4, 4), _cfg(64, 64, 128, 3, 4), _cfg(64, 64, 128, 2, 4),
+    _cfg(64, 32, 128, 4, 4), _cfg(64, 32, 128, 3, 4), _cfg(64, 32, 256, 3, 4),
+    _cfg(32, 64, 128, 3, 8), _cfg(64, 128, 128, 4, 4), _cfg(128, 64, 128, 4, 4),
+    _cfg(256, 64, 64, 3, 8),
 ]
 """the inline-quantizing GEMM's tiles: it is bound by the cast of every loaded value, not by
-the MMA, so 32-row tiles (an M of 32 is not loaded and cast twice), and 8 warps per tile
-(more warps to hide the cast's latency) beside GEMM_CONFIGS' shapes that fit
-:data:`INLINE_TILE_ELEMENTS`"""
+the MMA, so thin tiles with few pipeline stages, two or three of which share an SM (more
+warps to hide the cast's latency; 64 rows, the Hopper MMA's height: the wrapper transposes
+a GEMM whose M is smaller, and 32-row tiles, on the older MMA, spill registers), beside
+the larger shapes of GEMM_CONFIGS that fit :data:`INLINE_TILE_ELEMENTS`"""
 SPLIT_K_UNIT = 1024
 """K range of one split is a multiple of this (and so of every BLOCK_K)"""
 INLINE_SPLIT_UNIT = 256
@@ -435,26 +436,34 @@ def gemm_rowwise_inline(a: torch.Tensor, b: torch.Tensor, a_fmt="e4m3", b_fmt="e
     if k == 0:
         raise ValueError("FP8 GEMM with K = 0 is undefined")
     # a float operand's scales come from its partial amaxes (rows of a, rows of bᵀ)
-    if qa is _AS_IS:
-        pa, sa_stride, npart_a = scale_a, _scale_stride(scale_a, m, "scale_a", 0), 0
-    else:
-        pa = amax_partials(a)[0]
-        sa_stride, npart_a = 0, pa.shape[0]
-    if qb is _AS_IS:
-        pb, sb_stride, npart_b = scale_b, _scale_stride(scale_b, n, "scale_b", 1), 0
-    else:
-        pb = amax_partials(b.t())[0]
-        sb_stride, npart_b = 0, pb.shape[0]
+    ops = []  # per operand: (tensor, scales or partials, scale stride, partials, format)
+    for name, t, scale, meta, length, axis, rows in (("a", a, scale_a, qa, m, 0, a),
+                                                      ("b", b, scale_b, qb, n, 1, b.t())):
+        if meta is _AS_IS:
+            ops.append((t, scale, _scale_stride(scale, length, f"scale_{name}", axis), 0, meta))
+        else:
+            partial = amax_partials(rows)[0]
+            ops.append((t, partial, 0, partial.shape[0], meta))
     split, k_split = k_ranges(m, n, k, tile=64, unit=INLINE_SPLIT_UNIT)
     c = torch.empty((split, m, n) if split > 1 else (m, n),
                     dtype=torch.float32 if split > 1 else out_dtype, device=a.device)
-    grid = lambda meta_: (triton.cdiv(m, meta_["BLOCK_M"]) * triton.cdiv(n, meta_["BLOCK_N"]), split)  # noqa: E731
+    stride_cm, stride_cn = c.stride(-2), c.stride(-1)
+    if m < min(n, 64):
+        # cᵀ = bᵀ aᵀ: the Hopper MMA's tiles are 64 rows tall, so an M under 64 would be
+        # loaded, and cast, 64 / M times over; the wider N fills them instead
+        (ta, pa, sa_stride, npart_a, qa), (tb, pb, sb_stride, npart_b, qb) = ops[1], ops[0]
+        ta, tb, m_, n_ = ta.t(), tb.t(), n, m
+        stride_cm, stride_cn = stride_cn, stride_cm
+    else:
+        (ta, pa, sa_stride, npart_a, qa), (tb, pb, sb_stride, npart_b, qb) = ops
+        m_, n_ = m, n
+    grid = lambda meta_: (triton.cdiv(m_, meta_["BLOCK_M"]) * triton.cdiv(n_, meta_["BLOCK_N"]), split)  # noqa: E731
     inline = {"QA_MAX": qa["FMT_MAX"], "QA_MANT": qa["MANT_BITS"], "QA_MIN_EXP": qa["MIN_EXP"],
               "QB_MAX": qb["FMT_MAX"], "QB_MANT": qb["MANT_BITS"], "QB_MIN_EXP": qb["MIN_EXP"]}
     rowwise_gemm_kernel[grid](
-        a, b, c, pa, pb, pa, c, c, m, n, k, k_split, a.stride(0), a.stride(1), b.stride(0),
-        b.stride(1), c.stride(0) if split > 1 else 0, c.stride(-2), c.stride(-1), sa_stride,
-        sb_stride, npart_a, npart_b,
+        ta, tb, c, pa, pb, pa, c, c, m_, n_, k, k_split, ta.stride(0), ta.stride(1),
+        tb.stride(0), tb.stride(1), c.stride(0) if split > 1 else 0, stride_cm, stride_cn,
+        sa_stride, sb_stride, npart_a, npart_b,
         HAS_BIAS=False, ACT=0, NORM_BLOCK=0, FP8_OUT=False, FAST_ACC=fast_accum,
         **fp8_meta("e4m3"), **inline)
     return c.sum(0).to(out_dtype) if split > 1 else c
