@@ -22,7 +22,11 @@ Each at batch 4096 in bf16, rowwise and tensorwise e4m3, timed with CUDA graphs
 * ``norm_compiled+quant_triton``: Inductor's norm (one kernel), then LoKA's Triton quantizer:
   the best "separate quantization" pass;
 * ``inductor_fused``: the composition and the quantization in one ``torch.compile``
-  region, Inductor free to fuse them (the strongest baseline).
+  region, Inductor free to fuse them (the strongest baseline);
+* ``norm_compiled_only`` and ``quant_triton_only``: the two parts of the separate path
+  alone (the quantizer on a precomputed activation: the same bytes as ``fused_fp8_only``).
+
+``--configs`` also times the fused kernel with each of its tile configs forced.
 
 The target (the fused kernel at least 2x faster than norm + separate quantization) is read
 against ``norm_compiled+quant_triton``; the other rows are for context. The fused output is
@@ -81,13 +85,37 @@ def check(x, norm, act, gran) -> dict:
             "hp_max_rel_error_vs_fp32": hp_err}
 
 
-def bench_case(name, m, d, norm, act, gran, device, budget_ms) -> dict:
+def time_configs(x, norm, act, gran, device, budget_ms) -> dict:
+    """The fused kernel with each of its tile configs forced, with and without the
+    high-precision output: which tile the autotuner should find."""
+    from bench_inline import forced
+    from loka.kernels.triton import norm_act_quant as nq
+
+    group, ng, gp, _ = nq._tile_shape(x.shape[1], norm, 256)
+    kern = nq.norm_act_quant_kernel
+    out = {}
+    for cfg in nq._prune(kern.configs, {"M": x.shape[0]}, NG=ng, GP=gp):
+        name = f"BLOCK_M={cfg.kwargs['BLOCK_M']},w={cfg.num_warps}"
+        for hp in (True, False):
+            with forced(kern, configs=[cfg]):
+                try:
+                    us = time_fn(lambda: fused_norm_act_quant(x, norm, 256, act, "e4m3", gran,
+                                                              return_hp=hp, backend="triton"),
+                                 device, warmup=3, iters=50, budget_ms=budget_ms).median_us
+                except Exception as e:  # noqa: BLE001 - a config that fails is reported
+                    us = f"{type(e).__name__}: {str(e)[:120]}"
+            out[f"{name}{'' if hp else ',fp8_only'}"] = us
+    return out
+
+
+def bench_case(name, m, d, norm, act, gran, device, budget_ms, configs=False) -> dict:
     g = torch.Generator(device=device).manual_seed(0)
     x = (torch.randn(m, d, device=device, generator=g) * 3 + 0.5).to(torch.bfloat16)
     row = {"case": name, "M": m, "D": d, "norm": norm, "act": act, "granularity": gran}
     row.update(check(x, norm, act, gran))
     torch._dynamo.reset()  # each case compiles its own baselines, none hits a recompile limit
 
+    y_pre = reference_norm_act(x, norm, 256, act)
     norm_c = torch.compile(lambda t: reference_norm_act(t, norm, 256, act), dynamic=False)
     both_c = torch.compile(lambda t: quantize(reference_norm_act(t, norm, 256, act), "e4m3", gran),
                            dynamic=False)
@@ -99,6 +127,7 @@ def bench_case(name, m, d, norm, act, gran, device, budget_ms) -> dict:
         "norm_compiled+quant_triton": lambda: _triton_quant(norm_c(x), gran),
         "inductor_fused": lambda: both_c(x),
         "norm_compiled_only": lambda: norm_c(x),
+        "quant_triton_only": lambda: _triton_quant(y_pre, gran),
     }
     times = {}
     for k, fn in fns.items():
@@ -108,6 +137,8 @@ def bench_case(name, m, d, norm, act, gran, device, budget_ms) -> dict:
         except Exception as e:  # noqa: BLE001 - one failing baseline must not lose the rest
             times[k] = {"error": f"{type(e).__name__}: {e}"[:300]}
     row["times"] = times
+    if configs and gran == "rowwise":
+        row["fused_configs"] = time_configs(x, norm, act, gran, device, budget_ms)
     # bytes that must move: read x (bf16), write y (bf16) and q (fp8)
     moved = m * d * (2 + 2 + 1)
     if "us" in times["fused"]:
@@ -146,7 +177,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None)
     p.add_argument("--budget-ms", type=float, default=20.0, help="timing budget per call")
+    p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    p.add_argument("--configs", action="store_true",
+                   help="also time the fused kernel with each tile config forced (rowwise)")
     args = p.parse_args(argv)
+    wanted = set(filter(None, args.cases.split(",")))
+    unknown = wanted - {c[0] for c in CASES}
+    if unknown:
+        p.error(f"unknown cases {sorted(unknown)}; known: {[c[0] for c in CASES]}")
     if not torch.cuda.is_available():
         print("bench_fused_norm needs a CUDA GPU (the fused kernel is Triton)", file=sys.stderr)
         return 2
@@ -156,8 +194,10 @@ def main(argv=None) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for name, m, d, norm, act in CASES:
+        if wanted and name not in wanted:
+            continue
         for gran in ("rowwise", "tensorwise"):
-            row = bench_case(name, m, d, norm, act, gran, device, args.budget_ms)
+            row = bench_case(name, m, d, norm, act, gran, device, args.budget_ms, args.configs)
             rows.append(row)
             t = row["times"]
             print(f"{name:14s} {gran:10s} " + " ".join(

@@ -202,6 +202,8 @@ def cases(quick: bool) -> Dict[str, Callable[[], Callable[[], object]]]:
         "norm_act_quant blocknorm+hardswish rowwise": lambda: _norm(4096, 2048),
         "norm_act_quant blocknorm tensorwise fp8-only": lambda: _norm(
             4096, 2048, act="identity", granularity="tensorwise", return_hp=False),
+        "norm_act_quant fmb norm 2048 rowwise fp8-only": lambda: _norm(
+            4096, 2048, act="identity", return_hp=False),
         "norm_act_quant top norm 16384 rowwise fp8-only": lambda: _norm(
             4096, 16384, act="identity", return_hp=False),
         "norm_act_quant chunked 20000 tensorwise": lambda: _norm(

@@ -84,3 +84,64 @@ def test_division_is_correctly_rounded_on_random_quotients():
         for x in np.float32(rng.uniform(-448, 448, 500)) * s:
             assert div_by_scale(Fraction(float(x)), Fraction(float(s))) == \
                 rn32(Fraction(float(x)) / Fraction(float(s)))
+
+
+# -- one correction for 16-bit values (``X16``) ----------------------------------------
+
+def _one_correction(y: np.ndarray, s: np.float32, r: np.float32) -> np.ndarray:
+    """``q0 = RN(y r)``, ``q1 = fma(fma(q0, -s, y), r, q0)`` in float32, each fma rounded
+    once: the residual ``y - s q0`` is exact in float64 (``s q0`` has 48 bits and is within
+    a factor 2 of ``y``), the final sum is rounded in float64 and, where that could have
+    made a float32 tie, again exactly with rationals."""
+    q0 = (y * r).astype(np.float32)
+    e = (y.astype(np.float64) - np.float64(s) * q0.astype(np.float64)).astype(np.float32)
+    t = q0.astype(np.float64) + e.astype(np.float64) * np.float64(r)
+    out = t.astype(np.float32)
+    lo, hi = np.nextafter(out, np.float32(-np.inf)), np.nextafter(out, np.float32(np.inf))
+    o64 = out.astype(np.float64)
+    near = np.minimum(np.abs(t - (o64 + lo) / 2), np.abs(t - (o64 + hi) / 2)) \
+        <= (hi.astype(np.float64) - lo) * 1e-6
+    for i in np.nonzero(near)[0]:
+        exact = Fraction(float(q0[i])) + Fraction(float(e[i])) * Fraction(float(r))
+        out[i] = np.float32(float(rn32(exact)))
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("mant_bits,amax_step", [(7, 1), (10, 8)])
+def test_one_correction_gives_the_fp8_value_for_16_bit_inputs(fmt, mant_bits, amax_step):
+    """The claim behind ``X16``: for bf16 (7 mantissa bits; every amax mantissa) and fp16
+    (10 bits; every 8th amax mantissa here, all of them with ``LOKA_FULL_CHECKS=1``)
+    values ``y`` and an amax of the same format, one correction gives the FP8 value of the
+    correctly rounded quotient, for every ``y <= amax`` over 42 binades below the amax
+    (past them both are zero in either format). The quotient alone (no correction) is
+    checked to differ somewhere, so this test can fail."""
+    import os
+
+    from loka.numerics.scaling import AMAX_EPS
+
+    fmax = {"e4m3": 448.0, "e5m2": 57344.0}[fmt]
+    dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}[fmt]
+    step = 1 if os.environ.get("LOKA_FULL_CHECKS") == "1" else amax_step
+    mant = (1 + np.arange(2 ** mant_bits) / 2 ** mant_bits).astype(np.float32)
+    c = np.float32(1) / np.float32(fmax)
+
+    def fp8(v):
+        return torch.from_numpy(np.clip(v, -fmax, fmax)).to(dtype).view(torch.uint8).numpy()
+
+    checked = no_correction_differs = 0
+    amaxes = list(mant[::step] * np.float32(8)) + [np.float32(AMAX_EPS / 2)]
+    for amax in amaxes:
+        s = np.float32(np.float32(max(amax, np.float32(AMAX_EPS))) * c)
+        r = np.float32(np.float32(1) / s)
+        e0 = int(np.floor(np.log2(amax)))
+        y = (mant[None, :] * np.exp2(e0 - np.arange(42.0))[:, None]).astype(np.float32).ravel()
+        y = y[y <= amax]
+        want = fp8((y / s).astype(np.float32))  # IEEE division, as torch divides
+        got = fp8(_one_correction(y, s, r))
+        assert np.array_equal(got, want), (float(amax), y[got != want][:5])
+        assert np.array_equal(fp8(_one_correction(-y, s, r)), fp8((-y / s).astype(np.float32)))
+        no_correction_differs += int((fp8((y * r).astype(np.float32)) != want).sum())
+        checked += y.size
+    assert checked > 40 * len(amaxes) * 2 ** mant_bits // 2
+    assert no_correction_differs > 0

@@ -69,6 +69,36 @@ def test_rowwise_one_pass_is_exact(Q, fmt, shape, dtype):
     assert_same(q, s, quantize(x, fmt, "rowwise", "a"))
 
 
+def every_bf16_ratio(dtype=torch.bfloat16):
+    """One row per bf16 amax mantissa (amax in [8, 16)), holding the amax and every bf16
+    value below it over the 42 binades an FP8 format resolves, with alternating signs:
+    every pair of values and scales a bf16 tensor can give its quantizer, up to powers of
+    two (128 rows of 5377 values)."""
+    mant = 1 + torch.arange(128, dtype=torch.float64) / 128
+    binades = torch.exp2(3 - torch.arange(42, dtype=torch.float64))
+    ys = (mant[None, :] * binades[:, None]).reshape(-1)
+    rows = []
+    for amax in mant * 8:
+        y = torch.cat([amax.reshape(1), ys[ys < amax]])
+        y = torch.cat([y, torch.zeros(ys.numel() + 1 - y.numel(), dtype=torch.float64)])
+        rows.append(y * torch.where(torch.arange(y.numel()) % 2 == 1, -1.0, 1.0))
+    return torch.stack(rows).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("transposed", [False, True])
+def test_every_bf16_value_and_scale_is_exact(Q, fmt, transposed):
+    """Every (value, amax) pair of bf16 through the one-pass and the two-stage quantizer:
+    the FP8 bytes and scales equal the PyTorch reference's. On a GPU this is the
+    hardware check of the one-correction division the kernels use for 16-bit inputs
+    (``X16``; its arithmetic is checked in ``test_exact_division.py``)."""
+    x = every_bf16_ratio()
+    if transposed:  # the two-stage path over a transposed view
+        x = x.t().contiguous().t()
+    q, s = Q.quantize_rowwise(x, fmt)
+    assert_same(q, s, quantize(x, fmt, "rowwise", "a"))
+
+
 # The transposed (dgrad b, wgrad a and b) operands of the Wukong `paper` GEMMs: (rows, columns)
 # of the view the two-stage path quantizes. Two waves of programs left these at 32-128.
 WUKONG_TRANSPOSED = {"top_mlp.1 dgrad Wᵀ": (2048, 1024), "fm_mlp.0 dgrad Wᵀ": (2048, 2048),

@@ -222,6 +222,27 @@ def test_triton_kernel_without_hp_output(act, fmt, granularity):
             y.float().abs().max().item() / get_format(fmt).max, rel=1e-6)
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("granularity", ["rowwise", "tensorwise"])
+def test_triton_kernel_casts_every_bf16_ratio_exactly(fmt, granularity):
+    """Every (value, amax) pair of bf16 through the fused kernel (no norm, identity: the
+    activation is x itself): the FP8 bytes are the PyTorch quantization's, with and
+    without the high-precision output (the one-correction division for 16-bit values on
+    a GPU)."""
+    kernel_runs_here()
+    mant = 1 + torch.arange(128, dtype=torch.float64) / 128
+    ys = (mant[None, :] * torch.exp2(3 - torch.arange(42, dtype=torch.float64))[:, None]).reshape(-1)
+    rows = [torch.cat([a.reshape(1), ys[ys < a], torch.zeros(int((ys >= a).sum()))])
+            for a in mant * 8]
+    x = torch.stack(rows)
+    x = (x * torch.where(torch.arange(x.shape[1]) % 2 == 1, -1.0, 1.0)).bfloat16().to(DEVICE)
+    for return_hp in (True, False):
+        y, q = fused_norm_act_quant(x, "none", 256, "identity", fmt, granularity,
+                                    return_hp=return_hp, backend="triton")
+        assert y is None or torch.equal(y, x)
+        assert_q_equal(q, quantize(x, fmt, granularity, "a"))
+
+
 def test_triton_kernel_backward_and_compile():
     kernel_runs_here()
     x = (torch.randn(24, 384) * 2).bfloat16().to(DEVICE).requires_grad_()

@@ -213,11 +213,15 @@ def round_to(y, dtype: tl.constexpr, SOFT_ROUND: tl.constexpr):
             y = bits.to(tl.float32, bitcast=True)
         elif dtype == tl.float16:
             y = round_to_fp8_grid(y, 10, -14)
-    return y.to(dtype).to(tl.float32)
+    if dtype == tl.float32:
+        return y
+    # an explicit rounding mode lowers to the paired conversion (cvt.rn.bf16x2.f32: one
+    # instruction for two values; a plain .to(dtype) converts them one by one)
+    return y.to(dtype, fp_downcast_rounding="rtne").to(tl.float32)
 
 
 @triton.jit
-def div_by_scale(x, scale):
+def div_by_scale(x, scale, X16: tl.constexpr = False):
     """``x / scale`` correctly rounded (IEEE), for a positive ``scale`` (inf and NaN
     included) that broadcasts against ``x`` and ``|x / scale| < 2**126`` (every scale here
     is an amax divided by the format's max, ``|x| <= amax``).
@@ -234,12 +238,20 @@ def div_by_scale(x, scale):
     approximation, Newton steps, range check and slow-path branch. Special cases as IEEE:
     ``scale = inf`` gives ``±0`` for finite ``x`` and NaN for ``x = ±inf``; a NaN scale gives
     NaN (its sign bit may be set); ``x = -0`` gives ``-0`` (a quotient that rounds to zero
-    keeps the sign of ``x``)."""
-    return or_sign(unsigned_zero_quotient(x, scale), x)  # a zero quotient has x's sign
+    keeps the sign of ``x``).
+
+    ``X16``: ``x`` holds bf16 or fp16 values and ``scale`` is ``max(amax, AMAX_EPS) /
+    fmt.max`` of such a value (:func:`amax_to_scale`), and the quotient is only cast to FP8.
+    Then the first correction alone gives the FP8 value of the correctly rounded quotient
+    (the float32 quotient itself may be one ulp off): three operations per element. This
+    is no theorem but an exhaustive check: every 16-bit amax mantissa against every
+    value below it over the 42 binades an FP8 format can resolve, for e4m3 and e5m2
+    (``tests/kernels/test_exact_division.py``)."""
+    return or_sign(unsigned_zero_quotient(x, scale, X16), x)  # a zero quotient has x's sign
 
 
 @triton.jit
-def unsigned_zero_quotient(x, scale):
+def unsigned_zero_quotient(x, scale, X16: tl.constexpr = False):
     """:func:`div_by_scale` except that a zero quotient may be ``+0`` where IEEE says
     ``-0`` (the corrections give ``-0 + 0 = +0``): for a consumer that cannot tell the two
     apart, such as a product sum."""
@@ -250,19 +262,22 @@ def unsigned_zero_quotient(x, scale):
     ns = tl.where(s_inf, -1.0, -scale)
     q = x * r
     q = tl.fma(tl.fma(q, ns, x), r, q)
-    return tl.fma(tl.fma(q, ns, x), r, q)
+    if not X16:
+        q = tl.fma(tl.fma(q, ns, x), r, q)
+    return q
 
 
 @triton.jit
 def scale_and_clamp(x, scale, FMT_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
-                    MIN_EXP: tl.constexpr, SOFT_ROUND: tl.constexpr):
+                    MIN_EXP: tl.constexpr, SOFT_ROUND: tl.constexpr, X16: tl.constexpr = False):
     """``clamp(x / scale, ±FMT_MAX)`` in float32, ready for the cast to FP8 (``scale``
     broadcasts against ``x``; ``|x| <= 448 scale`` up to rounding, as :func:`div_by_scale`
-    needs). Under the interpreter, whose ``fma`` rounds twice, an IEEE division."""
+    needs; ``X16`` as there: 16-bit values and the scale of their amax, FP8 values exact).
+    Under the interpreter, whose ``fma`` rounds twice, an IEEE division."""
     if SOFT_ROUND:
         y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
     else:
-        y = div_by_scale(x, scale)
+        y = div_by_scale(x, scale, X16)
     y = tl.clamp(y, -FMT_MAX, FMT_MAX, propagate_nan=tl.PropagateNan.ALL)
     if SOFT_ROUND:
         y = round_to_fp8_grid(y, MANT_BITS, MIN_EXP)

@@ -165,9 +165,11 @@ def rowwise_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, cs_ptr, s
         a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
         b = tl.load(b_ptrs, mask=ks[:, None] < k_left, other=0.0)
         if QA_MAX > 0:
-            a = _cast_tile(a, sa[:, None], QA_MAX, QA_MANT, QA_MIN_EXP, SOFT_ROUND)
+            a = _cast_tile(a, sa[:, None], QA_MAX, QA_MANT, QA_MIN_EXP, SOFT_ROUND,
+                           a_ptr.dtype.element_ty != tl.float32)
         if QB_MAX > 0:
-            b = _cast_tile(b, sb[None, :], QB_MAX, QB_MANT, QB_MIN_EXP, SOFT_ROUND)
+            b = _cast_tile(b, sb[None, :], QB_MAX, QB_MANT, QB_MIN_EXP, SOFT_ROUND,
+                           b_ptr.dtype.element_ty != tl.float32)
         if QA_MAX > 0 or QB_MAX > 0:
             # e4m3 and e5m2 values are exact in fp16 and their products in float32: the fp16
             # MMA gives the FP8 GEMM's products, accumulated in float32, and takes either
@@ -192,7 +194,7 @@ def rowwise_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, cs_ptr, s
         # Quantize what the next layer would see: the bf16 output, scaled per row.
         y = tl.where(mask, round_to(acc, tl.bfloat16, SOFT_ROUND), 0.0)
         scale = amax_to_scale(abs_amax(y, 1), FMT_MAX, SOFT_ROUND)
-        q = scale_and_clamp(y, scale[:, None], FMT_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND)
+        q = scale_and_clamp(y, scale[:, None], FMT_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND, True)
         tl.store(c_ptr + c_off, q.to(c_ptr.dtype.element_ty), mask=mask)
         tl.store(cs_ptr + rows, scale, mask=row_ok & (pid_n == 0))
     else:
@@ -217,7 +219,7 @@ def _operand_scale(ptr, idx, n, stride, NPART, Q_MAX: tl.constexpr, SOFT_ROUND: 
 
 @triton.jit
 def _cast_tile(x, scale, Q_MAX: tl.constexpr, Q_MANT: tl.constexpr, Q_MIN_EXP: tl.constexpr,
-               SOFT_ROUND: tl.constexpr):
+               SOFT_ROUND: tl.constexpr, X16: tl.constexpr):
     """A loaded float tile as the quantizers would store it: e4m3 (3 mantissa bits) or
     e5m2, with the exact scale-and-cast of :func:`~loka.kernels.triton.common.scale_and_clamp`
     up to the sign of a zero. On the GPU the clamp to ``±Q_MAX`` is left to the cast, which
@@ -228,7 +230,7 @@ def _cast_tile(x, scale, Q_MAX: tl.constexpr, Q_MANT: tl.constexpr, Q_MIN_EXP: t
     if SOFT_ROUND:
         y = scale_and_clamp(x.to(tl.float32), scale, Q_MAX, Q_MANT, Q_MIN_EXP, SOFT_ROUND)
     else:
-        y = unsigned_zero_quotient(x.to(tl.float32), scale)
+        y = unsigned_zero_quotient(x.to(tl.float32), scale, X16)
     if Q_MANT == 3:
         q = y.to(tl.float8e4nv)
     else:

@@ -175,6 +175,8 @@ def norm_act_quant_kernel(x_ptr, w_ptr, b_ptr, y_ptr, q_ptr, scale_ptr, partial_
     ``partial`` (tensorwise), or, with ``CAST`` (tensorwise, second launch), q cast with the
     scale of the global amax already in ``partial`` (the scale stored by program 0)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    # the activation is rounded to x's dtype before it is quantized: 16-bit values
+    X16: tl.constexpr = x_ptr.dtype.element_ty != tl.float32
     g_scale = 0.0
     if CAST:
         g_amax = tl.load(partial_ptr).to(tl.float32, bitcast=True)
@@ -196,14 +198,22 @@ def norm_act_quant_kernel(x_ptr, w_ptr, b_ptr, y_ptr, q_ptr, scale_ptr, partial_
         if WRITE_HP:
             tl.store(y_ptr + r64 * D + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
         if CAST:
-            qv = scale_and_clamp(y, g_scale, FMT_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND)
+            qv = scale_and_clamp(y, g_scale, FMT_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND, X16)
             tl.store(q_ptr + r64 * D + cols, qv.to(q_ptr.dtype.element_ty), mask=mask)
         elif ROWWISE:
             amax = _row_amax(y)
             scale = amax_to_scale(amax, FMT_MAX, SOFT_ROUND)
             qv = scale_and_clamp(y, scale[:, None, None], FMT_MAX, MANT_BITS, MIN_EXP,
-                                 SOFT_ROUND)
-            tl.store(q_ptr + r64 * D + cols, qv.to(q_ptr.dtype.element_ty), mask=mask)
+                                 SOFT_ROUND, X16)
+            qcols = cols
+            if WRITE_HP:
+                # A 16-byte store holds 8 bf16 values but 16 FP8 ones, and Triton gives
+                # each store its own register layout: the tile would go through shared
+                # memory between the two, and the activation be computed in both layouts.
+                # Offsets seen as runs of HP_VEC make the FP8 store take the first layout.
+                HP_VEC: tl.constexpr = 128 // x_ptr.dtype.element_ty.primitive_bitwidth
+                qcols = (cols // HP_VEC) * HP_VEC + cols % HP_VEC
+            tl.store(q_ptr + r64 * D + qcols, qv.to(q_ptr.dtype.element_ty), mask=mask)
             tl.store(scale_ptr + rows, scale, mask=row_ok)
         else:
             _global_amax(partial_ptr, _row_amax(y))
@@ -230,7 +240,7 @@ def norm_act_quant_kernel(x_ptr, w_ptr, b_ptr, y_ptr, q_ptr, scale_ptr, partial_
                                                    GROUP, NG, GP)
                 y = _norm_act(x, cols, col_ok, mask, c0, D, x_ptr, w_ptr, b_ptr, eps, mean, rstd,
                               NORM, GROUP, NG, HAS_W, HAS_B, ACT, SOFT_ROUND)
-                qv = scale_and_clamp(y, g_scale, FMT_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND)
+                qv = scale_and_clamp(y, g_scale, FMT_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND, X16)
                 tl.store(q_ptr + r64 * D + cols, qv.to(q_ptr.dtype.element_ty), mask=mask)
         else:
             amax = zero_m
@@ -251,7 +261,7 @@ def norm_act_quant_kernel(x_ptr, w_ptr, b_ptr, y_ptr, q_ptr, scale_ptr, partial_
                     y = _norm_act(x, cols, col_ok, mask, c0, D, x_ptr, w_ptr, b_ptr, eps, mean,
                                   rstd, NORM, GROUP, NG, HAS_W, HAS_B, ACT, SOFT_ROUND)
                     qv = scale_and_clamp(y, scale[:, None, None], FMT_MAX, MANT_BITS, MIN_EXP,
-                                         SOFT_ROUND)
+                                         SOFT_ROUND, X16)
                     tl.store(q_ptr + r64 * D + cols, qv.to(q_ptr.dtype.element_ty), mask=mask)
             else:
                 _global_amax(partial_ptr, amax)

@@ -67,7 +67,8 @@ def rowwise_quant_kernel(x_ptr, q_ptr, scale_ptr, R, C, stride_xr, stride_xc,
     x = tl.load(x_ptr + r64 * stride_xr + cols[None, :] * stride_xc, mask=mask, other=0.0)
     x = x.to(tl.float32)
     scale = amax_to_scale(abs_amax(x, 1), FMT_MAX, SOFT_ROUND)
-    y = scale_and_clamp(x, scale[:, None], FMT_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND)
+    y = scale_and_clamp(x, scale[:, None], FMT_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND,
+                        x_ptr.dtype.element_ty != tl.float32)
     tl.store(q_ptr + r64 * C + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + rows, scale, mask=rows < R)
 
@@ -169,7 +170,8 @@ def rowwise_cast_split_kernel(x_ptr, q_ptr, scale_ptr, partial_ptr, R, C, stride
         mask = (rows[:, None] < R) & (cols[None, :] < c_end)
         x = tl.load(x_ptr + r64 * stride_xr + cols[None, :].to(tl.int64) * stride_xc,
                     mask=mask, other=0.0).to(tl.float32)
-        y = scale_and_clamp(x, scale[:, None], FMT_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND)
+        y = scale_and_clamp(x, scale[:, None], FMT_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND,
+                            x_ptr.dtype.element_ty != tl.float32)
         tl.store(q_ptr + r64 * C + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -217,7 +219,8 @@ def tensor_cast_kernel(x_ptr, q_ptr, scale_ptr, partial_ptr, NPART, R, C, stride
         mask = (rows[:, None] < R) & (cols[None, :] < C)
         r64, c64 = rows[:, None].to(tl.int64), cols[None, :].to(tl.int64)
         x = tl.load(x_ptr + r64 * stride_xr + c64 * stride_xc, mask=mask, other=0.0)
-        y = scale_and_clamp(x.to(tl.float32), scale, FMT_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND)
+        y = scale_and_clamp(x.to(tl.float32), scale, FMT_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND,
+                            x_ptr.dtype.element_ty != tl.float32)
         tl.store(q_ptr + r64 * stride_qr + c64 * stride_qc, y.to(q_ptr.dtype.element_ty),
                  mask=mask)
 
@@ -257,11 +260,13 @@ def block_quant_kernel(x_ptr, q_ptr, scale_ptr, R, C, stride_xr, stride_xc, stri
     row_amax = abs_amax(x, 1)
     if SCALE_ROWS == 1:
         scale = amax_to_scale(row_amax, FMT_MAX, SOFT_ROUND)
-        y = scale_and_clamp(x, scale[:, None], FMT_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND)
+        y = scale_and_clamp(x, scale[:, None], FMT_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND,
+                            x_ptr.dtype.element_ty != tl.float32)
         tl.store(scale_ptr + rows * stride_sr + pid_c * stride_sc, scale, mask=rows < R)
     else:
         scale = amax_to_scale(abs_amax(row_amax, 0), FMT_MAX, SOFT_ROUND)
-        y = scale_and_clamp(x, scale, FMT_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND)
+        y = scale_and_clamp(x, scale, FMT_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND,
+                            x_ptr.dtype.element_ty != tl.float32)
         tl.store(scale_ptr + pid_r * stride_sr + pid_c * stride_sc, scale)
     tl.store(q_ptr + r64 * stride_qr + c64 * stride_qc, y.to(q_ptr.dtype.element_ty), mask=mask)
 
