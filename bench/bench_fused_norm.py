@@ -151,6 +151,39 @@ def bench_case(name, m, d, norm, act, gran, device, budget_ms, configs=False) ->
     return row
 
 
+def diagnose(device, budget_ms) -> dict:
+    """Where a 4096 x 2048 fused call's time goes: the device time of every kernel it
+    launches (torch.profiler), beside the quantizer alone, and the time at 1, 4 and 16
+    times the rows (a fixed cost stays, a bandwidth-bound one grows)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {"kernels_us": {}, "by_rows": []}
+    for m in (4096, 16384, 65536):
+        x = (torch.randn(m, 2048, device=device) * 3 + 0.5).to(torch.bfloat16)
+        y = reference_norm_act(x, "blocknorm", 256, "identity")
+        fns = {"fused_fp8_only": lambda: fused_norm_act_quant(
+                   x, "blocknorm", 256, "identity", "e4m3", "rowwise", return_hp=False,
+                   backend="triton"),
+               "fused": lambda: fused_norm_act_quant(x, "blocknorm", 256, "identity", "e4m3",
+                                                     "rowwise", backend="triton"),
+               "quant_triton_only": lambda: _triton_quant(y, "rowwise")}
+        row = {"M": m}
+        for k, fn in fns.items():
+            row[k] = time_fn(fn, device, warmup=5, iters=50, budget_ms=budget_ms).median_us
+            if m == 4096:
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(20):
+                        fn()
+                    torch.cuda.synchronize()
+                out["kernels_us"][k] = {
+                    e.key: round(e.device_time_total / max(1, e.count), 2)
+                    for e in prof.key_averages() if e.device_time_total > 0}
+        out["by_rows"].append(row)
+        print("diag", row, flush=True)
+    print("diag kernels", out["kernels_us"], flush=True)
+    return out
+
+
 def result(rows, gpu: str) -> dict:
     """The JSON of a run: its rows and what they say against the separate-quantization path."""
     sp = [r["speedup_vs_norm_compiled+quant_triton"] for r in rows
@@ -180,6 +213,8 @@ def main(argv=None) -> int:
     p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     p.add_argument("--configs", action="store_true",
                    help="also time the fused kernel with each tile config forced (rowwise)")
+    p.add_argument("--diagnose", action="store_true",
+                   help="only the kernel-by-kernel profile and the row scaling (diagnose())")
     args = p.parse_args(argv)
     wanted = set(filter(None, args.cases.split(",")))
     unknown = wanted - {c[0] for c in CASES}
@@ -192,6 +227,11 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name(device)
     path = Path(args.out or f"bench/results/fused_norm_{gpu.split()[-1].lower()}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
+    if args.diagnose:
+        atomic_write_text(path, json.dumps({"env": {"gpu": gpu, "torch": torch.__version__},
+                                            "diagnose": diagnose(device, args.budget_ms)},
+                                           indent=1))
+        return 0
     rows = []
     for name, m, d, norm, act in CASES:
         if wanted and name not in wanted:
