@@ -33,12 +33,15 @@ class TimingResult:
     """timed repetitions the median is taken over"""
     note: str = ""
     """why a fallback was taken, if one was"""
+    calls_per_graph: int = 0
+    """calls captured in each timed graph ('cuda-graph'; 0 otherwise)"""
 
 
 MIN_ITERS = 5
 """a time budget never cuts the repetitions below this"""
 GRAPH_REPLAY_US = 200.0
-"""with a budget, enough calls go into one graph for a replay to last about this long"""
+"""with a budget, enough calls go into one graph for a replay to last about this long
+(:func:`graph_calls`)"""
 
 
 def time_fn(fn: Callable[[], object], device: "torch.device | str", *, warmup: int = 10,
@@ -53,9 +56,10 @@ def time_fn(fn: Callable[[], object], device: "torch.device | str", *, warmup: i
         iters: timed repetitions (graph replays on CUDA), at most.
         calls_per_graph: calls captured in one graph, at most; the replay time is divided
             by the number captured.
-        budget_ms: if given, a call is timed once after the warm-up and ``iters`` (and
-            the calls per graph) are reduced so the timed part takes about this long, but
-            never below :data:`MIN_ITERS` repetitions: slow calls are not timed 500 times.
+        budget_ms: if given, a call is timed once after the warm-up (on CUDA in a graph
+            of its own) and ``iters`` (and the calls per graph, :func:`graph_calls`) are
+            reduced so the timed part takes about this long, but never below
+            :data:`MIN_ITERS` repetitions: slow calls are not timed 500 times.
 
     Returns:
         TimingResult with the median per call.
@@ -110,6 +114,32 @@ def _side_stream() -> "torch.cuda.Stream":
     return _SIDE_STREAMS[dev]
 
 
+def graph_calls(call_us: float, at_most: int) -> int:
+    """Calls to capture in one graph for a call of ``call_us`` (its time in a one-call
+    graph): enough that a replay lasts about :data:`GRAPH_REPLAY_US`, so that the graph's
+    own launch (several microseconds) is spread over many calls, at most ``at_most``."""
+    return max(1, min(at_most, math.ceil(GRAPH_REPLAY_US / max(call_us, 1e-3))))
+
+
+def _capture(fn, calls: int, side) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of ``calls`` calls of ``fn``, replayed once (the first replay uploads
+    it); raises if ``fn`` cannot be captured."""
+    graph = torch.cuda.CUDAGraph()
+    # capture_begin/end in try/finally (not torch.cuda.graph(), whose exit skips restoring
+    # the stream when capture_end raises); thread-local, so that other threads' CUDA
+    # calls neither break the capture nor fail because of it
+    with torch.cuda.stream(side):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            for _ in range(calls):
+                fn()
+        finally:
+            graph.capture_end()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
+
+
 def _time_cuda(fn, warmup: int, iters: int, per_graph: int, budget_ms) -> TimingResult:
     side = _side_stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -118,29 +148,24 @@ def _time_cuda(fn, warmup: int, iters: int, per_graph: int, budget_ms) -> Timing
             fn()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    if budget_ms is not None:
-        call_us = _events_median(fn, 2, 1)  # eager, so an upper bound of the graphed call
-        per_graph = max(1, min(per_graph, math.ceil(GRAPH_REPLAY_US / max(call_us, 1e-3))))
-        iters = _fit(iters, budget_ms * 1e3, call_us * per_graph)
-    graph = torch.cuda.CUDAGraph()
     try:
-        # capture_begin/end in try/finally (not torch.cuda.graph(), whose exit skips
-        # restoring the stream when capture_end raises); thread-local, so that other
-        # threads' CUDA calls neither break the capture nor fail because of it
-        with torch.cuda.stream(side):
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                for _ in range(per_graph):
-                    fn()
-            finally:
-                graph.capture_end()
+        if budget_ms is not None:
+            # The call's time in a one-call graph sizes the real one. (Not its eager time:
+            # a call with a long Python path, a Triton launch, a custom op, would get one
+            # call per graph and be charged the graph's whole launch.)
+            one = _capture(fn, 1, side)
+            call_us = _events_median(one.replay, 3, 1)
+            del one
+            per_graph = graph_calls(call_us, per_graph)
+            iters = _fit(iters, budget_ms * 1e3, call_us * per_graph)
+        graph = _capture(fn, per_graph, side)
     except Exception as exc:  # noqa: BLE001 - any capture failure means: time eagerly
         failure = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
     else:
-        graph.replay()  # the first replay uploads the graph
-        torch.cuda.synchronize()
-        return TimingResult(_events_median(graph.replay, iters, per_graph), "cuda-graph", iters)
-    graph = None  # release the failed capture before timing eagerly
+        return TimingResult(_events_median(graph.replay, iters, per_graph), "cuda-graph", iters,
+                            calls_per_graph=per_graph)
     torch.cuda.synchronize()
+    if budget_ms is not None:
+        iters = _fit(iters, budget_ms * 1e3, _events_median(fn, 2, 1))
     return TimingResult(_events_median(fn, iters, 1), "cuda-events", iters,
                         f"graph capture failed: {failure}")

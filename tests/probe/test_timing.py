@@ -33,6 +33,7 @@ def test_cuda_graph_timing():
     a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
     res = time_fn(lambda: a @ a, "cuda", warmup=3, iters=10)
     assert res.method == "cuda-graph" and res.median_us > 0 and not res.note
+    assert res.calls_per_graph == 10
 
 
 @cuda
@@ -60,3 +61,32 @@ def test_budget_cuts_iterations_of_slow_calls_but_not_below_the_minimum():
     assert fast.iters == 7  # never more than asked
     with pytest.raises(ValueError, match="budget_ms > 0"):
         time_fn(lambda: None, "cpu", budget_ms=0)
+
+
+def test_graph_calls_spread_the_graph_launch_over_short_calls():
+    """The calls per graph come from the call's time in a graph: a 5 us kernel gets the
+    most allowed (its eager Python path, often 50-200 us for a Triton launch or a custom
+    op, would have given it one or two, each charged the graph's whole launch), a 1 ms
+    one a single call, never zero."""
+    from loka.probe.timing import GRAPH_REPLAY_US, graph_calls
+
+    assert graph_calls(5.0, 10) == 10
+    assert graph_calls(GRAPH_REPLAY_US / 4, 10) == 4
+    assert graph_calls(1000.0, 10) == 1
+    assert graph_calls(0.0, 3) == 3
+
+
+@cuda
+def test_cuda_budget_sizes_the_graph_by_its_graphed_time():
+    """A short kernel behind a slow Python path gets the most calls per graph (sized by
+    its graphed time, not its eager one)."""
+    import time as _time
+
+    a = torch.randn(256, 256, device="cuda")
+
+    def slow_python_fast_kernel():
+        _time.sleep(0.0005)  # 500 us of host time, invisible in a graph
+        return a * 2
+
+    res = time_fn(slow_python_fast_kernel, "cuda", warmup=2, iters=20, budget_ms=5)
+    assert res.method == "cuda-graph" and res.calls_per_graph == 10
