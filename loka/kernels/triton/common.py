@@ -213,11 +213,7 @@ def round_to(y, dtype: tl.constexpr, SOFT_ROUND: tl.constexpr):
             y = bits.to(tl.float32, bitcast=True)
         elif dtype == tl.float16:
             y = round_to_fp8_grid(y, 10, -14)
-    if dtype == tl.float32:
-        return y
-    # an explicit rounding mode lowers to the paired conversion (cvt.rn.bf16x2.f32: one
-    # instruction for two values; a plain .to(dtype) converts them one by one)
-    return y.to(dtype, fp_downcast_rounding="rtne").to(tl.float32)
+    return y.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -244,9 +240,9 @@ def div_by_scale(x, scale, X16: tl.constexpr = False):
     fmt.max`` of such a value (:func:`amax_to_scale`), and the quotient is only cast to FP8.
     Then the first correction alone gives the FP8 value of the correctly rounded quotient
     (the float32 quotient itself may be one ulp off): three operations per element. This
-    is no theorem but an exhaustive check: every 16-bit amax mantissa against every
-    value below it over the 42 binades an FP8 format can resolve, for e4m3 and e5m2
-    (``tests/kernels/test_exact_division.py``)."""
+    is no theorem but an exhaustive check: every bf16 and fp16 amax mantissa against every
+    value of the format below it over the 42 binades an FP8 format can resolve, for e4m3
+    and e5m2 (``tests/kernels/test_exact_division.py``)."""
     return or_sign(unsigned_zero_quotient(x, scale, X16), x)  # a zero quotient has x's sign
 
 
