@@ -95,7 +95,8 @@ def time_configs(x, norm, act, gran, device, budget_ms) -> dict:
     kern = nq.norm_act_quant_kernel
     out = {}
     for cfg in nq._prune(kern.configs, {"M": x.shape[0]}, NG=ng, GP=gp):
-        name = f"BLOCK_M={cfg.kwargs['BLOCK_M']},w={cfg.num_warps}"
+        name = f"BLOCK_M={cfg.kwargs['BLOCK_M']},w={cfg.num_warps}" + (
+            f",maxnreg={cfg.maxnreg}" if cfg.maxnreg else "")
         for hp in (True, False):
             with forced(kern, configs=[cfg]):
                 try:

@@ -222,6 +222,24 @@ def test_triton_kernel_without_hp_output(act, fmt, granularity):
             y.float().abs().max().item() / get_format(fmt).max, rel=1e-6)
 
 
+@pytest.mark.parametrize("d,capped", [(16384, True), (8192, True), (2048, False), (20000, False)])
+def test_register_capped_tiles_only_for_long_whole_rows(d, capped):
+    """The configs that cap registers (two programs per SM) are tried only where a whole
+    row of 8-16K values sits in one program; shorter rows, and chunked longer ones, keep
+    the uncapped tiles."""
+    if not HAS_TRITON:
+        pytest.skip("no Triton")
+    import importlib
+
+    nq = importlib.import_module("loka.kernels.triton.norm_act_quant")
+    _, ng, gp, _ = nq._tile_shape(d, "blocknorm", 256)
+    kept = nq._prune(nq.CONFIGS, {"M": 4096}, NG=ng, GP=gp)
+    assert kept and any(c.maxnreg is None for c in kept)
+    assert any(c.maxnreg for c in kept) == capped
+    for c in kept:
+        assert c.maxnreg is None or c.maxnreg * 32 * c.num_warps <= 32768  # two per SM
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("granularity", ["rowwise", "tensorwise"])
 def test_triton_kernel_casts_every_bf16_ratio_exactly(fmt, granularity):

@@ -82,7 +82,8 @@ def _prune(configs, named_args, **kwargs):
     no taller than the tensor. Short rows of a short tensor: the tallest that fits."""
     row = kwargs["NG"] * kwargs["GP"]
     m = named_args["M"]
-    fits = [c for c in configs if c.kwargs["BLOCK_M"] <= max(1, next_pow2(m))]
+    fits = [c for c in configs if c.kwargs["BLOCK_M"] <= max(1, next_pow2(m))
+            and (c.maxnreg is None or row >= 8192)]
     keep = []
     for c in fits:
         tile, threads = c.kwargs["BLOCK_M"] * row, 32 * c.num_warps
@@ -157,8 +158,17 @@ def _global_amax(partial_ptr, amax):
     tl.atomic_max(partial_ptr, bits)
 
 
-@autotune(configs=[triton.Config({"BLOCK_M": m}, num_warps=w)
-                   for m in (1, 2, 4, 8, 16, 32, 64) for w in (4, 8, 16)],
+CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w)
+           for m in (1, 2, 4, 8, 16, 32, 64) for w in (4, 8, 16)] + [
+    # Whole rows of 8-16K values: at 77-140 registers a thread, one program per SM, and
+    # one 32 KB row in flight is too little to cover the memory latency; capped at 64
+    # (16 warps) or 128 (8 warps) registers, two programs share an SM.
+    triton.Config({"BLOCK_M": 1}, num_warps=16, maxnreg=64),
+    triton.Config({"BLOCK_M": 1}, num_warps=8, maxnreg=128)]
+"""the fused kernel's tiles (:func:`_prune` keeps those that fit a shape)"""
+
+
+@autotune(configs=CONFIGS,
           key=["M", "D", "NORM", "GROUP", "NG", "GP", "ACT", "ROWWISE", "WRITE_HP", "CAST"],
           prune=_prune)
 @triton.jit
