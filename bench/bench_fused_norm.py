@@ -91,7 +91,7 @@ def time_configs(x, norm, act, gran, device, budget_ms) -> dict:
     from bench_inline import forced
     from loka.kernels.triton import norm_act_quant as nq
 
-    group, ng, gp, _ = nq._tile_shape(x.shape[1], norm, 256)
+    _, ng, gp, _ = nq._tile_shape(x.shape[1], norm, 256)
     kern = nq.norm_act_quant_kernel
     out = {}
     for cfg in nq._prune(kern.configs, {"M": x.shape[0]}, NG=ng, GP=gp):

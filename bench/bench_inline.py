@@ -101,7 +101,8 @@ def measure(name, m, k, n, budget_ms, device):
     rec["inline_us"] = t(lambda: G.gemm_rowwise_inline(a, b))
     per = {}
     meta = {"QA_MAX": 448.0, "QB_MAX": 448.0}
-    for cfg in G._prune(G.GEMM_CONFIGS, {"M": m, "N": n, "K": k}, **meta):
+    tm, tn = (n, m) if G.inline_transposed(m, n) else (m, n)  # the shape the kernel sees
+    for cfg in G._prune(G.GEMM_CONFIGS, {"M": tm, "N": tn, "K": k}, **meta):
         with forced(G.rowwise_gemm_kernel, G, "INLINE_CONFIGS", [cfg]):
             per[_cfg_name(cfg)] = t(lambda: G.gemm_rowwise_inline(a, b))
     rec["inline_configs"] = per

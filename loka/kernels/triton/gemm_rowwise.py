@@ -382,6 +382,13 @@ def k_ranges(m: int, n: int, k: int, tile: int = 128, unit: Optional[int] = None
     return triton.cdiv(k, k_split), k_split
 
 
+def inline_transposed(m: int, n: int) -> bool:
+    """Whether :func:`gemm_rowwise_inline` runs an (M, N) product as ``cᵀ = bᵀ aᵀ``: when
+    M is under 64 and N is larger, since the Hopper MMA's tiles are 64 rows tall and an M
+    under 64 would be loaded, and cast, 64 / M times over."""
+    return m < min(n, 64)
+
+
 def gemm_rowwise_inline(a: torch.Tensor, b: torch.Tensor, a_fmt="e4m3", b_fmt="e4m3", *,
                         scale_a: Optional[torch.Tensor] = None,
                         scale_b: Optional[torch.Tensor] = None,
@@ -450,9 +457,7 @@ def gemm_rowwise_inline(a: torch.Tensor, b: torch.Tensor, a_fmt="e4m3", b_fmt="e
     c = torch.empty((split, m, n) if split > 1 else (m, n),
                     dtype=torch.float32 if split > 1 else out_dtype, device=a.device)
     stride_cm, stride_cn = c.stride(-2), c.stride(-1)
-    if m < min(n, 64):
-        # cᵀ = bᵀ aᵀ: the Hopper MMA's tiles are 64 rows tall, so an M under 64 would be
-        # loaded, and cast, 64 / M times over; the wider N fills them instead
+    if inline_transposed(m, n):  # cᵀ = bᵀ aᵀ: the wider N fills the MMA's 64-row tiles
         (ta, pa, sa_stride, npart_a, qa), (tb, pb, sb_stride, npart_b, qb) = ops[1], ops[0]
         ta, tb, m_, n_ = ta.t(), tb.t(), n, m
         stride_cm, stride_cn = stride_cn, stride_cm
