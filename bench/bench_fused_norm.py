@@ -91,12 +91,13 @@ def time_configs(x, norm, act, gran, device, budget_ms) -> dict:
     from bench_inline import forced
     from loka.kernels.triton import norm_act_quant as nq
 
-    _, ng, gp, _ = nq._tile_shape(x.shape[1], norm, 256)
+    _, ng, gp, nchunk = nq._tile_shape(x.shape[1], norm, 256)
     kern = nq.norm_act_quant_kernel
     out = {}
-    for cfg in nq._prune(kern.configs, {"M": x.shape[0]}, NG=ng, GP=gp):
+    for cfg in nq._prune(kern.configs, {"M": x.shape[0]}, NG=ng, GP=gp, NCHUNK=nchunk):
         name = f"BLOCK_M={cfg.kwargs['BLOCK_M']},w={cfg.num_warps}" + (
-            f",maxnreg={cfg.maxnreg}" if cfg.maxnreg else "")
+            f",maxnreg={cfg.maxnreg}" if cfg.maxnreg else "") + (
+            f",split={nq._split(cfg)}" if nq._split(cfg) > 1 else "")
         for hp in (True, False):
             with forced(kern, configs=[cfg]):
                 try:

@@ -222,22 +222,53 @@ def test_triton_kernel_without_hp_output(act, fmt, granularity):
             y.float().abs().max().item() / get_format(fmt).max, rel=1e-6)
 
 
-@pytest.mark.parametrize("d,capped", [(16384, True), (8192, True), (2048, False), (20000, False)])
-def test_register_capped_tiles_only_for_long_whole_rows(d, capped):
-    """The configs that cap registers (two programs per SM) are tried only where a whole
-    row of 8-16K values sits in one program; shorter rows, and chunked longer ones, keep
-    the uncapped tiles."""
+@pytest.mark.parametrize("d,splits", [(16384, [2, 2, 4, 4, 8, 8]),
+                                      (8192, [2, 2, 4, 4, 8]),  # 1K lanes on 8 warps: too few
+                                      (2048, []), (20000, [])])
+def test_capped_and_split_tiles_only_for_long_whole_rows(d, splits):
+    """The configs that cap registers (two programs per SM) or split a row into chunks are
+    tried only where a whole row of 8-16K values sits in one program; shorter rows, and
+    chunked longer ones, keep the plain tiles."""
     if not HAS_TRITON:
         pytest.skip("no Triton")
     import importlib
 
     nq = importlib.import_module("loka.kernels.triton.norm_act_quant")
-    _, ng, gp, _ = nq._tile_shape(d, "blocknorm", 256)
-    kept = nq._prune(nq.CONFIGS, {"M": 4096}, NG=ng, GP=gp)
-    assert kept and any(c.maxnreg is None for c in kept)
-    assert any(c.maxnreg for c in kept) == capped
+    _, ng, gp, nchunk = nq._tile_shape(d, "blocknorm", 256)
+    kept = nq._prune(nq.CONFIGS, {"M": 4096}, NG=ng, GP=gp, NCHUNK=nchunk)
+    assert kept and any(c.maxnreg is None and nq._split(c) == 1 for c in kept)
+    assert any(c.maxnreg for c in kept) == bool(splits)
+    assert sorted(nq._split(c) for c in kept if nq._split(c) > 1) == splits
     for c in kept:
         assert c.maxnreg is None or c.maxnreg * 32 * c.num_warps <= 32768  # two per SM
+        lanes = c.kwargs["BLOCK_M"] * ng * gp // nq._split(c) / (32 * c.num_warps)
+        assert 8 <= lanes <= 64 or nchunk > 1
+
+
+@pytest.mark.parametrize("split", [2, 4])
+@pytest.mark.parametrize("block,m,d", [(256, 3, 1000),   # a shorter last block
+                                       (128, 2, 1280)])  # 10 blocks padded to 16
+@pytest.mark.parametrize("act,fmt,granularity", [("hardswish", "e4m3", "rowwise"),
+                                                 ("identity", "e5m2", "tensorwise")])
+def test_triton_kernel_split_rows(split, block, m, d, act, fmt, granularity, monkeypatch):
+    """A row the tuner splits into chunks (two passes) gives what the whole-row tile gives,
+    forced here at every split (the tuner tries them only at rows of 8-16K values)."""
+    kernel_runs_here()
+    import importlib
+
+    import triton
+
+    nq = importlib.import_module("loka.kernels.triton.norm_act_quant")
+    tuner = nq.norm_act_quant_kernel
+    cfg = triton.Config({"BLOCK_M": 1, "SPLIT": split}, num_warps=4)
+    monkeypatch.setattr(tuner, "early_config_prune", lambda cfgs, nargs, **kw: [cfg])
+    monkeypatch.setattr(tuner, "cache", {})
+    g = torch.Generator().manual_seed(d + split)
+    x = (torch.randn(m, d, generator=g) * 3 + 0.5).bfloat16()
+    x[-1, -7:] *= 50  # the row amax in the last chunk
+    x = x.to(DEVICE)
+    check_against_composition(x, "blocknorm", block, act, fmt, granularity)
+    assert tuner.best_config is cfg  # the split config ran
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])

@@ -20,7 +20,11 @@ row (``NG = 1``). Rows of up to ``MAX_TILE`` lanes are held in registers whole: 
 read once and nothing is recomputed (norm, activation, amax, scale, cast and stores in one
 pass; bytes moved = read x + write q (+ write y)). Longer rows go through ``NG``-block
 chunks: pass 1 computes and stores the activation and the row amax, pass 2 recomputes each
-chunk (its input is then mostly in L2) and casts.
+chunk (its input is then mostly in L2) and casts. The tuner may also split a long row that
+fits whole (8-16K lanes of BlockNorm) into ``SPLIT`` chunks the same way: a whole row of
+16K lanes takes 77-140 registers a thread and leaves one program per SM, too few loads in
+flight; chunks of 2-8K lanes trade a second read of the row, from L2, for more programs per
+SM.
 
 Tensorwise scales: a first pass folds every program's amax into one global amax with an
 integer ``atomic_max`` (the bits of a non-negative float order as the float does, and a
@@ -77,23 +81,32 @@ def _tile_shape(d: int, norm: str, block: int) -> Tuple[int, int, int, int]:
     return CHUNK, 1, CHUNK, triton.cdiv(d, CHUNK)
 
 
+def _split(cfg: triton.Config) -> int:
+    return cfg.kwargs.get("SPLIT", 1)
+
+
 def _prune(configs, named_args, **kwargs):
     """Tiles of 8 to 64 lanes per thread (16-byte loads, no spills), at most 16K lanes;
-    no taller than the tensor. Short rows of a short tensor: the tallest that fits."""
+    no taller than the tensor. Register caps and split rows only for whole rows of 8-16K
+    lanes that hold at least ``SPLIT`` blocks. Short rows of a short tensor: the tallest
+    tile that fits."""
     row = kwargs["NG"] * kwargs["GP"]
     m = named_args["M"]
+    long_whole = kwargs["NCHUNK"] == 1 and row >= 8192
     fits = [c for c in configs if c.kwargs["BLOCK_M"] <= max(1, next_pow2(m))
-            and (c.maxnreg is None or row >= 8192)]
+            and (c.maxnreg is None or long_whole)
+            and (_split(c) == 1 or (long_whole and kwargs["NG"] >= _split(c)))]
     keep = []
     for c in fits:
-        tile, threads = c.kwargs["BLOCK_M"] * row, 32 * c.num_warps
+        tile, threads = c.kwargs["BLOCK_M"] * row // _split(c), 32 * c.num_warps
         if 8 * threads <= tile <= min(64 * threads, MAX_TILE) or (
                 c.kwargs["BLOCK_M"] == 1 and row > MAX_TILE and c.num_warps >= 8):
             keep.append(c)
     if keep:
         return keep
-    small = min(c.num_warps for c in fits)
-    return [max((c for c in fits if c.num_warps == small), key=lambda c: c.kwargs["BLOCK_M"])]
+    whole = [c for c in fits if _split(c) == 1]
+    small = min(c.num_warps for c in whole)
+    return [max((c for c in whole if c.num_warps == small), key=lambda c: c.kwargs["BLOCK_M"])]
 
 
 @triton.jit
@@ -161,10 +174,13 @@ def _global_amax(partial_ptr, amax):
 CONFIGS = [triton.Config({"BLOCK_M": m}, num_warps=w)
            for m in (1, 2, 4, 8, 16, 32, 64) for w in (4, 8, 16)] + [
     # Whole rows of 8-16K values: at 77-140 registers a thread, one program per SM, and
-    # one 32 KB row in flight is too little to cover the memory latency; capped at 64
-    # (16 warps) or 128 (8 warps) registers, two programs share an SM.
+    # one 32 KB row in flight is too little to cover the memory latency. Two remedies for
+    # the tuner to weigh: registers capped at 64 (16 warps) or 128 (8 warps), so that two
+    # programs share an SM (a few values spill); or the row split into SPLIT chunks of
+    # 2-8K lanes (two passes, the second reading the row again, mostly from L2).
     triton.Config({"BLOCK_M": 1}, num_warps=16, maxnreg=64),
-    triton.Config({"BLOCK_M": 1}, num_warps=8, maxnreg=128)]
+    triton.Config({"BLOCK_M": 1}, num_warps=8, maxnreg=128)] + [
+    triton.Config({"BLOCK_M": 1, "SPLIT": s}, num_warps=w) for s in (2, 4, 8) for w in (4, 8)]
 """the fused kernel's tiles (:func:`_prune` keeps those that fit a shape)"""
 
 
@@ -179,11 +195,12 @@ def norm_act_quant_kernel(x_ptr, w_ptr, b_ptr, y_ptr, q_ptr, scale_ptr, partial_
                           WRITE_HP: tl.constexpr, ROWWISE: tl.constexpr,
                           CAST: tl.constexpr, FMT_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
                           MIN_EXP: tl.constexpr, SOFT_ROUND: tl.constexpr,
-                          BLOCK_M: tl.constexpr):
+                          BLOCK_M: tl.constexpr, SPLIT: tl.constexpr = 1):
     """Rows [pid * BLOCK_M, +BLOCK_M) of x (M, D) -> y (M, D) in x's dtype (if WRITE_HP),
     q (M, D) FP8 with rowwise scales (M,) (ROWWISE), or the global amax's int32 bits in
     ``partial`` (tensorwise), or, with ``CAST`` (tensorwise, second launch), q cast with the
-    scale of the global amax already in ``partial`` (the scale stored by program 0)."""
+    scale of the global amax already in ``partial`` (the scale stored by program 0).
+    ``SPLIT`` > 1 runs a row of ``NG`` blocks as chunks of ``NG // SPLIT`` blocks."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     # the activation is rounded to x's dtype before it is quantized: 16-bit values
     X16: tl.constexpr = x_ptr.dtype.element_ty != tl.float32
@@ -195,7 +212,7 @@ def norm_act_quant_kernel(x_ptr, w_ptr, b_ptr, y_ptr, q_ptr, scale_ptr, partial_
     row_ok = rows < M
     r64 = rows[:, None, None].to(tl.int64)
     zero_m = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NCHUNK == 1:  # the whole row in registers: one read of x, nothing recomputed
+    if NCHUNK == 1 and SPLIT == 1:  # the whole row in registers: x read once
         x, cols, col_ok, mask = _load_tile(x_ptr, r64, row_ok, 0, D, stride_xm, GROUP, NG, GP)
         mean, rstd = zero_m, zero_m
         if NORM == 2:
@@ -227,38 +244,40 @@ def norm_act_quant_kernel(x_ptr, w_ptr, b_ptr, y_ptr, q_ptr, scale_ptr, partial_
             tl.store(scale_ptr + rows, scale, mask=row_ok)
         else:
             _global_amax(partial_ptr, _row_amax(y))
-    else:  # long rows: chunks of NG blocks, the activation computed twice
-        CW: tl.constexpr = NG * GROUP
+    else:  # long rows: chunks of TG blocks, the activation computed twice
+        tl.static_assert(NG % SPLIT == 0, "a split row must hold SPLIT chunks of whole blocks")
+        TG: tl.constexpr = NG // SPLIT
+        CW: tl.constexpr = TG * GROUP
         mean, rstd = zero_m, zero_m
         if NORM == 2:  # row statistics first: mean, then the centred second moment
             acc = zero_m
             for c0 in range(0, D, CW):
                 x, cols, col_ok, mask = _load_tile(x_ptr, r64, row_ok, c0, D, stride_xm,
-                                                   GROUP, NG, GP)
+                                                   GROUP, TG, GP)
                 acc += tl.sum(tl.sum(x, 2), 1)
             mean = tl.math.div_rn(acc, zero_m + D)
             acc = zero_m
             for c0 in range(0, D, CW):
                 x, cols, col_ok, mask = _load_tile(x_ptr, r64, row_ok, c0, D, stride_xm,
-                                                   GROUP, NG, GP)
+                                                   GROUP, TG, GP)
                 xc = tl.where(mask, x - mean[:, None, None], 0.0)
                 acc += tl.sum(tl.sum(xc * xc, 2), 1)
             rstd = tl.rsqrt(tl.math.div_rn(acc, zero_m + D) + eps)
         if CAST:
             for c0 in range(0, D, CW):
                 x, cols, col_ok, mask = _load_tile(x_ptr, r64, row_ok, c0, D, stride_xm,
-                                                   GROUP, NG, GP)
+                                                   GROUP, TG, GP)
                 y = _norm_act(x, cols, col_ok, mask, c0, D, x_ptr, w_ptr, b_ptr, eps, mean, rstd,
-                              NORM, GROUP, NG, HAS_W, HAS_B, ACT, SOFT_ROUND)
+                              NORM, GROUP, TG, HAS_W, HAS_B, ACT, SOFT_ROUND)
                 qv = scale_and_clamp(y, g_scale, FMT_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND, X16)
                 tl.store(q_ptr + r64 * D + cols, qv.to(q_ptr.dtype.element_ty), mask=mask)
         else:
             amax = zero_m
             for c0 in range(0, D, CW):
                 x, cols, col_ok, mask = _load_tile(x_ptr, r64, row_ok, c0, D, stride_xm, GROUP,
-                                                   NG, GP)
+                                                   TG, GP)
                 y = _norm_act(x, cols, col_ok, mask, c0, D, x_ptr, w_ptr, b_ptr, eps, mean, rstd,
-                              NORM, GROUP, NG, HAS_W, HAS_B, ACT, SOFT_ROUND)
+                              NORM, GROUP, TG, HAS_W, HAS_B, ACT, SOFT_ROUND)
                 if WRITE_HP:
                     tl.store(y_ptr + r64 * D + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
                 amax = tl.maximum(amax, _row_amax(y), propagate_nan=tl.PropagateNan.ALL)
@@ -267,9 +286,9 @@ def norm_act_quant_kernel(x_ptr, w_ptr, b_ptr, y_ptr, q_ptr, scale_ptr, partial_
                 tl.store(scale_ptr + rows, scale, mask=row_ok)
                 for c0 in range(0, D, CW):
                     x, cols, col_ok, mask = _load_tile(x_ptr, r64, row_ok, c0, D, stride_xm,
-                                                       GROUP, NG, GP)
+                                                       GROUP, TG, GP)
                     y = _norm_act(x, cols, col_ok, mask, c0, D, x_ptr, w_ptr, b_ptr, eps, mean,
-                                  rstd, NORM, GROUP, NG, HAS_W, HAS_B, ACT, SOFT_ROUND)
+                                  rstd, NORM, GROUP, TG, HAS_W, HAS_B, ACT, SOFT_ROUND)
                     qv = scale_and_clamp(y, scale[:, None, None], FMT_MAX, MANT_BITS, MIN_EXP,
                                          SOFT_ROUND, X16)
                     tl.store(q_ptr + r64 * D + cols, qv.to(q_ptr.dtype.element_ty), mask=mask)
