@@ -8,9 +8,9 @@
 #   OUT=/tmp/out LOKA_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_session.sh selftest bench
 #
 # Stages: env, selftest, gputests, kernels, inline, bench, fused, quality, probe. Extra arguments
-# for a stage come from the environment: BENCH_ARGS, KERNEL_ARGS, INLINE_ARGS, QUALITY_ARGS, PROBE_ARGS,
-# GPUTEST_FILES (the test files gputests runs; by default those with compiled Triton
-# kernels, which the CPU suite runs only under the Triton interpreter).
+# for a stage come from the environment: BENCH_ARGS, KERNEL_ARGS, INLINE_ARGS, FUSED_ARGS,
+# QUALITY_ARGS, PROBE_ARGS, GPUTEST_FILES (the test files gputests runs; by default those
+# with compiled Triton kernels, which the CPU suite runs only under the Triton interpreter).
 set -u
 OUT=${OUT:-bench/results/session}
 mkdir -p "$OUT"
@@ -41,7 +41,7 @@ for s in "$@"; do
     kernels) stage kernels "${KERNELS_LIMIT:-240}" python3 bench/bench_kernels.py --out "$OUT/kernels.json" ${KERNEL_ARGS:-} ;;
     bench) stage bench "${BENCH_LIMIT:-420}" python3 bench/run_all.py --device cuda --out "$OUT/bench.json" ${BENCH_ARGS:-} ;;
     inline) stage inline "${INLINE_LIMIT:-150}" python3 bench/bench_inline.py --out "$OUT/inline.json" ${INLINE_ARGS:-} ;;
-    fused) stage fused "${FUSED_LIMIT:-90}" python3 bench/bench_fused_norm.py --out "$OUT/fused_norm.json" ;;
+    fused) stage fused "${FUSED_LIMIT:-90}" python3 bench/bench_fused_norm.py --out "$OUT/fused_norm.json" ${FUSED_ARGS:-} ;;
     quality) stage quality "${QUALITY_LIMIT:-300}" python3 bench/quality_at_scale.py --out "$OUT/quality.json" ${QUALITY_ARGS:-} ;;
     probe) stage probe "${PROBE_LIMIT:-240}" python3 bench/bench_probe.py --out "$OUT/probe.json" ${PROBE_ARGS:-} ;;
     *) echo "unknown stage $s" | tee -a "$LOG" ;;
