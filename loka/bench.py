@@ -71,7 +71,9 @@ under the Inductor settings the run started with; what a row changed is recorded
 ``inductor_changed`` and undone before the next row. +triton-emb (the embedding bags pooled
 by LoKA's Triton kernel instead of ``F.embedding_bag``; the model's function is the same),
 +token-major (with +mods: ``ModsConfig.token_major``, Wukong's token-axis Linears as
-``W @ X`` on the layout the layer holds), +static (LoKA inference rows: static activation
+``W @ X`` on the layout the layer holds), +fused-norm (with +mods:
+``ModsConfig.fuse_norm_quant``, each norm and activation in front of a Linear that takes an
+FP8 input fused with its quantization), +static (LoKA inference rows: static activation
 scales from the Probe's observed amax where the forward kernel takes one, and the logits'
 relative change against dynamic scales in ``static_logit_change``)."""
 
@@ -81,7 +83,8 @@ def variant_mods(name: str) -> Optional[ModsConfig]:
     if "+mods" not in name:
         return None
     return dataclasses.replace(ModsConfig.paper(), merge_siblings="+merge" in name,
-                               token_major="+token-major" in name)
+                               token_major="+token-major" in name,
+                               fuse_norm_quant="+fused-norm" in name)
 
 
 @dataclass
@@ -1281,7 +1284,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="profiles also attribute GPU time to launching ops and stack frames")
 
 
-MODIFIERS = ("+tuned", "+search", "+plain-inductor", "+triton-emb", "+token-major", "+static")
+MODIFIERS = ("+tuned", "+search", "+plain-inductor", "+triton-emb", "+token-major",
+             "+fused-norm", "+static")
 """suffixes that may be added to any listed variant (+automerge stands for +merge)"""
 
 

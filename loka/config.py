@@ -214,10 +214,11 @@ class ModsConfig:
     hardswish: bool = False
     """replace Swish/SiLU (and the Swish of SwishNorm) with Hard Swish"""
     fuse_norm_quant: bool = False
-    """request norm -> activation -> FP8 quantization in one kernel where it feeds FP8. Not
-    a module swap: models opt in by putting ``loka.mods.fused.FusedNormActQuant`` in front
-    of a ``loka.Linear`` (``linear(y, x_q=q)``); the reference models do not route through
-    it yet, and ``convert`` reports the flag as skipped"""
+    """norm -> activation -> FP8 quantization in one kernel wherever they feed a
+    ``loka.Linear`` that takes an FP8 input (``linear(y, x_q=q)``, no second quantization
+    pass): in the reference models' MLPs and at Wukong's FM and top MLP inputs. Not a
+    module swap (the same function); another model puts
+    ``loka.mods.fused.FusedNormActQuant`` in front of its Linear"""
     pad_to: Optional[int] = None
     """pad Linear feature dims to a multiple of this (16 for FP8 GEMMs); None: no padding"""
     merge_siblings: bool = False

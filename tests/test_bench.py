@@ -786,6 +786,16 @@ def test_token_major_variants_build_the_token_major_model():
     assert names == ["loka+mods+merge+tuned+graphs+token-major"]
 
 
+def test_fused_norm_variants_switch_the_fusion_on():
+    mods = bench.variant_mods("loka+mods+merge+tuned+graphs+token-major+fused-norm")
+    assert mods.fuse_norm_quant and mods.token_major and mods.merge_siblings
+    assert not bench.variant_mods("loka+mods+merge+tuned+graphs").fuse_norm_quant
+    name = "loka+mods+merge+tuned+graphs+token-major+triton-emb+fused-norm"
+    assert bench._variants(name, bench.TRAIN_VARIANTS, bench.TRAIN_VARIANTS) == [name]
+    with pytest.raises(ValueError, match="unknown variant"):
+        bench._variants("loka+fused", bench.TRAIN_VARIANTS, bench.TRAIN_VARIANTS)
+
+
 def test_compiled_rows_record_where_compilation_time_went(tmp_path):
     torch._dynamo.reset()
     result = bench.run(_cfg(tmp_path, train_variants=[], infer_variants=["bf16+mods"], steps=1,

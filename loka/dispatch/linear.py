@@ -15,7 +15,11 @@ formulas of ``nn.Linear``'s autograd, so it is bit-identical role by role too.
 An FP8 producer (a fused norm→quantize kernel) may pass its output twice:
 ``linear(x, x_q=q)`` with ``x`` the high-precision tensor (the autograd edge) and ``q``
 its :class:`~loka.numerics.QTensor`. The forward kernel consumes ``q`` without quantizing
-again and only ``q`` is saved for the weight gradient, so the activation is kept in FP8.
+again. Where the weight gradient's kernel takes ``q`` as is (tensorwise, the same format),
+only ``q`` is saved for it, so the activation is kept in FP8; otherwise ``x`` is saved, as
+without the producer (a rowwise ``q`` has its scales along the other axis of the weight
+gradient's operand: dequantized and quantized again, it would be rounded twice), and the
+gradients are those of ``linear(x)``.
 
 Graph-safety: the hot path has no host synchronization and no branch on tensor values
 (branches are on shapes and on the config, fixed between calls), so ``torch.compile(...,
@@ -117,8 +121,8 @@ class _LinearFunction(torch.autograd.Function):
             y = kf(a, b, out_dtype)
             if bias is not None:
                 y = y + bias
-        if x_q is not None and ctx.x_q is None and kw.name != BASELINE and not ctx.check_grads:
-            ctx.x_q = x_q  # keep the producer's FP8 activation, not a high-precision copy
+        if x_q is not None and ctx.x_q is None and _fits(kw, x_q, 1) and not ctx.check_grads:
+            ctx.x_q = x_q  # the wgrad kernel's own operand: keep it, not a high-precision copy
         if ctx.x_q is not None:
             ctx.save_for_backward(weight)
         else:
@@ -128,11 +132,9 @@ class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         kd, kw = ctx.kernels
-        if ctx.x_q is not None:
+        if ctx.x_q is not None:  # tensorwise, of the wgrad kernel's format (_fits)
             (weight,) = ctx.saved_tensors
-            x_b = ctx.x_q if ctx.x_q.granularity is Granularity.TENSORWISE and \
-                _fits(kw, ctx.x_q, 1) else None
-            x2d = None if x_b is not None else ctx.x_q.dequantize(ctx.out_dtype)
+            x_b, x2d = ctx.x_q, None
         else:
             x2d, weight = ctx.saved_tensors
             x_b = None

@@ -19,6 +19,7 @@ from loka.data.batch import FeatureSpec, Jagged, TableSpec
 from loka.mods import BlockNorm
 from loka.mods import merge_siblings as _merge_siblings
 from loka.mods import pad_linears
+from loka.mods.fused import norm_act_linear, norm_act_spec
 from loka.mods.no_bias import FINAL_ATTR
 
 _NO_MODS = ModsConfig()
@@ -70,6 +71,13 @@ def param_dtype(module: nn.Module) -> torch.dtype:
 class MLP(nn.Sequential):
     """``[Linear -> (norm) -> activation] * len(hidden)``, then an optional output Linear.
 
+    Under ``mods.fuse_norm_quant`` (the switch ``fuse_norm_quant``, which
+    ``loka.mods.convert`` also sets) each norm and activation in front of a Linear that
+    takes an FP8 input runs with the Linear's quantization in one pass
+    (:func:`loka.mods.fused.norm_act_linear`); the same function, fewer passes over the
+    activation. ``forward(x, prologue)`` applies ``prologue`` (a norm owned by the caller)
+    to x first, fused in the same way into the first Linear.
+
     Args:
         in_features: input width.
         hidden: widths of the hidden layers.
@@ -97,6 +105,29 @@ class MLP(nn.Sequential):
             width = out_features
         super().__init__(*layers)
         self.in_features, self.out_features = in_features, width
+        self.fuse_norm_quant = bool(mods is not None and mods.fuse_norm_quant)
+
+    def forward(self, x: torch.Tensor, prologue: Optional[nn.Module] = None) -> torch.Tensor:
+        if not self.fuse_norm_quant:
+            return super().forward(prologue(x) if prologue is not None else x)
+        # a norm, then an activation, held back until the Linear they feed
+        norm, act = prologue, None
+        for m in self:
+            if isinstance(m, nn.Linear):
+                x, norm, act = norm_act_linear(x, norm, act, m), None, None
+            elif act is None and isinstance(m, nn.Hardswish):
+                act = m
+            elif norm is None and act is None and norm_act_spec(m, None) is not None:
+                norm = m  # a norm the fused kernel computes
+            else:  # anything else: what is held back runs first, then the module
+                x = _norm_act(x, norm, act)
+                x, norm, act = m(x), None, None
+        return _norm_act(x, norm, act)
+
+
+def _norm_act(x: torch.Tensor, norm: Optional[nn.Module], act: Optional[nn.Module]):
+    x = norm(x) if norm is not None else x
+    return act(x) if act is not None else x
 
 
 class DenseArch(nn.Module):
@@ -235,9 +266,10 @@ class OverArch(nn.Module):
         super().__init__()
         self.mlp = MLP(in_features, hidden, mods, out_features=1, last=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Args: x (B, in_features). Returns: logits (B,)."""
-        return self.mlp(x).squeeze(-1)
+    def forward(self, x: torch.Tensor, prologue: Optional[nn.Module] = None) -> torch.Tensor:
+        """Args: x (B, in_features); prologue: a norm to apply to x first (see
+        :class:`MLP`). Returns: logits (B,)."""
+        return self.mlp(x, prologue).squeeze(-1)
 
 
 class RecModel(nn.Module):

@@ -12,10 +12,10 @@ import torch.nn as nn
 
 from loka.config import ModsConfig
 from loka.data.batch import Batch, FeatureSpec
-from loka.mods import MergedLinear
+from loka.mods import BlockNorm, MergedLinear
 from loka.mods._swap import ModuleChange, describe
 
-from .arch import (DenseTokenArch, EmbeddingArch, OverArch, RecModel, make_activation,
+from .arch import (MLP, DenseTokenArch, EmbeddingArch, OverArch, RecModel,
                    make_linear, make_norm)
 
 
@@ -90,14 +90,13 @@ class FactorizationMachineBlock(nn.Module):
         self.num_out, self.d = num_out, d
         self.proj = make_linear(n, rank, mods)
         self.norm = make_norm(n * rank, mods)
-        self.mlp = nn.Sequential(make_linear(n * rank, hidden, mods), make_activation(mods),
-                                 make_linear(hidden, num_out * d, mods))
+        self.mlp = MLP(n * rank, [hidden], mods, out_features=num_out * d)
         self.token_major = bool(mods is not None and mods.token_major)
 
     def interact(self, x: torch.Tensor, projected: torch.Tensor) -> torch.Tensor:
         """Args: x (B, n, d), projected = proj(xᵀ) (B, d, k). Returns: (B, nF, d)."""
         inter = torch.bmm(x, projected)  # (B, n, k)
-        return self.mlp(self.norm(inter.flatten(1))).view(x.shape[0], self.num_out, self.d)
+        return self.mlp(inter.flatten(1), self.norm).view(x.shape[0], self.num_out, self.d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args: x (B, n, d). Returns: (B, nF, d)."""
@@ -149,8 +148,12 @@ class WukongLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args: x (B, n, d). Returns: (B, nF + nL, d)."""
+        return self.norm(self.pre_norm(x))
+
+    def pre_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer without its norm: ``concat(FMB(X), LCB(X)) + residual(X)``."""
         if self.token_major:
-            return self._forward_token_major(x)
+            return self._pre_norm_token_major(x)
         xt = x.transpose(1, 2)  # (B, d, n): the Linears below act on the n axis
         if self.merged is not None:
             outs = self.merged(xt)
@@ -160,9 +163,9 @@ class WukongLayer(nn.Module):
             fm_proj, lcb = self.fmb.proj(xt), self.lcb.proj(xt)
             res = self.residual(xt).transpose(1, 2) if self.residual is not None else x
         out = torch.cat([self.fmb.interact(x, fm_proj), lcb.transpose(1, 2)], dim=1)
-        return self.norm(out + res)
+        return out + res
 
-    def _forward_token_major(self, x: torch.Tensor) -> torch.Tensor:
+    def _pre_norm_token_major(self, x: torch.Tensor) -> torch.Tensor:
         """The same function with the n-axis Linears as ``W @ x`` (:func:`token_linear`)."""
         if self.merged is not None:
             outs = token_linear(self.merged.linear, x).split(self.merged.split_sizes, dim=1)
@@ -172,7 +175,7 @@ class WukongLayer(nn.Module):
             fm_proj, lcb = token_linear(self.fmb.proj, x), token_linear(self.lcb.proj, x)
             res = token_linear(self.residual, x) if self.residual is not None else x
         out = torch.cat([self.fmb.interact(x, fm_proj.transpose(1, 2)), lcb], dim=1)
-        return self.norm(out + res)
+        return out + res
 
     def _loka_merge_siblings(self, when=None) -> List[ModuleChange]:
         if self.merged is not None:
@@ -213,7 +216,19 @@ class Wukong(RecModel):
             WukongLayer(c.num_embeddings if i == 0 else n_out, c.embedding_dim, c.num_fm,
                         c.num_lcb, c.fm_rank, c.fm_hidden, mods) for i in range(c.num_layers))
         self.over_arch = OverArch(n_out * c.embedding_dim, c.top_hidden, mods)
+        self.fuse_norm_quant = bool(mods.fuse_norm_quant)
         self._finish()
+
+    def _top_prologue(self) -> Optional[nn.Module]:
+        """The last layer's norm, when the top MLP may apply it to the flattened
+        (B, n * d) output (and fuse it with its first Linear's quantization): a BlockNorm
+        whose blocks divide d never straddles two embeddings, so it is the same function
+        on the flattened rows."""
+        norm = self.layers[-1].norm
+        if self.fuse_norm_quant and isinstance(norm, BlockNorm) \
+                and self.config.embedding_dim % norm.block_size == 0:
+            return norm
+        return None
 
     def embed(self, batch: Batch) -> torch.Tensor:
         """Args: batch. Returns: X (B, n, d), the dense tokens first."""
@@ -226,6 +241,9 @@ class Wukong(RecModel):
         """Args: batch with dense (B, n_dense) and the tables of ``feature_spec``.
         Returns: logits (B,)."""
         x = self.embed(batch)
-        for layer in self.layers:
+        for layer in self.layers[:-1]:
             x = layer(x)
-        return self.over_arch(x.flatten(1))
+        top_norm = self._top_prologue()
+        if top_norm is None:
+            return self.over_arch(self.layers[-1](x).flatten(1))
+        return self.over_arch(self.layers[-1].pre_norm(x).flatten(1), top_norm)

@@ -71,9 +71,11 @@ def convert(model: nn.Module, mods: ModsConfig) -> ModsReport:
     * ``pad_to``: Linears with a dim not a multiple of it -> ``PaddedLinear``.
     * ``token_major``: every module with a ``token_major`` switch (Wukong's layers and FM
       blocks) computes its token-axis Linears as ``W @ X``; the same function, no swap.
-    * ``fuse_norm_quant`` is not a module swap: the fused producer is the explicit
-      ``loka.mods.fused.FusedNormActQuant`` module in front of a ``loka.Linear``; it is
-      reported as skipped here.
+    * ``fuse_norm_quant``: every module with a ``fuse_norm_quant`` switch (the reference
+      models' MLPs, Wukong's top MLP input) runs a norm and an activation in front of a
+      ``loka.Linear`` that takes an FP8 input, and the Linear's quantization, as one
+      kernel (:func:`loka.mods.fused.norm_act_linear`); the same function, no swap. In
+      another model, put ``loka.mods.fused.FusedNormActQuant`` in front of the Linear.
 
     Converting a trained model changes the function (except padding and merging): train
     or fine-tune afterwards. Idempotent: converting twice changes nothing the second time.
@@ -102,17 +104,30 @@ def convert(model: nn.Module, mods: ModsConfig) -> ModsReport:
             skipped += s
     if mods.pad_to is not None:
         changes += pad_linears(model, mods.pad_to)
-    if mods.token_major:
-        switched = [(fqn, m) for fqn, m in model.named_modules()
-                    if isinstance(getattr(m, "token_major", None), bool)]
-        for fqn, m in switched:
-            if not m.token_major:
-                m.token_major = True
-                changes.append(ModuleChange(fqn, f"{type(m).__name__}(n-axis Linears on Xᵀ)",
-                                            f"{type(m).__name__}(n-axis Linears as W @ X)"))
-        if not switched:
-            skipped.append(("", "token_major: no module of this model has token-axis Linears"))
-    if mods.fuse_norm_quant:
-        skipped.append(("", "fuse_norm_quant is not a module swap: put "
-                            "loka.mods.fused.FusedNormActQuant in front of the loka.Linear"))
+    for enabled, switch, old, new, none in (
+            (mods.token_major, "token_major", "n-axis Linears on Xᵀ", "n-axis Linears as W @ X",
+             "no module of this model has token-axis Linears"),
+            (mods.fuse_norm_quant, "fuse_norm_quant", "norm, activation, quantization",
+             "norm -> activation -> quantization fused",
+             "no module of this model has the switch: put loka.mods.fused.FusedNormActQuant "
+             "in front of the loka.Linear")):
+        if enabled:
+            c, s = _flip(model, switch, old, new, none)
+            changes += c
+            skipped += s
     return ModsReport(config=mods, changes=tuple(changes), skipped=tuple(skipped))
+
+
+def _flip(model: nn.Module, switch: str, old: str, new: str, none: str
+          ) -> Tuple[List[ModuleChange], List[Tuple[str, str]]]:
+    """Set the bool attribute ``switch`` of every module that has one; a change per module
+    it was off in, or ``none`` as the reason it is skipped if no module has it."""
+    switched = [(fqn, m) for fqn, m in model.named_modules()
+                if isinstance(getattr(m, switch, None), bool)]
+    changes = []
+    for fqn, m in switched:
+        if not getattr(m, switch):
+            setattr(m, switch, True)
+            changes.append(ModuleChange(fqn, f"{type(m).__name__}({old})",
+                                        f"{type(m).__name__}({new})"))
+    return changes, ([] if switched else [("", f"{switch}: {none}")])

@@ -226,6 +226,66 @@ def fused_norm_act_quant(x: torch.Tensor, norm: str = "blocknorm", block: int = 
     return (y.reshape(*lead, d) if return_hp else None), q
 
 
+HANDOFF_LIBRARIES = ("emulated", "cublas", "triton")
+"""kernel libraries whose a-operand quantization is :func:`loka.numerics.quantize`'s (the
+cuBLAS and Triton kernels use LoKA's own quantizers), so that a producer's FP8 tensor is
+exactly what the Linear would have made. torchao and FBGEMM quantize by their own rules
+(power-of-two scales, their own amax floor): their Linears quantize for themselves."""
+
+
+def handoff(linear: nn.Module) -> Optional[Tuple[str, str]]:
+    """``(fmt, granularity)`` in which ``linear`` (a ``loka.Linear``) takes its input from
+    an FP8 producer, ``linear(y, x_q=q)``; None where it takes none: not a ``loka.Linear``,
+    a high-precision or blockwise forward kernel, a kernel of another library (see
+    :data:`HANDOFF_LIBRARIES`), or a static input scale (``set_input_amax``: the Linear
+    quantizes with its calibrated scale)."""
+    kernels = getattr(linear, "kernels", None)
+    if not kernels or getattr(linear, "input_amax", None) is not None:
+        return None
+    kern = kernels[0]
+    if not kern.is_fp8 or kern.scaling not in GRANULARITIES or kern.library not in HANDOFF_LIBRARIES:
+        return None
+    return kern.formats[0], kern.scaling
+
+
+def norm_act_spec(norm: Optional[nn.Module], act: Optional[nn.Module]) -> Optional[dict]:
+    """The arguments of :func:`fused_norm_act_quant` that compute ``act(norm(x))`` for
+    these modules (None: no norm, no activation), or None where the fused kernel has no
+    equivalent (another norm or activation)."""
+    if norm is None:
+        spec = {"norm": "none"}
+    elif isinstance(norm, BlockNorm):
+        spec = {"norm": "blocknorm", "block": norm.block_size, "eps": norm.eps}
+    elif isinstance(norm, nn.LayerNorm) and len(norm.normalized_shape) == 1:
+        spec = {"norm": "layernorm", "eps": norm.eps, "weight": norm.weight, "bias": norm.bias}
+    else:
+        return None
+    if act is None or isinstance(act, nn.Identity):
+        spec["act"] = "identity"
+    elif isinstance(act, nn.Hardswish):
+        spec["act"] = "hardswish"
+    else:
+        return None
+    return spec
+
+
+def norm_act_linear(x: torch.Tensor, norm: Optional[nn.Module], act: Optional[nn.Module],
+                    linear: nn.Module) -> torch.Tensor:
+    """``linear(act(norm(x)))``, the norm, the activation and the Linear's quantization of
+    its input in one pass where the Linear takes an FP8 input (:func:`handoff`) and the
+    fused kernel computes ``act(norm(.))`` (:func:`norm_act_spec`); else the modules one
+    after the other. The same function either way: the Linear gets the FP8 tensor it would
+    have made itself (on a GPU the fused norm may differ from the module's by an ulp: its
+    reductions run in another order)."""
+    fq = handoff(linear) if norm is not None or act is not None else None
+    spec = norm_act_spec(norm, act) if fq is not None else None
+    if spec is None:
+        h = norm(x) if norm is not None else x
+        return linear(act(h) if act is not None else h)
+    y, q = fused_norm_act_quant(x, fmt=fq[0], granularity=fq[1], **spec)
+    return linear(y, x_q=q)
+
+
 class FusedNormActQuant(nn.Module):
     """Norm -> activation -> FP8 quantization as one module, for the input of a Linear.
 
@@ -266,14 +326,14 @@ class FusedNormActQuant(nn.Module):
     @classmethod
     def for_linear(cls, linear: nn.Module, **kwargs) -> "FusedNormActQuant":
         """A module whose quantization matches ``linear``'s forward kernel (a
-        ``loka.Linear``): its a-operand format and granularity, or none for a
-        high-precision forward kernel."""
-        kern = linear.kernels[0]
-        if kern.is_fp8 and kern.scaling in GRANULARITIES:
-            kwargs.setdefault("fmt", kern.formats[0])
-            kwargs.setdefault("granularity", kern.scaling)
-        else:
+        ``loka.Linear``): its a-operand format and granularity (:func:`handoff`), or none
+        where the Linear takes no FP8 activation from a producer."""
+        fq = handoff(linear)
+        if fq is None:
             kwargs["granularity"] = None
+        else:
+            kwargs.setdefault("fmt", fq[0])
+            kwargs.setdefault("granularity", fq[1])
         return cls(**kwargs)
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, Optional[QTensor]]:

@@ -81,12 +81,25 @@ def test_convert_matches_building_with_mods(name):
 def test_report_contents():
     model = M.build("wukong", "tiny")
     report = convert(model, ModsConfig(hardswish=True, fuse_norm_quant=True))
-    assert report.changes and all(c.old.startswith("SiLU") and c.new.startswith("Hardswish")
-                                  for c in report)
-    assert report.skipped and "fuse_norm_quant" in report.skipped[0][1]
+    swaps = [c for c in report if c.old.startswith("SiLU")]
+    assert swaps and all(c.new.startswith("Hardswish") for c in swaps)
+    switched = {c.fqn for c in report if c not in swaps}
+    # the fuse switch: every MLP (the FM blocks' and the top one) and the model itself
+    assert switched == {"", "over_arch.mlp"} | {f"layers.{i}.fmb.mlp" for i in range(2)}
+    assert all(model.get_submodule(f).fuse_norm_quant for f in switched)
+    assert not report.skipped
     d = report.to_dict()
     assert d["config"]["hardswish"] is True and len(d["changes"]) == len(report)
-    assert "Hardswish" in report.summary()
+    assert "Hardswish" in report.summary() and "quantization fused" in report.summary()
+    assert len(convert(model, ModsConfig(fuse_norm_quant=True))) == 0  # idempotent
+
+
+def test_fuse_switch_without_a_module_that_has_it_is_skipped():
+    report = convert(nn.Sequential(nn.Linear(4, 4), nn.Hardswish(), nn.Linear(4, 1)),
+                     ModsConfig(fuse_norm_quant=True, token_major=True))
+    assert not report.changes
+    assert [r.split(":")[0] for _, r in report.skipped] == ["token_major", "fuse_norm_quant"]
+    assert "FusedNormActQuant" in report.skipped[1][1]
 
 
 def test_final_linear_rule():

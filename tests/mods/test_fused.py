@@ -3,6 +3,7 @@ composition (BlockNorm / LayerNorm, Hard Swish, loka.numerics.quantize), its bac
 against autograd, the module in front of a loka.Linear, and the Triton kernel (on an FP8
 GPU, or under Triton's CPU interpreter in a subprocess)."""
 
+import dataclasses
 import os
 
 import pytest
@@ -10,6 +11,11 @@ import torch
 import torch.nn.functional as F
 
 import loka
+import loka.models as M
+import loka.mods.fused as fused_mod
+from loka.config import ModsConfig
+from loka.data import SyntheticCTR
+from loka.dispatch.plan import Plan
 from loka.kernels import capabilities as caps
 from loka.mods.blocknorm import BlockNorm
 from loka.mods.fused import (FusedNormActQuant, fused_norm_act_quant, norm_act_backward,
@@ -106,6 +112,114 @@ def test_module_feeds_a_loka_linear_without_requantizing():
     # a high-precision forward kernel gets no FP8 tensor
     plain = FusedNormActQuant.for_linear(loka.Linear(256, 64))
     assert plain(x)[1] is None and plain.granularity is None
+
+
+def test_handoff_only_where_the_linear_would_make_the_same_fp8_tensor():
+    def lin(fwd, **kw):
+        return loka.Linear(128, 128, config=loka.LinearConfig(fwd=fwd, dgrad="bf16", wgrad="bf16"),
+                           **kw)
+    assert fused_mod.handoff(lin("emulated-rowwise-e4m3")) == ("e4m3", "rowwise")
+    assert fused_mod.handoff(lin("emulated-tensorwise-e4m3fnuz")) == ("e4m3fnuz", "tensorwise")
+    assert fused_mod.handoff(lin("bf16")) is None
+    assert fused_mod.handoff(lin("emulated-blockwise-e4m3")) is None
+    assert fused_mod.handoff(lin("emulated-mx-e4m3")) is None
+    assert fused_mod.handoff(torch.nn.Linear(128, 128)) is None
+    static = lin("emulated-tensorwise-e4m3")
+    static.set_input_amax(torch.tensor(3.0))  # a calibrated scale: the Linear quantizes
+    assert fused_mod.handoff(static) is None
+    ln = torch.nn.LayerNorm(64)
+    assert fused_mod.norm_act_spec(ln, torch.nn.Hardswish())["weight"] is ln.weight
+    assert fused_mod.norm_act_spec(BlockNorm(32), None) == {
+        "norm": "blocknorm", "block": 32, "eps": 1e-6, "act": "identity"}
+    assert fused_mod.norm_act_spec(torch.nn.RMSNorm(64), None) is None
+    assert fused_mod.norm_act_spec(None, torch.nn.SiLU()) is None
+
+
+FUSED_MODS = dataclasses.replace(ModsConfig.paper(), fuse_norm_quant=True)
+
+
+@pytest.mark.parametrize("kernel", ["emulated-rowwise-e4m3", "emulated-tensorwise-e4m3"])
+@pytest.mark.parametrize("name", M.list_models())
+def test_models_route_norms_into_fp8_linears(name, kernel, monkeypatch):
+    """A reference model with fuse_norm_quant computes what it computes without (outputs
+    and gradients bit for bit: each FP8 Linear gets the tensor it would have made), and
+    its norm / activation -> FP8 Linear edges go through the fused op, whose FP8 tensor the
+    Linear takes as is."""
+    torch.manual_seed(0)
+    plain = M.build(name, "tiny", mods=ModsConfig.paper())
+    fused = M.build(name, "tiny", mods=FUSED_MODS)
+    fused.load_state_dict(plain.state_dict())
+    for model in (plain, fused):
+        loka.apply(model, Plan.uniform(model, kernel), strict=False)
+    calls, handed = [], []
+    real = fused_mod.fused_norm_act_quant
+
+    def spy(x, **kw):
+        calls.append((kw["norm"], kw["act"], kw["granularity"], x.shape[-1]))
+        return real(x, **kw)
+    monkeypatch.setattr(fused_mod, "fused_norm_act_quant", spy)
+    for m in fused.modules():
+        if isinstance(m, loka.Linear):
+            m.register_forward_pre_hook(
+                lambda mod, args, kwargs: handed.append(kwargs.get("x_q") is not None),
+                with_kwargs=True)
+    batch = next(SyntheticCTR(plain.feature_spec, 32, seed=5))
+    out_p, out_f = plain(batch), fused(batch)
+    torch.testing.assert_close(out_f, out_p, rtol=0, atol=0)
+    out_p.sum().backward()
+    out_f.sum().backward()
+    grads_p = dict(plain.named_parameters())
+    for n, p in fused.named_parameters():
+        if p.grad is not None or grads_p[n].grad is not None:
+            torch.testing.assert_close(p.grad, grads_p[n].grad, rtol=0, atol=0, msg=n)
+    assert sum(handed) == len(calls)  # every fused output went into its Linear as FP8
+    assert all(g == kernel.split("-")[1] for _, _, g, _ in calls)
+    assert all(n != "none" or a != "identity" for n, a, _, _ in calls)  # no bare quantization
+    assert bool(calls) == (name != "logreg")  # logistic regression: one Linear, nothing before
+    if name == "wukong":  # per layer: FM norm -> fm_mlp.0, Hard Swish -> fm_mlp.2, and the
+        c = fused.config  # top MLP's Hard Swishes; the top norm (blocks of 256 > d) is not
+        assert sum(1 for n, a, _, _ in calls if (n, a) == ("blocknorm", "identity")) \
+            == c.num_layers
+        # the logit Linear (N = 1) runs on no FP8 kernel: its input's Hard Swish stays apart
+        assert sum(1 for n, a, _, _ in calls if a == "hardswish") == \
+            c.num_layers + len(c.top_hidden) - 1
+
+
+def test_fused_model_compiles_in_one_graph():
+    """The routing is static Python (module types, the Linears' configs): torch.compile
+    traces a fused Wukong's forward and backward without a graph break, to the same values."""
+    torch.manual_seed(0)
+    model = M.build("wukong", "tiny", mods=dataclasses.replace(FUSED_MODS, blocknorm=8))
+    loka.apply(model, Plan.uniform(model, "emulated-rowwise-e4m3"), strict=False)
+    batch = next(SyntheticCTR(model.feature_spec, 16, seed=4))
+    eager = model(batch)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")(batch)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    compiled.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("block,top_fused", [(8, True), (16, True), (32, False), (12, False)])
+def test_wukong_fuses_its_top_norm_where_blocks_divide_d(block, top_fused, monkeypatch):
+    """The last layer's BlockNorm runs on the flattened (B, n * d) rows, fused with the top
+    MLP's first Linear, where its blocks divide d (16 here) and so never straddle two
+    embeddings; else the layer applies it. Same outputs either way."""
+    mods = dataclasses.replace(FUSED_MODS, blocknorm=block)
+    torch.manual_seed(0)
+    plain = M.build("wukong", "tiny", mods=dataclasses.replace(mods, fuse_norm_quant=False))
+    fused = M.build("wukong", "tiny", mods=mods)
+    fused.load_state_dict(plain.state_dict())
+    for model in (plain, fused):
+        loka.apply(model, Plan.uniform(model, "emulated-rowwise-e4m3"), strict=False)
+    widths = []
+    real = fused_mod.fused_norm_act_quant
+    monkeypatch.setattr(fused_mod, "fused_norm_act_quant",
+                        lambda x, **kw: widths.append((kw["norm"], x.shape[-1])) or real(x, **kw))
+    batch = next(SyntheticCTR(plain.feature_spec, 16, seed=2))
+    torch.testing.assert_close(fused(batch), plain(batch), rtol=0, atol=0)
+    c = fused.config
+    top = ("blocknorm", (c.num_fm + c.num_lcb) * c.embedding_dim)
+    assert (top in widths) == top_fused
 
 
 def test_layernorm_module_with_affine_parameters():
