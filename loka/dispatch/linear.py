@@ -282,6 +282,16 @@ class Linear(nn.Linear):
     def kernels(self) -> Tuple[Kernel, Kernel, Kernel]:
         return self._kernels
 
+    def reads_only_x_q(self) -> bool:
+        """Whether a call ``linear(x, x_q=q)`` reads nothing of ``x`` now but its shape and
+        dtype: an FP8 forward kernel (it takes ``q``), no autograd graph recorded (nothing
+        saved for the gradients) and the guard not armed (it records ``x``'s statistics).
+        A producer may then skip writing the high-precision ``x`` and pass a placeholder
+        of its shape and dtype (serving: the fused norm writes the FP8 tensor alone)."""
+        mon = self.monitor
+        return (self._kernels[0].is_fp8 and not torch.is_grad_enabled()
+                and not (mon is not None and mon.armed))
+
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: LinearConfig = LinearConfig()) -> "Linear":
         """Wrap an existing ``nn.Linear``, sharing its Parameter objects (optimizers that

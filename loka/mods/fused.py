@@ -276,13 +276,17 @@ def norm_act_linear(x: torch.Tensor, norm: Optional[nn.Module], act: Optional[nn
     fused kernel computes ``act(norm(.))`` (:func:`norm_act_spec`); else the modules one
     after the other. The same function either way: the Linear gets the FP8 tensor it would
     have made itself (on a GPU the fused norm may differ from the module's by an ulp: its
-    reductions run in another order)."""
+    reductions run in another order). Where the Linear reads nothing but that FP8 tensor
+    (``reads_only_x_q``: serving), the high-precision activation is not written at all."""
     fq = handoff(linear) if norm is not None or act is not None else None
     spec = norm_act_spec(norm, act) if fq is not None else None
     if spec is None:
         h = norm(x) if norm is not None else x
         return linear(act(h) if act is not None else h)
-    y, q = fused_norm_act_quant(x, fmt=fq[0], granularity=fq[1], **spec)
+    y, q = fused_norm_act_quant(x, fmt=fq[0], granularity=fq[1],
+                                return_hp=not linear.reads_only_x_q(), **spec)
+    if y is None:  # a placeholder: the Linear takes its shape and dtype only
+        y = x.new_empty(()).expand(x.shape)
     return linear(y, x_q=q)
 
 

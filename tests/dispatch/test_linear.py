@@ -134,6 +134,26 @@ def test_prequantized_input_is_consumed_without_requantizing():
         lin(torch.randn(8, 64), x_q=qx)
 
 
+def test_reads_only_x_q_when_nothing_else_needs_the_input():
+    from loka.dispatch.linear import SiteMonitor
+
+    lin = loka.Linear(64, 32, config=LinearConfig(fwd="emulated-rowwise-e4m3"))
+    assert not lin.reads_only_x_q()  # autograd would save x
+    with torch.no_grad():
+        assert lin.reads_only_x_q()
+        x = torch.randn(8, 64)
+        q = get("emulated-rowwise-e4m3").quantize_a(x)
+        placeholder = x.new_empty(()).expand(x.shape)  # its values are never read
+        torch.testing.assert_close(lin(placeholder, x_q=q), lin(x), rtol=0, atol=0)
+        lin.monitor = SiteMonitor()
+        lin.monitor.arm(torch.device("cpu"))
+        assert not lin.reads_only_x_q()  # the guard records x's statistics
+        lin.monitor.disarm()
+        assert lin.reads_only_x_q()
+        assert not loka.Linear(64, 32, config=LinearConfig(dgrad="emulated-rowwise-e4m3")
+                               ).reads_only_x_q()  # a bf16 forward reads x
+
+
 def test_inference_weight_quantized_once():
     lin = loka.Linear(64, 32, config=LinearConfig(fwd="emulated-rowwise-e4m3"))
     x = torch.randn(8, 64)

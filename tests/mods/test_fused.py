@@ -156,6 +156,7 @@ def test_models_route_norms_into_fp8_linears(name, kernel, monkeypatch):
 
     def spy(x, **kw):
         calls.append((kw["norm"], kw["act"], kw["granularity"], x.shape[-1]))
+        assert kw["return_hp"] == torch.is_grad_enabled()  # serving writes the FP8 tensor alone
         return real(x, **kw)
     monkeypatch.setattr(fused_mod, "fused_norm_act_quant", spy)
     for m in fused.modules():
@@ -173,6 +174,10 @@ def test_models_route_norms_into_fp8_linears(name, kernel, monkeypatch):
         if p.grad is not None or grads_p[n].grad is not None:
             torch.testing.assert_close(p.grad, grads_p[n].grad, rtol=0, atol=0, msg=n)
     assert sum(handed) == len(calls)  # every fused output went into its Linear as FP8
+    with torch.no_grad():  # serving: no high-precision activation, the same logits
+        torch.testing.assert_close(fused(batch), plain(batch), rtol=0, atol=0)
+    calls, served = calls[:len(calls) // 2], calls[len(calls) // 2:]
+    assert served == calls and sum(handed) == 2 * len(calls)
     assert all(g == kernel.split("-")[1] for _, _, g, _ in calls)
     assert all(n != "none" or a != "identity" for n, a, _, _ in calls)  # no bare quantization
     assert bool(calls) == (name != "logreg")  # logistic regression: one Linear, nothing before
@@ -197,6 +202,9 @@ def test_fused_model_compiles_in_one_graph():
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
     compiled.sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    with torch.no_grad():  # serving: the FP8-only producer and the placeholder trace too
+        served = torch.compile(model, fullgraph=True, backend="aot_eager")(batch)
+    torch.testing.assert_close(served, eager.detach(), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("block,top_fused", [(8, True), (16, True), (32, False), (12, False)])
