@@ -31,6 +31,7 @@ import collections
 import contextlib
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -48,9 +49,23 @@ SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120
 compute capabilities table); the sm_90 figure is the H200's ``Hardware limit``"""
 
 
+FP8_CAST = re.compile(r"\bcvt\.([a-z.]*)\.e[45]m[23]x2\.f(?:32|16)\b")
+"""a PTX conversion to a pair of FP8 values; group 1 holds its modifiers (``rn.satfinite``)"""
+
+
+def fp8_casts(ptx: str) -> dict:
+    """``{"saturating": n, "other": m}``: the PTX's conversions to FP8 with and without
+    ``satfinite``. The quantizers leave the clamp to ``±max`` to a saturating cast
+    (:func:`loka.kernels.triton.common.scale_and_clamp`), so an ``other`` is a bug."""
+    mods = [m.group(1).split(".") for m in FP8_CAST.finditer(ptx)]
+    sat = sum("satfinite" in m for m in mods)
+    return {"saturating": sat, "other": len(mods) - sat}
+
+
 def sass_profile(kernel) -> dict:
-    """``{"instructions": n, "top_ops": [(opcode, count), ...]}`` of a compiled kernel's
-    SASS (predicates dropped, so ``@P0 LDG.E.128`` counts as ``LDG.E.128``)."""
+    """``{"instructions": n, "top_ops": [(opcode, count), ...], "fp8_casts": ...}`` of a
+    compiled kernel's SASS (predicates dropped, so ``@P0 LDG.E.128`` counts as
+    ``LDG.E.128``) and its PTX's FP8 conversions (:func:`fp8_casts`)."""
     ops = collections.Counter()
     for line in kernel.asm["sass"].splitlines():
         parts = line.split("\t")  # "<control codes>\t<instruction>;"
@@ -61,7 +76,8 @@ def sass_profile(kernel) -> dict:
             words = words[1:]
         if words:
             ops[words[0]] += 1
-    return {"instructions": sum(ops.values()), "top_ops": ops.most_common(12)}
+    return {"instructions": sum(ops.values()), "top_ops": ops.most_common(12),
+            "fp8_casts": fp8_casts(kernel.asm.get("ptx", ""))}
 
 
 @contextlib.contextmanager

@@ -142,3 +142,23 @@ def test_sass_profile_counts_instructions_and_the_division_is_cheaper(tmp_path, 
     assert fast.get("MUFU.RCP", 0) <= 1 and fast.get("CALL.REL.NOINC", 0) <= 1  # per scale
     assert fast["FFMA"] >= 4 * 32  # two corrections of two fmas per value
     assert fast["n"] < 0.6 * ieee["n"], (fast["n"], ieee["n"])
+
+
+def test_every_fp8_store_saturates(tmp_path, monkeypatch):
+    """The quantizers leave the clamp to ``±max`` to the float-to-FP8 cast: every FP8
+    conversion in the compiled quantizers, fused norm and GEMMs with an FP8 output must be
+    ``cvt.rn.satfinite`` (a quotient past the max becomes the max, NaN stays NaN)."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    aot = _aot()
+    assert aot.fp8_casts("cvt.rn.satfinite.e4m3x2.f32 %rs1, %r2, %r3;\n"
+                         "cvt.rn.e5m2x2.f32 %rs4, %r5, %r6;") == {"saturating": 1, "other": 1}
+    cases = aot.cases(quick=False)
+    log = []
+    with aot.compile_only(90, log, sass=True):
+        for name in ("quantize_rowwise row-major", "quantize_rowwise e5m2",
+                     "quantize_tensorwise col", "norm_act_quant fmb norm 2048 rowwise fp8-only",
+                     "gemm_rowwise fp8 out (N=256)", "gemm_rowwise_inline fm_projection wgrad"):
+            cases[name]()()
+    casts = [e["fp8_casts"] for e in log]
+    assert casts and all(c["other"] == 0 for c in casts), casts
+    assert sum(c["saturating"] for c in casts) > 0

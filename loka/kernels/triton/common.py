@@ -266,15 +266,18 @@ def unsigned_zero_quotient(x, scale, X16: tl.constexpr = False):
 @triton.jit
 def scale_and_clamp(x, scale, FMT_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
                     MIN_EXP: tl.constexpr, SOFT_ROUND: tl.constexpr, X16: tl.constexpr = False):
-    """``clamp(x / scale, ±FMT_MAX)`` in float32, ready for the cast to FP8 (``scale``
-    broadcasts against ``x``; ``|x| <= 448 scale`` up to rounding, as :func:`div_by_scale`
-    needs; ``X16`` as there: 16-bit values and the scale of their amax, FP8 values exact).
-    Under the interpreter, whose ``fma`` rounds twice, an IEEE division."""
-    if SOFT_ROUND:
-        y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
-    else:
-        y = div_by_scale(x, scale, X16)
+    """``x / scale`` in float32 as the cast to FP8 must see it to give
+    ``clamp(x / scale, ±FMT_MAX)`` cast round-to-nearest-even (``scale`` broadcasts
+    against ``x``; ``|x| <= 448 scale`` up to rounding, as :func:`div_by_scale` needs;
+    ``X16`` as there: 16-bit values and the scale of their amax, FP8 values exact). The
+    caller casts it to FP8 at once. On the GPU the clamp is the cast's own: Triton casts
+    float32 to FP8 with ``cvt.rn.satfinite``, which turns a quotient past ``±FMT_MAX`` (only
+    rounding makes one) into ``±FMT_MAX`` and keeps NaN, as the clamp would (two
+    instructions per element saved). Under the interpreter, whose ``fma`` rounds twice and
+    whose cast neither rounds to nearest nor saturates: an IEEE division, the clamp, and
+    the rounding to the FP8 grid."""
+    if not SOFT_ROUND:
+        return div_by_scale(x, scale, X16)
+    y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
     y = tl.clamp(y, -FMT_MAX, FMT_MAX, propagate_nan=tl.PropagateNan.ALL)
-    if SOFT_ROUND:
-        y = round_to_fp8_grid(y, MANT_BITS, MIN_EXP)
-    return y
+    return round_to_fp8_grid(y, MANT_BITS, MIN_EXP)
