@@ -28,6 +28,13 @@ Each at batch 4096 in bf16, rowwise and tensorwise e4m3, timed with CUDA graphs
 
 ``--configs`` also times the fused kernel with each of its tile configs forced.
 
+``--with-linear KERNEL`` also times each producer with the Linear it feeds in the model
+(``CONSUMERS``: its width N), as the model runs them: ``unfused`` is the compiled
+norm/activation, then a ``loka.Linear`` whose forward kernel is KERNEL and quantizes its
+own input; ``fused`` is :func:`loka.mods.fused.norm_act_linear` (one fused pass, the
+Linear takes the FP8 tensor). In training mode (the forward of a step, autograd
+recording) and in serving mode (``no_grad``: the fused pass writes the FP8 tensor alone).
+
 The target (the fused kernel at least 2x faster than norm + separate quantization) is read
 against ``norm_compiled+quant_triton``; the other rows are for context. The fused output is
 checked against the reference first (FP8 bytes of ``quantize`` of its own high-precision
@@ -64,6 +71,50 @@ CASES = (  # name, M, D, norm, act
     ("top_act_1024", 4096, 1024, "none", "hardswish"),
     ("norm_act", 4096, 2048, "blocknorm", "hardswish"),
 )
+
+
+CONSUMERS = {"fmb_norm": 2048, "fmb_act": 8192, "top_norm": 2048, "top_act_2048": 1024,
+             "norm_act": 2048}
+"""output width N of the Linear each producer feeds (``top_act_1024`` feeds the logit
+Linear, N = 1, which runs on no FP8 kernel)"""
+
+
+def bench_with_linear(name, m, d, norm, act, kernel, device, budget_ms) -> dict:
+    """The producer and the Linear it feeds, unfused and fused, in training and serving
+    mode (see the module docstring): times, speedup, and whether the outputs agree."""
+    import loka
+    from loka.mods import BlockNorm
+    from loka.mods.fused import norm_act_linear
+
+    g = torch.Generator(device=device).manual_seed(1)
+    x = (torch.randn(m, d, device=device, generator=g) * 3 + 0.5).to(torch.bfloat16)
+    lin = loka.Linear(d, CONSUMERS[name], bias=False, device=device, dtype=torch.bfloat16,
+                      config=loka.LinearConfig(fwd=kernel))
+    norm_m = BlockNorm(256) if norm == "blocknorm" else None
+    act_m = torch.nn.Hardswish() if act == "hardswish" else None
+    norm_c = torch.compile(lambda t: reference_norm_act(t, norm, 256, act), dynamic=False)
+    fns = {"unfused": lambda t: lin(norm_c(t)),
+           "fused": lambda t: norm_act_linear(t, norm_m, act_m, lin)}
+    out = {"kernel": kernel, "N": CONSUMERS[name]}
+    for mode in ("train", "serve"):
+        xin = x.detach().requires_grad_(mode == "train")
+        row = {}
+        with torch.set_grad_enabled(mode == "train"):
+            # against the eager composition (Inductor's norm may round its intermediate
+            # activation differently, so the compiled route is not the reference)
+            ref = lin(reference_norm_act(xin, norm, 256, act))
+            got = fns["fused"](xin)
+            row["max_abs_diff_vs_eager"] = float((ref.float() - got.float()).abs().max())
+            for k, fn in fns.items():
+                try:
+                    row[f"{k}_us"] = time_fn(lambda: fn(xin), device, warmup=5, iters=50,
+                                             budget_ms=budget_ms).median_us
+                except Exception as e:  # noqa: BLE001 - report, keep the other rows
+                    row[f"{k}_error"] = f"{type(e).__name__}: {e}"[:300]
+        if "unfused_us" in row and "fused_us" in row and row["fused_us"] > 0:
+            row["speedup"] = row["unfused_us"] / row["fused_us"]
+        out[mode] = row
+    return out
 
 
 def _triton_quant(y: torch.Tensor, gran: str):
@@ -110,7 +161,8 @@ def time_configs(x, norm, act, gran, device, budget_ms) -> dict:
     return out
 
 
-def bench_case(name, m, d, norm, act, gran, device, budget_ms, configs=False) -> dict:
+def bench_case(name, m, d, norm, act, gran, device, budget_ms, configs=False,
+               with_linear=None) -> dict:
     g = torch.Generator(device=device).manual_seed(0)
     x = (torch.randn(m, d, device=device, generator=g) * 3 + 0.5).to(torch.bfloat16)
     row = {"case": name, "M": m, "D": d, "norm": norm, "act": act, "granularity": gran}
@@ -141,6 +193,9 @@ def bench_case(name, m, d, norm, act, gran, device, budget_ms, configs=False) ->
     row["times"] = times
     if configs and gran == "rowwise":
         row["fused_configs"] = time_configs(x, norm, act, gran, device, budget_ms)
+    if with_linear and gran == "rowwise" and name in CONSUMERS:
+        row["with_linear"] = bench_with_linear(name, m, d, norm, act, with_linear, device,
+                                               budget_ms)
     # bytes that must move: read x (bf16), write y (bf16) and q (fp8)
     moved = m * d * (2 + 2 + 1)
     if "us" in times["fused"]:
@@ -215,6 +270,9 @@ def main(argv=None) -> int:
     p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     p.add_argument("--configs", action="store_true",
                    help="also time the fused kernel with each tile config forced (rowwise)")
+    p.add_argument("--with-linear", default=None, metavar="KERNEL",
+                   help="also time each producer with the Linear it feeds, whose forward "
+                        "runs on KERNEL (e.g. triton-rowwise-cublas-fastacc), unfused and fused")
     p.add_argument("--diagnose", action="store_true",
                    help="only the kernel-by-kernel profile and the row scaling (diagnose())")
     args = p.parse_args(argv)
@@ -239,12 +297,15 @@ def main(argv=None) -> int:
         if wanted and name not in wanted:
             continue
         for gran in ("rowwise", "tensorwise"):
-            row = bench_case(name, m, d, norm, act, gran, device, args.budget_ms, args.configs)
+            row = bench_case(name, m, d, norm, act, gran, device, args.budget_ms, args.configs,
+                             args.with_linear)
             rows.append(row)
             t = row["times"]
             print(f"{name:14s} {gran:10s} " + " ".join(
                 f"{k}={v['us']:.1f}us" if "us" in v else f"{k}=ERR" for k, v in t.items())
-                + f"  x{row.get('speedup_vs_norm_compiled+quant_triton', float('nan')):.2f}",
+                + f"  x{row.get('speedup_vs_norm_compiled+quant_triton', float('nan')):.2f}"
+                + "".join(f"  {mode}+linear x{row['with_linear'][mode].get('speedup', float('nan')):.2f}"
+                          for mode in ("train", "serve") if "with_linear" in row),
                 flush=True)
             out = result(rows, gpu)
             atomic_write_text(path, json.dumps(out, indent=1))  # a run cut short keeps its rows

@@ -572,6 +572,20 @@ def test_fused_norm_result_summarizes_rows():
     assert s["all_numerics_exact"] is False
 
 
+def test_fused_norm_with_linear_times_both_routes_on_the_cpu():
+    """The producer + Linear pair of bench_fused_norm runs on any device (here the CPU, the
+    emulated kernel, a small M): both routes give the same output, in both modes."""
+    fb = _load("bench_fused_norm")
+    torch._dynamo.reset()
+    r = fb.bench_with_linear("norm_act", 64, 512, "blocknorm", "hardswish",
+                             "emulated-rowwise-e4m3", torch.device("cpu"), budget_ms=5)
+    assert r["N"] == fb.CONSUMERS["norm_act"] == 2048
+    for mode in ("train", "serve"):
+        row = r[mode]
+        assert row["max_abs_diff_vs_eager"] == 0.0  # the FP8 tensor the Linear would make
+        assert row["unfused_us"] > 0 and row["fused_us"] > 0 and row["speedup"] > 0
+
+
 def test_fp8_site_count_sees_torchao_inference_weights():
     """torchao's inference quantization leaves nn.Linear in place with a quantized weight
     tensor (AffineQuantizedTensor: ``tensor_impl``; 0.17's Float8Tensor: ``qdata``): each
