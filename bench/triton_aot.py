@@ -49,7 +49,7 @@ SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120
 compute capabilities table); the sm_90 figure is the H200's ``Hardware limit``"""
 
 
-FP8_CAST = re.compile(r"\bcvt\.([a-z.]*)\.e[45]m[23]x2\.f(?:32|16)\b")
+FP8_CAST = re.compile(r"\bcvt\.([a-z.]*)\.e[45]m[23]x2\.[a-z0-9]+\b")
 """a PTX conversion to a pair of FP8 values; group 1 holds its modifiers (``rn.satfinite``)"""
 
 

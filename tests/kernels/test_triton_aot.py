@@ -152,7 +152,8 @@ def test_every_fp8_store_saturates(tmp_path, monkeypatch):
     aot = _aot()
     monkeypatch.setenv("LOKA_TRITON_AUTOTUNE", "0")  # one config per kernel: the cast is the same
     assert aot.fp8_casts("cvt.rn.satfinite.e4m3x2.f32 %rs1, %r2, %r3;\n"
-                         "cvt.rn.e5m2x2.f32 %rs4, %r5, %r6;") == {"saturating": 1, "other": 1}
+                         "cvt.rn.e5m2x2.f32 %rs4, %r5, %r6;\n"
+                         "cvt.rn.e4m3x2.f16x2 %rs7, %r8;") == {"saturating": 1, "other": 2}
     cases = aot.cases(quick=False)
     log = []
     with aot.compile_only(90, log, sass=True):

@@ -272,8 +272,8 @@ def scale_and_clamp(x, scale, FMT_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
     ``X16`` as there: 16-bit values and the scale of their amax, FP8 values exact). The
     caller casts it to FP8 at once. On the GPU the clamp is the cast's own: Triton casts
     float32 to FP8 with ``cvt.rn.satfinite``, which turns a quotient past ``±FMT_MAX`` (only
-    rounding makes one) into ``±FMT_MAX`` and keeps NaN, as the clamp would (two
-    instructions per element saved). Under the interpreter, whose ``fma`` rounds twice and
+    rounding makes one) into ``±FMT_MAX`` and keeps NaN, as the clamp would (an
+    instruction per element saved). Under the interpreter, whose ``fma`` rounds twice and
     whose cast neither rounds to nearest nor saturates: an IEEE division, the clamp, and
     the rounding to the FP8 grid."""
     if not SOFT_ROUND:
