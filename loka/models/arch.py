@@ -19,7 +19,7 @@ from loka.data.batch import FeatureSpec, Jagged, TableSpec
 from loka.mods import BlockNorm
 from loka.mods import merge_siblings as _merge_siblings
 from loka.mods import pad_linears
-from loka.mods.fused import norm_act_linear, norm_act_spec
+from loka.mods.fused import norm_act, norm_act_linear, norm_act_spec
 from loka.mods.no_bias import FINAL_ATTR
 
 _NO_MODS = ModsConfig()
@@ -120,14 +120,9 @@ class MLP(nn.Sequential):
             elif norm is None and act is None and norm_act_spec(m, None) is not None:
                 norm = m  # a norm the fused kernel computes
             else:  # anything else: what is held back runs first, then the module
-                x = _norm_act(x, norm, act)
+                x = norm_act(x, norm, act)
                 x, norm, act = m(x), None, None
-        return _norm_act(x, norm, act)
-
-
-def _norm_act(x: torch.Tensor, norm: Optional[nn.Module], act: Optional[nn.Module]):
-    x = norm(x) if norm is not None else x
-    return act(x) if act is not None else x
+        return norm_act(x, norm, act)
 
 
 class DenseArch(nn.Module):

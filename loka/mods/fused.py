@@ -269,6 +269,13 @@ def norm_act_spec(norm: Optional[nn.Module], act: Optional[nn.Module]) -> Option
     return spec
 
 
+def norm_act(x: torch.Tensor, norm: Optional[nn.Module], act: Optional[nn.Module]
+             ) -> torch.Tensor:
+    """``act(norm(x))`` by the modules, either of them None for none."""
+    x = norm(x) if norm is not None else x
+    return act(x) if act is not None else x
+
+
 def norm_act_linear(x: torch.Tensor, norm: Optional[nn.Module], act: Optional[nn.Module],
                     linear: nn.Module) -> torch.Tensor:
     """``linear(act(norm(x)))``, the norm, the activation and the Linear's quantization of
@@ -281,8 +288,7 @@ def norm_act_linear(x: torch.Tensor, norm: Optional[nn.Module], act: Optional[nn
     fq = handoff(linear) if norm is not None or act is not None else None
     spec = norm_act_spec(norm, act) if fq is not None else None
     if spec is None:
-        h = norm(x) if norm is not None else x
-        return linear(act(h) if act is not None else h)
+        return linear(norm_act(x, norm, act))
     y, q = fused_norm_act_quant(x, fmt=fq[0], granularity=fq[1],
                                 return_hp=not linear.reads_only_x_q(), **spec)
     if y is None:  # a placeholder: the Linear takes its shape and dtype only

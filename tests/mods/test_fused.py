@@ -115,9 +115,8 @@ def test_module_feeds_a_loka_linear_without_requantizing():
 
 
 def test_handoff_only_where_the_linear_would_make_the_same_fp8_tensor():
-    def lin(fwd, **kw):
-        return loka.Linear(128, 128, config=loka.LinearConfig(fwd=fwd, dgrad="bf16", wgrad="bf16"),
-                           **kw)
+    def lin(fwd):
+        return loka.Linear(128, 128, config=loka.LinearConfig(fwd=fwd, dgrad="bf16", wgrad="bf16"))
     assert fused_mod.handoff(lin("emulated-rowwise-e4m3")) == ("e4m3", "rowwise")
     assert fused_mod.handoff(lin("emulated-tensorwise-e4m3fnuz")) == ("e4m3fnuz", "tensorwise")
     assert fused_mod.handoff(lin("bf16")) is None
