@@ -206,6 +206,63 @@ def test_fused_model_compiles_in_one_graph():
     torch.testing.assert_close(served, eager.detach(), rtol=0, atol=0)
 
 
+def test_kernel_choice_is_a_constant_of_the_compiled_graph(monkeypatch):
+    """Whether the Triton kernel runs is decided once, outside the trace: the capability
+    queries behind it (importing triton, the device's properties) are not traceable, and
+    traced they split a compiled model at every producer. Here the query itself breaks
+    the graph when traced; fullgraph fails unless the answer is taken as a constant."""
+    def untraceable(device=None):
+        torch._dynamo.graph_break()
+        return False
+
+    monkeypatch.setattr(caps, "triton_available", untraceable)
+    torch._dynamo.reset()
+    x = torch.randn(8, 256)
+
+    def f(t):
+        y, q = fused_norm_act_quant(t)
+        return y, q.data, q.scale
+
+    y, data, scale = torch.compile(f, fullgraph=True, backend="eager")(x)
+    y_ref, q_ref = unfused(x, "blocknorm", 256, "hardswish", "e4m3", "rowwise")
+    assert torch.equal(y, y_ref) and torch.equal(scale, q_ref.scale)
+    assert torch.equal(data.float(), q_ref.data.float())
+    torch._dynamo.reset()
+
+
+@pytest.mark.skipif(not GPU, reason="needs an FP8 GPU (the fused kernel and a Triton GEMM)")
+@pytest.mark.parametrize("train", [True, False])
+def test_fused_wukong_on_gpu_compiles_in_one_graph(train):
+    """On the GPU the route takes the Triton kernel and a Triton-quantizing Linear: still
+    one graph, forward and backward, with the unfused model's outputs."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    mods = dataclasses.replace(FUSED_MODS, blocknorm=8)
+    model = M.build("wukong", "tiny", mods=mods).to(DEVICE, torch.bfloat16)
+    loka.apply(model, Plan.uniform(model, "triton-rowwise-cublas-fastacc"), strict=False)
+    plain = M.build("wukong", "tiny", mods=dataclasses.replace(mods, fuse_norm_quant=False))
+    plain = plain.to(DEVICE, torch.bfloat16)
+    plain.load_state_dict(model.state_dict())
+    loka.apply(plain, Plan.uniform(plain, "triton-rowwise-cublas-fastacc"), strict=False)
+    batch = next(SyntheticCTR(model.feature_spec, 64, seed=4)).to(DEVICE)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    with torch.set_grad_enabled(train):
+        out = torch.compile(model, fullgraph=True, backend=counter)(batch)
+        ref = plain(batch)
+    if counter.frame_count != 1:
+        with torch.set_grad_enabled(train):
+            reasons = torch._dynamo.explain(model)(batch).break_reasons
+        pytest.fail(f"{counter.frame_count} graphs: {[r.reason for r in reasons]}")
+    # the fused norm's reductions run in another order: an ulp of bf16 in a few places
+    assert relative_frobenius(out.float(), ref.float()) < 2e-2
+    if train:
+        out.float().sum().backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("block,top_fused", [(8, True), (16, True), (32, False), (12, False)])
 def test_wukong_fuses_its_top_norm_where_blocks_divide_d(block, top_fused, monkeypatch):
     """The last layer's BlockNorm runs on the flattened (B, n * d) rows, fused with the top
