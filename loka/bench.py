@@ -32,7 +32,6 @@ import torch
 
 from .config import LinearConfig, ModsConfig, ProbeConfig
 from .kernels import capabilities as caps
-from .mods.fused import compiled_route as fused_route
 
 TORCHAO_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 PROBE_KERNELS = ("bf16", "cublas-rowwise", "cublas-tensorwise", "cublas-rowwise-fastacc",
@@ -74,9 +73,7 @@ by LoKA's Triton kernel instead of ``F.embedding_bag``; the model's function is 
 +token-major (with +mods: ``ModsConfig.token_major``, Wukong's token-axis Linears as
 ``W @ X`` on the layout the layer holds), +fused-norm (with +mods:
 ``ModsConfig.fuse_norm_quant``, each norm and activation in front of a Linear that takes an
-FP8 input fused with its quantization; in a compiled row Inductor fuses the composition
-itself, ``loka.mods.fused.set_compiled_route``), +fused-kernel (the same, with the fused
-Triton kernel kept inside the compiled graph as one op), +static (LoKA inference rows: static activation
+FP8 input fused with its quantization), +static (LoKA inference rows: static activation
 scales from the Probe's observed amax where the forward kernel takes one, and the logits'
 relative change against dynamic scales in ``static_logit_change``)."""
 
@@ -87,7 +84,7 @@ def variant_mods(name: str) -> Optional[ModsConfig]:
         return None
     return dataclasses.replace(ModsConfig.paper(), merge_siblings="+merge" in name,
                                token_major="+token-major" in name,
-                               fuse_norm_quant="+fused-norm" in name or "+fused-kernel" in name)
+                               fuse_norm_quant="+fused-norm" in name)
 
 
 @dataclass
@@ -1036,10 +1033,8 @@ def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
             if isinstance(phases, dict):
                 phases.clear()
             inductor = _inductor_settings()
-            route = "kernel" if "+fused-kernel" in name else "inductor"
             try:
-                with fused_route(route):
-                    row = fn(name, cfg, device, shared)
+                row = fn(name, cfg, device, shared)
             except Exception as e:  # noqa: BLE001 - one variant's failure must not lose the rest
                 row = {"variant": name, "mode": mode, "error": f"{type(e).__name__}: {e}",
                        "traceback": traceback.format_exc(limit=8)}
@@ -1290,7 +1285,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 MODIFIERS = ("+tuned", "+search", "+plain-inductor", "+triton-emb", "+token-major",
-             "+fused-norm", "+fused-kernel", "+static")
+             "+fused-norm", "+static")
 """suffixes that may be added to any listed variant (+automerge stands for +merge)"""
 
 

@@ -810,28 +810,6 @@ def test_fused_norm_variants_switch_the_fusion_on():
         bench._variants("loka+fused", bench.TRAIN_VARIANTS, bench.TRAIN_VARIANTS)
 
 
-def test_fused_kernel_rows_keep_the_kernel_in_the_compiled_graph(tmp_path, monkeypatch):
-    """+fused-kernel builds the fused model and runs its row (compilation and timing) with
-    the fused kernel inside compiled graphs; every other row, and what follows the run,
-    leaves the composition to Inductor."""
-    import loka.mods.fused as fused
-
-    assert bench.variant_mods("loka+mods+graphs+fused-kernel").fuse_norm_quant
-    seen = []
-
-    def spy(name, cfg, device, shared):
-        seen.append((name, fused._compiled_route))
-        raise RuntimeError("stop")  # the row is recorded as failed; the run goes on
-
-    monkeypatch.setattr(bench, "run_infer_variant", spy)
-    result = bench.run(_cfg(tmp_path, train_variants=[],
-                            infer_variants=["bf16+mods+fused-kernel", "bf16+mods+fused-norm"],
-                            steps=1, warmup=1), progress=lambda s: None)
-    assert seen == [("bf16+mods+fused-kernel", "kernel"), ("bf16+mods+fused-norm", "inductor")]
-    assert [r["error"] for r in result["infer"]] == ["RuntimeError: stop"] * 2
-    assert fused._compiled_route == "inductor"
-
-
 def test_compiled_rows_record_where_compilation_time_went(tmp_path):
     torch._dynamo.reset()
     result = bench.run(_cfg(tmp_path, train_variants=[], infer_variants=["bf16+mods"], steps=1,

@@ -14,15 +14,10 @@ bit. Backward: a PyTorch formula (recomputes the norm from the saved input in fl
 ``torch.compile`` Inductor fuses it into one or two kernels), not a Triton kernel: the
 backward of a row-local norm is memory-bound elementwise work that Inductor already
 generates well, whereas the forward gains from the fused quantization.
-
-Where it runs: :func:`norm_act_linear` (the reference models' route) takes the kernel in
-eager execution; inside a ``torch.compile``'d graph it leaves the composition to Inductor,
-which fuses it itself, unless :func:`set_compiled_route` says otherwise.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional, Tuple
 
 import torch
@@ -242,44 +237,6 @@ def fused_norm_act_quant(x: torch.Tensor, norm: str = "blocknorm", block: int = 
     return (y.reshape(*lead, d) if return_hp else None), q
 
 
-COMPILED_ROUTES = ("inductor", "kernel")
-_compiled_route = "inductor"
-
-
-def set_compiled_route(route: str) -> str:
-    """What :func:`norm_act_linear` does inside a ``torch.compile``'d graph; returns the
-    previous setting.
-
-    * ``'inductor'`` (default): the plain composition, the Linear quantizing its input.
-      Inductor fuses the norm, the activation, the amax and the FP8 cast into one
-      generated kernel, and the norm's producer with them (Wukong's top norm reads the
-      concatenation of the last layer's outputs, which is then never written). On the
-      H200, the Wukong `paper` step with the route's kernel inside the compiled graph ran
-      at the same speed as this (training 8.626 against 8.618 ms, serving 2.304 against
-      2.300 ms) and served with 0.10 GiB more peak memory
-      (``bench/results/2026-12-04-h200-fused-route/``).
-    * ``'kernel'``: the fused Triton kernel (:func:`fused_norm_act_quant`) as an opaque
-      op in the graph, as in eager mode.
-
-    Eager execution (with or without CUDA graphs) always takes the kernel: there it pays
-    (serving 1.20x with CUDA graphs, same run)."""
-    global _compiled_route
-    if route not in COMPILED_ROUTES:
-        raise ValueError(f"route must be one of {COMPILED_ROUTES}, got {route!r}")
-    previous, _compiled_route = _compiled_route, route
-    return previous
-
-
-@contextlib.contextmanager
-def compiled_route(route: str):
-    """:func:`set_compiled_route` for a block, restored after it."""
-    previous = set_compiled_route(route)
-    try:
-        yield
-    finally:
-        set_compiled_route(previous)
-
-
 HANDOFF_LIBRARIES = ("emulated", "cublas", "triton")
 """kernel libraries whose a-operand quantization is :func:`loka.numerics.quantize`'s (the
 cuBLAS and Triton kernels use LoKA's own quantizers), so that a producer's FP8 tensor is
@@ -338,11 +295,7 @@ def norm_act_linear(x: torch.Tensor, norm: Optional[nn.Module], act: Optional[nn
     after the other. The same function either way: the Linear gets the FP8 tensor it would
     have made itself (on a GPU the fused norm may differ from the module's by an ulp: its
     reductions run in another order). Where the Linear reads nothing but that FP8 tensor
-    (``reads_only_x_q``: serving), the high-precision activation is not written at all.
-    Inside a compiled graph the composition is left to Inductor unless
-    :func:`set_compiled_route` says ``'kernel'``."""
-    if torch.compiler.is_compiling() and _compiled_route == "inductor":
-        return linear(norm_act(x, norm, act))
+    (``reads_only_x_q``: serving), the high-precision activation is not written at all."""
     fq = handoff(linear) if norm is not None or act is not None else None
     spec = norm_act_spec(norm, act) if fq is not None else None
     if spec is None:
