@@ -189,6 +189,21 @@ def fused_table(path: str) -> str:
         out.append(f"| {row['case']} | {row['M']}x{row['D']} | {row['granularity']} | "
                    + " | ".join(us) + f" | {sp:.2f}x | " + (f"{sp8:.2f}x" if sp8 else "-")
                    + f" | {'yes' if exact else 'NO'} |")
+    linear = [row for row in r["rows"] if row.get("with_linear")]
+    if linear:
+        kern = linear[0]["with_linear"]["kernel"]
+        out += ["", f"each producer with the Linear it feeds (forward on `{kern}`): the compiled "
+                "norm followed by the Linear quantizing its own input, against "
+                "`norm_act_linear`", "",
+                "| case | scaling | N | training: unfused us | fused us | speedup "
+                "| serving: unfused us | fused us | speedup |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for row in linear:
+            w = row["with_linear"]
+            cells = [f"{w[m]['unfused_us']:.1f} | {w[m]['fused_us']:.1f} | {w[m]['speedup']:.2f}x"
+                     if m in w else "- | - | -" for m in ("train", "serve")]
+            out.append(f"| {row['case']} | {row['granularity']} | {w['N']} | " + " | ".join(cells)
+                       + " |")
     s = r["summary"]
     out += ["", f"fused against norm + separate quantization: geomean "
             f"{s['geomean_speedup_vs_separate_quant']:.2f}x, lowest "

@@ -586,6 +586,32 @@ def test_fused_norm_with_linear_times_both_routes_on_the_cpu():
         assert row["unfused_us"] > 0 and row["fused_us"] > 0 and row["speedup"] > 0
 
 
+def test_fused_norm_table_shows_each_producer_with_its_linear(tmp_path):
+    """make_benchmarks_md renders the --with-linear pairs of a fused-norm run (a row without
+    a serving pair shows dashes), and no such table where no row has one."""
+    fb, md = _load("bench_fused_norm"), _load("make_benchmarks_md")
+    times = {c: {"us": 10.0} for c in ("fused", "fused_fp8_only", "norm_compiled+quant_triton",
+                                       "inductor_fused", "norm_compiled_only", "eager")}
+    base = {"case": "top_norm", "M": 4096, "D": 16384, "granularity": "rowwise",
+            "times": times, "speedup_vs_norm_compiled+quant_triton": 1.8,
+            "fp8_only_speedup_vs_norm_compiled+quant_triton": 2.47,
+            "fp8_bytes_equal_quantize_of_output": True, "scales_equal": True}
+    pair = {"kernel": "k1", "N": 2048,
+            "train": {"unfused_us": 363.4, "fused_us": 293.5, "speedup": 1.238},
+            "serve": {"unfused_us": 363.1, "fused_us": 271.8, "speedup": 1.336}}
+    rows = [dict(base, with_linear=pair),
+            dict(base, case="fmb_act", with_linear={"kernel": "k1", "N": 8192,
+                                                     "train": pair["train"]})]
+    path = tmp_path / "fused.json"
+    path.write_text(json.dumps(fb.result(rows, "NVIDIA H200")))
+    text = md.render(str(path))
+    assert "forward on `k1`" in text
+    assert "| top_norm | rowwise | 2048 | 363.4 | 293.5 | 1.24x | 363.1 | 271.8 | 1.34x |" in text
+    assert "| fmb_act | rowwise | 8192 | 363.4 | 293.5 | 1.24x | - | - | - |" in text
+    path.write_text(json.dumps(fb.result([base], "NVIDIA H200")))
+    assert "forward on" not in md.render(str(path))
+
+
 def test_fp8_site_count_sees_torchao_inference_weights():
     """torchao's inference quantization leaves nn.Linear in place with a quantized weight
     tensor (AffineQuantizedTensor: ``tensor_impl``; 0.17's Float8Tensor: ``qdata``): each
