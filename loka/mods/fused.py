@@ -101,6 +101,12 @@ def _norm_act_quant_op(x: torch.Tensor, weight: Optional[torch.Tensor],
                        fmt: str, granularity: str, eps: float, return_hp: bool
                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x (M, D) -> (y (M, D) or (0,) when not ``return_hp``, q (M, D), scale)."""
+    return _launch(x, weight, bias, norm, block, act, fmt, granularity, eps, return_hp)
+
+
+def _launch(x, weight, bias, norm, block, act, fmt, granularity, eps, return_hp):
+    """The op's body: the Triton kernel, called directly where no autograd or tracing
+    needs the op (:func:`fused_norm_act_quant`)."""
     from ..kernels.triton import norm_act_quant as kernel
 
     y, q, s = kernel.norm_act_quant(x, norm=norm, block=block, act=act, fmt=fmt,
@@ -228,9 +234,13 @@ def fused_norm_act_quant(x: torch.Tensor, norm: str = "blocknorm", block: int = 
         y = reference_norm_act(x2d, norm, block, act, eps, weight, bias)
         q = quantize(y.detach(), fmt, granularity, "a")
         return (y.reshape(*lead, d) if return_hp else None), q
-    y, data, scale = torch.ops.loka.norm_act_quant(
-        x2d if x2d.stride(-1) == 1 else x2d.contiguous(), weight, bias, norm, block, act,
-        fmt.name, granularity, float(eps), return_hp)
+    args = (x2d if x2d.stride(-1) == 1 else x2d.contiguous(), weight, bias, norm, block, act,
+            fmt.name, granularity, float(eps), return_hp)
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (x, weight, bias))):
+        y, data, scale = torch.ops.loka.norm_act_quant(*args)
+    else:  # eager, nothing to differentiate (serving): the kernel without the op's dispatch,
+        y, data, scale = _launch(*args)  # which costs tens of microseconds of host time a call
     m = x2d.shape[0]
     blk = (1, d) if granularity == "rowwise" else (max(m, 1), d)
     q = QTensor(data, scale, fmt, blk, Granularity(granularity))

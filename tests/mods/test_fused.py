@@ -470,6 +470,37 @@ def test_triton_kernel_casts_every_bf16_ratio_exactly(fmt, granularity):
         assert_q_equal(q, quantize(x, fmt, granularity, "a"))
 
 
+def test_triton_kernel_skips_the_op_where_nothing_is_differentiated():
+    """Eager calls with nothing to differentiate (serving) launch the kernel without the
+    custom op's dispatch (tens of microseconds of host time a call); calls that record a
+    gradient go through the op, whose backward they need. Both give the same tensors."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    kernel_runs_here()
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = (torch.randn(16, 512) * 3).bfloat16().to(DEVICE)
+    runs = {}
+    for label, grad, needs in (("serve", False, False), ("plain input", True, False),
+                               ("train", True, True)):
+        xi = x.clone().requires_grad_(needs)
+        with torch.set_grad_enabled(grad), Ops() as ops:
+            y, q = fused_norm_act_quant(xi, backend="triton")
+        runs[label] = (y.detach(), q.data.float(), q.scale)
+        assert any("norm_act_quant" in n for n in ops.names) == needs, (label, ops.names[:5])
+        assert y.requires_grad == needs
+    for label in ("plain input", "train"):
+        assert all(torch.equal(a, b) for a, b in zip(runs[label], runs["serve"])), label
+
+
 def test_triton_kernel_backward_and_compile():
     kernel_runs_here()
     x = (torch.randn(24, 384) * 2).bfloat16().to(DEVICE).requires_grad_()
