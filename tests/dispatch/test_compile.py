@@ -10,6 +10,7 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import loka
+import loka.models
 from loka.config import LinearConfig
 from loka.dispatch import Plan, ops
 from loka.kernels import Kernel, get, register, unregister
@@ -174,3 +175,43 @@ def test_wukong_tiny_compiles_fullgraph_and_matches_eager():
     compiled = step(torch.compile(model, fullgraph=True, backend=counter))
     assert counter.frame_count == 1
     _assert_same(eager, compiled, rtol=1e-5, atol=1e-6)
+
+
+UNTRACEABLE = ("cuda_capability", "has_scaled_mm", "module_available", "triton_available",
+               "torchao_available", "fbgemm_genai_available", "summary")
+
+
+@pytest.mark.parametrize("name", loka.models.list_models())
+def test_no_capability_query_is_traced_in_a_forward(name, monkeypatch):
+    """Every "can this machine do X?" question is answered outside the traced forward and
+    backward: on a GPU those queries (imports, device properties) break the graph, which
+    the CPU, where they return early, would not show. Here each one breaks the graph
+    whenever it is traced, and every reference model, with every Mod that keeps its
+    function and an FP8 plan, must still compile to one graph."""
+    import dataclasses
+
+    import loka.models as M
+    from loka.config import ModsConfig
+    from loka.data import SyntheticCTR
+    from loka.kernels import capabilities as caps
+
+    torch.manual_seed(0)
+    mods = dataclasses.replace(ModsConfig.paper(), blocknorm=8, fuse_norm_quant=True,
+                               merge_siblings=True, token_major=True)
+    model = M.build(name, "tiny", mods=mods)
+    loka.apply(model, Plan.uniform(model, "emulated-rowwise-e4m3"), strict=False)
+    batch = next(SyntheticCTR(model.feature_spec, 16, seed=3))
+    eager = model(batch)
+    for fn in UNTRACEABLE:
+        original = getattr(caps, fn)
+
+        def breaking(*args, _original=original, **kwargs):
+            torch._dynamo.graph_break()
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(caps, fn, breaking)
+    counter = CompileCounterWithBackend("aot_eager")
+    out = torch.compile(model, fullgraph=True, backend=counter)(batch)
+    out.sum().backward()
+    assert counter.frame_count == 1
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
