@@ -81,13 +81,11 @@ def triton_path_available(x: torch.Tensor, fmt="e4m3") -> bool:
     Under ``torch.compile`` the answer is a constant of the traced graph: the capability
     queries behind it (an import of triton, the device's properties) are not traceable,
     and tracing them broke a fused model's graph around every producer on the GPU."""
-    return _triton_path(x.device.type, x.device.index, x.dtype, get_format(fmt).name)
+    return _triton_path(x.device, x.dtype, get_format(fmt).name)
 
 
 @torch.compiler.assume_constant_result
-def _triton_path(device_type: str, index: Optional[int], dtype: torch.dtype,
-                 fmt_name: str) -> bool:
-    device = torch.device(device_type, index) if index is not None else torch.device(device_type)
+def _triton_path(device: torch.device, dtype: torch.dtype, fmt_name: str) -> bool:
     cc = caps.cuda_capability(device)
     return (caps.triton_available(device) and cc is not None and cc >= (8, 9)
             and fmt_name in ("e4m3", "e5m2") and dtype != torch.float64)
