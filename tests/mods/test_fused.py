@@ -137,6 +137,18 @@ def test_handoff_only_where_the_linear_would_make_the_same_fp8_tensor():
 FUSED_MODS = dataclasses.replace(ModsConfig.paper(), fuse_norm_quant=True)
 
 
+def fused_pair(name, mods, kernel, device="cpu", dtype=torch.float32):
+    """Reference model ``name`` (tiny) with ``mods`` but without and with fuse_norm_quant,
+    the same weights, ``kernel`` at every Linear that takes it."""
+    torch.manual_seed(0)
+    plain, fused = (M.build(name, "tiny", mods=dataclasses.replace(mods, fuse_norm_quant=f))
+                    .to(device, dtype) for f in (False, True))
+    fused.load_state_dict(plain.state_dict())
+    for model in (plain, fused):
+        loka.apply(model, Plan.uniform(model, kernel), strict=False)
+    return plain, fused
+
+
 @pytest.mark.parametrize("kernel", ["emulated-rowwise-e4m3", "emulated-tensorwise-e4m3"])
 @pytest.mark.parametrize("name", M.list_models())
 def test_models_route_norms_into_fp8_linears(name, kernel, monkeypatch):
@@ -144,12 +156,7 @@ def test_models_route_norms_into_fp8_linears(name, kernel, monkeypatch):
     and gradients bit for bit: each FP8 Linear gets the tensor it would have made), and
     its norm / activation -> FP8 Linear edges go through the fused op, whose FP8 tensor the
     Linear takes as is."""
-    torch.manual_seed(0)
-    plain = M.build(name, "tiny", mods=ModsConfig.paper())
-    fused = M.build(name, "tiny", mods=FUSED_MODS)
-    fused.load_state_dict(plain.state_dict())
-    for model in (plain, fused):
-        loka.apply(model, Plan.uniform(model, kernel), strict=False)
+    plain, fused = fused_pair(name, FUSED_MODS, kernel)
     calls, handed = [], []
     real = fused_mod.fused_norm_act_quant
 
@@ -237,14 +244,8 @@ def test_fused_wukong_on_gpu_compiles_in_one_graph(train):
     one graph, forward and backward, with the unfused model's outputs."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    torch.manual_seed(0)
-    mods = dataclasses.replace(FUSED_MODS, blocknorm=8)
-    model = M.build("wukong", "tiny", mods=mods).to(DEVICE, torch.bfloat16)
-    loka.apply(model, Plan.uniform(model, "triton-rowwise-cublas-fastacc"), strict=False)
-    plain = M.build("wukong", "tiny", mods=dataclasses.replace(mods, fuse_norm_quant=False))
-    plain = plain.to(DEVICE, torch.bfloat16)
-    plain.load_state_dict(model.state_dict())
-    loka.apply(plain, Plan.uniform(plain, "triton-rowwise-cublas-fastacc"), strict=False)
+    plain, model = fused_pair("wukong", dataclasses.replace(FUSED_MODS, blocknorm=8),
+                              "triton-rowwise-cublas-fastacc", DEVICE, torch.bfloat16)
     batch = next(SyntheticCTR(model.feature_spec, 64, seed=4)).to(DEVICE)
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
@@ -268,13 +269,8 @@ def test_wukong_fuses_its_top_norm_where_blocks_divide_d(block, top_fused, monke
     """The last layer's BlockNorm runs on the flattened (B, n * d) rows, fused with the top
     MLP's first Linear, where its blocks divide d (16 here) and so never straddle two
     embeddings; else the layer applies it. Same outputs either way."""
-    mods = dataclasses.replace(FUSED_MODS, blocknorm=block)
-    torch.manual_seed(0)
-    plain = M.build("wukong", "tiny", mods=dataclasses.replace(mods, fuse_norm_quant=False))
-    fused = M.build("wukong", "tiny", mods=mods)
-    fused.load_state_dict(plain.state_dict())
-    for model in (plain, fused):
-        loka.apply(model, Plan.uniform(model, "emulated-rowwise-e4m3"), strict=False)
+    plain, fused = fused_pair("wukong", dataclasses.replace(FUSED_MODS, blocknorm=block),
+                              "emulated-rowwise-e4m3")
     widths = []
     real = fused_mod.fused_norm_act_quant
     monkeypatch.setattr(fused_mod, "fused_norm_act_quant",
