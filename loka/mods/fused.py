@@ -238,7 +238,7 @@ def fused_norm_act_quant(x: torch.Tensor, norm: str = "blocknorm", block: int = 
             t is not None and t.requires_grad for t in (x, weight, bias))):
         y, data, scale = torch.ops.loka.norm_act_quant(*args)
     else:  # eager, nothing to differentiate (serving): the kernel without the op's dispatch,
-        y, data, scale = _launch(*args)  # which costs tens of microseconds of host time a call
+        y, data, scale = _launch(*args)  # which costs host time at every call
     m = x2d.shape[0]
     blk = (1, d) if granularity == "rowwise" else (max(m, 1), d)
     q = QTensor(data, scale, fmt, blk, Granularity(granularity))

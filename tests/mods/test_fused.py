@@ -468,7 +468,7 @@ def test_triton_kernel_casts_every_bf16_ratio_exactly(fmt, granularity):
 
 def test_triton_kernel_skips_the_op_where_nothing_is_differentiated():
     """Eager calls with nothing to differentiate (serving) launch the kernel without the
-    custom op's dispatch (tens of microseconds of host time a call); calls that record a
+    custom op's dispatch (host time at every call); calls that record a
     gradient go through the op, whose backward they need. Both give the same tensors."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
