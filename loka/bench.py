@@ -1197,7 +1197,7 @@ def _default_out(env: dict) -> str:
 
 
 def _write(result: dict, path: str) -> None:
-    from .probe.report import atomic_write_text
+    from .jsonio import atomic_write_text
 
     atomic_write_text(path, json.dumps(result, indent=1, default=str))
 

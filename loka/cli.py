@@ -311,7 +311,7 @@ def _load_file(load: Callable[[str], Any], path: str, kind: str,
                hints: Tuple[Optional[str], Optional[str], Optional[str]]):
     """``load(path)``, its usual failures turned into one-line CliErrors; ``hints`` for a
     missing file, a directory, and a file that is not a valid ``kind`` file."""
-    from .probe.report import ReportError
+    from .jsonio import ReportError
 
     missing, directory, invalid = hints
     try:
@@ -420,7 +420,7 @@ def cmd_train(args) -> int:
     metrics = {"model": desc, "data": args.data, "steps": result.steps, "final": result.final,
                "eval_history": result.eval_history, "samples_per_s": result.samples_per_s,
                "resumed_from": result.resumed_from, "plan": args.plan}
-    from .probe.report import atomic_write_text
+    from .jsonio import atomic_write_text
 
     atomic_write_text(os.path.join(args.out, "metrics.json"), json.dumps(metrics, indent=1))
     f = result.final

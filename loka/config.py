@@ -40,6 +40,14 @@ class Role(str, enum.Enum):
 
 
 ROLES: Tuple[Role, ...] = (Role.FWD, Role.DGRAD, Role.WGRAD)
+"""the three roles, in the order tables and plans list them"""
+GRAD_ROLES = frozenset({Role.DGRAD, Role.WGRAD})
+"""the roles of the backward pass (they need gradients to be observed)"""
+
+BASELINE = "bf16"
+"""the kernel every FP8 choice is measured against and falls back to"""
+REFERENCE_KERNEL = "fp32"
+"""the high-precision kernel errors are measured against; never a dispatch candidate"""
 
 
 def role_shape(role: Role | str, m: int, k: int, n: int) -> Tuple[int, int, int]:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .config import ROLES, ProbeConfig
-from .probe.report import atomic_write_text
+from .jsonio import atomic_write_text
 
 CPU_KERNELS = ("bf16", "emulated-tensorwise-e4m3", "emulated-rowwise-e4m3",
                "emulated-blockwise-e4m3", "emulated-rowwise-e5m2", "cublas-tensorwise",

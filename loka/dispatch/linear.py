@@ -25,7 +25,7 @@ Graph-safety: the hot path has no host synchronization and no branch on tensor v
 (branches are on shapes and on the config, fixed between calls), so ``torch.compile(...,
 fullgraph=True)`` traces it and a training step can be captured in a CUDA graph.
 Traceable kernels run inline (Inductor fuses their quantization into the producer);
-opaque ones (see :mod:`loka.dispatch.ops`) run as the custom op ``loka::gemm``.
+opaque ones (see :mod:`loka.kernels.ops`) run as the custom op ``loka::gemm``.
 
 Inference: :meth:`Linear.quantize_weight` stores Wᵀ in FP8 once; :meth:`drop_weight`
 then frees the high-precision weight (the state_dict then holds ``weight_fp8`` and
@@ -41,14 +41,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import LinearConfig, Role, role_shape
-from ..kernels import registry
+from ..config import BASELINE, LinearConfig, Role, role_shape
+from ..kernels import ops, registry
 from ..kernels.registry import Kernel
 from ..numerics import (AMAX_EPS, Granularity, QTensor, get_format, operand_block, quantize,
                         round_scale_to_power_of_two)
-from . import ops
 
-BASELINE = "bf16"
 
 
 def takes_static_input_scale(kernel: Kernel) -> bool:

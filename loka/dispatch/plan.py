@@ -54,8 +54,9 @@ from torch import nn
 
 from ..config import ROLES, DispatchConfig, LinearConfig, Role, config_to_dict, role_shape
 from ..kernels import registry
-from ..probe.report import (ProbeReport, ReportError, _num, _require, _unnum,
-                            atomic_write_text, read_json)
+from ..jsonio import (ReportError, atomic_write_text, decode_number, encode_number, json_safe,
+                      read_json, require_fields)
+from ..probe.report import ProbeReport
 
 SCHEMA = "loka.plan"
 SCHEMA_VERSION = 1
@@ -82,17 +83,17 @@ class RoleChoice:
     reason: str = ""
 
     def to_dict(self) -> dict:
-        return {"kernel": self.kernel, "error": _num(self.error),
-                "error_mean": _num(self.error_mean), "speedup": _num(self.speedup),
-                "budget": _num(self.budget), "reason": self.reason}
+        return {"kernel": self.kernel, "error": encode_number(self.error),
+                "error_mean": encode_number(self.error_mean), "speedup": encode_number(self.speedup),
+                "budget": encode_number(self.budget), "reason": self.reason}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "RoleChoice":
-        _require(d, ("kernel",), "role choice")
+        require_fields(d, ("kernel",), "role choice")
         if not isinstance(d["kernel"], str) or not d["kernel"]:
             raise ReportError(f"role choice: kernel must be a name, got {d['kernel']!r}")
-        return cls(d["kernel"], _unnum(d.get("error")), _unnum(d.get("error_mean")),
-                   _unnum(d.get("speedup")), _unnum(d.get("budget")), str(d.get("reason", "")))
+        return cls(d["kernel"], decode_number(d.get("error")), decode_number(d.get("error_mean")),
+                   decode_number(d.get("speedup")), decode_number(d.get("budget")), str(d.get("reason", "")))
 
 
 @dataclass
@@ -123,7 +124,7 @@ class SitePlan:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "SitePlan":
-        _require(d, ("name", "in_features", "out_features", "tokens", "roles"), "site plan")
+        require_fields(d, ("name", "in_features", "out_features", "tokens", "roles"), "site plan")
         if not isinstance(d["roles"], Mapping):
             raise ReportError(f"site plan {d['name']!r}: roles must be an object")
         dims = [d["in_features"], d["out_features"], d["tokens"]]
@@ -153,7 +154,7 @@ class Fallback:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Fallback":
-        _require(d, ("site", "step", "reason"), "fallback")
+        require_fields(d, ("site", "step", "reason"), "fallback")
         return cls(str(d["site"]), int(d["step"]), str(d["reason"]),
                    {str(k): str(v) for k, v in dict(d.get("previous", {})).items()})
 
@@ -289,14 +290,14 @@ class Plan:
     # -- JSON ------------------------------------------------------------------------
     def to_dict(self) -> dict:
         return {"schema": SCHEMA, "version": SCHEMA_VERSION, "created": self.created,
-                "device": self.device, "budget": _json_safe(self.budget),
-                "source": _json_safe(self.source), "notes": list(self.notes),
+                "device": self.device, "budget": json_safe(self.budget),
+                "source": json_safe(self.source), "notes": list(self.notes),
                 "sites": {k: v.to_dict() for k, v in self.sites.items()},
                 "fallbacks": [f.to_dict() for f in self.fallbacks]}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Plan":
-        _require(d, ("sites",), "plan")
+        require_fields(d, ("sites",), "plan")
         try:
             if not isinstance(d["sites"], Mapping):
                 raise ReportError("plan: sites must be an object")
@@ -325,16 +326,6 @@ class Plan:
             return cls.from_dict(data)
         except ReportError as e:
             raise ReportError(f"{path}: {e}") from None
-
-
-def _json_safe(obj):
-    if isinstance(obj, Mapping):
-        return {str(k): _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    if isinstance(obj, float):
-        return _num(obj)
-    return obj
 
 
 def _is_fp8(name: str) -> bool:
@@ -464,9 +455,8 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
                 if not usable(kname):
                     continue
                 kern = registry.get(kname)
-                # loka.Linear pads wgrad's reduction (the token count) to the alignment
-                m_pad = -(-max(site.tokens, 1) // kern.align) * kern.align
-                shape = role_shape(role, m_pad, site.in_features, site.out_features)
+                shape = role_shape(role, kern.padded_tokens(site.tokens), site.in_features,
+                                   site.out_features)
                 if not kern.supports(target, *shape, role=role):
                     misfit += 1
                     continue
@@ -574,9 +564,8 @@ def audit(plan: Plan, report: "ProbeReport | str | os.PathLike") -> dict:
             return False
         if allowed is not None and kname not in allowed:
             return False
-        m_pad = -(-max(site.tokens, 1) // kern.align) * kern.align
-        return bool(kern.fits(*role_shape(role, m_pad, site.in_features, site.out_features),
-                              role=role))
+        return bool(kern.fits(*role_shape(role, kern.padded_tokens(site.tokens), site.in_features,
+                                          site.out_features), role=role))
 
     checked, violations = 0, []
     for name, sp in plan.sites.items():
@@ -605,7 +594,7 @@ def audit(plan: Plan, report: "ProbeReport | str | os.PathLike") -> dict:
             best_speed, best = max(cands)
             mine = speed(rr, chosen)
             if not mine >= best_speed:  # NaN (an untimed choice) counts as slower
-                violations.append({**row, "chosen_speedup": _num(mine), "best": best,
+                violations.append({**row, "chosen_speedup": encode_number(mine), "best": best,
                                    "best_speedup": best_speed,
                                    "why": "a faster kernel within the budget was measured"})
     return {"site_roles": checked, "violations": violations, "ok": not violations}

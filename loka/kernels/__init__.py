@@ -7,10 +7,10 @@
 
 from . import capabilities
 from .recipes import Recipe
-from .registry import (Capability, Kernel, all_kernels, available, get, register,
-                       unavailable, unregister)
+from .registry import (Capability, Kernel, Library, Scaling, all_kernels, available, get,
+                       register, unavailable, unregister)
 
-__all__ = ["Kernel", "Capability", "Recipe", "register", "unregister", "get", "available",
+__all__ = ["Kernel", "Capability", "Library", "Scaling", "Recipe", "register", "unregister", "get", "available",
            "unavailable", "all_kernels", "capabilities", "gemm"]
 
 

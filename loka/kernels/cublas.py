@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from ..config import Role
+from ..config import GRAD_ROLES, Role
 from ..numerics import Granularity, QTensor
 from . import capabilities as caps
-from .emulated import GRAD_ROLES
 from .recipes import Recipe, check_gemm_operands
 from .registry import YES, Capability, Kernel, register
 

@@ -12,12 +12,11 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from ..config import Role
+from ..config import GRAD_ROLES, Role
 from ..numerics import Granularity
 from .recipes import Recipe, check_gemm_operands
 from .registry import Kernel, register
 
-GRAD_ROLES = frozenset({Role.DGRAD, Role.WGRAD})
 
 
 def emulated_gemm(recipe: Recipe, a, b, out_dtype: torch.dtype) -> torch.Tensor:

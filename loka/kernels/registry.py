@@ -11,6 +11,7 @@ fused norm→quantize producer or a weight quantized once); a kernel whose ``qua
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple, Union
 
@@ -22,6 +23,41 @@ from . import capabilities as caps
 
 Operand = Union[torch.Tensor, QTensor]
 GemmFn = Callable[[Operand, Operand, torch.dtype], torch.Tensor]
+
+
+class Scaling(str, enum.Enum):
+    """How a kernel scales its FP8 operands (``NONE``: a high-precision kernel).
+
+    The values are :class:`~loka.numerics.Granularity`'s, so a kernel's scaling converts
+    to one with ``Granularity(kernel.scaling)`` and compares equal to its name."""
+
+    NONE = "none"
+    TENSORWISE = "tensorwise"
+    ROWWISE = "rowwise"
+    BLOCKWISE = "blockwise"
+    MX = "mx"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+class Library(str, enum.Enum):
+    """Who implements a kernel. ``CUSTOM``: a kernel registered from outside LoKA."""
+
+    TORCH = "torch"
+    EMULATED = "emulated"
+    CUBLAS = "cublas"
+    TRITON = "triton"
+    TORCHAO = "torchao"
+    FBGEMM = "fbgemm"
+    CUSTOM = "custom"
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
 
 
 @dataclass(frozen=True)
@@ -46,12 +82,12 @@ class Kernel:
     """unique name, e.g. 'bf16', 'emulated-rowwise-e4m3', 'cublas-rowwise'"""
     fn: GemmFn
     """``fn(a, b, out_dtype) -> (M, N)``; quantizes its own operands"""
-    library: str
-    """'torch', 'emulated', 'cublas', 'triton', 'torchao', 'fbgemm'"""
+    library: Library
+    """who implements it (a :class:`Library` or its name)"""
     formats: Tuple[str, str] = ("bf16", "bf16")
     """number formats of operand a and operand b"""
-    scaling: str = "none"
-    """'none', 'tensorwise', 'rowwise', 'blockwise', 'mx'"""
+    scaling: Scaling = Scaling.NONE
+    """how it scales FP8 operands (a :class:`Scaling` or its name; ``NONE``: not FP8)"""
     roles: FrozenSet[Role] = frozenset(ROLES)
     """roles this kernel may serve"""
     devices: Tuple[str, ...] = ("cpu", "cuda")
@@ -78,13 +114,28 @@ class Kernel:
     """uses reduced-precision (fast) tensor-core accumulation"""
     description: str = ""
 
+    def __post_init__(self) -> None:
+        for name, kind in (("library", Library), ("scaling", Scaling)):
+            value = getattr(self, name)
+            try:
+                object.__setattr__(self, name, kind(value))
+            except ValueError:
+                raise ValueError(f"kernel {self.name!r}: unknown {name} {value!r}; expected one "
+                                 f"of {[v.value for v in kind]}") from None
+
     @property
     def is_fp8(self) -> bool:
-        return self.scaling != "none"
+        return self.scaling is not Scaling.NONE
 
     @property
     def is_emulated(self) -> bool:
-        return self.library == "emulated"
+        return self.library is Library.EMULATED
+
+    def padded_tokens(self, tokens: int) -> int:
+        """The token count (rows of x and dy) as this kernel's weight-gradient GEMM sees it:
+        ``loka.Linear`` pads that reduction to a multiple of :attr:`align` with zero rows,
+        and the Probe and the planner judge the kernel at the padded count too."""
+        return -(-max(int(tokens), 1) // self.align) * self.align
 
     def device_ok(self, device: "torch.device | str") -> Capability:
         """Can this kernel run on ``device`` at all (any shape)?"""

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..timing import time_fn
 from ._swap import ModuleChange, describe, iter_modules
 from .no_bias import FINAL_ATTR
 
@@ -223,7 +224,7 @@ def merge_pays(tokens: "int | Callable[[Sequence[nn.Linear]], int]", *,
             device, bf16).
         min_speedup: the merged GEMMs must be this much faster.
         roles: the GEMM roles timed (training: all three; serving: ``("fwd",)``).
-        timer: ``timer(fn) -> microseconds`` (default: :func:`loka.probe.timing.time_fn`'s
+        timer: ``timer(fn) -> microseconds`` (default: :func:`loka.timing.time_fn`'s
             median: CUDA graphs on GPUs, wall clock on the CPU, where it says little).
         record: a list that receives one dict per decision (shapes, times, verdict).
 
@@ -235,7 +236,6 @@ def merge_pays(tokens: "int | Callable[[Sequence[nn.Linear]], int]", *,
                          f"got {tokens}, {min_speedup}")
     if not roles:
         raise ValueError("merge_pays needs at least one role to time")
-    from ..probe.timing import time_fn
 
     def when(siblings: Sequence[nn.Linear]) -> bool:
         dev = torch.device(device) if device is not None else siblings[0].weight.device

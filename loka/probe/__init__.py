@@ -1,16 +1,16 @@
 """The Probe: per-site statistics learned during training, and every kernel's error and
 speed measured on operands drawn from them (``loka.Probe``, ``loka.probe``)."""
 
-from .probe import BASELINE, Probe, probe
+from .probe import Probe, probe
 from .report import (ErrorStat, KernelResult, ProbeReport, ReportError, RoleReport, SiteReport,
                      compare_reports)
 from .sampler import (GaussianSampler, MatrixNormalSampler, OperandSampler, naive_pair,
                       sample_matrix_normal)
 from .stats import (ChannelMoments, FP8RangeStats, MatrixNormal, SiteStats, TensorStats,
                     WeightModel, Welford, bootstrap_stat, flip_flop)
-from .timing import TimingResult, time_fn
+from ..timing import TimingResult, time_fn
 
-__all__ = ["Probe", "probe", "BASELINE", "ProbeReport", "SiteReport", "RoleReport",
+__all__ = ["Probe", "probe", "ProbeReport", "SiteReport", "RoleReport",
            "KernelResult", "ErrorStat", "ReportError", "compare_reports", "Welford",
            "ChannelMoments", "FP8RangeStats", "TensorStats", "MatrixNormal", "flip_flop",
            "WeightModel", "SiteStats", "bootstrap_stat", "GaussianSampler", "OperandSampler",

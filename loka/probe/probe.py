@@ -32,7 +32,7 @@ operand pairs (:mod:`loka.probe.sampler`) of ``sample_rows`` rows, each run thro
 available kernel and compared with one reference per sample (float64 on the CPU, float32
 with TF32 off on GPUs); MERE, SQNR and relative Frobenius error get bootstrap 95% CIs. The
 same with N(0, 1) operands gives ``naive_mere``. Times are taken at the site's real row
-count M with CUDA graphs (:mod:`loka.probe.timing`), once per distinct (role, shape,
+count M with CUDA graphs (:mod:`loka.timing`), once per distinct (role, shape,
 dtype, kernel), against the ``bf16`` baseline kernel (the GEMM in the site's own dtype).
 Forward kernels are timed twice: with both operands quantized per call (training, where
 the weight changes every step) and with the weight quantized beforehand (inference,
@@ -54,23 +54,16 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..config import ProbeConfig, Role, config_to_dict, role_shape
-from ..kernels import registry
+from ..config import (BASELINE, GRAD_ROLES, REFERENCE_KERNEL, ProbeConfig, Role, config_to_dict,
+                      role_shape)
+from ..kernels import ops, registry
 from ..numerics import mere_denominator
+from ..timing import TimingResult, time_fn
 from .report import KernelResult, ProbeReport, RoleReport, SiteReport
 from .sampler import OperandSampler, error_rows, naive_pair, seed_for
 from .stats import SiteStats, bootstrap_stat
-from .timing import TimingResult, time_fn
 
-__all__ = ["Probe", "probe", "BASELINE"]
-
-BASELINE = "bf16"
-"""the kernel every speedup is measured against (the GEMM in the site's dtype)"""
-REFERENCE_KERNEL = "fp32"
-"""the reference on GPUs (float32, TF32 off); on the CPU the reference is float64"""
-WGRAD_ROW_PAD = 16
-"""``loka.Linear`` pads M to this multiple for FP8 weight gradients; timed the same way"""
-_NEEDS_GRAD = (Role.DGRAD, Role.WGRAD)
+__all__ = ["Probe", "probe"]
 
 
 def _one_line(exc: BaseException) -> str:
@@ -337,7 +330,7 @@ class Probe:
                             str(dtype).replace("torch.", ""), stats)
             skipped = {}
             for role in cfg.roles:
-                if role in _NEEDS_GRAD and site.grad.updates == 0:
+                if role in GRAD_ROLES and site.grad.updates == 0:
                     skipped[role.value] = "no output gradient observed"
                     continue
                 rr, why = self._measure_role(site, module, role, dev, dtype, timings)
@@ -363,15 +356,20 @@ class Probe:
         cfg = self.config
         k_in, n_out = site.in_features, site.out_features
         m_time = cfg.timing_rows or site.tokens
-        if role is Role.WGRAD:
-            m_time = -(-m_time // WGRAD_ROW_PAD) * WGRAD_ROW_PAD
         m_err = error_rows(site, cfg.source, cfg.sample_rows)
         if m_err == 0:
             return None, "nothing captured"
         shape = role_shape(role, m_time, k_in, n_out)
         err_shape = role_shape(role, m_err, k_in, n_out)
-        kernels = [k for k in registry.available(dev, shape=shape, role=role, names=cfg.kernels)
-                   if k.supports(dev, *err_shape, role=role)]
+
+        def timed_shape(kern) -> Tuple[int, int, int]:
+            # the weight gradient runs at the kernel's padded token count, as loka.Linear runs it
+            return (role_shape(role, kern.padded_tokens(m_time), k_in, n_out)
+                    if role is Role.WGRAD else shape)
+
+        kernels = [k for k in registry.available(dev, role=role, names=cfg.kernels)
+                   if k.supports(dev, *timed_shape(k), role=role)
+                   and k.supports(dev, *err_shape, role=role)]
         if cfg.kernels is None and dev.type != "cpu":
             # off the CPU the reference *is* the fp32 kernel: measuring it would say nothing
             kernels = [k for k in kernels if k.name != REFERENCE_KERNEL]
@@ -404,7 +402,7 @@ class Probe:
                 kr.naive_mere = bootstrap_stat(naive[k.name], cfg.bootstrap, seed)
             if cfg.timing and kr.error is None:
                 with self._phase("timing", dev):
-                    t = self._time(k.name, role, shape, dev, dtype, timings)
+                    t = self._time(k.name, role, timed_shape(k), dev, dtype, timings)
                 if isinstance(t, str):
                     kr.error = t
                 else:
@@ -413,7 +411,7 @@ class Probe:
                         kr.speedup = base_us / t.median_us
                     if role is Role.FWD and k.is_fp8 and k.quantize_b is not None:
                         with self._phase("timing", dev):
-                            tq = self._time(k.name, role, shape, dev, dtype, timings,
+                            tq = self._time(k.name, role, timed_shape(k), dev, dtype, timings,
                                             weight_q=True)
                         if not isinstance(tq, str):
                             kr.time_us_weight_q = tq.median_us
@@ -546,7 +544,6 @@ def _compile_for_timing(kern, dev: torch.device, mode: str) -> bool:
     """Whether :meth:`Probe._time` times ``kern`` under ``torch.compile``."""
     if mode == "off" or (mode == "auto" and dev.type != "cuda"):
         return False
-    from ..dispatch import ops
 
     # own quantization kernels (Triton custom ops, C++ libraries) gain nothing from
     # Inductor; emulated kernels are references, not candidates for speed

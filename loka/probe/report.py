@@ -20,89 +20,16 @@ import datetime as _dt
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..config import Role
+from ..jsonio import (ReportError, atomic_write_text, decode_number, encode_number, field_bool,
+                      field_int, field_mapping, field_number, field_path, field_str, json_safe,
+                      read_json, require_fields)
 
 SCHEMA = "loka.probe-report"
 SCHEMA_VERSION = 1
-
-
-class ReportError(ValueError):
-    """A report or plan file that is corrupt, foreign, or of an unknown version."""
-
-
-def _num(x) -> Optional[float]:
-    """JSON has no inf/nan: encode them as strings, decode back to floats."""
-    if x is None:
-        return None
-    x = float(x)
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    return x
-
-
-def _unnum(x) -> Optional[float]:
-    if x is None:
-        return None
-    if isinstance(x, str):
-        if x not in ("nan", "inf", "-inf"):
-            raise ReportError(f"expected a number, got {x!r}")
-        return float(x)
-    if not isinstance(x, (int, float)) or isinstance(x, bool):
-        raise ReportError(f"expected a number, got {x!r}")
-    return float(x)
-
-
-def _where(where: str, key) -> str:
-    return f"{where}.{key}" if where else str(key)
-
-
-def _int(d: Mapping, key: str, where: str, minimum: int = 0) -> int:
-    x = d[key]
-    if isinstance(x, bool) or not isinstance(x, int) or x < minimum:
-        raise ReportError(f"{_where(where, key)}: expected an integer >= {minimum}, got {x!r}")
-    return x
-
-
-def _str(d: Mapping, key: str, where: str, default: Optional[str] = None,
-         optional: bool = False) -> Optional[str]:
-    x = d.get(key, default)
-    if x is None and optional:
-        return None
-    if not isinstance(x, str):
-        raise ReportError(f"{_where(where, key)}: expected a string, got {x!r}")
-    return x
-
-
-def _bool(d: Mapping, key: str, where: str, default: bool = False) -> bool:
-    x = d.get(key, default)
-    if not isinstance(x, bool):
-        raise ReportError(f"{_where(where, key)}: expected true or false, got {x!r}")
-    return x
-
-
-def _number(d: Mapping, key: str, where: str, optional: bool = True, default=None):
-    x = d.get(key, default)
-    if x is None:
-        if optional:
-            return None
-        raise ReportError(f"{_where(where, key)}: missing number")
-    try:
-        return _unnum(x)
-    except ReportError:
-        raise ReportError(f"{_where(where, key)}: expected a number, got {x!r}") from None
-
-
-def _mapping(d: Mapping, key: str, where: str, default=None) -> Mapping:
-    x = d.get(key, default)
-    if not isinstance(x, Mapping):
-        raise ReportError(f"{_where(where, key)}: expected a JSON object, got {type(x).__name__}")
-    return x
 
 
 @dataclass
@@ -116,8 +43,8 @@ class ErrorStat:
     std: float = 0.0
 
     def to_dict(self) -> dict:
-        return {"mean": _num(self.mean), "lo": _num(self.lo), "hi": _num(self.hi),
-                "n": int(self.n), "std": _num(self.std)}
+        return {"mean": encode_number(self.mean), "lo": encode_number(self.lo), "hi": encode_number(self.hi),
+                "n": int(self.n), "std": encode_number(self.std)}
 
     @property
     def width(self) -> float:
@@ -130,10 +57,10 @@ class ErrorStat:
 
     @classmethod
     def from_dict(cls, d: Mapping, where: str = "error statistic") -> "ErrorStat":
-        _require(d, ("mean", "lo", "hi", "n"), where)
-        return cls(_number(d, "mean", where, False), _number(d, "lo", where, False),
-                   _number(d, "hi", where, False), _int(d, "n", where),
-                   _number(d, "std", where, default=0.0))
+        require_fields(d, ("mean", "lo", "hi", "n"), where)
+        return cls(field_number(d, "mean", where, False), field_number(d, "lo", where, False),
+                   field_number(d, "hi", where, False), field_int(d, "n", where),
+                   field_number(d, "std", where, default=0.0))
 
 
 @dataclass
@@ -170,12 +97,12 @@ class KernelResult:
         return getattr(self, name)
 
     def to_dict(self) -> dict:
-        d = {"kernel": self.kernel, "time_us": _num(self.time_us), "speedup": _num(self.speedup),
+        d = {"kernel": self.kernel, "time_us": encode_number(self.time_us), "speedup": encode_number(self.speedup),
              "timing": self.timing, "safe": bool(self.safe), "fast": bool(self.fast),
              "error": self.error}
         if self.time_us_weight_q is not None:
-            d["time_us_weight_q"] = _num(self.time_us_weight_q)
-            d["speedup_weight_q"] = _num(self.speedup_weight_q)
+            d["time_us_weight_q"] = encode_number(self.time_us_weight_q)
+            d["speedup_weight_q"] = encode_number(self.speedup_weight_q)
         for k in ("mere", "sqnr", "relfro", "naive_mere"):
             v = getattr(self, k)
             d[k] = None if v is None else v.to_dict()
@@ -183,19 +110,19 @@ class KernelResult:
 
     @classmethod
     def from_dict(cls, d: Mapping, where: str = "kernel result") -> "KernelResult":
-        _require(d, ("kernel",), where)
-        stats = {k: (None if d.get(k) is None else ErrorStat.from_dict(d[k], _where(where, k)))
+        require_fields(d, ("kernel",), where)
+        stats = {k: (None if d.get(k) is None else ErrorStat.from_dict(d[k], field_path(where, k)))
                  for k in ("mere", "sqnr", "relfro", "naive_mere")}
-        name = _str(d, "kernel", where)
+        name = field_str(d, "kernel", where)
         if not name:
-            raise ReportError(f"{_where(where, 'kernel')}: empty kernel name")
-        return cls(kernel=name, time_us=_number(d, "time_us", where),
-                   speedup=_number(d, "speedup", where),
-                   timing=_str(d, "timing", where, "none"),
-                   time_us_weight_q=_number(d, "time_us_weight_q", where),
-                   speedup_weight_q=_number(d, "speedup_weight_q", where),
-                   safe=_bool(d, "safe", where),
-                   fast=_bool(d, "fast", where), error=_str(d, "error", where, optional=True),
+            raise ReportError(f"{field_path(where, 'kernel')}: empty kernel name")
+        return cls(kernel=name, time_us=field_number(d, "time_us", where),
+                   speedup=field_number(d, "speedup", where),
+                   timing=field_str(d, "timing", where, "none"),
+                   time_us_weight_q=field_number(d, "time_us_weight_q", where),
+                   speedup_weight_q=field_number(d, "speedup_weight_q", where),
+                   safe=field_bool(d, "safe", where),
+                   fast=field_bool(d, "fast", where), error=field_str(d, "error", where, optional=True),
                    **stats)
 
 
@@ -209,7 +136,7 @@ class RoleReport:
 
     def to_dict(self) -> dict:
         return {"role": self.role.value, "shape": list(self.shape),
-                "baseline_us": _num(self.baseline_us),
+                "baseline_us": encode_number(self.baseline_us),
                 "kernels": {k: v.to_dict() for k, v in self.kernels.items()}}
 
     def best(self, max_error: Optional[float] = None, metric: str = "mere"
@@ -232,23 +159,23 @@ class RoleReport:
 
     @classmethod
     def from_dict(cls, d: Mapping, where: str = "role report") -> "RoleReport":
-        _require(d, ("role", "shape", "kernels"), where)
+        require_fields(d, ("role", "shape", "kernels"), where)
         try:
             role = Role.parse(d["role"])
         except ValueError as e:
-            raise ReportError(f"{_where(where, 'role')}: {e}") from None
+            raise ReportError(f"{field_path(where, 'role')}: {e}") from None
         shape = d["shape"]
         if (not isinstance(shape, list) or len(shape) != 3
                 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in shape)):
-            raise ReportError(f"{_where(where, 'shape')}: expected [M, K, N] of 3 positive "
+            raise ReportError(f"{field_path(where, 'shape')}: expected [M, K, N] of 3 positive "
                               f"integers, got {shape!r}")
         kernels = {}
-        for k, v in _mapping(d, "kernels", where).items():
-            kr = KernelResult.from_dict(v, f"{_where(where, 'kernels')}[{k!r}]")
+        for k, v in field_mapping(d, "kernels", where).items():
+            kr = KernelResult.from_dict(v, f"{field_path(where, 'kernels')}[{k!r}]")
             if kr.kernel != k:
-                raise ReportError(f"{_where(where, 'kernels')}[{k!r}]: holds kernel {kr.kernel!r}")
+                raise ReportError(f"{field_path(where, 'kernels')}[{k!r}]: holds kernel {kr.kernel!r}")
             kernels[k] = kr
-        return cls(role, tuple(shape), _number(d, "baseline_us", where), kernels)
+        return cls(role, tuple(shape), field_number(d, "baseline_us", where), kernels)
 
 
 @dataclass
@@ -272,77 +199,22 @@ class SiteReport:
     def to_dict(self) -> dict:
         return {"name": self.name, "in_features": self.in_features,
                 "out_features": self.out_features, "tokens": self.tokens, "dtype": self.dtype,
-                "stats": _clean(self.stats),
+                "stats": json_safe(self.stats),
                 "roles": {r.value: rr.to_dict() for r, rr in self.roles.items()}}
 
     @classmethod
     def from_dict(cls, d: Mapping, where: str = "site report") -> "SiteReport":
-        _require(d, ("name", "in_features", "out_features", "tokens", "roles"), where)
+        require_fields(d, ("name", "in_features", "out_features", "tokens", "roles"), where)
         roles = {}
-        for r, v in _mapping(d, "roles", where).items():
-            rr = RoleReport.from_dict(v, f"{_where(where, 'roles')}[{r!r}]")
+        for r, v in field_mapping(d, "roles", where).items():
+            rr = RoleReport.from_dict(v, f"{field_path(where, 'roles')}[{r!r}]")
             if rr.role.value != r:
-                raise ReportError(f"{_where(where, 'roles')}[{r!r}]: holds role {rr.role.value!r}")
+                raise ReportError(f"{field_path(where, 'roles')}[{r!r}]: holds role {rr.role.value!r}")
             roles[rr.role] = rr
-        return cls(_str(d, "name", where), _int(d, "in_features", where, 1),
-                   _int(d, "out_features", where, 1), _int(d, "tokens", where),
-                   _str(d, "dtype", where, "bfloat16"), dict(_mapping(d, "stats", where, {})),
+        return cls(field_str(d, "name", where), field_int(d, "in_features", where, 1),
+                   field_int(d, "out_features", where, 1), field_int(d, "tokens", where),
+                   field_str(d, "dtype", where, "bfloat16"), dict(field_mapping(d, "stats", where, {})),
                    roles)
-
-
-def _clean(obj):
-    """Make nested stats JSON-safe (floats incl. inf/nan, lists, dicts)."""
-    if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    if isinstance(obj, float):
-        return _num(obj)
-    if hasattr(obj, "item"):
-        return _clean(obj.item()) if getattr(obj, "numel", lambda: 1)() == 1 else _clean(obj.tolist())
-    return obj
-
-
-def _require(d: Any, keys, what: str) -> None:
-    if not isinstance(d, Mapping):
-        raise ReportError(f"{what}: expected a JSON object, got {type(d).__name__}")
-    missing = [k for k in keys if k not in d]
-    if missing:
-        raise ReportError(f"{what}: missing field(s) {missing}")
-
-
-def atomic_write_text(path: "str | os.PathLike", text: str) -> None:
-    """Write a file so that a crash never leaves it half-written."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def read_json(path: "str | os.PathLike", schema: str, version: int) -> dict:
-    """Load and check the envelope of a LoKA JSON file, with one-line errors."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ReportError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(data, dict) or data.get("schema") != schema:
-        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
-        raise ReportError(f"{path}: not a {schema} file (schema: {found!r})")
-    if data.get("version") != version:
-        raise ReportError(f"{path}: {schema} version {data.get('version')!r} is not supported "
-                          f"(this LoKA reads version {version})")
-    return data
 
 
 @dataclass
@@ -359,25 +231,25 @@ class ProbeReport:
     def to_dict(self) -> dict:
         return {"schema": SCHEMA, "version": SCHEMA_VERSION, "created": self.created,
                 "device": self.device, "device_name": self.device_name,
-                "torch": self.torch_version, "config": _clean(self.config),
-                "meta": _clean(self.meta),
+                "torch": self.torch_version, "config": json_safe(self.config),
+                "meta": json_safe(self.meta),
                 "sites": {k: v.to_dict() for k, v in self.sites.items()}}
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "ProbeReport":
-        _require(d, ("sites",), "probe report")
+        require_fields(d, ("sites",), "probe report")
         try:
             sites = {}
-            for k, v in _mapping(d, "sites", "").items():
+            for k, v in field_mapping(d, "sites", "").items():
                 site = SiteReport.from_dict(v, f"sites[{k!r}]")
                 if site.name != k:
                     raise ReportError(f"sites[{k!r}]: holds site {site.name!r}")
                 sites[k] = site
-            return cls(sites=sites, device=_str(d, "device", "", "cpu"),
-                       device_name=_str(d, "device_name", "", ""),
-                       torch_version=_str(d, "torch", "", ""),
-                       config=dict(_mapping(d, "config", "", {})),
-                       created=_str(d, "created", "", ""), meta=dict(_mapping(d, "meta", "", {})))
+            return cls(sites=sites, device=field_str(d, "device", "", "cpu"),
+                       device_name=field_str(d, "device_name", "", ""),
+                       torch_version=field_str(d, "torch", "", ""),
+                       config=dict(field_mapping(d, "config", "", {})),
+                       created=field_str(d, "created", "", ""), meta=dict(field_mapping(d, "meta", "", {})))
         except ReportError:
             raise
         except (TypeError, ValueError, KeyError, AttributeError) as e:

@@ -13,7 +13,8 @@ import math
 from typing import Any, Mapping, Optional, Sequence
 
 from ..config import ROLES
-from ..probe.report import ProbeReport, atomic_write_text
+from ..jsonio import atomic_write_text
+from ..probe.report import ProbeReport
 from . import plots
 from .tables import (curve_arms, decision_rows, decisions, flat_stats, fmt, fp8_fraction, geomean, plan_budget, rows,
                      stat_columns, timing_note)

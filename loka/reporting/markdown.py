@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Sequence
 
 from ..config import ROLES
-from ..probe.report import ProbeReport, atomic_write_text
+from ..jsonio import atomic_write_text
+from ..probe.report import ProbeReport
 from .tables import (curve_arms, decision_rows, fmt, fp8_fraction, geomean, plan_budget, rows,
                      timing_note)
 

@@ -12,11 +12,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from ..config import ROLES, Role
+from ..config import BASELINE, ROLES, Role
 from ..probe.report import SCHEMA as REPORT_SCHEMA
-from ..probe.report import ProbeReport, ReportError
+from ..jsonio import ReportError
+from ..probe.report import ProbeReport
 
-BASELINE = "bf16"
 STAT_KEYS = ("amax", "channel_amax_ratio", "underflow_frac", "overflow_frac", "outlier",
              "kurtosis", "channel_kurtosis_max")
 """statistics shown per site, in this order (see ``loka.probe.stats``): range (amax, the

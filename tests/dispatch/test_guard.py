@@ -27,7 +27,7 @@ def _inf_after_switch_on(a, b, out_dtype):
 @pytest.fixture(autouse=True)
 def faulty_kernel():
     base = get(FP8)
-    register(Kernel("t-faulty", _inf_after_switch_on, library="test", scaling="rowwise",
+    register(Kernel("t-faulty", _inf_after_switch_on, library="custom", scaling="rowwise",
                     formats=("e4m3", "e4m3"), align=16, quantize_a=base.quantize_a,
                     quantize_b=base.quantize_b), override=True)
     INJECT["on"] = False

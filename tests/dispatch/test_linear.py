@@ -78,7 +78,7 @@ def _spy(name, calls):
     def fn(a, b, out_dtype):
         calls.append((name, tuple(a.shape), tuple(b.shape)))
         return get("emulated-tensorwise-e4m3")(a, b, out_dtype)
-    return Kernel(name, fn, library="test", scaling="tensorwise", formats=("e4m3", "e4m3"))
+    return Kernel(name, fn, library="custom", scaling="tensorwise", formats=("e4m3", "e4m3"))
 
 
 def test_each_role_calls_the_kernel_named_for_it():

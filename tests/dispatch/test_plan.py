@@ -23,7 +23,7 @@ FAKE = ["t-slow-exact", "t-mid", "t-fast-coarse", "t-faster"]
 def fake_kernels():
     base = get("emulated-tensorwise-e4m3")
     for name in FAKE:
-        register(Kernel(name, base.fn, library="test", scaling="tensorwise",
+        register(Kernel(name, base.fn, library="custom", scaling="tensorwise",
                         formats=("e4m3", "e4m3"), align=16, quantize_a=base.quantize_a,
                         quantize_b=base.quantize_b), override=True)
     yield
@@ -334,7 +334,7 @@ def skewed_kernel():
     def fn(a, b, out_dtype):
         return base(a, b, out_dtype) * 1.1
 
-    register(Kernel("t-skewed", fn, library="test", scaling="rowwise", formats=("e4m3", "e4m3"),
+    register(Kernel("t-skewed", fn, library="custom", scaling="rowwise", formats=("e4m3", "e4m3"),
                     align=16, quantize_a=base.quantize_a, quantize_b=base.quantize_b))
     yield "t-skewed"
     unregister("t-skewed")

@@ -67,7 +67,7 @@ def test_vendor_and_capability_predicates_on_gpus(monkeypatch):
 
 
 def test_register_duplicate_and_unknown():
-    k = Kernel("test-dup", lambda a, b, d: a @ b, library="test")
+    k = Kernel("test-dup", lambda a, b, d: a @ b, library="custom")
     register(k)
     try:
         with pytest.raises(ValueError, match="already registered"):

@@ -33,11 +33,10 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from ...config import Role
+from ...config import GRAD_ROLES, Role
 from ...numerics import BLOCK, Granularity, QTensor, get_format
 from .. import capabilities as caps
 from ..cublas import _scaled_mm as _cublas_scaled_mm
-from ..emulated import GRAD_ROLES
 from ..recipes import check_gemm_operands
 from ..registry import YES, Capability, Kernel, Operand, register
 

@@ -25,8 +25,8 @@ from typing import Optional, Set
 
 import torch
 
-from ..kernels import registry
-from ..kernels.registry import Kernel
+from . import registry
+from .registry import Kernel
 from ..numerics import Granularity, QTensor, get_format, operand_block
 
 OPAQUE_LIBRARIES = frozenset({"fbgemm"})

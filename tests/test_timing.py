@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from loka.probe.timing import TimingResult, time_fn
+from loka.timing import TimingResult, time_fn
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -68,7 +68,7 @@ def test_graph_calls_spread_the_graph_launch_over_short_calls():
     most allowed (its eager Python path, often 50-200 us for a Triton launch or a custom
     op, would have given it one or two, each charged the graph's whole launch), a 1 ms
     one a single call, never zero."""
-    from loka.probe.timing import GRAPH_REPLAY_US, graph_calls
+    from loka.timing import GRAPH_REPLAY_US, graph_calls
 
     assert graph_calls(5.0, 10) == 10
     assert graph_calls(GRAPH_REPLAY_US / 4, 10) == 4
