@@ -10,7 +10,7 @@ Every producer of an FP8 GEMM input in the Wukong ``paper`` model with Mods:
 * ``norm_act``: BlockNorm then Hard Swish over 2048 (the composition the kernel is for).
 
 Each at batch 4096 in bf16, rowwise and tensorwise e4m3, timed with CUDA graphs
-(``loka.probe.timing.time_fn``, median) as:
+(``loka.timing.time_fn``, median) as:
 
 * ``fused``: ``loka.mods.fused.fused_norm_act_quant`` (one Triton kernel; tensorwise adds a
   second pass for the global amax);
@@ -60,8 +60,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loka.mods.fused import fused_norm_act_quant, reference_norm_act  # noqa: E402
 from loka.numerics import quantize  # noqa: E402
-from loka.probe.report import atomic_write_text  # noqa: E402
-from loka.probe.timing import time_fn  # noqa: E402
+from loka.jsonio import atomic_write_text  # noqa: E402
+from loka.timing import time_fn  # noqa: E402
 
 CASES = (  # name, M, D, norm, act
     ("fmb_norm", 4096, 2048, "blocknorm", "identity"),

@@ -2,7 +2,7 @@
 
 For the GEMMs whose FP8 path is bound by quantization (the FM projection's and the merged
 projection's weight gradients of the Wukong ``paper`` model: M 32-64, K 2**20, N 64, and a
-contrast case), this times, side by side with CUDA graphs (``loka.probe.timing.time_fn``,
+contrast case), this times, side by side with CUDA graphs (``loka.timing.time_fn``,
 median):
 
 * ``bf16``: ``torch.mm`` on the bf16 operands;
@@ -33,8 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loka.probe.report import atomic_write_text  # noqa: E402
-from loka.probe.timing import time_fn  # noqa: E402
+from loka.jsonio import atomic_write_text  # noqa: E402
+from loka.timing import time_fn  # noqa: E402
 
 CASES = {  # name: (M, K, N) of the wgrad GEMM
     "fm_projection wgrad": (32, 1 << 20, 64),

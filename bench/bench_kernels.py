@@ -6,7 +6,7 @@ Wukong paper configuration (batch 4096, n=64 embeddings of d=256, k=32, nF=nL=32
 are Linears over the n axis of (B*d, n) = (1048576, 64) -> 32) in each role (fwd, dgrad,
 wgrad, with the operand layouts loka.Linear passes; the merged FM projection + LCB of the
 benchmark's ``+merge`` rows too). Times include the quantization of both operands (CUDA
-graphs, median; ``loka.probe.timing``); forward GEMMs are also timed with the weight
+graphs, median; ``loka.timing``); forward GEMMs are also timed with the weight
 quantized once ("weight-q"), the inference and fused-producer case, and with both operands
 pre-quantized ("gemm only"). Kernels whose quantization is PyTorch ops (cuBLAS through
 ``torch._scaled_mm``, torchao) are timed under ``torch.compile`` specialized to the shape,
@@ -41,9 +41,9 @@ import loka  # noqa: E402
 from loka.config import role_shape  # noqa: E402
 from loka.kernels import capabilities as caps  # noqa: E402
 from loka.numerics import mere, relative_frobenius  # noqa: E402
-from loka.probe.report import atomic_write_text  # noqa: E402
+from loka.jsonio import atomic_write_text  # noqa: E402
 from loka.probe.probe import _compile_for_timing, compiled_call  # noqa: E402
-from loka.probe.timing import time_fn  # noqa: E402
+from loka.timing import time_fn  # noqa: E402
 
 WUKONG = {  # site: (M tokens, in_features K, out_features N) of the forward GEMM
     "fm_projection / lcb": (1048576, 64, 32),

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import loka  # noqa: E402
 from loka.config import ProbeConfig  # noqa: E402
-from loka.probe.report import atomic_write_text  # noqa: E402
+from loka.jsonio import atomic_write_text  # noqa: E402
 
 
 class StandIn(nn.Module):
