@@ -3,7 +3,7 @@
 # and variants loka@<name>...). Each starts from the Probe report of a benchmark run and
 # moves some roles to other kernels; `loka plan` refuses a kernel outside the error budget.
 set -eu
-R=${1:-bench/results/2026-12-03-h200-wukong}
+R=${1:-bench/results/archive/2026-12-03-h200-wukong}
 cd "$(dirname "$0")/../.."
 for tag in "" ".merge"; do
   rep=$R/bench${tag}.report.json
@@ -41,7 +41,7 @@ PY
 #   tuned-top:  only the top Linear, forward and input gradient (cublas-rowwise-fastacc)
 #   tuned-top-exact: the top Linear as tuned-top, without fast accumulation
 #                    (triton-rowwise-cublas: the same cuBLAS GEMM, LoKA's Triton quantizer)
-rep=bench/results/2026-12-03-h200-wukong-merge/bench.merge.report.json
+rep=bench/results/archive/2026-12-03-h200-wukong-merge/bench.merge.report.json
 python -m loka plan "$rep" -o bench/plans/wukong-paper-tuned-fm.merge.plan.json --kernels bf16 \
   --assign '*.fmb.mlp.2:fwd=triton-rowwise-cublas-fastacc'
 python -m loka plan "$rep" -o bench/plans/wukong-paper-tuned-top.merge.plan.json --kernels bf16 \
@@ -62,7 +62,7 @@ python -m loka plan "$rep" -o bench/plans/wukong-paper-tuned-exacttop.merge.plan
 python - <<'PY'
 import json
 from loka.dispatch.plan import Plan
-rows = json.load(open("bench/results/2026-12-03-h200-infer-profile/bench.json"))["infer"]
+rows = json.load(open("bench/results/archive/2026-12-03-h200-infer-profile/bench.json"))["infer"]
 row = next(r for r in rows if r["variant"] == "loka+mods+merge+tuned+graphs")
 Plan.from_dict(row["tuned_plan"]).save("bench/plans/wukong-paper-serve-tuned.merge.plan.json")
 PY
