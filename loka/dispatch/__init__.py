@@ -4,25 +4,20 @@
 >>> loka.apply(model, plan)            # nn.Linear -> loka.Linear where the plan says
 >>> guard = loka.dispatch.Guard(model, plan, check_every=100)
 
-``plan`` and ``apply`` are both submodules and functions; the package exports the
-functions, which also carry their module's helpers (``loka.dispatch.plan.
-tighten_end_to_end``, ``loka.dispatch.apply.check``).
+One job per module, each importing only those before it: ``linear`` (``loka.Linear``),
+``schema`` (the plan as data and JSON), ``select`` (``plan``, ``audit``, ``override``),
+``swap`` (``apply``, ``unapply``, ``check``), ``guard`` (the safety valve in training),
+``tighten`` (the end-to-end accuracy budget) and ``tune`` (whole-step speed:
+``tune_speed``, ``search_speed``). Their public names are all here.
 """
 
 from .linear import Linear
-from .plan import (FUSIBLE_TWINS, Fallback, Plan, PlanMismatchError, RoleChoice, SitePlan,
-                   audit, override, plan, search_speed, tighten_end_to_end, tune_speed)
-from .apply import ApplyReport, Change, amax_from_report, applied_plan, apply, check, unapply
+from .schema import Fallback, Plan, PlanMismatchError, RoleChoice, SitePlan
+from .select import audit, override, plan
+from .swap import ApplyReport, Change, amax_from_report, applied_plan, apply, check, unapply
 from .guard import Guard, GuardEvent
-
-plan.tighten_end_to_end = tighten_end_to_end
-plan.tune_speed = tune_speed
-plan.search_speed = search_speed
-plan.override = override
-plan.audit = audit
-plan.FUSIBLE_TWINS = FUSIBLE_TWINS
-apply.check = check
-apply.amax_from_report = amax_from_report
+from .tighten import tighten_end_to_end
+from .tune import FUSIBLE_TWINS, search_speed, tune_speed
 
 __all__ = ["Linear", "Plan", "SitePlan", "RoleChoice", "Fallback", "PlanMismatchError", "plan", "audit", "override",
            "tighten_end_to_end", "tune_speed", "search_speed", "FUSIBLE_TWINS", "apply", "unapply", "check", "applied_plan", "ApplyReport",

@@ -37,9 +37,9 @@ import torch
 from torch import nn
 
 from ..config import LinearConfig
-from .apply import _root
 from .linear import Linear, SiteMonitor
-from .plan import Plan
+from .schema import Plan
+from .swap import root_module
 
 log = logging.getLogger("loka.dispatch")
 
@@ -82,7 +82,7 @@ class Guard:
             raise ValueError(f"check_every must be a positive int or None, got {check_every!r}")
         if not (0 <= saturation_threshold <= 1):
             raise ValueError(f"saturation_threshold must be in [0, 1], got {saturation_threshold!r}")
-        root, _ = _root(model)
+        root, _ = root_module(model)
         self.plan = plan
         self.check_every = check_every
         self.saturation_threshold = float(saturation_threshold)

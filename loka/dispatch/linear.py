@@ -43,7 +43,7 @@ from torch import nn
 
 from ..config import BASELINE, LinearConfig, Role, role_shape
 from ..kernels import ops, registry
-from ..kernels.registry import Kernel
+from ..kernels.registry import Kernel, Scaling
 from ..numerics import (AMAX_EPS, Granularity, QTensor, get_format, operand_block, quantize,
                         round_scale_to_power_of_two)
 
@@ -73,7 +73,7 @@ def _pad_q_rows(q: QTensor, multiple: int) -> QTensor:
 
 
 def _fits(kernel: Kernel, q: QTensor, operand: int) -> bool:
-    return kernel.scaling == "tensorwise" and kernel.formats[operand] == q.fmt.name
+    return kernel.scaling is Scaling.TENSORWISE and kernel.formats[operand] == q.fmt.name
 
 
 def _shares(producer: Kernel, p_operand: int, consumer: Kernel, c_operand: int) -> bool:
@@ -82,7 +82,7 @@ def _shares(producer: Kernel, p_operand: int, consumer: Kernel, c_operand: int) 
     one library (so they agree on the layout of the FP8 data), with quantizers, and the
     same format. The three reuses: fwd x -> wgrad b, fwd Wᵀ -> dgrad b (transposed),
     dgrad dy -> wgrad a (transposed)."""
-    return (producer.scaling == consumer.scaling == "tensorwise"
+    return (producer.scaling is consumer.scaling is Scaling.TENSORWISE
             and producer.library == consumer.library
             and producer.quantize_a is not None and consumer.quantize_a is not None
             and producer.formats[p_operand] == consumer.formats[c_operand])

@@ -12,8 +12,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import loka
 import loka.models
 from loka.config import LinearConfig
-from loka.dispatch import Plan, ops
-from loka.kernels import Kernel, get, register, unregister
+from loka.dispatch import Plan
+from loka.kernels import Kernel, get, ops, register, unregister
 
 
 @pytest.fixture(autouse=True)

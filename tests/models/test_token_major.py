@@ -11,7 +11,7 @@ import loka
 import loka.models as M
 from loka.config import ModsConfig
 from loka.data import SyntheticCTR
-from loka.dispatch.plan import Plan
+from loka.dispatch import Plan
 from loka.models.presets import feature_spec
 from loka.models.wukong import token_linear
 

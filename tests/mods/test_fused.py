@@ -15,7 +15,7 @@ import loka.models as M
 import loka.mods.fused as fused_mod
 from loka.config import ModsConfig
 from loka.data import SyntheticCTR
-from loka.dispatch.plan import Plan
+from loka.dispatch import Plan
 from loka.kernels import capabilities as caps
 from loka.mods.blocknorm import BlockNorm
 from loka.mods.fused import (FusedNormActQuant, fused_norm_act_quant, norm_act_backward,

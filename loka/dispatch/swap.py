@@ -21,8 +21,9 @@ requantize.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -30,7 +31,7 @@ from torch import nn
 from ..config import LinearConfig
 from ..kernels import registry
 from .linear import Linear
-from .plan import Plan, PlanMismatchError
+from .schema import Plan, PlanMismatchError
 
 _STATE_ATTR = "_loka_dispatch"
 _MAX_LISTED = 6
@@ -78,7 +79,7 @@ class ApplyReport:
         return "\n".join(lines)
 
 
-def _root(model: nn.Module) -> Tuple[nn.Module, bool]:
+def root_module(model: nn.Module) -> Tuple[nn.Module, bool]:
     """The module to edit, and whether ``model`` is a torch.compile wrapper."""
     orig = getattr(model, "_orig_mod", None)
     if isinstance(orig, nn.Module):
@@ -196,10 +197,10 @@ def check(model: nn.Module, plan: Plan, inference: bool = False,
           strict: bool = True) -> List[Change]:
     """Dry run of :func:`apply`: the changes it would make, without modifying ``model``.
 
-    Raises :class:`~loka.dispatch.plan.PlanMismatchError` (with ``strict``) when the plan
+    Raises :class:`~loka.dispatch.schema.PlanMismatchError` (with ``strict``) when the plan
     names sites the model lacks, or whose shapes or kernels do not fit.
     """
-    root, _ = _root(model)
+    root, _ = root_module(model)
     return _plan_changes(root, plan, inference, strict)[0]
 
 
@@ -210,7 +211,7 @@ def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = 
 
     Args:
         model: the model, or its ``torch.compile`` wrapper.
-        plan: a :class:`~loka.dispatch.plan.Plan` made for this model.
+        plan: a :class:`~loka.dispatch.schema.Plan` made for this model.
         inference: forward only; weights quantized once.
         strict: raise on sites the model lacks or whose shapes differ; False skips them.
         drop_weights: with ``inference``, free the high-precision weights.
@@ -220,7 +221,7 @@ def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = 
     Returns:
         An :class:`ApplyReport`. Applying again first undoes the previous apply.
     """
-    root, compiled = _root(model)
+    root, compiled = root_module(model)
     if (drop_weights or static_scales) and not inference:
         raise ValueError("drop_weights and static_scales need inference=True")
     for site, amax in (static_scales or {}).items():
@@ -286,7 +287,7 @@ def unapply(model: nn.Module) -> List[str]:
     Returns:
         The sites restored.
     """
-    root, _ = _root(model)
+    root, _ = root_module(model)
     records = _state(root).get("sites") or {}
     dropped = [s for s, rec in records.items() if rec["created"]
                and root.get_submodule(s).weight is None]
@@ -307,9 +308,24 @@ def unapply(model: nn.Module) -> List[str]:
     return restored
 
 
+@contextlib.contextmanager
+def restore_on_exit(model: nn.Module) -> Iterator[None]:
+    """Leave ``model`` with the plan (and apply options) it had on entry, or none, whatever
+    is applied and unapplied in between (the whole-model searches try plan after plan)."""
+    root, _ = root_module(model)
+    state = _state(root)
+    previous, options = state.get("plan"), dict(state.get("options", {}))
+    try:
+        yield
+    finally:
+        unapply(root)
+        if previous is not None:
+            apply(root, previous, **options)
+
+
 def applied_plan(model: nn.Module) -> Optional[Plan]:
     """The plan last applied to ``model`` (None if none is applied)."""
-    return _state(_root(model)[0]).get("plan")
+    return _state(root_module(model)[0]).get("plan")
 
 
 def amax_from_report(report, key: str = "act.amax", margin: float = 1.0) -> Dict[str, float]:

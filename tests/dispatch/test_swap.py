@@ -5,7 +5,7 @@ from torch import nn
 import loka
 from loka.config import LinearConfig, Role
 from loka.dispatch import Plan, PlanMismatchError
-from loka.dispatch.apply import ApplyReport, applied_plan, check
+from loka.dispatch.swap import ApplyReport, applied_plan, check
 from loka.numerics import sqnr
 
 KERNELS = ["emulated-rowwise-e4m3", "emulated-tensorwise-e4m3", "cublas-rowwise",
@@ -173,7 +173,7 @@ def test_check_is_a_dry_run():
     assert changes[0].before is None and changes[0].after == LinearConfig.uniform("cublas-rowwise")
     assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
     assert _same_state(model, snap) and not hasattr(model, "_loka_dispatch")
-    assert loka.dispatch.apply.check is check  # the CLI's spelling
+    assert loka.dispatch.check is check  # the CLI's spelling
 
 
 def test_reapply_replaces_the_previous_plan():

@@ -1,0 +1,388 @@
+"""Selection: from a Probe report and an accuracy budget to one kernel per site and role.
+
+Shaped like a sharding planner: *enumerate* the kernels the report measured at each site
+and role, *estimate* with the report's numbers, *propose* per role the fastest kernel
+whose error bound meets its budget, else the baseline. :func:`audit` checks a plan against
+its report with code of its own; :func:`override` edits a plan by hand.
+
+Selection rule for one (site, role):
+
+1. A candidate is a registered kernel other than the baseline that the report measured
+   there without failing, that runs on the target device, serves the role, fits the
+   role's GEMM shape (alignment), and is in ``allowed_kernels`` if given.
+2. It is *safe* when the upper end of the confidence interval of the error metric is at
+   most the budget (``hi <= budget``). The budget is the site's (``site_budgets``, the
+   strictest matching pattern), else the role's (``role_budgets``), else ``max_error``.
+3. Its speed counts (is *decisive*) only when it was timed on the same device type as
+   the target, on a GPU (``timing`` not 'none' or 'cpu-wallclock'), and the kernel is not
+   emulated. CPU wall-clock and emulated timings say nothing about FP8 on a GPU.
+4. Among safe candidates with a decisive speedup ``>= min_speedup`` the fastest wins
+   (ties: lower error bound, then name).
+5. No such candidate: with ``assume_fast=True`` a safe candidate without a decisive
+   timing wins: a real kernel before any emulated one (emulated kernels are numerical
+   references, never fast), then the lowest error bound, then the name; otherwise the
+   baseline. This makes CPU reports without
+   timings (``ProbeConfig(timing=False)``) plan bf16 everywhere unless the caller opts in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import math
+import os
+import re
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+
+import torch
+
+from ..config import ROLES, DispatchConfig, Role, config_to_dict, role_shape
+from ..jsonio import encode_number
+from ..kernels import registry
+from ..probe.report import ProbeReport
+from .schema import Plan, RoleChoice, SitePlan
+
+_UNTRUSTED_TIMINGS = ("none", "cpu-wallclock")
+
+
+def resolve_budget(config: DispatchConfig, site: str, role: Role | str) -> float:
+    """The error budget of ``role`` at ``site``: the strictest matching site pattern, else
+    the role's budget, else the global one."""
+    matches = [float(b) for pat, b in config.site_budgets.items() if re.search(pat, site)]
+    if matches:
+        return min(matches)
+    role = Role.parse(role)
+    for r, b in config.role_budgets.items():
+        if Role.parse(r) is role:
+            return float(b)
+    return float(config.max_error)
+
+
+def _check_budgets(config: DispatchConfig) -> None:
+    values = [("max_error", config.max_error)]
+    values += [(f"role_budgets[{r!r}]", b) for r, b in config.role_budgets.items()]
+    values += [(f"site_budgets[{p!r}]", b) for p, b in config.site_budgets.items()]
+    for what, b in values:
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b):
+            raise ValueError(f"{what} must be a finite number, got {b!r}")
+    for pat in config.site_budgets:
+        try:
+            re.compile(pat)
+        except re.error as e:
+            raise ValueError(f"site_budgets pattern {pat!r} is not a regular expression ({e})") from None
+    if not math.isfinite(config.min_speedup):
+        raise ValueError(f"min_speedup must be finite, got {config.min_speedup!r}")
+
+
+def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] = None,
+         min_speedup: Optional[float] = None, metric: Optional[str] = None,
+         role_budgets: Optional[Mapping[str, float]] = None,
+         site_budgets: Optional[Mapping[str, float]] = None,
+         config: Optional[DispatchConfig] = None,
+         allowed_kernels: Optional[Iterable[str]] = None,
+         device: "torch.device | str | None" = None, assume_fast: bool = False,
+         inference: bool = False) -> Plan:
+    """Choose per site and role the fastest kernel that meets the error budget.
+
+    Args:
+        report: a :class:`~loka.probe.report.ProbeReport` or the path of a saved one.
+        max_error, min_speedup, metric, role_budgets, site_budgets: override the fields of
+            ``config`` (a :class:`~loka.config.DispatchConfig`, default: its defaults:
+            MERE <= 0.2, speedup >= 1.05).
+        allowed_kernels: consider only these kernel names (the baseline is always allowed).
+        device: the device the plan is for; default: the report's.
+        assume_fast: where no decisive timing exists (CPU or emulated timings, or none),
+            choose the lowest-error safe real kernel (else emulated); see the module
+            docstring.
+        inference: plan for serving (``loka.apply(model, plan, inference=True)``): only
+            the forward role is planned, and a kernel's speed is the one the Probe
+            measured with the weight quantized beforehand (``speedup_weight_q``), since
+            serving quantizes weights once; dgrad and wgrad stay on the baseline.
+
+    Returns:
+        A :class:`Plan`; ``plan.notes`` says which kernels were excluded and why.
+    """
+    if not isinstance(report, ProbeReport):
+        report = ProbeReport.load(report)
+    overrides = {k: v for k, v in (("max_error", max_error), ("min_speedup", min_speedup),
+                                   ("metric", metric), ("role_budgets", role_budgets),
+                                   ("site_budgets", site_budgets)) if v is not None}
+    cfg = dataclasses.replace(config or DispatchConfig(), **overrides)
+    _check_budgets(cfg)
+    allowed = None if allowed_kernels is None else set(allowed_kernels)
+    if allowed is not None:
+        unknown = sorted(n for n in allowed if n not in {k.name for k in registry.all_kernels()})
+        if unknown:
+            raise KeyError(f"allowed_kernels names unregistered kernels: {unknown}")
+    target = torch.device(device if device is not None else report.device)
+    same_device_type = torch.device(report.device).type == target.type
+    registry.get(cfg.baseline)  # the baseline must exist
+
+    notes: List[str] = []
+    excluded: Dict[str, str] = {}  # kernel name -> why it was never considered
+    undecided = 0  # safe site-roles left on the baseline for want of a decisive timing
+
+    def usable(name: str) -> bool:
+        if name in excluded:
+            return False
+        try:
+            kern = registry.get(name)
+        except KeyError:
+            excluded[name] = "not registered in this installation"
+            return False
+        ok = kern.device_ok(target)
+        if not ok:
+            excluded[name] = f"unavailable on {target}: {ok.reason}"
+            return False
+        return True
+
+    sites: Dict[str, SitePlan] = {}
+    for name, site in report.sites.items():
+        sp = SitePlan(name, site.in_features, site.out_features, site.tokens)
+        for role in ROLES:
+            budget = resolve_budget(cfg, name, role)
+            rr = site.roles.get(role)
+            base_stat = None
+            if rr is not None and cfg.baseline in rr.kernels:
+                base_stat = rr.kernels[cfg.baseline].metric(cfg.metric)
+            baseline_choice = RoleChoice(
+                cfg.baseline, None if base_stat is None else base_stat.hi,
+                None if base_stat is None else base_stat.mean, None, budget,
+                "not measured" if rr is None else "no kernel meets the budget")
+            if rr is None:
+                sp.roles[role] = baseline_choice
+                continue
+            if inference and role is not Role.FWD:
+                baseline_choice.reason = "inference plan: forward only"
+                sp.roles[role] = baseline_choice
+                continue
+            timed, untimed, misfit, other = [], [], 0, 0  # other: over budget, failed, slow
+            slow: List[float] = []  # decisive speedups below min_speedup
+            for kname, kr in rr.kernels.items():
+                if kname == cfg.baseline or (allowed is not None and kname not in allowed):
+                    continue
+                if not usable(kname):
+                    continue
+                kern = registry.get(kname)
+                shape = role_shape(role, kern.padded_tokens(site.tokens), site.in_features,
+                                   site.out_features)
+                if not kern.supports(target, *shape, role=role):
+                    misfit += 1
+                    continue
+                stat = kr.metric(cfg.metric)
+                if kr.error or stat is None or stat.hi is None or not math.isfinite(stat.hi):
+                    other += 1
+                    continue
+                if stat.hi > budget:
+                    other += 1
+                    continue
+                speedup = kr.speedup
+                if inference and kr.speedup_weight_q is not None:
+                    speedup = kr.speedup_weight_q
+                decisive = (same_device_type and not kern.is_emulated
+                            and kr.timing not in _UNTRUSTED_TIMINGS
+                            and speedup is not None and math.isfinite(speedup))
+                if decisive:
+                    if speedup >= cfg.min_speedup:
+                        timed.append((speedup, stat, kname))
+                    else:
+                        slow.append(speedup)
+                        other += 1
+                else:
+                    untimed.append((stat, kern, kname))
+            if timed:
+                speed, stat, kname = min(timed, key=lambda t: (-t[0], t[1].hi, t[2]))
+                sp.roles[role] = RoleChoice(kname, stat.hi, stat.mean, speed, budget,
+                                            "fastest kernel within the budget")
+            elif untimed and assume_fast and not slow:
+                stat, kern, kname = min(untimed, key=lambda t: (t[1].is_emulated, t[0].hi, t[2]))
+                sp.roles[role] = RoleChoice(kname, stat.hi, stat.mean, None, budget,
+                                            "lowest error within the budget (assume_fast)")
+            else:
+                if slow:  # timed on this device and not fast enough: emulated twins aside
+                    baseline_choice.reason = (f"no kernel within the budget is {cfg.min_speedup:g}x "
+                                              f"faster (best {max(slow):.2f}x)")
+                elif untimed:
+                    undecided += 1
+                    baseline_choice.reason = "safe kernels have no decisive timing"
+                elif misfit and not other:
+                    baseline_choice.reason = ("no kernel fits the GEMM shape (alignment) on "
+                                              f"{target.type}")
+                sp.roles[role] = baseline_choice
+        sites[name] = sp
+
+    for kname, why in sorted(excluded.items()):
+        notes.append(f"kernel {kname!r} excluded: {why}")
+    if undecided:
+        notes.append(f"{undecided} site-role(s) kept on {cfg.baseline}: their safe kernels have "
+                     "no decisive timing (CPU wall-clock, emulated, untimed, or measured on "
+                     "another device type); pass assume_fast=True to choose the lowest-error "
+                     "safe kernel")
+    budget_dict = config_to_dict(cfg)
+    budget_dict.update(assume_fast=bool(assume_fast), inference=bool(inference),
+                       allowed_kernels=None if allowed is None else sorted(allowed))
+    source = {"report_created": report.created, "report_device": report.device,
+              "device_name": report.device_name, "torch": report.torch_version}
+    return Plan(sites=sites, device=str(target), budget=budget_dict, source=source, notes=notes)
+
+
+def audit(plan: Plan, report: "ProbeReport | str | os.PathLike") -> dict:
+    """Check a plan against the report it claims to follow, independently of :func:`plan`.
+
+    For every site and role the report measured: the chosen kernel's error bound must be
+    within the plan's budget, and no other kernel that the report shows within the budget
+    may be faster by the plan's ``min_speedup`` rule (a role left on the baseline is at
+    speed 1.0; a candidate must reach ``min_speedup`` to count). Speeds are the report's
+    (``speedup_weight_q`` for an inference plan). Only timings taken on a GPU count; a
+    plan made with ``assume_fast`` is checked for the budget only. A kernel the report
+    timed ran where the report was measured, so the check needs no GPU: it runs anywhere.
+
+    Returns:
+        ``{"site_roles": n checked, "violations": [{"site", "role", "chosen",
+        "chosen_speedup", "best", "best_speedup", "why"}], "ok": bool}``.
+    """
+    if not isinstance(report, ProbeReport):
+        report = ProbeReport.load(report)
+    cfg = plan.budget
+    min_speedup = float(cfg.get("min_speedup", DispatchConfig().min_speedup))
+    metric = str(cfg.get("metric", DispatchConfig().metric))
+    inference = bool(cfg.get("inference", False))
+    speeds_count = not cfg.get("assume_fast", False)
+    allowed = None if cfg.get("allowed_kernels") is None else set(cfg["allowed_kernels"])
+
+    def within(rr, kname: str, budget: float) -> bool:
+        kr = rr.kernels.get(kname)
+        stat = None if kr is None or kr.error else kr.metric(metric)
+        return stat is not None and stat.hi is not None and stat.hi <= budget
+
+    def speed(rr, kname: str) -> float:
+        if kname == plan.baseline:
+            return 1.0
+        kr = rr.kernels.get(kname)
+        if kr is None or kr.timing in _UNTRUSTED_TIMINGS:
+            return math.nan
+        s = kr.speedup_weight_q if inference and kr.speedup_weight_q is not None else kr.speedup
+        return math.nan if s is None else float(s)
+
+    def runs(site, role: Role, kname: str) -> bool:
+        # it ran where the report was measured (it has a timing there); what is left is
+        # whether the plan could use it: allowed, serving the role, fitting the padded shape
+        try:
+            kern = registry.get(kname)
+        except KeyError:
+            return False
+        if allowed is not None and kname not in allowed:
+            return False
+        return bool(kern.fits(*role_shape(role, kern.padded_tokens(site.tokens), site.in_features,
+                                          site.out_features), role=role))
+
+    checked, violations = 0, []
+    for name, sp in plan.sites.items():
+        site = report.sites.get(name)
+        if site is None:
+            continue
+        for role, choice in sp.roles.items():
+            rr = site.roles.get(role)
+            if rr is None or (inference and role is not Role.FWD):
+                continue
+            checked += 1
+            budget = choice.budget if choice.budget is not None else math.inf
+            chosen = choice.kernel
+            row = {"site": name, "role": role.value, "chosen": chosen}
+            if chosen != plan.baseline and not within(rr, chosen, budget):
+                violations.append({**row, "why": "chosen kernel's error bound is outside the "
+                                   f"budget {budget} (or was not measured)"})
+                continue
+            if not speeds_count:
+                continue
+            cands = [(speed(rr, k), k) for k in rr.kernels
+                     if k != plan.baseline and within(rr, k, budget)
+                     and speed(rr, k) >= min_speedup and runs(site, role, k)]
+            if not cands:
+                continue
+            best_speed, best = max(cands)
+            mine = speed(rr, chosen)
+            if not mine >= best_speed:  # NaN (an untimed choice) counts as slower
+                violations.append({**row, "chosen_speedup": encode_number(mine), "best": best,
+                                   "best_speedup": best_speed,
+                                   "why": "a faster kernel within the budget was measured"})
+    return {"site_roles": checked, "violations": violations, "ok": not violations}
+
+
+# -- editing a plan ---------------------------------------------------------------------
+def override(plan: Plan, *, replace: Optional[Mapping[str, str]] = None,
+             assign: Optional[Mapping[str, str]] = None,
+             report: "ProbeReport | str | os.PathLike | None" = None,
+             check_budget: bool = True, same_numerics: bool = False) -> Plan:
+    """A copy of ``plan`` with some kernels changed by hand (an experiment, or a choice the
+    Probe cannot see, such as a kernel whose quantization fuses into its producer inside a
+    compiled model).
+
+    Args:
+        plan: the plan to edit (not modified).
+        replace: ``{old: new}``: every role on kernel ``old`` moves to ``new``.
+        assign: ``{"<site glob>:<role>": kernel}`` (role 'fwd', 'dgrad', 'wgrad' or '*'):
+            those roles move to ``kernel``, the baseline included. Applied after ``replace``.
+        report: the Probe report the plan came from: the new choices take its error bound
+            and speedup for that site and role.
+        check_budget: with a report, refuse a kernel whose error bound at a site exceeds
+            the role's budget, or that the report did not measure there.
+        same_numerics: without a report, the new kernels compute what the old ones did (a
+            fusible twin, :data:`FUSIBLE_TWINS`): each changed role keeps its error bound
+            (its isolated speedup no longer applies).
+
+    Returns:
+        The edited plan; each changed role's ``reason`` says what it was before.
+
+    Raises:
+        KeyError: an unregistered kernel; ValueError: a kernel that does not serve a role,
+        a glob that matches no site, or (``check_budget``) a choice outside the budget.
+    """
+    if report is not None and not isinstance(report, ProbeReport):
+        report = ProbeReport.load(report)
+    edits: List[Tuple[str, Role, str]] = []  # (site, role, kernel)
+    for old, new in (replace or {}).items():
+        registry.get(new)
+        edits += [(s, r, new) for s, sp in plan.sites.items() for r in ROLES
+                  if sp.kernel(r, plan.baseline) == old]
+    for key, kernel in (assign or {}).items():
+        pattern, sep, role_text = key.rpartition(":")
+        if not sep or not pattern:
+            raise ValueError(f"assign keys are '<site glob>:<role>', got {key!r}")
+        roles = list(ROLES) if role_text == "*" else [Role.parse(role_text)]
+        sites = [s for s in plan.sites if fnmatch.fnmatchcase(s, pattern)]
+        if not sites:
+            raise ValueError(f"{pattern!r} matches no site of the plan")
+        registry.get(kernel)
+        edits += [(s, r, kernel) for s in sites for r in roles]
+    out = plan.copy()
+    for site, role, kernel in edits:
+        kern = registry.get(kernel)
+        if role not in kern.roles:
+            raise ValueError(f"kernel {kernel!r} does not serve role {role} ({site})")
+        old = out.sites[site].roles.get(role)
+        budget = None if old is None else old.budget
+        error = error_mean = speedup = None
+        if report is not None and kernel != out.baseline:
+            kr = report.sites.get(site)
+            kr = None if kr is None else kr.roles.get(role)
+            kr = None if kr is None else kr.kernels.get(kernel)
+            stat = None if kr is None else kr.metric(str(out.budget.get("metric", "mere")))
+            if stat is not None and stat.hi is not None and math.isfinite(stat.hi):
+                error, error_mean = stat.hi, stat.mean
+                speedup = kr.speedup_weight_q if (out.budget.get("inference") and
+                                                  kr.speedup_weight_q is not None) else kr.speedup
+            if check_budget and (error is None or (budget is not None and error > budget)):
+                raise ValueError(f"{site} {role}: {kernel!r} " + (
+                    "was not measured there by the report" if error is None else
+                    f"has error bound {error:.4g} above the budget {budget:g}"))
+        elif same_numerics and old is not None:
+            error, error_mean = old.error, old.error_mean
+        was = "nothing" if old is None else old.kernel
+        why = (f"{old.reason}; twin of {was} (same numerics)" if same_numerics and old is not None
+               else f"override (was {was})")
+        out.sites[site].roles[role] = RoleChoice(kernel, error, error_mean, speedup, budget, why)
+    if edits:
+        out.notes.append(f"overridden by hand: {len(edits)} site-role(s)")
+    return out
+

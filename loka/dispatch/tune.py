@@ -1,0 +1,303 @@
+"""Whole-step speed: let timings of the compiled model, not of each GEMM alone, decide.
+
+The Probe times each GEMM alone. Inside a compiled model an FP8 site also adds
+quantization kernels and changes what Inductor fuses around it, so sites that are each
+faster alone can make the whole step slower. :func:`tune_speed` starts from a plan and
+moves groups of sites back to the baseline while that makes the step faster;
+:func:`search_speed` times every candidate at every group of same-shape sites, the
+yardstick a plan is measured against. Both apply trial plans to the caller's model and
+time its step with the caller's ``time_step``; the model is left with the plan it had.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+
+from torch import nn
+
+from ..config import ROLES, LinearConfig, Role
+from ..probe.report import ProbeReport
+from .schema import Plan, RoleChoice
+from .select import override
+from .swap import apply, restore_on_exit, root_module, unapply
+
+def _site_groups(plan: Plan) -> List[List[str]]:
+    """FP8 sites grouped by shape and kernels (e.g. the four identical layers of a model):
+    a group moves to the baseline as one."""
+    groups: Dict[tuple, List[str]] = {}
+    for s in plan.fp8_sites():
+        sp = plan.sites[s]
+        key = (sp.in_features, sp.out_features, sp.tokens,
+               tuple(sp.kernel(r, plan.baseline) for r in ROLES))
+        groups.setdefault(key, []).append(s)
+    return list(groups.values())
+
+
+FUSIBLE_TWINS: Dict[str, str] = {
+    "triton-rowwise-cublas": "cublas-rowwise",
+    "triton-rowwise-cublas-fastacc": "cublas-rowwise-fastacc",
+    "triton-tensorwise-cublas": "cublas-tensorwise",
+    "triton-tensorwise-cublas-fastacc": "cublas-tensorwise-fastacc",
+}
+"""Kernels with the same numerics (bit-exact quantizers, the same cuBLAS GEMM) whose
+quantization is plain PyTorch: alone the Triton quantizer is faster, but inside a
+compiled model Inductor fuses the PyTorch one into the op that produces the operand (an
+activation, a norm), which the Probe's standalone timing cannot see.
+:func:`tune_speed` tries them."""
+
+
+def _on_baseline(p: Plan, sites: Iterable[str], why: str, roles: Iterable[Role] = ROLES) -> Plan:
+    """A copy of ``p`` with ``roles`` (default all) of ``sites`` on the baseline, for
+    reason ``why``."""
+    out = p.copy()
+    for s in sites:
+        for role in roles:
+            old = out.sites[s].roles.get(role)
+            out.sites[s].roles[role] = RoleChoice(
+                out.baseline, budget=None if old is None else old.budget, reason=why)
+    return out
+
+
+class _Inapplicable(ValueError):
+    """A plan that ``apply`` refuses for this model (a kernel that cannot align a site)."""
+
+
+class _StepTimer:
+    """Apply a plan to the model and time a step with the caller's ``time_step``, logging
+    each trial as ``{"sites": FP8 sites, **info, "time": t}``."""
+
+    def __init__(self, model: nn.Module, time_step: Callable[[nn.Module], float],
+                 inference: bool, log: List[dict]) -> None:
+        self.model, self.time_step, self.inference, self.log = model, time_step, inference, log
+        self.root, _ = root_module(model)
+
+    def __call__(self, p: Plan, **info) -> float:
+        unapply(self.root)
+        if p.fp8_sites():
+            try:
+                apply(self.root, p, inference=self.inference)
+            except ValueError as e:  # PlanMismatchError too
+                unapply(self.root)
+                raise _Inapplicable(str(e)) from e
+        t = float(self.time_step(self.model))
+        if not math.isfinite(t) or t <= 0:
+            raise ValueError(f"time_step returned {t!r}; it must return a positive time")
+        self.log.append({"sites": p.fp8_sites(), **info, "time": t})
+        return t
+
+
+def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], float], *,
+               min_gain: float = 1.0, max_trials: int = 16, inference: bool = False,
+               twins: Optional[Mapping[str, str]] = None,
+               report: "ProbeReport | None" = None,
+               per_role: bool = False) -> Tuple[Plan, List[dict]]:
+    """Keep only the FP8 sites that pay inside the whole model.
+
+    The Probe times each GEMM alone. Inside a compiled model a site also adds its
+    quantization kernels and changes what Inductor can fuse around it, so a plan whose
+    sites are each faster alone can make the whole step slower. Here whole steps decide.
+    ``time_step(model)``, the caller's, runs the model as it will run (compiled, captured
+    in a CUDA graph, warmed up) and returns a time, e.g. the median step in ms; it is
+    taken for the model without FP8 and with the plan. Then groups of FP8 sites (one shape, one choice of kernels) are
+    moved back to the baseline one group at a time, greedily keeping the move that makes
+    the step fastest, until no move helps. The result is kept only if it beats the
+    all-baseline step by the factor ``min_gain``; otherwise every site goes back.
+
+    Args:
+        plan: the plan to tune (not modified).
+        model: the model the plan is for; it is left with its previous plan (or none).
+        time_step: ``time_step(model) -> time`` with the model as configured.
+        min_gain: the tuned plan must be at least this much faster than the baseline.
+        max_trials: at most this many ``time_step`` calls (each may recompile).
+        inference: apply the plans for inference (weights quantized once).
+        twins: ``{kernel: twin}`` of equal numerics (e.g. :data:`FUSIBLE_TWINS`): the plan
+            with its kernels replaced by their twins is timed too, and the faster of the
+            two is where the greedy search starts.
+        report: the Probe report behind ``plan``: the twins then take its measured errors
+            and must meet the budget (:func:`override`), so twins of other numerics
+            (another library's quantizer) are allowed; without a report, twins must have
+            the same numerics and carry the plan's errors over.
+        per_role: a group with several FP8 roles moves one role at a time to the baseline
+            (each a trial of its own), so a paying forward is not lost with a losing
+            gradient GEMM; off, the whole group moves at once. With ``inference`` the
+            plan's gradient roles go to the baseline first (serving runs forwards only)
+            and groups move whole.
+
+    Returns:
+        (tuned plan, log): one dict per trial with ``sites`` (FP8 sites of the trial),
+        ``removed`` (the group tried, if any), ``role`` (the role moved, None for the
+        whole group) and ``time``.
+    """
+    if not (min_gain > 0 and math.isfinite(min_gain)):
+        raise ValueError(f"min_gain must be a finite positive number, got {min_gain!r}")
+    if max_trials < 2:
+        raise ValueError(f"max_trials must be >= 2 (the baseline and the plan), got {max_trials}")
+    log: List[dict] = []
+    timer = _StepTimer(model, time_step, inference, log)
+    if inference:  # serving runs forwards only: gradient roles on FP8 are not timed, not kept
+        grads = [s for s, sp in plan.sites.items()
+                 if any(sp.kernel(r, plan.baseline) != plan.baseline for r in (Role.DGRAD, Role.WGRAD))]
+        if grads:
+            plan = _on_baseline(plan, grads, "inference plan: forward only",
+                                roles=(Role.DGRAD, Role.WGRAD))
+
+    with restore_on_exit(timer.root):
+        base_time = timer(_on_baseline(plan, plan.fp8_sites(), "baseline"), removed=None)
+        best, best_time = plan.copy(), timer(plan, removed=None)
+        twin = None
+        used = {c.kernel for sp in plan.sites.values() for c in sp.roles.values()}
+        sub = {k: v for k, v in (twins or {}).items() if k in used}
+        if sub:
+            with contextlib.suppress(ValueError):  # a twin outside the budget: none
+                twin = override(plan, replace=sub, report=report, same_numerics=report is None)
+        if twin is not None and len(log) < max_trials:
+            t = timer(twin, removed=None, twins=True)
+            if t < best_time:
+                best, best_time = twin, t
+        while len(log) < max_trials:
+            candidates = []
+            for group in _site_groups(best):
+                fp8_roles = [r for r in ROLES
+                             if any(best.sites[s].kernel(r, best.baseline) != best.baseline
+                                    for s in group)]
+                # per role: a group's forward may pay while its gradient GEMMs do not;
+                # serving runs the forward only, so there a group moves whole
+                moves = fp8_roles if per_role and not inference and len(fp8_roles) > 1 else [None]
+                for role in moves:
+                    if len(log) >= max_trials:
+                        break
+                    why = ("end-to-end speed: the step is faster without it" if role is None
+                           else f"end-to-end speed: the step is faster with {role} on the baseline")
+                    cand = _on_baseline(best, group, why, ROLES if role is None else (role,))
+                    t = timer(cand, removed=group, role=None if role is None else role.value)
+                    candidates.append((t, cand))
+            if not candidates:
+                break
+            t, cand = min(candidates, key=lambda c: c[0])
+            if t >= best_time:
+                break
+            best, best_time = cand, t
+        if base_time / best_time < min_gain:
+            best = _on_baseline(best, best.fp8_sites(),
+                           f"end-to-end speed: no FP8 plan beat the baseline by {min_gain:g}x")
+            best_time = base_time
+        best.budget["speed_tuned"] = {"baseline_time": base_time, "time": best_time,
+                                      "trials": len(log), "min_gain": float(min_gain)}
+        best.notes.append(f"end-to-end speed: {len(best.fp8_sites())} FP8 site(s) kept, step "
+                          f"{best_time:.4g} vs {base_time:.4g} without FP8 ({len(log)} trials)")
+    return best, log
+
+
+def _exact_glob(name: str) -> str:
+    """A glob matching exactly ``name`` (site names may hold ``[``, ``*`` or ``?``)."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
+def _shape_groups(plan: Plan) -> List[List[str]]:
+    """Every site of the plan grouped by its GEMM shape (in, out, tokens)."""
+    groups: Dict[tuple, List[str]] = {}
+    for s, sp in plan.sites.items():
+        groups.setdefault((sp.in_features, sp.out_features, sp.tokens), []).append(s)
+    return list(groups.values())
+
+
+def search_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], float],
+                 candidates: Iterable["LinearConfig | str"], *,
+                 report: "ProbeReport | None" = None, inference: bool = False,
+                 min_gain: float = 1.0, max_trials: int = 64) -> Tuple[Plan, List[dict]]:
+    """The best fixed choice per group of sites, by exhaustive whole-step timing: the
+    yardstick a Probe-made plan is measured against.
+
+    Sites are grouped by GEMM shape (the four identical layers of a model form one group).
+    For each group and each candidate configuration, the step is timed with that group on
+    the candidate and every other site on the baseline; each group keeps its fastest
+    candidate if it beats the all-baseline step. The chosen groups are then timed together,
+    and the result is the faster of that and the best single group. Groups are searched one
+    at a time, not in every combination: interactions between groups (fusion across them)
+    are seen only in the final trial. A candidate whose trial raises is logged
+    (``failed``) and not chosen.
+
+    Args:
+        plan: supplies the sites, their budgets and the baseline (its choices are ignored).
+        model, time_step, inference: as :func:`tune_speed`.
+        candidates: :class:`~loka.config.LinearConfig` per-role choices, or kernel names
+            (that kernel on every role; on the forward only when ``inference``).
+        report: the Probe report: a candidate whose error at a site exceeds the budget, or
+            that the report did not measure there, is skipped for that group.
+        min_gain: the result must beat the all-baseline step by this factor, else every
+            site goes back to the baseline.
+        max_trials: at most this many ``time_step`` calls (the last one is kept for the
+            chosen groups together).
+
+    Returns:
+        (plan, log): the log has one dict per trial (``group``, ``candidate``, ``time``),
+        ``skipped`` entries for candidates that do not fit a group and ``failed`` entries.
+    """
+    if not (min_gain > 0 and math.isfinite(min_gain)):
+        raise ValueError(f"min_gain must be a finite positive number, got {min_gain!r}")
+    configs = []
+    for c in candidates:
+        if isinstance(c, str):
+            c = LinearConfig(fwd=c) if inference else LinearConfig.uniform(c)
+        if not isinstance(c, LinearConfig):
+            raise TypeError(f"candidates are LinearConfigs or kernel names, got {c!r}")
+        configs.append(c)
+    if not configs:
+        raise ValueError("search_speed needs at least one candidate")
+    log: List[dict] = []
+    timer = _StepTimer(model, time_step, inference, log)
+    base = _on_baseline(plan, plan.sites, "baseline")
+
+    def timed() -> int:
+        return sum("time" in e for e in log)
+
+    with restore_on_exit(timer.root):
+        base_time = timer(base, group=None, candidate=None)
+        chosen: Dict[int, Tuple[float, Plan]] = {}
+        for gi, group in enumerate(_shape_groups(plan)):
+            for cfg in configs:
+                if timed() >= max_trials - 1:  # one trial is kept for the chosen groups together
+                    break
+                assign = {f"{_exact_glob(s)}:{r.value}": cfg.kernel(r) for s in group for r in ROLES}
+                try:
+                    cand = override(base, assign=assign, report=report)
+                except (ValueError, KeyError) as e:
+                    log.append({"group": group, "candidate": cfg.to_dict(), "skipped": str(e)})
+                    continue
+                if not cand.fp8_sites():
+                    continue
+                try:
+                    t = timer(cand, group=group, candidate=cfg.to_dict())
+                except _Inapplicable as e:
+                    log.append({"group": group, "candidate": cfg.to_dict(), "skipped": str(e)})
+                    continue
+                except Exception as e:  # noqa: BLE001 - a candidate that breaks is not chosen
+                    log.append({"group": group, "candidate": cfg.to_dict(),
+                                "failed": f"{type(e).__name__}: {e}"[:300]})
+                    continue
+                if t < chosen.get(gi, (base_time, None))[0]:
+                    chosen[gi] = (t, cand)
+        best, best_time = base, base_time
+        if chosen:  # the best single group, then all chosen groups together if that is faster
+            best_time, single = min(chosen.values(), key=lambda tc: tc[0])
+            best = single
+            if len(chosen) > 1:
+                together = base.copy()
+                for _, cand in chosen.values():
+                    for s in cand.fp8_sites():
+                        together.sites[s] = cand.sites[s]
+                t = timer(together, group="all chosen", candidate=None)
+                if t < best_time:
+                    best, best_time = together, t
+        if best_time >= base_time or base_time / best_time < min_gain:
+            best, best_time = base, base_time
+        best = best.copy()
+        best.budget["speed_searched"] = {"baseline_time": base_time, "time": best_time,
+                                         "trials": timed(),
+                                         "candidates": [c.to_dict() for c in configs]}
+        best.notes.append(f"exhaustive search per group: {len(best.fp8_sites())} FP8 site(s), "
+                          f"step {best_time:.4g} vs {base_time:.4g} without FP8")
+    return best, log
+
