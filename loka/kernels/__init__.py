@@ -10,6 +10,9 @@ from .recipes import Recipe
 from .registry import (Capability, Kernel, Library, Scaling, all_kernels, available, get,
                        register, unavailable, unregister)
 
+# each kernel module registers its kernels when imported; adapters register what loads
+from . import adapters, cublas, emulated, reference  # noqa: F401
+
 __all__ = ["Kernel", "Capability", "Library", "Scaling", "Recipe", "register", "unregister", "get", "available",
            "unavailable", "all_kernels", "capabilities", "gemm"]
 

@@ -12,7 +12,7 @@ fused norm→quantize producer or a weight quantized once); a kernel whose ``qua
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple, Union
 
 import torch
@@ -197,7 +197,6 @@ def unregister(name: str) -> None:
 
 def get(name: str) -> Kernel:
     """The kernel registered under ``name`` (KeyError listing the known names)."""
-    _ensure_loaded()
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -205,7 +204,6 @@ def get(name: str) -> Kernel:
 
 
 def all_kernels() -> List[Kernel]:
-    _ensure_loaded()
     return list(_REGISTRY.values())
 
 
@@ -229,16 +227,3 @@ def available(device: "torch.device | str" = "cpu", shape: Optional[Tuple[int, i
 def unavailable(device: "torch.device | str" = "cpu") -> Dict[str, str]:
     """name -> reason, for every registered kernel that cannot run on ``device``."""
     return {k.name: k.device_ok(device).reason for k in all_kernels() if not k.device_ok(device)}
-
-
-_LOADED = False
-
-
-def _ensure_loaded() -> None:
-    """Import the kernel modules (each registers itself) on first use."""
-    global _LOADED
-    if _LOADED:
-        return
-    _LOADED = True
-    from . import reference, emulated, cublas  # noqa: F401
-    from . import adapters  # noqa: F401  (optional libraries; registers what loads)

@@ -8,6 +8,7 @@ give the same module structure; the factory just skips the swap.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -31,6 +32,29 @@ few hundred steps are not spent moving one bias. ``RecModel.init_logit_bias`` re
 
 
 # -- layer factory ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class FMConfig:
+    """The fields of models built from Wukong layers (Wukong, InterFormer): n embeddings of
+    width d through factorization-machine blocks, then a top MLP."""
+
+    features: FeatureSpec
+    """data the model reads: each dense feature and each table becomes one embedding"""
+    embedding_dim: int = 16
+    """d, the width of every embedding"""
+    num_layers: int = 2
+    """stacked layers"""
+    fm_rank: int = 4
+    """k, rank of the FMB's projection over the n axis"""
+    fm_hidden: int = 64
+    """hidden width of the FMB's MLP"""
+    top_hidden: Tuple[int, ...] = (64, 32)
+    """hidden widths of the top MLP (then one logit)"""
+    batch_size: int = 256
+    """default batch size B"""
+    sparse_embeddings: bool = False
+    """sparse embedding gradients (large tables)"""
+
+
 def make_linear(in_features: int, out_features: int, mods: Optional[ModsConfig] = None,
                 last: bool = False) -> nn.Linear:
     """An ``nn.Linear``; without bias under ``mods.no_bias`` unless ``last`` (the logit

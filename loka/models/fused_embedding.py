@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loka.data.batch import Jagged
+from loka.kernels import capabilities as caps
 
 from .arch import EmbeddingArch, jagged_to_padded
 
@@ -87,8 +88,6 @@ _POOLING_OK: Dict[str, bool] = {}
 
 
 def _probe_triton_pooling(device_type: str) -> bool:
-    from ..kernels import capabilities as caps
-
     if device_type == "cuda":
         return caps.triton_available("cuda")
     return (device_type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
@@ -121,11 +120,6 @@ class FusedEmbeddingArch(nn.Module):
             weight = torch.cat([t.weight for t in tables], dim=0) if tables else \
                 torch.empty(0, self.dim)
         self.weight = nn.Parameter(weight)
-
-    def table_weight(self, name: str) -> torch.Tensor:
-        """The (rows, d) slice of table ``name`` (a view of the fused weight)."""
-        start = self.row_start[name]
-        return self.weight[start:start + self.num_rows[name]]
 
     def forward(self, sparse: Dict[str, Jagged], names: Optional[Sequence[str]] = None
                 ) -> torch.Tensor:

@@ -13,50 +13,34 @@ Per layer l:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from loka.config import ModsConfig
-from loka.data.batch import Batch, FeatureSpec
-from loka.mods import MergedLinear
-from loka.mods._swap import ModuleChange, describe
+from loka.data.batch import Batch
+from loka.mods import MergedLinear, ModuleChange, describe
 
-from .arch import (DenseTokenArch, EmbeddingArch, OverArch, RecModel, make_activation,
+from .arch import (DenseTokenArch, EmbeddingArch, FMConfig, OverArch, RecModel, make_activation,
                    make_linear, make_norm)
 from .wukong import WukongLayer
 
 
 @dataclass(frozen=True)
-class InterFormerConfig:
-    """An InterFormer-style model; ``seq_table``'s bag is the behaviour sequence."""
+class InterFormerConfig(FMConfig):
+    """An InterFormer-style model; ``seq_table``'s bag is the behaviour sequence
+    (``num_layers``: interleaved (sequence, interaction) layers)."""
 
-    features: FeatureSpec
-    """data the model reads; ``seq_table`` must be one of its tables"""
     seq_table: str = "history"
     """the table whose (un-pooled) bag is the behaviour sequence"""
     seq_len: int = 8
     """T: the first T ids of the bag are used; shorter bags are padded and masked"""
-    embedding_dim: int = 16
-    """d"""
-    num_layers: int = 2
-    """interleaved (sequence, interaction) layers"""
     num_heads: int = 2
     """attention heads of the sequence arch (must divide d)"""
     ffn_hidden: int = 32
     """hidden width of the sequence arch's MLP"""
-    fm_rank: int = 4
-    """k of the interaction arch's factorization machine"""
-    fm_hidden: int = 64
-    """hidden width of the interaction arch's FM MLP"""
-    top_hidden: Tuple[int, ...] = (64, 32)
-    """hidden widths of the top MLP"""
-    batch_size: int = 256
-    """default batch size B"""
-    sparse_embeddings: bool = False
-    """sparse embedding gradients (large tables)"""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "top_hidden", tuple(self.top_hidden))

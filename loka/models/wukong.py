@@ -5,44 +5,27 @@ Compression Block over n embeddings of width d, then a top MLP."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 import torch.nn as nn
 
 from loka.config import ModsConfig
-from loka.data.batch import Batch, FeatureSpec
-from loka.mods import BlockNorm, MergedLinear
-from loka.mods._swap import ModuleChange, describe
+from loka.data.batch import Batch
+from loka.mods import BlockNorm, MergedLinear, ModuleChange, describe
 
-from .arch import (MLP, DenseTokenArch, EmbeddingArch, OverArch, RecModel,
+from .arch import (MLP, DenseTokenArch, EmbeddingArch, FMConfig, OverArch, RecModel,
                    make_linear, make_norm)
 
 
 @dataclass(frozen=True)
-class WukongConfig:
+class WukongConfig(FMConfig):
     """A Wukong model. n = num_dense + len(tables) embeddings enter the first layer."""
 
-    features: FeatureSpec
-    """data the model reads: each dense feature and each table becomes one embedding"""
-    embedding_dim: int = 16
-    """d, the width of every embedding"""
-    num_layers: int = 2
-    """stacked Wukong layers"""
     num_fm: int = 4
     """nF, embeddings produced by each FMB"""
     num_lcb: int = 4
     """nL, embeddings produced by each LCB"""
-    fm_rank: int = 4
-    """k, rank of the FMB's projection over the n axis"""
-    fm_hidden: int = 64
-    """hidden width of the FMB's MLP"""
-    top_hidden: Tuple[int, ...] = (64, 32)
-    """hidden widths of the top MLP (then one logit)"""
-    batch_size: int = 256
-    """default batch size B"""
-    sparse_embeddings: bool = False
-    """sparse embedding gradients (large tables)"""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "top_hidden", tuple(self.top_hidden))

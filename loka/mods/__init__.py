@@ -4,7 +4,7 @@ Hard Swish, shape padding, sibling merging), applied by :func:`convert`.
 The fused norm -> quantize GPU kernel lives in ``loka.mods.fused`` and is imported on its own.
 """
 
-from ._swap import ModuleChange
+from ._swap import ModuleChange, describe
 from .blocknorm import BlockNorm, swap_norms
 from .convert import ModsReport, convert
 from .hardswish import HardSwish, swap_activations
@@ -14,6 +14,6 @@ from .shapes import (MergedLinear, PaddedLinear, merge_pays, merge_siblings, obs
 
 __all__ = [
     "BlockNorm", "HardSwish", "MergedLinear", "ModsReport", "ModuleChange", "PaddedLinear",
-    "convert", "final_linears", "merge_pays", "merge_siblings", "observed_rows", "pad_linears", "remove_biases",
+    "convert", "describe", "final_linears", "merge_pays", "merge_siblings", "observed_rows", "pad_linears", "remove_biases",
     "swap_activations", "swap_norms",
 ]

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import capabilities as caps
+from ..kernels.registry import Library
 from ..numerics import Granularity, QTensor, get_format, quantize
 from .blocknorm import DEFAULT_EPS, BlockNorm
 
@@ -245,7 +246,7 @@ def fused_norm_act_quant(x: torch.Tensor, norm: str = "blocknorm", block: int = 
     return (y.reshape(*lead, d) if return_hp else None), q
 
 
-HANDOFF_LIBRARIES = ("emulated", "cublas", "triton")
+HANDOFF_LIBRARIES = (Library.EMULATED, Library.CUBLAS, Library.TRITON)
 """kernel libraries whose a-operand quantization is :func:`loka.numerics.quantize`'s (the
 cuBLAS and Triton kernels use LoKA's own quantizers), so that a producer's FP8 tensor is
 exactly what the Linear would have made. torchao and FBGEMM quantize by their own rules

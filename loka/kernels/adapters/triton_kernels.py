@@ -286,8 +286,3 @@ TRITON_KERNELS = (
 )
 for _kernel in TRITON_KERNELS:
     register(_kernel)
-
-
-def for_name(name: str) -> Optional[Kernel]:
-    """The Triton kernel registered as ``name`` (None if it is not one of these)."""
-    return next((k for k in TRITON_KERNELS if k.name == name), None)

@@ -31,7 +31,7 @@ from ...numerics import get_format
 from .common import (abs_amax, amax_to_scale, autotune, check_float_input,
                      check_gemm_operands, fp8_meta, grouped_tile, next_pow2, round_to,
                      scale_and_clamp, unsigned_zero_quotient)
-from .quantize import amax_partials, reduce_partials
+from .quantize import amax_partials, quantize_rowwise, reduce_partials
 
 ACTIVATIONS = {None: 0, "identity": 0, "hardswish": 1}
 MAX_FP8_OUT_N = 256
@@ -310,8 +310,6 @@ def gemm_rowwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
     if fp8_out is not None and n > MAX_FP8_OUT_N:
-        from .quantize import quantize_rowwise
-
         y = gemm_rowwise(a, b, scale_a, scale_b, bias=bias, activation=activation,
                          out_dtype=torch.bfloat16, fast_accum=fast_accum, norm_stats=norm_stats)
         if norm_stats is None:
