@@ -94,11 +94,9 @@ class ProbeConfig:
     block_size: int = 256
     """block size of the block-diagonal covariance used above ``max_full_cov_dim``"""
     max_rows_per_update: int = 1024
-    """rows of a captured activation/gradient used per statistics update (random subset;
-    the statistics step's cost scales with it: on the Wukong paper model on an H200, 4096
-    eager rows cost 40.6 ms per update (bench/results/2026-12-03-h200-wukong/
-    probe_overhead.json), 1024 rows with ``graph_updates`` 15.6 ms
-    (bench/results/2026-12-03-h200-torchao-fused-probe/probe.json))"""
+    """rows of a captured activation/gradient used per statistics update (a random subset;
+    a statistics step's GPU work scales with it; ``bench/bench_probe.py --rows-per-update``
+    measures it)"""
     weight_ema: float = 0.9
     """exponential moving-average factor of the matrix-normal weight model"""
     num_samples: int = 64
@@ -275,17 +273,3 @@ def config_to_dict(cfg: Any) -> dict:
             v = dict(v)
         out[f.name] = v
     return out
-
-
-def config_from_dict(cls, data: Mapping[str, Any]):
-    """Inverse of :func:`config_to_dict`, rejecting unknown keys."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(data) - names
-    if unknown:
-        raise ValueError(f"unknown {cls.__name__} fields: {sorted(unknown)}")
-    kwargs = {}
-    for k, v in data.items():
-        if isinstance(v, list):
-            v = tuple(v)
-        kwargs[k] = v
-    return cls(**kwargs)

@@ -26,7 +26,8 @@ from typing import Iterator, Optional, Tuple
 import torch
 
 from ..config import Role
-from .stats import MatrixNormal, SiteStats, Welford
+from .stats import SiteStats, Welford
+from .weights import MatrixNormal
 
 __all__ = ["cholesky_factor", "GaussianSampler", "MatrixNormalSampler", "sample_matrix_normal",
            "OperandSampler",

@@ -5,7 +5,8 @@ import torch
 from loka.config import Role
 from loka.probe.sampler import (GaussianSampler, MatrixNormalSampler, OperandSampler, cholesky_factor, error_rows,
                                 naive_pair, sample_matrix_normal, seed_for)
-from loka.probe.stats import MatrixNormal, SiteStats, Welford
+from loka.probe.stats import SiteStats, Welford
+from loka.probe.weights import MatrixNormal
 
 
 def _rel(a, b) -> float:

@@ -1,0 +1,483 @@
+"""What the Probe does after training: measure every available kernel at every observed
+site and role on operands drawn from the learned statistics, and assemble the
+:class:`~loka.probe.report.ProbeReport` (:func:`measure_report`).
+
+Per site and role: ``num_samples`` synthetic operand pairs (:mod:`loka.probe.sampler`) of
+``sample_rows`` rows, each run through every available kernel and compared with one
+reference per sample (float64 on the CPU, float32 with TF32 off on GPUs); MERE, SQNR and
+relative Frobenius error get bootstrap 95% CIs. The same with N(0, 1) operands gives
+``naive_mere``. Times are taken at the site's real row count M with CUDA graphs
+(:mod:`loka.timing`), once per distinct (role, shape, dtype, kernel), against the
+:data:`~loka.config.BASELINE` kernel (the GEMM in the site's own dtype). Forward kernels
+are timed twice: with both operands quantized per call (training, where the weight
+changes every step) and with the weight quantized beforehand (inference,
+``time_us_weight_q``), so that ``loka.plan(..., inference=True)`` judges a serving plan by
+what serving costs.
+
+A kernel that fails is a result, not an error: it is carried as a :class:`Failure` and
+recorded in the report as :attr:`KernelResult.error <loka.probe.report.KernelResult.error>`
+(one line), and a role that cannot be measured as its reason in the site's
+``stats['skipped_roles']``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from ..config import (BASELINE, GRAD_ROLES, REFERENCE_KERNEL, ProbeConfig, Role, config_to_dict,
+                      role_shape)
+from ..kernels import ops, registry
+from ..kernels.registry import Kernel, Library
+from ..numerics import mere_denominator
+from ..timing import TimingResult, time_fn
+from .report import ErrorStat, KernelResult, ProbeReport, RoleReport, SiteReport
+from .sampler import OperandSampler, error_rows, naive_pair, seed_for
+from .stats import SiteStats
+
+__all__ = ["Failure", "SampleErrors", "error_metrics", "run_samples", "bootstrap_stat",
+           "KernelTimer", "compiled_call", "compiles_for_timing", "measure_report",
+           "COMPILE_ENTRIES", "COMPILED_LIBRARIES"]
+
+COMPILE_ENTRIES = 256
+"""Dynamo's recompile limit while the Probe times compiled kernels"""
+COMPILED_LIBRARIES = (Library.CUBLAS, Library.TORCHAO)
+"""kernel libraries whose quantization is plain PyTorch, fused by Inductor when compiled"""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a measurement has no value: a kernel raised, or a role could not be measured.
+
+    ``reason`` is the one line the report records (``KernelResult.error``, or the role's
+    entry in ``stats['skipped_roles']``)."""
+
+    reason: str
+
+    @classmethod
+    def of(cls, exc: BaseException, prefix: str = "") -> "Failure":
+        """``prefix`` and the exception's type and first line."""
+        return cls(prefix + _one_line(exc))
+
+
+@dataclass(frozen=True)
+class SampleErrors:
+    """One kernel's errors against the reference, one value per sample pair."""
+
+    mere: List[float]
+    sqnr: List[float]
+    """dB"""
+    relfro: List[float]
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300] if text else ''}".rstrip(": ")
+
+
+# -- errors ------------------------------------------------------------------------------
+class _Reference:
+    """One sample's reference output with what every metric needs from it, computed once
+    and shared by all kernels. Elementwise work runs in the reference's dtype (float64 on
+    the CPU, float32 on GPUs, where the reference itself is float32), sums in float64."""
+
+    def __init__(self, ref: torch.Tensor) -> None:
+        self.ref = ref.detach()
+        self.signal = self.ref.square().sum(dtype=torch.float64)
+        self.denom = mere_denominator(self.ref)
+
+    def measure(self, approx: torch.Tensor) -> torch.Tensor:
+        """(2,) float64 ``[MERE, ‖approx - ref‖²]`` on the device."""
+        if approx.shape != self.ref.shape:
+            raise ValueError(f"shape mismatch: approx {tuple(approx.shape)} vs ref "
+                             f"{tuple(self.ref.shape)}")
+        diff = approx.detach().to(self.ref.dtype) - self.ref
+        noise = diff.square().sum(dtype=torch.float64)
+        mere_ = torch.div(diff.abs_(), self.denom, out=diff).mean(dtype=torch.float64)
+        return torch.stack([mere_, noise])
+
+
+def _sqnr_relfro(signal: float, noise: float) -> Tuple[float, float]:
+    """SQNR (dB) and relative Frobenius error from ``‖ref‖²`` and ``‖approx - ref‖²``,
+    with the special cases of :func:`loka.numerics.sqnr` and ``relative_frobenius``."""
+    if not (math.isfinite(noise) and math.isfinite(signal)):
+        s = math.nan
+    elif noise == 0:
+        s = math.inf
+    elif signal == 0:
+        s = -math.inf
+    else:
+        s = 10.0 * math.log10(signal / noise)
+    if signal == 0:
+        rf = 0.0 if noise == 0 else math.inf
+    else:
+        rf = math.sqrt(noise / signal) if noise == noise else math.nan
+    return s, rf
+
+
+def error_metrics(approx: torch.Tensor, ref: torch.Tensor) -> Tuple[float, float, float]:
+    """``(MERE, SQNR dB, relative Frobenius)`` of ``approx`` against ``ref``, as
+    :func:`loka.numerics.mere`, :func:`~loka.numerics.sqnr` and
+    :func:`~loka.numerics.relative_frobenius` define them, the way the Probe computes
+    them (one reference pass shared by every kernel)."""
+    r = _Reference(ref.double() if ref.device.type == "cpu" else ref.float())
+    mere_, noise = r.measure(approx).tolist()
+    return (mere_, *_sqnr_relfro(float(r.signal), noise))
+
+
+def _reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """float64 on the CPU; on GPUs float32 with TF32 off (the registry's 'fp32' kernel)."""
+    if a.device.type == "cpu":
+        return torch.mm(a.double(), b.double())
+    return registry.get(REFERENCE_KERNEL)(a, b, torch.float32)
+
+
+def run_samples(pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]], kernels: Sequence[Kernel],
+                dtype: torch.dtype) -> Dict[str, Union[SampleErrors, Failure]]:
+    """Every kernel on every pair ``(a (M, K), b (K, N))`` against one reference per pair.
+
+    Returns:
+        ``{kernel name: SampleErrors}``, or a :class:`Failure` for a kernel that raised
+        (it is not called again). One host sync per kernel.
+    """
+    acc: Dict[str, List[torch.Tensor]] = {k.name: [] for k in kernels}
+    failed: Dict[str, Failure] = {}
+    signals = []
+    with torch.no_grad():
+        for a, b in pairs:
+            ref = _Reference(_reference(a, b))
+            signals.append(ref.signal)
+            for k in kernels:
+                if k.name in failed:
+                    continue
+                try:
+                    acc[k.name].append(ref.measure(k(a, b, dtype)))
+                except Exception as e:  # noqa: BLE001 - a failing kernel is a result
+                    failed[k.name] = Failure.of(e)
+    signal = torch.stack(signals).tolist() if signals else []
+    out: Dict[str, Union[SampleErrors, Failure]] = {}
+    for name, vals in acc.items():
+        if name in failed:
+            out[name] = failed[name]
+            continue
+        meres, noises = torch.stack(vals).t().tolist()
+        sq, rf = zip(*(_sqnr_relfro(s, n) for s, n in zip(signal, noises)))
+        out[name] = SampleErrors(meres, list(sq), list(rf))
+    return out
+
+
+def bootstrap_stat(values, resamples: int = 1000, seed: int = 0, level: float = 0.95
+                   ) -> ErrorStat:
+    """Mean of per-sample values with a percentile-bootstrap confidence interval.
+
+    Args:
+        values: (n,) per-sample statistics (e.g. one MERE per synthetic sample).
+        resamples: bootstrap resamples; 0 gives the normal interval ``mean ± 1.96 s/√n``.
+        seed: seed of the resampling.
+        level: coverage of the interval.
+
+    Returns:
+        :class:`~loka.probe.report.ErrorStat` (mean, lo, hi, n, std). Non-finite values
+        propagate (a NaN anywhere makes every field NaN), so they never pass a budget.
+    """
+    v = np.asarray(values, dtype=np.float64).reshape(-1)
+    n = v.size
+    if n == 0:
+        raise ValueError("bootstrap_stat needs at least one value")
+    with np.errstate(all="ignore"):
+        mean = float(v.mean())
+        std = float(v.std(ddof=1)) if n > 1 else 0.0
+        if not np.isfinite(v).all():
+            return ErrorStat(mean, mean, mean, n, std)
+        alpha = (1.0 - level) / 2.0
+        if resamples == 0 or n == 1:
+            half = statistics.NormalDist().inv_cdf(1.0 - alpha) * std / math.sqrt(n)
+            return ErrorStat(mean, mean - half, mean + half, n, std)
+        rng = np.random.default_rng(seed)
+        means = v[rng.integers(0, n, size=(resamples, n))].mean(axis=1)
+        lo, hi = np.quantile(means, [alpha, 1.0 - alpha])
+    return ErrorStat(mean, float(lo), float(hi), n, std)
+
+
+# -- timing ------------------------------------------------------------------------------
+def compiled_call(kern: Kernel, dtype: torch.dtype) -> Callable:
+    """``call(a, b)``: the kernel under ``torch.compile``, as it runs inside a compiled
+    model, where Inductor fuses its PyTorch quantization; one compiled function, specialized
+    to each shape as a compiled model is: compiled once with dynamic shapes, the same
+    kernels time far slower (Inductor's dynamic-shape code for their quantization passes;
+    the Probe reports in bench/results/archive/2026-12-03-h200-wukong/ and
+    bench/results/archive/2026-12-03-h200-wukong-merge/ compare the two)."""
+    compiled = torch.compile(lambda a, b: kern(a, b, dtype), dynamic=False)
+
+    def call(a, b):
+        # one code object serves every shape, role layout and weight-q variant: each is a
+        # guarded entry of its own, more than Dynamo's default limit
+        with torch._dynamo.config.patch(recompile_limit=COMPILE_ENTRIES):
+            return compiled(a, b)
+    return call
+
+
+def compiles_for_timing(kern: Kernel, dev: torch.device, mode: str) -> bool:
+    """Whether the Probe times ``kern`` under ``torch.compile`` on ``dev``, for
+    ``ProbeConfig.timing_compile`` ``mode`` ('on', 'off' or 'auto': on CUDA only)."""
+    if mode == "off" or (mode == "auto" and dev.type != "cuda"):
+        return False
+
+    # own quantization kernels (Triton custom ops, C++ libraries) gain nothing from
+    # Inductor; emulated kernels are references, not candidates for speed
+    return kern.is_fp8 and kern.library in COMPILED_LIBRARIES and not ops.is_opaque(kern)
+
+
+def _linear_dims(role: Role, shape: Tuple[int, int, int]) -> Tuple[int, int, int]:
+    """(M, in_features, out_features) of the Linear whose ``role`` GEMM is ``shape``
+    (the inverse of :func:`~loka.config.role_shape`)."""
+    a, b, c = shape
+    return {Role.FWD: (a, b, c), Role.DGRAD: (a, c, b), Role.WGRAD: (b, c, a)}[role]
+
+
+class KernelTimer:
+    """Times kernel calls for one report: each (kernel, role, shape, dtype, device,
+    ``weight_q``) once, all on one N(0, 1) operand pair per (role, shape, dtype, device),
+    each compiled kernel compiled once per output dtype."""
+
+    def __init__(self, config: ProbeConfig) -> None:
+        self.config = config
+        self._results: Dict[tuple, Union[TimingResult, Failure]] = {}
+        self._operands: Dict[tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._compiled: Dict[tuple, Callable] = {}
+
+    def time(self, kernel: str, role: Role, shape: Tuple[int, int, int], dev: torch.device,
+             dtype: torch.dtype, weight_q: bool = False) -> Union[TimingResult, Failure]:
+        """The kernel's :class:`~loka.timing.TimingResult` at GEMM ``shape`` (M, K, N), or
+        a :class:`Failure` ('timing failed: ...'). ``weight_q``: the b operand (the weight)
+        is quantized before timing (inference)."""
+        key = (kernel, role, tuple(shape), dtype, str(dev), weight_q)
+        if key not in self._results:
+            self._results[key] = self._measure(kernel, role, shape, dev, dtype, weight_q)
+        return self._results[key]
+
+    def _pair(self, role, shape, dev, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        key = (role, tuple(shape), dtype, str(dev))
+        if key not in self._operands:
+            gen = torch.Generator(device=dev)
+            gen.manual_seed(self.config.seed)
+            self._operands[key] = naive_pair(role, *_linear_dims(role, shape), dev, dtype, gen)
+        return self._operands[key]
+
+    def _compiled_call(self, kern: Kernel, dtype: torch.dtype) -> Callable:
+        key = (kern.name, dtype)
+        if key not in self._compiled:
+            self._compiled[key] = compiled_call(kern, dtype)
+        return self._compiled[key]
+
+    def _measure(self, kernel, role, shape, dev, dtype, weight_q) -> Union[TimingResult, Failure]:
+        cfg = self.config
+        a, b = self._pair(role, shape, dev, dtype)
+        kern = registry.get(kernel)
+        try:
+            if weight_q:
+                with torch.no_grad():
+                    b = kern.quantize_b(b)
+            timed = functools.partial(time_fn, device=dev, warmup=cfg.timing_warmup,
+                                      iters=cfg.timing_iters, budget_ms=cfg.timing_budget_ms)
+            with torch.no_grad():
+                if not compiles_for_timing(kern, dev, cfg.timing_compile):
+                    return timed(lambda: kern(a, b, dtype))
+                call = self._compiled_call(kern, dtype)
+                try:
+                    result = timed(lambda: call(a, b))
+                    return dataclasses.replace(result, method=result.method + "+compiled")
+                except Exception as e:  # noqa: BLE001 - compilation failed: time eagerly
+                    result = timed(lambda: kern(a, b, dtype))
+                    return dataclasses.replace(
+                        result, note=f"torch.compile failed, timed eagerly: {_one_line(e)}")
+        except Exception as e:  # noqa: BLE001
+            return Failure.of(e, "timing failed: ")
+
+
+# -- one report --------------------------------------------------------------------------
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or "cpu"
+
+
+class _Measurement:
+    """The state of one :func:`measure_report`: its timer and its wall time per phase."""
+
+    def __init__(self, config: ProbeConfig) -> None:
+        self.config = config
+        self.timer = KernelTimer(config)
+        self.phases: Dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str, dev: torch.device):
+        """Accumulate wall time per phase (the report's ``meta['phases_s']``)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t0
+
+    def site(self, name: str, site: SiteStats, module: nn.Linear, dev: torch.device
+             ) -> SiteReport:
+        """Every configured role of one observed site."""
+        dtype = site.dtype or module.weight.dtype
+        stats = site.summary()
+        sr = SiteReport(name, site.in_features, site.out_features, site.tokens,
+                        str(dtype).replace("torch.", ""), stats)
+        skipped = {}
+        for role in self.config.roles:
+            if role in GRAD_ROLES and site.grad.updates == 0:
+                skipped[role.value] = "no output gradient observed"
+                continue
+            rr = self.role(site, module, role, dev, dtype)
+            if isinstance(rr, Failure):
+                skipped[role.value] = rr.reason
+            else:
+                sr.roles[role] = rr
+        if skipped:
+            stats["skipped_roles"] = skipped
+        return sr
+
+    def role(self, site: SiteStats, module: nn.Linear, role: Role, dev: torch.device,
+             dtype: torch.dtype) -> Union[RoleReport, Failure]:
+        """Every kernel that supports the role's shapes, or why none was measured."""
+        cfg = self.config
+        k_in, n_out = site.in_features, site.out_features
+        m_time = cfg.timing_rows or site.tokens
+        m_err = error_rows(site, cfg.source, cfg.sample_rows)
+        if m_err == 0:
+            return Failure("nothing captured")
+        shape = role_shape(role, m_time, k_in, n_out)
+        err_shape = role_shape(role, m_err, k_in, n_out)
+
+        def timed_shape(kern: Kernel) -> Tuple[int, int, int]:
+            # the weight gradient runs at the kernel's padded token count, as loka.Linear runs it
+            return (role_shape(role, kern.padded_tokens(m_time), k_in, n_out)
+                    if role is Role.WGRAD else shape)
+
+        kernels = [k for k in registry.available(dev, role=role, names=cfg.kernels)
+                   if k.supports(dev, *timed_shape(k), role=role)
+                   and k.supports(dev, *err_shape, role=role)]
+        if cfg.kernels is None and dev.type != "cpu":
+            # off the CPU the reference *is* the fp32 kernel: measuring it would say nothing
+            kernels = [k for k in kernels if k.name != REFERENCE_KERNEL]
+            if cfg.skip_emulated_twins:
+                real = {k.name for k in kernels}
+                kernels = [k for k in kernels if not (k.is_emulated and k.emulates in real)]
+        if not kernels:
+            return Failure("no kernel supports this shape")
+        try:
+            with self.phase("errors", dev):
+                sampler = OperandSampler(site, role, dev, dtype, source=cfg.source,
+                                         weight_source=cfg.weight_source, weight=module.weight,
+                                         seed=cfg.seed)
+                errors = run_samples(sampler.pairs(cfg.num_samples, m_err), kernels, dtype)
+        except ValueError as e:  # too little data to build the sampler
+            return Failure.of(e)
+        with self.phase("naive", dev):  # phases are entered (and reported) even when off
+            naive = self.naive(site, role, dev, dtype, kernels, m_err) if cfg.compare_naive else {}
+        with self.phase("timing", dev):
+            baseline = self.timer.time(BASELINE, role, shape, dev, dtype) if cfg.timing else None
+        base_us = baseline.median_us if isinstance(baseline, TimingResult) else None
+        rr = RoleReport(role, shape, base_us)
+        seed = seed_for(cfg.seed, site.name, role.value, "bootstrap")
+        for k in kernels:
+            kr = KernelResult(k.name)
+            measured = errors[k.name]
+            if isinstance(measured, Failure):
+                kr.error = measured.reason
+            else:
+                kr.mere, kr.sqnr, kr.relfro = (
+                    bootstrap_stat(v, cfg.bootstrap, seed)
+                    for v in (measured.mere, measured.sqnr, measured.relfro))
+            naive_k = naive.get(k.name)
+            if isinstance(naive_k, SampleErrors):
+                kr.naive_mere = bootstrap_stat(naive_k.mere, cfg.bootstrap, seed)
+            if cfg.timing and kr.error is None:
+                self._time_kernel(kr, k, role, timed_shape(k), dev, dtype, base_us)
+            kr.safe = (kr.error is None and kr.mere is not None and math.isfinite(kr.mere.hi)
+                       and kr.mere.hi < cfg.max_error)
+            kr.fast = kr.speedup is not None and kr.speedup > cfg.min_speedup
+            rr.kernels[k.name] = kr
+        return rr
+
+    def _time_kernel(self, kr: KernelResult, k: Kernel, role: Role, shape, dev, dtype,
+                     base_us: Optional[float]) -> None:
+        """Fill ``kr``'s times and speedups, or its ``error`` if the timing failed."""
+        with self.phase("timing", dev):
+            t = self.timer.time(k.name, role, shape, dev, dtype)
+        if isinstance(t, Failure):
+            kr.error = t.reason
+            return
+        kr.time_us, kr.timing = t.median_us, t.method
+        if base_us is not None and t.median_us > 0:
+            kr.speedup = base_us / t.median_us
+        if role is Role.FWD and k.is_fp8 and k.quantize_b is not None:
+            with self.phase("timing", dev):
+                tq = self.timer.time(k.name, role, shape, dev, dtype, weight_q=True)
+            if isinstance(tq, TimingResult):
+                kr.time_us_weight_q = tq.median_us
+                if base_us is not None and tq.median_us > 0:
+                    kr.speedup_weight_q = base_us / tq.median_us
+
+    def naive(self, site: SiteStats, role: Role, dev: torch.device, dtype: torch.dtype,
+              kernels: Sequence[Kernel], rows: int) -> Dict[str, Union[SampleErrors, Failure]]:
+        """:func:`run_samples` on N(0, 1) operands of the same shapes."""
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(seed_for(self.config.seed, site.name, role.value, "naive"))
+        pairs = (naive_pair(role, rows, site.in_features, site.out_features, dev, dtype, gen)
+                 for _ in range(self.config.naive_samples))
+        return run_samples(pairs, kernels, dtype)
+
+
+def measure_report(sites: Mapping[str, SiteStats], modules: Mapping[str, nn.Linear],
+                   config: ProbeConfig, device: "torch.device | str | None" = None,
+                   meta: Optional[Mapping[str, object]] = None) -> ProbeReport:
+    """Measure every available kernel at every observed site and role.
+
+    Args:
+        sites: what was learned per site (fully qualified name -> statistics).
+        modules: the Linear of each site (its weight's device, dtype and values).
+        config: the Probe's settings.
+        device: where to measure (default: each site's weight device).
+        meta: entries that come first in the report's ``meta`` (the steps observed).
+
+    Returns:
+        :class:`~loka.probe.report.ProbeReport`; sites never observed are listed in
+        ``meta['unobserved_sites']``.
+    """
+    start = time.perf_counter()
+    run = _Measurement(config)
+    reports: Dict[str, SiteReport] = {}
+    unobserved, used = [], None
+    for name in tqdm(sites, desc="probe", unit="site", disable=not config.progress):
+        site, module = sites[name], modules[name]
+        if site.act.updates == 0:
+            unobserved.append(name)
+            continue
+        dev = torch.device(device) if device is not None else module.weight.device
+        used = used or dev
+        reports[name] = run.site(name, site, module, dev)
+    used = used or torch.device(device or "cpu")
+    meta = {**(meta or {}),
+            "reference": "float64" if used.type == "cpu" else "float32 (TF32 off)",
+            "baseline": BASELINE, "unobserved_sites": unobserved,
+            "report_s": time.perf_counter() - start, "phases_s": dict(run.phases)}
+    return ProbeReport(sites=reports, device=str(used), device_name=_device_name(used),
+                       torch_version=torch.__version__, config=config_to_dict(config), meta=meta)

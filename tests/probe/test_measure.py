@@ -1,0 +1,150 @@
+"""loka/probe/measure.py: error metrics, samples, bootstrap, timing, failures as report strings."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import loka
+from loka.config import BASELINE, ProbeConfig, Role
+from loka.kernels import Kernel, register, registry, unregister
+from loka.numerics import mere, relative_frobenius, sqnr
+from loka.probe.measure import (Failure, KernelTimer, SampleErrors, bootstrap_stat,
+                                compiles_for_timing, error_metrics, run_samples)
+from loka.timing import TimingResult
+
+TIMING = dict(timing=True, timing_iters=2, timing_warmup=0, timing_budget_ms=None)
+
+
+@pytest.mark.parametrize("case", ["random", "exact", "zero-signal", "nan", "inf"])
+def test_error_metrics_match_numerics(case):
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(16, 8, generator=g, dtype=torch.float64)
+    approx = (ref + 0.01 * torch.randn(16, 8, generator=g, dtype=torch.float64)).float()
+    if case == "exact":
+        approx = ref.clone()
+    elif case == "zero-signal":
+        ref = torch.zeros_like(ref)
+    elif case == "nan":
+        approx[2, 3] = float("nan")
+    elif case == "inf":
+        approx[0, 0] = float("inf")
+    got = list(error_metrics(approx, ref))
+    want = [mere(approx, ref), sqnr(approx, ref), relative_frobenius(approx, ref)]
+    for g_, w_ in zip(got, want):
+        assert (math.isnan(g_) and math.isnan(w_)) or g_ == pytest.approx(w_, rel=1e-12)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        error_metrics(approx, ref[:, :4])
+
+
+def test_bootstrap_stat_ci_and_shrinkage_with_n():
+    rng = np.random.default_rng(0)
+    values = rng.normal(0.1, 0.02, 400)
+    small = bootstrap_stat(values[:10], 2000, seed=1)
+    large = bootstrap_stat(values, 2000, seed=1)
+    for st, v in ((small, values[:10]), (large, values)):
+        assert st.mean == pytest.approx(v.mean())
+        assert st.lo < st.mean < st.hi
+        assert st.std == pytest.approx(v.std(ddof=1))
+        assert st.n == len(v)
+    assert large.width < small.width / 3  # ~ 1/sqrt(n): sqrt(40) = 6.3
+    # the bootstrap interval of the mean is close to the normal one at this n
+    assert large.width == pytest.approx(2 * 1.96 * values.std(ddof=1) / 20, rel=0.15)
+    normal = bootstrap_stat(values, 0)
+    assert normal.width == pytest.approx(2 * 1.959964 * values.std(ddof=1) / 20, rel=1e-6)
+    assert bootstrap_stat(values, 500, seed=3) == bootstrap_stat(values, 500, seed=3)
+
+
+def test_bootstrap_stat_nonfinite_and_empty():
+    st = bootstrap_stat([0.1, float("nan"), 0.2], 100)
+    assert math.isnan(st.mean) and math.isnan(st.hi)
+    st = bootstrap_stat([0.1, float("inf")], 100)
+    assert st.hi == math.inf
+    with pytest.raises(ValueError, match="at least one"):
+        bootstrap_stat([], 10)
+
+
+@pytest.fixture
+def flaky():
+    """A kernel that computes the bf16 GEMM but raises on inputs of ``rows`` rows; calls
+    counted."""
+    calls = []
+
+    def make(rows):
+        def fn(a, b, out):
+            calls.append(a.shape[0])
+            if a.shape[0] == rows:
+                raise RuntimeError(f"no kernel image for {rows} rows\nsecond line")
+            return registry.get(BASELINE)(a, b, out)
+        register(Kernel("test-flaky", fn, library="custom"))
+        return "test-flaky", calls
+
+    yield make
+    unregister("test-flaky")
+
+
+def test_run_samples_types_a_failure_and_stops_calling_the_kernel(flaky):
+    name, calls = flaky(rows=32)
+    kernels = [registry.get(name), registry.get(BASELINE)]
+    pairs = [(torch.randn(m, 16), torch.randn(16, 8)) for m in (16, 32, 16)]
+    out = run_samples(pairs, kernels, torch.float32)
+    assert out[name] == Failure("RuntimeError: no kernel image for 32 rows")
+    assert calls == [16, 32]  # not called again after it failed
+    base = out[BASELINE]
+    assert isinstance(base, SampleErrors) and len(base.mere) == len(base.sqnr) == 3
+    assert list(out) == [name, BASELINE]
+
+
+def test_timer_returns_and_caches_a_failure(flaky):
+    name, calls = flaky(rows=64)
+    timer = KernelTimer(ProbeConfig(**TIMING))
+    shape, dev = (64, 16, 16), torch.device("cpu")
+    t = timer.time(name, Role.FWD, shape, dev, torch.float32)
+    assert t == Failure("timing failed: RuntimeError: no kernel image for 64 rows")
+    n = len(calls)
+    assert timer.time(name, Role.FWD, shape, dev, torch.float32) is t and len(calls) == n
+    ok = timer.time(BASELINE, Role.FWD, shape, dev, torch.float32)
+    assert isinstance(ok, TimingResult) and ok.method == "cpu-wallclock" and ok.median_us > 0
+
+
+def test_a_failed_timing_is_recorded_as_its_report_string(flaky):
+    """Errors are measured on 32-row samples, timings at the site's 64 rows: the kernel is
+    measured but its timing fails, recorded as before the typed Failure (one line)."""
+    name, _ = flaky(rows=64)
+    model = nn.Linear(16, 16)
+    rep = loka.probe(model, [torch.randn(64, 16)], lambda m, x: m(x).square().mean(),
+                     config=ProbeConfig(num_samples=4, naive_samples=4, bootstrap=50,
+                                        sample_rows=32, progress=False, roles=("fwd",),
+                                        kernels=(name, BASELINE), **TIMING))
+    ks = rep.sites[""].roles[Role.FWD].kernels
+    kr = ks[name]
+    assert kr.error == "timing failed: RuntimeError: no kernel image for 64 rows"
+    assert kr.mere is not None and kr.naive_mere is not None  # the errors were measured
+    assert not kr.safe and not kr.fast and kr.time_us is None and kr.timing == "none"
+    assert ks[BASELINE].error is None and ks[BASELINE].timing == "cpu-wallclock"
+    assert rep.to_dict()["sites"][""]["roles"]["fwd"]["kernels"][name]["error"] == kr.error
+
+
+def test_a_role_that_cannot_be_measured_is_skipped_with_its_reason():
+    model = nn.Linear(16, 24)
+    rep = loka.probe(model, [torch.randn(32, 16)], lambda m, x: m(x).square().mean(),
+                     config=ProbeConfig(num_samples=4, bootstrap=50, timing=False, progress=False,
+                                        compare_naive=False,
+                                        kernels=("emulated-tensorwise-e4m3",)))
+    # 24 is no multiple of 16: the forward's N and dgrad's K (wgrad's 24 is its free M)
+    assert set(rep.sites[""].roles) == {Role.WGRAD}
+    assert rep.sites[""].stats["skipped_roles"] == {r: "no kernel supports this shape"
+                                                    for r in ("fwd", "dgrad")}
+
+
+@pytest.mark.parametrize("mode,device,compiled", [
+    ("on", "cpu", True), ("auto", "cpu", False), ("off", "cpu", False),
+    ("auto", "cuda", True), ("off", "cuda", False)])
+def test_compiles_for_timing_only_pytorch_quantization(mode, device, compiled):
+    dev = torch.device(device)
+    assert compiles_for_timing(registry.get("cublas-tensorwise"), dev, mode) is compiled
+    # the baseline and emulated kernels are never compiled
+    assert not compiles_for_timing(registry.get(BASELINE), dev, mode)
+    assert not compiles_for_timing(registry.get("emulated-tensorwise-e4m3"), dev, mode)
