@@ -1,10 +1,10 @@
 """The training loop shared by the CLI and the benchmarks.
 
-Optimizers (``make_optimizers``): AdamW over every dense parameter (``fused=True`` on CUDA,
-and on the CPU, where the fused kernel is several times faster than the per-tensor loop);
-embedding tables built with ``sparse=True`` (the paper-scale presets) get ``SparseAdam``, so
-a step touches only the rows the batch used rather than every row of 1.4B-parameter tables;
-small tables stay dense under AdamW, which is simpler and at that size just as fast.
+Optimizers (``make_optimizers``): AdamW over every dense parameter (``fused=True`` on CUDA
+and on the CPU: one kernel over all parameters instead of a loop over tensors); embedding
+tables built with ``sparse=True`` (the paper-scale presets) get ``SparseAdam``, so a step
+touches only the rows the batch used rather than every row of the tables; small tables stay
+dense under AdamW, which is simpler, and at that size a dense update costs little.
 No weight decay by default: a decayed embedding table shrinks rows that a batch did not use.
 
 Checkpoints (``<checkpoint_dir>/checkpoint.pt``) hold the model, the optimizers, the step,
@@ -29,8 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from loka.data.batch import Batch
-from loka.data.metrics import Metrics
+from .data.batch import Batch
+from .data.metrics import Metrics
 
 CHECKPOINT_NAME = "checkpoint.pt"
 

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from loka import cli
-from loka.dispatch.plan import Plan
+from loka.cli import args as cli_args
+from loka.cli import commands
+from loka.dispatch import Plan
 from loka.probe.report import ProbeReport
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -65,6 +67,47 @@ def test_cli_surface_is_frozen():
     assert surface == {k: sorted(v) for k, v in SURFACE.items()}
 
 
+# ... and what each command takes when an option is left out, so that moving an option (to
+# another module, another parser) cannot change its default unnoticed
+REQUIRED = {"apply": ["PLAN"], "audit": ["PLAN", "REPORT"], "plan": ["REPORT"],
+            "probe": ["MODEL"], "report": ["FILE"]}
+DEFAULTS = {
+    "apply": {"check": False, "data": "synthetic", "inference": False, "model": "wukong",
+              "mods": "none", "plan": "PLAN", "preset": "tiny"},
+    "audit": {"json": False, "plan": "PLAN", "report": "REPORT"},
+    "bench": {"batch_size": None, "batch_sizes": None, "infer_variants": None, "max_error": 0.2,
+              "min_speedup": 1.05, "model": "wukong", "no_compile": False, "no_plot": False,
+              "out": None, "plan": None, "plans": "", "preset": None, "probe_kernels": None,
+              "profile": "", "profile_ops": False, "steps": 30, "train_variants": None,
+              "warmup": 5},
+    "demo": {"batch_size": None, "max_error": 0.2, "model": "wukong", "out": "./loka-demo",
+             "preset": None, "probe_steps": None, "quick": False, "seed": 0, "steps": None},
+    "kernels": {"json": False},
+    "plan": {"assign": [], "assume_fast": False, "kernels": None, "max_error": 0.2,
+             "metric": "mere", "min_speedup": 1.05, "out": "plan.json", "replace": [],
+             "report": "REPORT", "role_budget": None, "site_budget": None},
+    "probe": {"batch_size": None, "bootstrap": 1000, "checkpoint": None, "data": "synthetic",
+              "every_n_steps": 5, "kernels": None, "lr": 0.001, "max_error": 0.2,
+              "min_speedup": 1.05, "model": "MODEL", "mods": "none", "module_filter": None,
+              "no_naive": False, "no_timing": False, "num_samples": 64, "out": "report.json",
+              "preset": "tiny", "roles": None, "sample_rows": None, "seed": 0,
+              "source": "learned", "steps": 20},
+    "report": {"curves": None, "files": ["FILE"], "html": None, "markdown": None,
+               "metric": "mere", "tensorboard": None, "title": "LoKA report"},
+    "train": {"batch_size": None, "checkpoint_every": 0, "data": "synthetic", "eval_every": 0,
+              "eval_steps": 20, "lr": 0.001, "model": "wukong", "mods": "none",
+              "out": "runs/loka", "plan": None, "preset": "tiny", "resume": False, "seed": 0,
+              "steps": 200},
+}
+
+
+@pytest.mark.parametrize("command", sorted(SURFACE))
+def test_cli_defaults_are_frozen(command):
+    args = vars(cli.build_parser().parse_args([command] + REQUIRED.get(command, [])))
+    assert args == dict(DEFAULTS[command], command=command, debug=False, device=None)
+    assert callable(getattr(commands, f"cmd_{command}"))  # what main runs for it
+
+
 def run(argv, capsys):
     code = cli.main(argv)
     out, err = capsys.readouterr()
@@ -88,6 +131,18 @@ def test_module_entry_point_runs(module):
     proc = subprocess.run([sys.executable, "-m", module, "--version"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.startswith("loka ")
+
+
+def test_help_loads_no_model_code():
+    """``loka --help`` needs no model: the commands, and the models they build (whose import
+    loads torch.compile's machinery), load when a command runs."""
+    code = ("import sys; from loka.cli import main; main(['--help']); "
+            "print([m for m in ('loka.cli.commands', 'loka.assembly', 'loka.models', "
+            "'torch._dynamo') if m in sys.modules])")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
 
 
 # -- files used by the error cases -------------------------------------------------------
@@ -220,7 +275,7 @@ def test_debug_shows_the_traceback(files):
 def test_unexpected_failure_is_one_line(monkeypatch, capsys):
     def boom(args):
         raise ZeroDivisionError("the kernel table divided by zero\nsecond line")
-    monkeypatch.setattr(cli, "cmd_kernels", boom)
+    monkeypatch.setattr(commands, "cmd_kernels", boom)
     got, _, err = run(["kernels"], capsys)
     _expect_error(got, err, 1, "ZeroDivisionError: the kernel table divided by zero",
                   "--debug")
@@ -235,16 +290,16 @@ def test_unexpected_failure_is_one_line(monkeypatch, capsys):
 def test_parse_mods(text, expected):
     from loka.config import ModsConfig
 
-    assert cli.parse_mods(text) == ModsConfig(**expected)
+    assert cli_args.parse_mods(text) == ModsConfig(**expected)
 
 
 def test_parse_budgets():
-    assert cli.parse_budgets(["wgrad=0.1", "fwd=0.3"], "role-budget", ["fwd", "dgrad", "wgrad"]) == {
+    assert cli_args.parse_budgets(["wgrad=0.1", "fwd=0.3"], "role-budget", ["fwd", "dgrad", "wgrad"]) == {
         "wgrad": 0.1, "fwd": 0.3}
     # a site pattern may itself contain '='
-    assert cli.parse_budgets([r"a=b\.c=0.05"], "site-budget") == {r"a=b\.c": 0.05}
-    with pytest.raises(cli.CliError) as e:
-        cli.parse_budgets(["wgrad=inf"], "role-budget", ["wgrad"])
+    assert cli_args.parse_budgets([r"a=b\.c=0.05"], "site-budget") == {r"a=b\.c": 0.05}
+    with pytest.raises(cli_args.CliError) as e:
+        cli_args.parse_budgets(["wgrad=inf"], "role-budget", ["wgrad"])
     assert e.value.code == 2
 
 

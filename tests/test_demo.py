@@ -9,7 +9,7 @@ import pytest
 
 from loka import cli
 from loka.demo import DemoConfig
-from loka.dispatch.plan import Plan
+from loka.dispatch import Plan
 from loka.kernels import registry
 from loka.probe.report import ProbeReport
 

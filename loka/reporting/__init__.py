@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
+from ..kernels import capabilities as caps
 from .html import SECTIONS, render_html, write_html
 from .markdown import render_markdown, write_markdown
-from .tables import decisions, load, rows, text_plan, text_report
+from .tables import curve_arms, decisions, load, rows, text_plan, text_report
 
 __all__ = ["SECTIONS", "decisions", "load", "render_html", "render_markdown", "rows",
            "text_plan", "text_report", "write_html", "write_markdown", "write_tensorboard",
@@ -19,8 +20,7 @@ __all__ = ["SECTIONS", "decisions", "load", "render_html", "render_markdown", "r
 
 
 def tensorboard_available() -> bool:
-    from ..kernels import capabilities as caps
-
+    """Whether ``torch.utils.tensorboard`` imports (the tensorboard package is installed)."""
     return caps.module_available("torch.utils.tensorboard")
 
 
@@ -38,9 +38,7 @@ def write_tensorboard(logdir, report=None, plan=None,
     if not tensorboard_available():
         raise RuntimeError("TensorBoard output needs the tensorboard package: "
                            "pip install 'loka[tensorboard]'")
-    from torch.utils.tensorboard import SummaryWriter
-
-    from .tables import curve_arms
+    from torch.utils.tensorboard import SummaryWriter  # optional: the tensorboard package
 
     n = 0
     with SummaryWriter(str(logdir)) as w:

@@ -12,17 +12,18 @@ import io
 import math
 from typing import Dict, List, Mapping, Optional, Sequence
 
+import numpy as np
+
 from ..kernels import capabilities as caps
 from .tables import ROLES, Row, decisions, flat_stats
 
 MARKERS = {"fwd": "o", "dgrad": "s", "wgrad": "^"}
 INSTALL_HINT = "pip install 'loka[plot]'  (or: pip install matplotlib)"
-_FORCE_OFF = False  # tests flip this to render the page as if matplotlib were absent
 
 
 def available() -> bool:
     """Whether figures can be drawn (matplotlib importable)."""
-    return not _FORCE_OFF and caps.module_available("matplotlib")
+    return caps.module_available("matplotlib")
 
 
 def _plt():
@@ -112,8 +113,6 @@ def decision_map(sites: Sequence[str], plan, palette: Optional[Sequence[str]] = 
     if not available() or not picked:
         return None
     plt = _plt()
-    import numpy as np
-
     sites = [s for s in sites if s in picked] + [s for s in picked if s not in sites]
     kernels = sorted({k for v in picked.values() for k in v.values()})
     idx = {k: i for i, k in enumerate(kernels)}

@@ -12,9 +12,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from ..config import BASELINE, ROLES, Role
-from ..probe.report import SCHEMA as REPORT_SCHEMA
+from ..config import BASELINE, ROLES
+from ..dispatch.schema import SCHEMA as PLAN_SCHEMA
+from ..dispatch.schema import Plan
 from ..jsonio import ReportError
+from ..probe.report import SCHEMA as REPORT_SCHEMA
 from ..probe.report import ProbeReport
 
 STAT_KEYS = ("amax", "channel_amax_ratio", "underflow_frac", "overflow_frac", "outlier",
@@ -46,8 +48,6 @@ def load(path):
     schema = file_schema(path)
     if schema == REPORT_SCHEMA:
         return ProbeReport.load(path)
-    from ..dispatch.plan import SCHEMA as PLAN_SCHEMA, Plan  # the Dispatch owns the format
-
     if schema == PLAN_SCHEMA:
         return Plan.load(path)
     raise ReportError(f"{path}: not a {REPORT_SCHEMA} or {PLAN_SCHEMA} file "
@@ -61,8 +61,6 @@ def decisions(plan) -> Dict[str, Dict[str, str]]:
     if plan is None:
         return {}
     if isinstance(plan, Mapping):
-        from ..dispatch.plan import Plan
-
         plan = Plan.from_dict(plan)
     return {name: {r.value: sp.kernel(r, plan.baseline) for r in ROLES}
             for name, sp in plan.sites.items()}
@@ -274,7 +272,3 @@ def text_plan(plan, report: Optional[ProbeReport] = None) -> str:
            f"{max_error:g}, speedup > {min_speedup:g}"
     return head + "\n\n" + format_table(["site"] + [r.value for r in ROLES],
                                         decision_rows(report, plan))
-
-
-def role_label(role: "Role | str") -> str:
-    return Role.parse(role).value

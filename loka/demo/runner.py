@@ -1,135 +1,32 @@
-"""``loka demo``: the whole of LoKA on one small model, end to end, in a few minutes.
-
-1. Train Wukong (``small``) on the synthetic CTR stream with the Probe attached.
-2. Measure every kernel at every GEMM site and role (``report.json``).
-3. Plan under the error budget (``plan.json``).
-4. Branch: both arms resume from the same checkpoint (weights, optimizer state, RNG,
-   data position) and train the same number of steps on the same stream; the LoKA arm has
-   the plan applied. Both are evaluated on the same held-out batches.
-5. Print NE, AUC, the per-site decisions and (on a GPU) speed side by side; write
-   ``report.html``, ``summary.md`` and ``curves.json``.
-
-On the CPU the Probe measures the emulated kernels and torch's CPU ``_scaled_mm``; CPU
-wall-clock says nothing about FP8 speed on a GPU, so the plan is made on error alone
-(``loka.plan(..., assume_fast=True)``), and the output says so.
-"""
+"""The demo's run: train with the Probe, measure, plan, train both arms, compare, write."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .config import ROLES, ProbeConfig
-from .jsonio import atomic_write_text
+from .. import reporting
+from ..assembly import build_model
+from ..config import ROLES, ProbeConfig
+from ..data import SyntheticCTR
+from ..dispatch import apply as apply_plan
+from ..dispatch import plan as make_plan
+from ..jsonio import atomic_write_text
+from ..kernels import registry
+from ..probe import Probe
+from ..reporting.tables import format_table
+from ..train import CHECKPOINT_NAME, train
+from .config import CPU_KERNELS, DemoConfig
 
-CPU_KERNELS = ("bf16", "emulated-tensorwise-e4m3", "emulated-rowwise-e4m3",
-               "emulated-blockwise-e4m3", "emulated-rowwise-e5m2", "cublas-tensorwise",
-               "cublas-rowwise")
-"""kernels probed on the CPU: one per recipe (the emulated twins of the GPU kernels and
-torch's CPU ``_scaled_mm``), which keeps the demo to minutes on two cores"""
-QUICK_KERNELS = ("bf16", "emulated-tensorwise-e4m3", "emulated-rowwise-e4m3", "cublas-rowwise")
-
-
-@dataclass(frozen=True)
-class DemoConfig:
-    """What the demo trains, probes and compares."""
-
-    model: str = "wukong"
-    """reference model (loka.models)"""
-    preset: str = "small"
-    """model preset; ``--quick`` uses tiny"""
-    batch_size: Optional[int] = None
-    """examples per step (None: the preset's, 512 for small)"""
-    probe_steps: int = 200
-    """steps trained with the Probe attached, shared by both arms"""
-    steps: int = 200
-    """steps each arm trains after the branch"""
-    eval_every: int = 0
-    """evaluate both arms every this many steps; 0: eight times over the run"""
-    eval_steps: int = 16
-    """held-out batches per evaluation (the same batches for both arms)"""
-    lr: float = 1e-3
-    max_error: float = 0.2
-    """the plan's budget on MERE's upper 95% bound"""
-    min_speedup: float = 1.05
-    """the plan's speed threshold (GPU only; the CPU plans on error alone)"""
-    num_samples: int = 8
-    """synthetic operand pairs per site and role"""
-    sample_rows: int = 256
-    """rows of each synthetic operand"""
-    bootstrap: int = 200
-    kernels: Optional[Tuple[str, ...]] = None
-    """kernels to probe; None: :data:`CPU_KERNELS` on the CPU, every available one on a GPU"""
-    seed: int = 0
-    out: str = "loka-demo"
-    progress: bool = True
-
-    @classmethod
-    def quick(cls, **overrides) -> "DemoConfig":
-        """Tiny preset, few steps: a smoke run of every stage (CI)."""
-        base = dict(preset="tiny", batch_size=256, probe_steps=30, steps=30,
-                    eval_steps=4, lr=3e-3, num_samples=4, sample_rows=64, bootstrap=50,
-                    kernels=QUICK_KERNELS)
-        base.update(overrides)
-        return cls(**base)
-
-    def __post_init__(self) -> None:
-        for name in ("probe_steps", "steps", "eval_steps", "num_samples", "sample_rows"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"DemoConfig.{name} must be >= 1")
-        if self.eval_every < 0 or self.max_error < 0 or self.min_speedup <= 0:
-            raise ValueError("DemoConfig needs eval_every >= 0, max_error >= 0, min_speedup > 0")
+__all__ = ["run"]
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``loka demo`` options."""
-    from .cli import _budget, _positive
-
-    d = DemoConfig()
-    p.add_argument("--quick", action="store_true", help="tiny preset and few steps (<1 min)")
-    p.add_argument("--out", default="./loka-demo", help="where the files go")
-    p.add_argument("--model", default=d.model, help="reference model")
-    p.add_argument("--preset", default=None, help="model preset (default: small; tiny with --quick)")
-    p.add_argument("--steps", type=_positive(int, "--steps"), default=None,
-                   help=f"steps per arm after the branch (default: {d.steps})")
-    p.add_argument("--probe-steps", type=_positive(int, "--probe-steps"), default=None,
-                   help=f"steps trained under the Probe before the branch (default: {d.probe_steps})")
-    p.add_argument("--batch-size", type=_positive(int, "--batch-size"), default=None,
-                   help="default: the preset's (512 for small)")
-    p.add_argument("--max-error", type=_budget, default=d.max_error, help="plan budget (MERE)")
-    p.add_argument("--seed", type=int, default=d.seed, help="seed of model, data and sampler")
-
-
-def config_from_args(args) -> DemoConfig:
-    from .cli import usage
-
-    given = {k: v for k, v in (("preset", args.preset), ("steps", args.steps),
-                               ("probe_steps", args.probe_steps),
-                               ("batch_size", args.batch_size)) if v is not None}
-    given.update(model=args.model, max_error=args.max_error, seed=args.seed, out=args.out)
-    try:
-        return DemoConfig.quick(**given) if args.quick else DemoConfig(**given)
-    except ValueError as e:
-        raise usage(str(e)) from None
-
-
-def run_from_args(args, device) -> dict:
-    from .cli import build_model
-
-    cfg = config_from_args(args)
-    build_model(cfg.model, cfg.preset, None)  # an unknown model or preset: a usage error now
-    return run(cfg, device)
-
-
-# -- the run -----------------------------------------------------------------------------------
 def _stage(log: Callable[[str], None], i: int, text: str) -> float:
     log(f"[{i}/5] {text}")
     return time.perf_counter()
@@ -140,11 +37,9 @@ def _shown(path: str) -> str:
     return path if rel.startswith("..") else rel
 
 
-def _build(cfg: DemoConfig, device):
-    from . import models
-
-    torch.manual_seed(cfg.seed)
-    return models.build(cfg.model, cfg.preset).to(device)
+def _build(cfg: DemoConfig, device) -> torch.nn.Module:
+    model, _ = build_model(cfg.model, cfg.preset, None, seed=cfg.seed)
+    return model.to(device)
 
 
 def _curves(result) -> Dict[str, Dict[str, List[float]]]:
@@ -167,14 +62,6 @@ def run(cfg: DemoConfig = DemoConfig(), device="cpu",
         dict(arms={name: final eval dict}, summary={headers, rows, notes}, files={...},
         decisions={site: {role: kernel}}, device, error_only).
     """
-    from . import reporting
-    from .data import SyntheticCTR
-    from .dispatch import apply as apply_plan
-    from .dispatch import plan as make_plan
-    from .probe import Probe
-    from .reporting.tables import format_table
-    from .train import CHECKPOINT_NAME, train
-
     device = torch.device(device)
     on_gpu = device.type == "cuda"
     out = os.path.abspath(cfg.out)
@@ -305,8 +192,6 @@ def run(cfg: DemoConfig = DemoConfig(), device="cpu",
 
 
 def _kernels(cfg: DemoConfig, device) -> Optional[Tuple[str, ...]]:
-    from .kernels import registry
-
     wanted = cfg.kernels if cfg.kernels is not None else (
         None if device.type == "cuda" else CPU_KERNELS)
     if wanted is None:
@@ -316,8 +201,6 @@ def _kernels(cfg: DemoConfig, device) -> Optional[Tuple[str, ...]]:
 
 
 def _is_fp8(name: str) -> bool:
-    from .kernels import registry
-
     try:
         return registry.get(name).is_fp8
     except KeyError:

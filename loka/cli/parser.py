@@ -1,0 +1,273 @@
+"""The ``loka`` argument parser: every subcommand, its options, help and examples.
+
+The parsed namespace names its subcommand in ``command``; ``loka.cli.main`` runs
+``commands.cmd_<command>``. Changing what the parser accepts changes the command line:
+tests/test_cli.py pins every subcommand's options and defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+from importlib import metadata
+
+from .. import bench
+from ..demo import DemoConfig
+from .args import EXIT_USAGE, budget, positive, speedup
+
+__all__ = ["PROG", "EPILOGS", "build_parser", "version"]
+
+PROG = "loka"
+
+
+def version() -> str:
+    """The installed distribution's version ('unknown' for a source tree never installed)."""
+    try:
+        return metadata.version("loka")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with LoKA's error format: one line and a hint instead of the usage block."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"error: {self.prog}: {message}\n"
+                              f"hint: run '{self.prog} --help' for the options and examples\n")
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Examples kept as written; defaults shown where there is one to show."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("%(default)" in text or "default:" in text or not action.option_strings
+                or action.default in (None, False, argparse.SUPPRESS)):
+            return text
+        return text + " (default: %(default)s)"
+
+
+def _common() -> argparse.ArgumentParser:
+    # accepted after the subcommand too; SUPPRESS keeps a value given before it
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--device", default=argparse.SUPPRESS,
+                   help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                   help="show the traceback of a failure")
+    return p
+
+
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    """The ``loka demo`` options; their defaults are :class:`~loka.demo.DemoConfig`'s."""
+    d = DemoConfig()
+    p.add_argument("--quick", action="store_true", help="tiny preset and few steps (<1 min)")
+    p.add_argument("--out", default="./loka-demo", help="where the files go")
+    p.add_argument("--model", default=d.model, help="reference model")
+    p.add_argument("--preset", default=None, help="model preset (default: small; tiny with --quick)")
+    p.add_argument("--steps", type=positive(int, "--steps"), default=None,
+                   help=f"steps per arm after the branch (default: {d.steps})")
+    p.add_argument("--probe-steps", type=positive(int, "--probe-steps"), default=None,
+                   help=f"steps trained under the Probe before the branch (default: {d.probe_steps})")
+    p.add_argument("--batch-size", type=positive(int, "--batch-size"), default=None,
+                   help="default: the preset's (512 for small)")
+    p.add_argument("--max-error", type=budget, default=d.max_error, help="plan budget (MERE)")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of model, data and sampler")
+
+
+def _model_args(p: argparse.ArgumentParser, positional: bool = False) -> None:
+    if positional:
+        p.add_argument("model", help="reference model (wukong, dcnv2, interformer, dlrm, "
+                       "logreg) or module:factory returning your own nn.Module")
+    else:
+        p.add_argument("--model", default="wukong",
+                       help="reference model name, or module:factory for your own")
+    p.add_argument("--preset", default="tiny", help="model preset: tiny, small, paper")
+    p.add_argument("--mods", default="none",
+                   help="Mods: none, paper (no_bias,blocknorm=256,hardswish) or a comma list "
+                        "of no_bias, blocknorm=N, hardswish, pad_to=N, merge_siblings, token_major")
+    p.add_argument("--data", default="synthetic",
+                   help="synthetic, or criteo:TRAIN.tsv[,EVAL.tsv] (criteo:sample: the "
+                        "shipped sample)")
+
+
+EPILOGS = {
+    "demo": """examples:
+  loka demo                      # Wukong small on synthetic CTR data, a few minutes on a CPU
+  loka demo --quick              # tiny preset, few steps (CI smoke run)
+  loka demo --out /tmp/demo --device cuda
+
+writes report.json, plan.json, report.html, summary.md and curves.json to --out.""",
+    "train": """examples:
+  loka train --model wukong --preset small --steps 500 --out runs/wukong
+  loka train --out runs/wukong --steps 1000 --resume        # continue that run
+  loka train --plan plan.json --out runs/wukong-fp8         # train with a plan applied
+  loka train --model dlrm --data criteo:day_0.tsv,day_1.tsv --out runs/dlrm""",
+    "probe": """examples:
+  loka probe wukong --preset tiny -o report.json
+  loka probe wukong --preset small --checkpoint runs/wukong/checkpoint.pt --steps 50
+  loka probe mypkg.models:make_model --data criteo:train.tsv --kernels bf16,cublas-rowwise
+  loka probe dcnv2 --no-timing --num-samples 16 -o report.json
+
+your own model (module:factory): factory() returns an nn.Module whose forward(batch)
+returns logits (B,) for a loka.data.Batch; --data synthetic also needs a feature_spec.""",
+    "plan": """examples:
+  loka plan report.json -o plan.json
+  loka plan report.json --max-error 0.1 --min-speedup 1.1 --role-budget wgrad=0.05
+  loka plan report.json --site-budget 'over_arch\\..*'=0.05 --metric relfro
+  loka plan cpu-report.json --assume-fast       # a CPU report: choose on error only
+  loka plan report.json --replace triton-rowwise-cublas=cublas-rowwise
+  loka plan report.json --assign 'over_arch.*:fwd=cublas-rowwise-fastacc'
+
+--device names the device the plan is for (default: the report's).""",
+    "audit": """examples:
+  loka audit plan.json report.json
+  loka audit plan.json report.json --json
+
+checks, at every site and role the report measured, that the chosen kernel's error bound
+is within the plan's budget and that no kernel within the budget was measured faster
+(weight-quantized speeds for an inference plan); exit status 1 when one is not. Needs no
+GPU: a kernel the report timed ran where the report was measured.""",
+    "apply": """examples:
+  loka apply --check plan.json --model wukong --preset small
+  loka apply --check plan.json --model mypkg.models:make_model --inference
+
+prints what loka.apply(model, plan) would change, and touches nothing.""",
+    "report": """examples:
+  loka report report.json                       # text table
+  loka report report.json plan.json --html report.html --markdown summary.md
+  loka report plan.json
+  loka report report.json plan.json --curves curves.json --tensorboard runs/tb""",
+    "bench": """examples:
+  loka bench --device cpu --preset tiny --steps 3 --warmup 1     # a smoke run
+  loka bench --train-variants bf16,bf16+mods,loka+mods --infer-variants none
+
+delegates to loka.bench (the harness behind bench/run_all.py).""",
+    "kernels": """examples:
+  loka kernels
+  loka kernels --device cpu --json""",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``loka`` argument parser (every subcommand and option)."""
+    parser = _Parser(
+        prog=PROG, formatter_class=_Formatter,
+        description="LoKA: FP8 that pays off in recommendation models. Probe where FP8 is "
+                    "safe and fast, plan a kernel per GEMM role, apply it.",
+        epilog="run 'loka COMMAND --help' for a command's options and examples; "
+               "start with 'loka demo'.")
+    parser.add_argument("--version", action="version", version=f"loka {version()}")
+    parser.add_argument("--device", default=None,
+                        help="cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a failure")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    common = _common()
+
+    def add(name: str, help_: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_, description=help_, epilog=EPILOGS[name],
+                              formatter_class=_Formatter, parents=[common])
+
+    p = add("demo", "train, probe, plan and apply end to end; compare bf16 with LoKA")
+    _demo_args(p)
+
+    p = add("train", "train a reference model (checkpoints, resume, optional plan)")
+    _model_args(p)
+    p.add_argument("--steps", type=positive(int, "--steps", 0), default=200,
+                   help="total training steps (counting those before a --resume)")
+    p.add_argument("--batch-size", type=positive(int, "--batch-size"), default=None,
+                   help="default: the preset's")
+    p.add_argument("--lr", type=positive(float, "--lr", 0), default=1e-3, help="learning rate")
+    p.add_argument("--seed", type=int, default=0, help="model, data and RNG seed")
+    p.add_argument("--out", default="runs/loka", help="directory of checkpoint.pt and metrics.json")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument("--eval-every", type=positive(int, "--eval-every", 0), default=0,
+                   help="evaluate every N steps (0: at the end only)")
+    p.add_argument("--eval-steps", type=positive(int, "--eval-steps"), default=20,
+                   help="held-out batches per evaluation")
+    p.add_argument("--checkpoint-every", type=positive(int, "--checkpoint-every", 0), default=0,
+                   help="checkpoint every N steps (0: at the end only)")
+    p.add_argument("--plan", default=None, help="train with this plan applied (loka.apply)")
+
+    p = add("probe", "learn each GEMM's distributions while training; measure every kernel")
+    _model_args(p, positional=True)
+    p.add_argument("-o", "--out", default="report.json", help="the report to write")
+    p.add_argument("--steps", type=positive(int, "--steps"), default=20,
+                   help="training steps observed")
+    p.add_argument("--batch-size", type=positive(int, "--batch-size"), default=None,
+                   help="default: the preset's")
+    p.add_argument("--lr", type=positive(float, "--lr", 0), default=1e-3,
+                   help="learning rate of the observed steps (0: weights fixed)")
+    p.add_argument("--seed", type=int, default=0, help="model, data, sampler seed")
+    p.add_argument("--checkpoint", default=None,
+                   help="start from these weights (a loka train checkpoint.pt)")
+    p.add_argument("--every-n-steps", type=positive(int, "--every-n-steps"), default=5,
+                   help="take statistics every N steps")
+    p.add_argument("--num-samples", type=positive(int, "--num-samples", 2), default=64,
+                   help="synthetic operand pairs per site and role")
+    p.add_argument("--sample-rows", type=positive(int, "--sample-rows"), default=None,
+                   help="rows per synthetic sample (default: the site's, up to 4096)")
+    p.add_argument("--source", choices=("learned", "captured"), default="learned",
+                   help="operands drawn from learned statistics, or real captured tensors")
+    p.add_argument("--kernels", default=None, help="comma list of kernels (default: all available)")
+    p.add_argument("--roles", default=None, help="comma list of fwd,dgrad,wgrad (default: all)")
+    p.add_argument("--module-filter", default=None,
+                   help="regular expression on Linear names to probe")
+    p.add_argument("--bootstrap", type=positive(int, "--bootstrap", 0), default=1000,
+                   help="bootstrap resamples of the confidence intervals")
+    p.add_argument("--max-error", type=budget, default=0.2, help="the report's safe flag: MERE bound")
+    p.add_argument("--min-speedup", type=speedup, default=1.05, help="the report's fast flag")
+    p.add_argument("--no-naive", action="store_true", help="skip the N(0, 1) comparison")
+    p.add_argument("--no-timing", action="store_true", help="errors only, no speed measurement")
+
+    p = add("plan", "choose a kernel per site and role under an accuracy budget")
+    p.add_argument("report", help="a report.json written by 'loka probe'")
+    p.add_argument("-o", "--out", default="plan.json", help="the plan to write")
+    p.add_argument("--max-error", type=budget, default=0.2,
+                   help="budget on the metric's upper 95%% bound")
+    p.add_argument("--min-speedup", type=speedup, default=1.05,
+                   help="a kernel must beat bf16 by this factor")
+    p.add_argument("--metric", choices=("mere", "relfro", "neg_sqnr"), default="mere",
+                   help="error metric of the budget")
+    p.add_argument("--role-budget", action="append", metavar="ROLE=X",
+                   help="per-role budget, e.g. wgrad=0.1 (repeatable)")
+    p.add_argument("--site-budget", action="append", metavar="REGEX=X",
+                   help="per-site budget by regular expression (repeatable; strictest wins)")
+    p.add_argument("--kernels", default=None, help="comma list of allowed kernels")
+    p.add_argument("--assume-fast", action="store_true",
+                   help="where no GPU timing decides (CPU reports), choose the lowest-error "
+                        "safe kernel instead of bf16")
+    p.add_argument("--replace", action="append", metavar="OLD=NEW", default=[],
+                   help="then move every role on kernel OLD to kernel NEW (repeatable; "
+                        "NEW must meet the budget where the report measured it)")
+    p.add_argument("--assign", action="append", metavar="SITE_GLOB:ROLE=KERNEL", default=[],
+                   help="then put these roles on KERNEL (ROLE fwd, dgrad, wgrad or *; "
+                        "repeatable; the budget is checked as for --replace)")
+
+    p = add("audit", "check a plan against its Probe report: budgets kept, fastest chosen")
+    p.add_argument("plan", help="a plan.json")
+    p.add_argument("report", help="the report.json it was made from")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+    p = add("apply", "check a plan against a model: what would change (touches nothing)")
+    p.add_argument("plan", help="a plan.json written by 'loka plan'")
+    p.add_argument("--check", action="store_true", help="dry run (required)")
+    _model_args(p)
+    p.add_argument("--inference", action="store_true", help="check the inference application")
+
+    p = add("report", "render a report and/or plan: text, self-contained HTML, Markdown")
+    p.add_argument("files", nargs="+", metavar="FILE",
+                   help="a report.json and/or a plan.json (in any order)")
+    p.add_argument("--html", default=None, help="write a self-contained HTML page here")
+    p.add_argument("--markdown", default=None, help="write a Markdown summary here")
+    p.add_argument("--curves", default=None, help="training curves (the demo's curves.json)")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="also write TensorBoard scalars (needs tensorboard)")
+    p.add_argument("--metric", choices=("mere", "relfro", "neg_sqnr"), default="mere",
+                   help="error metric shown for a report without a plan")
+    p.add_argument("--title", default="LoKA report", help="page title")
+
+    p = add("bench", "benchmark bf16, torchao FP8 and LoKA side by side")
+    bench.add_arguments(p)
+
+    p = add("kernels", "every registered kernel: what runs on this machine and why not")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
