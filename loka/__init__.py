@@ -21,6 +21,7 @@ def __getattr__(name):
         "ProbeReport": ("loka.probe", "ProbeReport"), "SiteReport": ("loka.probe", "SiteReport"),
         "plan": ("loka.dispatch", "plan"), "Plan": ("loka.dispatch", "Plan"),
         "apply": ("loka.dispatch", "apply"), "unapply": ("loka.dispatch", "unapply"),
+        "optimize": ("loka.dispatch", "optimize"),
         "mods": ("loka.mods", None), "models": ("loka.models", None), "data": ("loka.data", None),
     }
     if name in lazy:

@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+import loka
+import loka.config
 from loka import cli
 from loka.cli import args as cli_args
 from loka.cli import commands
@@ -30,6 +32,10 @@ SURFACE = {
     "demo": COMMON + ["--batch-size", "--max-error", "--model", "--out", "--preset",
                       "--probe-steps", "--quick", "--seed", "--steps"],
     "kernels": COMMON + ["--json"],
+    "optimize": COMMON + ["--batch-size", "--checkpoint", "--compile-mode", "--data", "--inference",
+                          "--kernels", "--max-error", "--max-trials", "--min-speedup", "--mods",
+                          "--no-compile", "--num-samples", "--out", "--preset", "--report",
+                          "--rounds", "--seed", "--steps", "-o", "<model>"],
     "plan": COMMON + ["--assign", "--assume-fast", "--kernels", "--max-error", "--metric",
                       "--min-speedup", "--out", "--replace", "--role-budget", "--site-budget", "-o", "<report>"],
     "probe": COMMON + ["--batch-size", "--bootstrap", "--checkpoint", "--data", "--every-n-steps",
@@ -69,7 +75,7 @@ def test_cli_surface_is_frozen():
 
 # ... and what each command takes when an option is left out, so that moving an option (to
 # another module, another parser) cannot change its default unnoticed
-REQUIRED = {"apply": ["PLAN"], "audit": ["PLAN", "REPORT"], "plan": ["REPORT"],
+REQUIRED = {"apply": ["PLAN"], "audit": ["PLAN", "REPORT"], "plan": ["REPORT"], "optimize": ["MODEL"],
             "probe": ["MODEL"], "report": ["FILE"]}
 DEFAULTS = {
     "apply": {"check": False, "data": "synthetic", "inference": False, "model": "wukong",
@@ -83,6 +89,11 @@ DEFAULTS = {
     "demo": {"batch_size": None, "max_error": 0.2, "model": "wukong", "out": "./loka-demo",
              "preset": None, "probe_steps": None, "quick": False, "seed": 0, "steps": None},
     "kernels": {"json": False},
+    "optimize": {"batch_size": None, "checkpoint": None, "compile_mode": None, "data": "synthetic",
+                 "inference": False, "kernels": None, "max_error": 0.2, "max_trials": 16,
+                 "min_speedup": 1.05, "model": "MODEL", "mods": "none", "no_compile": False,
+                 "num_samples": 16, "out": "plan.json", "preset": "tiny", "report": None,
+                 "rounds": 3, "seed": 0, "steps": 8},
     "plan": {"assign": [], "assume_fast": False, "kernels": None, "max_error": 0.2,
              "metric": "mere", "min_speedup": 1.05, "out": "plan.json", "replace": [],
              "report": "REPORT", "role_budget": None, "site_budget": None},
@@ -432,3 +443,21 @@ def test_audit_passes_the_plans_own_choices_and_flags_a_hand_edit(workflow, caps
     res = json.loads(out)
     assert code == 1 and not res["ok"]
     assert [(v["site"], v["role"]) for v in res["violations"]] == [(site, "fwd")]
+
+
+def test_optimize_writes_a_plan_and_its_report_and_says_it_was_not_timed_on_a_cpu(tmp_path, capsys):
+    plan_path, report_path = tmp_path / "plan.json", tmp_path / "report.json"
+    code, out, err = run(["optimize", "wukong", "--preset", "tiny", "--device", "cpu",
+                          "--steps", "2", "--num-samples", "4", "--kernels", "bf16,cublas-rowwise",
+                          "-o", str(plan_path), "--report", str(report_path)], capsys)
+    assert code == 0, err
+    plan, report = loka.Plan.load(plan_path), loka.ProbeReport.load(report_path)
+    assert set(plan.sites) == set(report.sites) and plan.fp8_sites()
+    assert all(sp.kernel(r, plan.baseline) in ("bf16", "cublas-rowwise")
+               for sp in plan.sites.values() for r in loka.config.ROLES)
+    assert "not timed" in out and report.meta["model"] == "wukong/tiny"
+
+
+def test_optimize_refuses_an_unknown_kernel(capsys):
+    code, _, err = run(["optimize", "wukong", "--kernels", "bf16,cublas-nope"], capsys)
+    assert code == 2 and "unknown kernel" in err

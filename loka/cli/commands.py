@@ -20,9 +20,9 @@ import torch
 from .. import bench
 from ..assembly import (AssemblyError, Optimizers, build_model, criteo_features, device_batches,
                         make_streams, parse_data)
-from ..config import ROLES
-from ..dispatch import Plan, PlanMismatchError, apply, audit, check, override
+from ..config import ROLES, ProbeConfig
 from ..demo.runner import run as run_demo
+from ..dispatch import Plan, PlanMismatchError, apply, audit, check, optimize, override
 from ..dispatch import plan as make_plan
 from ..jsonio import atomic_write_text
 from ..kernels import capabilities, registry
@@ -35,7 +35,8 @@ from .args import (EXIT_FAILURE, EXIT_OK, EXIT_USAGE, CliError, demo_config, par
                    parse_mods, parse_pairs, probe_config, resolve_device, usage)
 from .files import load_any, load_checkpoint, load_curves, load_plan, load_report
 
-__all__ = ["run", "cmd_demo", "cmd_train", "cmd_probe", "cmd_plan", "cmd_audit", "cmd_apply",
+__all__ = ["run", "cmd_demo", "cmd_train", "cmd_probe", "cmd_plan", "cmd_optimize", "cmd_audit",
+           "cmd_apply",
            "cmd_report", "cmd_bench", "cmd_kernels", "kernel_table", "mismatch_hint"]
 
 
@@ -107,6 +108,18 @@ def cmd_train(args) -> int:
     return EXIT_OK
 
 
+def _autocast(device: torch.device):
+    """bf16 autocast on GPUs, as training and serving run there; nothing on the CPU."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def _autocast_loss(device: torch.device):
+    def loss(m, batch):
+        with _autocast(device):
+            return loss_fn(m, batch)
+    return loss
+
+
 def cmd_probe(args) -> int:
     device = resolve_device(args)
     cfg = probe_config(args)
@@ -121,10 +134,7 @@ def cmd_probe(args) -> int:
     stream, _ = make_streams(data, model, batch_size, args.seed, device)
     optimizer = Optimizers(make_optimizers(model, args.lr, device))
 
-    def loss(m, batch):  # bf16 on GPUs, as training runs; the model's dtype on the CPU
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            return loss_fn(m, batch)
-
+    loss = _autocast_loss(device)
     print(f"probing {desc} on {args.data}: {args.steps} training steps, then measuring "
           f"kernels on {device}")
     try:
@@ -137,6 +147,50 @@ def cmd_probe(args) -> int:
     report.save(args.out)
     print(report.summary_table())
     print(f"wrote {args.out}; next: loka plan {args.out} -o plan.json")
+    return EXIT_OK
+
+
+def cmd_optimize(args) -> int:
+    device = resolve_device(args)
+    kernels = None
+    if args.kernels:
+        kernels = tuple(k.strip() for k in args.kernels.split(",") if k.strip())
+        unknown = [k for k in kernels if k not in {k.name for k in registry.all_kernels()}]
+        if unknown:
+            raise usage(f"--kernels: unknown kernel(s) {unknown}", "list them with 'loka kernels'")
+    mods = parse_mods(args.mods)
+    data = parse_data(args.data)
+    features = criteo_features(args.model, args.preset) if data.kind == "criteo" else None
+    model, desc = build_model(args.model, args.preset, mods, features, args.seed)
+    if args.checkpoint:
+        load_checkpoint(model, args.checkpoint)
+    model.to(device)
+    batch_size = args.batch_size or getattr(model, "default_batch_size", 512)
+    stream, _ = make_streams(data, model, batch_size, args.seed, device)
+    batches = [b for _, b in zip(range(args.steps), device_batches(stream, device))]
+    config = ProbeConfig(num_samples=args.num_samples, kernels=kernels, seed=args.seed,
+                         every_n_steps=1, max_error=args.max_error, min_speedup=args.min_speedup)
+    print(f"optimizing {desc} for {'serving' if args.inference else 'training'} on {device}")
+    def forward(m, batch):
+        with _autocast(device):
+            return m(batch)
+
+    result = optimize(model, batches, _autocast_loss(device), inference=args.inference,
+                      forward=forward, config=config,
+                      max_error=args.max_error, min_speedup=args.min_speedup,
+                      compile=not args.no_compile, compile_mode=args.compile_mode,
+                      rounds=args.rounds, max_trials=args.max_trials,
+                      progress=lambda line: print(f"  {line}"))
+    result.plan.save(args.out)
+    if args.report:
+        result.report.meta.update(model=desc, data=args.data, mods=dataclasses.asdict(mods),
+                                  batch_size=batch_size)
+        result.report.save(args.report)
+    print(result.plan.summary())
+    if result.speedup is not None:
+        print(f"whole step: {result.speedup:.3f}x of the step without FP8 (median of "
+              f"{len(result.rounds)} A/B rounds)")
+    print(f"wrote {args.out}" + (f" and {args.report}" if args.report else ""))
     return EXIT_OK
 
 

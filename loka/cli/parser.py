@@ -118,6 +118,15 @@ returns logits (B,) for a loka.data.Batch; --data synthetic also needs a feature
   loka plan report.json --assign 'over_arch.*:fwd=cublas-rowwise-fastacc'
 
 --device names the device the plan is for (default: the report's).""",
+    "optimize": """examples:
+  loka optimize wukong --preset small -o plan.json          # training
+  loka optimize wukong --preset paper --inference --compile-mode reduce-overhead
+  loka optimize mypkg.models:make_model --data criteo:train.tsv --kernels bf16,cublas-rowwise
+
+probes the model, plans under the error budget, then times whole compiled steps: FP8 sites
+that do not make the step faster go back to bf16, and the plan is kept only if its step is
+faster than the step without it in every A/B round. Without a GPU nothing is timed and the
+plan is made on error alone (it says so).""",
     "audit": """examples:
   loka audit plan.json report.json
   loka audit plan.json report.json --json
@@ -241,6 +250,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--assign", action="append", metavar="SITE_GLOB:ROLE=KERNEL", default=[],
                    help="then put these roles on KERNEL (ROLE fwd, dgrad, wgrad or *; "
                         "repeatable; the budget is checked as for --replace)")
+
+    p = add("optimize", "probe, plan and keep only what makes the whole step faster")
+    _model_args(p, positional=True)
+    p.add_argument("-o", "--out", default="plan.json", help="the plan to write")
+    p.add_argument("--report", default=None, help="also write the Probe's report here")
+    p.add_argument("--steps", type=positive(int, "--steps"), default=8,
+                   help="training steps the Probe observes")
+    p.add_argument("--batch-size", type=positive(int, "--batch-size"), default=None,
+                   help="default: the preset's")
+    p.add_argument("--seed", type=int, default=0, help="model, data, sampler seed")
+    p.add_argument("--checkpoint", default=None,
+                   help="start from these weights (a loka train checkpoint.pt)")
+    p.add_argument("--num-samples", type=positive(int, "--num-samples", 2), default=16,
+                   help="synthetic operand pairs per site and role")
+    p.add_argument("--kernels", default=None, help="comma list of kernels (default: all available)")
+    p.add_argument("--max-error", type=budget, default=0.2,
+                   help="budget on the error's upper 95%% bound")
+    p.add_argument("--min-speedup", type=speedup, default=1.05,
+                   help="a kernel must beat bf16 by this factor alone to be tried")
+    p.add_argument("--inference", action="store_true", help="plan and time serving (forwards)")
+    p.add_argument("--compile-mode", default=None,
+                   help="torch.compile mode of the timed steps, e.g. reduce-overhead (CUDA graphs)")
+    p.add_argument("--no-compile", action="store_true", help="time eager steps")
+    p.add_argument("--rounds", type=positive(int, "--rounds"), default=3,
+                   help="final A/B rounds the plan must win, each of them")
+    p.add_argument("--max-trials", type=positive(int, "--max-trials", 2), default=16,
+                   help="at most this many whole-step timings while tuning")
 
     p = add("audit", "check a plan against its Probe report: budgets kept, fastest chosen")
     p.add_argument("plan", help="a plan.json")

@@ -7,8 +7,9 @@
 One job per module, each importing only those before it: ``linear`` (``loka.Linear``),
 ``schema`` (the plan as data and JSON), ``select`` (``plan``, ``audit``, ``override``),
 ``swap`` (``apply``, ``unapply``, ``check``), ``guard`` (the safety valve in training),
-``tighten`` (the end-to-end accuracy budget) and ``tune`` (whole-step speed:
-``tune_speed``, ``search_speed``). Their public names are all here.
+``tighten`` (the end-to-end accuracy budget), ``tune`` (whole-step speed:
+``tune_speed``, ``search_speed``) and ``optimize`` (Probe, plan and whole-step check in one
+call). Their public names are all here.
 """
 
 from .linear import Linear
@@ -18,7 +19,10 @@ from .swap import ApplyReport, Change, amax_from_report, applied_plan, apply, ch
 from .guard import Guard, GuardEvent
 from .tighten import tighten_end_to_end
 from .tune import FUSIBLE_TWINS, search_speed, tune_speed
+from .optimize import OptimizeResult, optimize, step_timer
 
-__all__ = ["Linear", "Plan", "SitePlan", "RoleChoice", "Fallback", "PlanMismatchError", "plan", "audit", "override",
-           "tighten_end_to_end", "tune_speed", "search_speed", "FUSIBLE_TWINS", "apply", "unapply", "check", "applied_plan", "ApplyReport",
-           "Change", "amax_from_report", "Guard", "GuardEvent"]
+__all__ = ["Linear", "Plan", "SitePlan", "RoleChoice", "Fallback", "PlanMismatchError", "plan",
+           "audit", "override", "tighten_end_to_end", "tune_speed", "search_speed",
+           "FUSIBLE_TWINS", "optimize", "OptimizeResult", "step_timer", "apply", "unapply",
+           "check", "applied_plan", "ApplyReport", "Change", "amax_from_report", "Guard",
+           "GuardEvent"]

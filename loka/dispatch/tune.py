@@ -48,7 +48,7 @@ activation, a norm), which the Probe's standalone timing cannot see.
 :func:`tune_speed` tries them."""
 
 
-def _on_baseline(p: Plan, sites: Iterable[str], why: str, roles: Iterable[Role] = ROLES) -> Plan:
+def on_baseline(p: Plan, sites: Iterable[str], why: str, roles: Iterable[Role] = ROLES) -> Plan:
     """A copy of ``p`` with ``roles`` (default all) of ``sites`` on the baseline, for
     reason ``why``."""
     out = p.copy()
@@ -140,11 +140,11 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
         grads = [s for s, sp in plan.sites.items()
                  if any(sp.kernel(r, plan.baseline) != plan.baseline for r in (Role.DGRAD, Role.WGRAD))]
         if grads:
-            plan = _on_baseline(plan, grads, "inference plan: forward only",
+            plan = on_baseline(plan, grads, "inference plan: forward only",
                                 roles=(Role.DGRAD, Role.WGRAD))
 
     with restore_on_exit(timer.root):
-        base_time = timer(_on_baseline(plan, plan.fp8_sites(), "baseline"), removed=None)
+        base_time = timer(on_baseline(plan, plan.fp8_sites(), "baseline"), removed=None)
         best, best_time = plan.copy(), timer(plan, removed=None)
         twin = None
         used = {c.kernel for sp in plan.sites.values() for c in sp.roles.values()}
@@ -170,7 +170,7 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
                         break
                     why = ("end-to-end speed: the step is faster without it" if role is None
                            else f"end-to-end speed: the step is faster with {role} on the baseline")
-                    cand = _on_baseline(best, group, why, ROLES if role is None else (role,))
+                    cand = on_baseline(best, group, why, ROLES if role is None else (role,))
                     t = timer(cand, removed=group, role=None if role is None else role.value)
                     candidates.append((t, cand))
             if not candidates:
@@ -180,7 +180,7 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
                 break
             best, best_time = cand, t
         if base_time / best_time < min_gain:
-            best = _on_baseline(best, best.fp8_sites(),
+            best = on_baseline(best, best.fp8_sites(),
                            f"end-to-end speed: no FP8 plan beat the baseline by {min_gain:g}x")
             best_time = base_time
         best.budget["speed_tuned"] = {"baseline_time": base_time, "time": best_time,
@@ -248,7 +248,7 @@ def search_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], 
         raise ValueError("search_speed needs at least one candidate")
     log: List[dict] = []
     timer = _StepTimer(model, time_step, inference, log)
-    base = _on_baseline(plan, plan.sites, "baseline")
+    base = on_baseline(plan, plan.sites, "baseline")
 
     def timed() -> int:
         return sum("time" in e for e in log)

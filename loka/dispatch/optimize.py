@@ -1,0 +1,215 @@
+"""One call from a model to a plan that never slows its step: Probe, plan, whole-step check.
+
+:func:`optimize` runs the Probe over the caller's batches, plans under the error budget,
+then lets whole steps decide, as the model will run (compiled, optionally in CUDA graphs):
+:func:`~loka.dispatch.tune.tune_speed` moves FP8 sites back to the baseline while that
+makes the step faster, and a last A/B comparison, baseline and plan timed alternately,
+keeps the plan only if its step is faster than the step without it in every round. So the
+plan it returns is never slower than not applying one, as far as the timer can tell: a
+plan that loses or ties in any round goes back to the baseline whole.
+
+Without a GPU (and without a ``time_step`` of the caller's) no timing says anything about
+FP8 speed: the plan is then made on error alone and says so in its notes.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ..config import ProbeConfig
+from ..probe import probe
+from ..probe.report import ProbeReport
+from ..timing import time_steps
+from .schema import Plan
+from .select import plan as make_plan
+from .swap import apply, restore_on_exit, root_module, unapply
+from .tune import FUSIBLE_TWINS, on_baseline, tune_speed
+
+__all__ = ["OptimizeResult", "optimize", "step_timer"]
+
+
+@dataclass
+class OptimizeResult:
+    """What :func:`optimize` found."""
+
+    plan: Plan
+    """the plan to apply: never slower than none in the final A/B rounds"""
+    report: ProbeReport
+    """the Probe's report the plan was made from"""
+    untuned: Plan
+    """the plan as made from the report alone, before any whole-step timing"""
+    trials: List[dict] = field(default_factory=list)
+    """one entry per whole-step timing of the tuning (``tune_speed``'s log)"""
+    rounds: List[dict] = field(default_factory=list)
+    """the final A/B rounds: ``{"baseline": ms, "plan": ms}`` each"""
+    timed: bool = False
+    """whether whole steps were timed (False: the plan was made on error alone)"""
+
+    @property
+    def speedup(self) -> Optional[float]:
+        """Median step without FP8 over median step with the plan, in the final rounds."""
+        if not self.rounds:
+            return None
+        base = statistics.median(r["baseline"] for r in self.rounds)
+        mine = statistics.median(r["plan"] for r in self.rounds)
+        return base / mine if mine > 0 else None
+
+
+def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tensor]] = None, *,
+               inference: bool = False,
+               forward: Optional[Callable[[nn.Module, object], object]] = None,
+               compile: bool = True,
+               compile_mode: Optional[str] = None, steps: int = 10, warmup: int = 3,
+               device: "torch.device | str | None" = None) -> Callable[[nn.Module], float]:
+    """A ``time_step(model) -> median ms`` for whole-step tuning.
+
+    Each call compiles the model afresh (``torch.compile``, ``compile_mode`` e.g.
+    ``"reduce-overhead"`` for CUDA graphs; Dynamo's caches are reset so that a model whose
+    Linears were swapped compiles as it now is), runs ``warmup`` steps, then times
+    ``steps`` steps with :func:`loka.timing.time_steps`. A training step is the forward,
+    ``loss_fn(model, batch)`` and the backward, gradients dropped; the weights are not
+    changed. Serving (``inference``) times ``forward(model, batch)`` (default
+    ``model(batch)``) under ``torch.no_grad``.
+    """
+    if steps < 1 or warmup < 0:
+        raise ValueError(f"step_timer needs steps >= 1 and warmup >= 0, got {steps}, {warmup}")
+    if not inference and loss_fn is None:
+        raise ValueError("step_timer needs a loss_fn to time training steps")
+
+    def timed(model: nn.Module) -> float:
+        dev = torch.device(device) if device is not None else next(model.parameters()).device
+        torch._dynamo.reset()
+        run = torch.compile(model, mode=compile_mode) if compile else model
+        if inference:
+            def step():
+                with torch.no_grad():
+                    return run(batch) if forward is None else forward(run, batch)
+        else:
+            def step():
+                loss = loss_fn(run, batch)
+                loss.backward()
+                model.zero_grad(set_to_none=True)
+        return float(time_steps(step, dev, steps, warmup)["median_ms"])
+
+    def time_step(model: nn.Module) -> float:
+        was_training = model.training
+        model.train(not inference)
+        try:
+            return timed(model)
+        finally:
+            model.train(was_training)
+            gc.collect()  # compiled callables sit in reference cycles: free this trial's graph
+    return time_step
+
+
+def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, object], torch.Tensor],
+             *, inference: bool = False, config: Optional[ProbeConfig] = None,
+             max_error: Optional[float] = None, min_speedup: Optional[float] = None,
+             allowed_kernels: Optional[Sequence[str]] = None,
+             time_step: Optional[Callable[[nn.Module], float]] = None,
+             forward: Optional[Callable[[nn.Module, object], object]] = None,
+             compile: bool = True, compile_mode: Optional[str] = None,
+             max_trials: int = 16, rounds: int = 3, steps: int = 10, warmup: int = 3,
+             progress: Optional[Callable[[str], None]] = None) -> OptimizeResult:
+    """Probe ``model`` on ``batches``, plan, and keep only what makes its step faster.
+
+    Args:
+        model: the user's model, on the device it will run on; it is left as it was (no
+            plan applied): apply ``result.plan`` with :func:`loka.apply`.
+        batches: batches for the Probe (a few suffice); the first is also the batch whose
+            steps are timed.
+        loss_fn: ``loss_fn(model, batch) -> scalar loss``.
+        inference: plan and time serving (forward only, weights quantized once).
+        config: the Probe's settings (default :class:`~loka.ProbeConfig`).
+        max_error, min_speedup, allowed_kernels: passed to :func:`loka.plan`.
+        time_step: ``time_step(model) -> time`` of the caller's own; default
+            :func:`step_timer` on the first batch (on CUDA only: without a GPU and without
+            a ``time_step`` the plan is made on error alone and is not timed).
+        forward: ``forward(model, batch)`` for serving steps (default ``model(batch)``).
+        compile, compile_mode, steps, warmup: the default timer's settings.
+        max_trials: at most this many timings while tuning.
+        rounds: final A/B rounds (baseline, then plan, each timed afresh); the plan is kept
+            only if it is faster in every round.
+        progress: called with one line per stage.
+
+    Returns:
+        An :class:`OptimizeResult`; ``result.plan.budget["optimize"]`` records the rounds.
+    """
+    if rounds < 1:
+        raise ValueError(f"optimize needs rounds >= 1, got {rounds}")
+    say = progress or (lambda _line: None)
+    batches = list(batches)
+    if not batches:
+        raise ValueError("optimize needs at least one batch")
+    root, _ = root_module(model)
+    first = next(root.parameters(), None)
+    device = first.device if first is not None else torch.device("cpu")
+    timed = time_step is not None or device.type == "cuda"
+
+    say(f"probing {sum(1 for m in root.modules() if isinstance(m, nn.Linear))} Linear(s) "
+        f"over {len(batches)} batch(es)")
+    report = probe(model, batches, loss_fn, config=config or ProbeConfig())
+    # where the report has no decisive timing, a safe kernel is a candidate all the same:
+    # the whole step decides (or, untimed, the plan is made on error alone, and says so)
+    untuned = make_plan(report, max_error=max_error, min_speedup=min_speedup,
+                        allowed_kernels=allowed_kernels, inference=inference, assume_fast=True)
+    say(f"plan from the report: {len(untuned.fp8_sites())} FP8 site(s)")
+    result = OptimizeResult(plan=untuned.copy(), report=report, untuned=untuned, timed=timed)
+    if not timed:
+        result.plan.notes.append("optimize: not timed (no GPU and no time_step): the plan is "
+                                 "made on error alone and may be slower than none")
+        return result
+    if not untuned.fp8_sites():
+        result.plan.notes.append("optimize: the report's plan has no FP8 site; nothing to time")
+        return result
+    if time_step is None:
+        time_step = step_timer(batches[0], loss_fn, inference=inference, forward=forward,
+                               compile=compile, compile_mode=compile_mode, steps=steps,
+                               warmup=warmup)
+
+    say(f"timing whole steps (at most {max_trials})")
+    tuned, log = tune_speed(untuned, model, time_step, inference=inference, twins=FUSIBLE_TWINS,
+                            report=report, max_trials=max_trials)
+    result.trials = log
+    if tuned.fp8_sites():
+        say(f"confirming {len(tuned.fp8_sites())} FP8 site(s) against the baseline "
+            f"in {rounds} A/B round(s)")
+        result.rounds = _ab_rounds(model, tuned, time_step, inference, rounds)
+        if not all(r["plan"] < r["baseline"] for r in result.rounds):
+            tuned = on_baseline(tuned, tuned.fp8_sites(), "optimize: the plan's step was not "
+                                "faster than the baseline's in every A/B round")
+            tuned.notes.append("optimize: the plan did not beat the baseline in every A/B round; "
+                               "every site is on the baseline")
+    tuned.budget["optimize"] = {"rounds": result.rounds, "trials": len(log),
+                                "speedup": _finite(result.speedup)}
+    result.plan = tuned
+    say(f"kept {len(tuned.fp8_sites())} FP8 site(s)"
+        + (f", step {result.speedup:.3f}x of the baseline" if result.speedup else ""))
+    return result
+
+
+def _ab_rounds(model: nn.Module, plan: Plan, time_step: Callable[[nn.Module], float],
+               inference: bool, rounds: int) -> List[dict]:
+    """Baseline and plan timed alternately, ``rounds`` times; the model is left as it was."""
+    root, _ = root_module(model)
+    out = []
+    with restore_on_exit(root):
+        for _ in range(rounds):
+            unapply(root)
+            base = float(time_step(model))
+            apply(root, plan, inference=inference)
+            mine = float(time_step(model))
+            unapply(root)
+            out.append({"baseline": base, "plan": mine})
+    return out
+
+
+def _finite(x: Optional[float]) -> Optional[float]:
+    return x if x is not None and math.isfinite(x) else None

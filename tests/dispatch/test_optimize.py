@@ -1,0 +1,119 @@
+"""loka.optimize: Probe, plan and a whole-step check in one call, never slower than no plan
+(under scripted timers, so that what is decided is known exactly)."""
+
+import pytest
+import torch
+from torch import nn
+
+import loka
+from loka.dispatch import Linear, optimize, step_timer
+
+KERNELS = ("bf16", "cublas-rowwise")
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.ReLU(),
+                         nn.Linear(64, 32))
+
+
+def _batches(n=3):
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(96, 64, generator=gen) for _ in range(n)]
+
+
+def _loss(model, batch):
+    return model(batch).float().pow(2).mean()
+
+
+def _config():
+    return loka.ProbeConfig(kernels=KERNELS, num_samples=4, timing=False, every_n_steps=1)
+
+
+def _fp8_sites(model):
+    return sum(1 for m in model.modules() if isinstance(m, Linear) and not m._all_baseline)
+
+
+def _scripted(per_site_ms, noise=None):
+    """A timer whose step costs 10 ms plus ``per_site_ms`` per FP8 site; ``noise(i)`` adds
+    to the i-th call."""
+    calls = []
+
+    def time_step(model):
+        t = 10.0 + per_site_ms * _fp8_sites(model) + (noise(len(calls)) if noise else 0.0)
+        calls.append((_fp8_sites(model), t))
+        return t
+    return time_step, calls
+
+
+def test_a_plan_that_slows_the_step_goes_back_to_the_baseline():
+    model = _model()
+    time_step, calls = _scripted(+0.5)  # every FP8 site costs time
+    result = optimize(model, _batches(), _loss, config=_config(), time_step=time_step)
+    assert result.timed and result.untuned.fp8_sites()  # the report alone would use FP8
+    assert result.plan.fp8_sites() == []
+    assert result.rounds == []  # nothing left to confirm
+    assert calls[0][0] == 0 and calls[1][0] == len(result.untuned.fp8_sites())
+    assert not any(isinstance(m, Linear) for m in model.modules())  # the model is left as it was
+
+
+def test_a_plan_that_pays_is_kept_after_winning_every_round():
+    model = _model()
+    time_step, calls = _scripted(-1.0)  # every FP8 site saves 1 ms
+    result = optimize(model, _batches(), _loss, config=_config(), time_step=time_step, rounds=3)
+    kept = result.plan.fp8_sites()
+    assert kept == result.untuned.fp8_sites() and kept
+    assert len(result.rounds) == 3
+    assert all(r["plan"] == pytest.approx(10.0 - len(kept)) and r["baseline"] == 10.0
+               for r in result.rounds)
+    assert result.speedup == pytest.approx(10.0 / (10.0 - len(kept)))
+    assert result.plan.budget["optimize"]["speedup"] == pytest.approx(result.speedup)
+    assert not any(isinstance(m, Linear) for m in model.modules())
+
+
+def test_a_plan_that_loses_one_ab_round_is_not_kept():
+    model = _model()
+    n_trials = []
+
+    def noise(i):  # the tuning and the first two rounds favour FP8; the last round does not
+        return 5.0 if n_trials and i == n_trials[0] + 5 else 0.0
+    time_step, calls = _scripted(-1.0, noise)
+    # find how many timings the tuning takes, then plant the loss in the last A/B round
+    probe_run = optimize(_model(), _batches(), _loss, config=_config(),
+                         time_step=_scripted(-1.0)[0], rounds=3)
+    n_trials.append(len(probe_run.trials))
+    result = optimize(model, _batches(), _loss, config=_config(), time_step=time_step, rounds=3)
+    assert [r["plan"] < r["baseline"] for r in result.rounds] == [True, True, False]
+    assert result.plan.fp8_sites() == []
+    assert any("every A/B round" in n for n in result.plan.notes)
+
+
+def test_without_a_gpu_or_a_timer_the_plan_is_made_on_error_alone_and_says_so():
+    model = _model()
+    result = optimize(model, _batches(), _loss, config=_config())
+    assert not result.timed and result.trials == [] and result.rounds == []
+    assert result.plan.fp8_sites() == result.untuned.fp8_sites() != []
+    assert any("not timed" in n for n in result.plan.notes)
+
+
+def test_optimize_refuses_bad_input():
+    with pytest.raises(ValueError, match="at least one batch"):
+        optimize(_model(), [], _loss, config=_config())
+    with pytest.raises(ValueError, match="rounds >= 1"):
+        optimize(_model(), _batches(), _loss, config=_config(), rounds=0)
+    with pytest.raises(ValueError, match="loss_fn"):
+        step_timer(_batches()[0])
+    with pytest.raises(ValueError, match="steps >= 1"):
+        step_timer(_batches()[0], _loss, steps=0)
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_step_timer_times_without_changing_the_weights(inference):
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    time_step = step_timer(_batches()[0], _loss, inference=inference, compile=False, steps=2,
+                           warmup=1)
+    ms = time_step(model)
+    assert ms > 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
