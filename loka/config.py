@@ -12,7 +12,17 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Tuple
 
 
-class Role(str, enum.Enum):
+class ValueEnum(str, enum.Enum):
+    """A string-valued enum that prints, formats and serializes as its value (``fwd``, not
+    ``Role.FWD``) and compares equal to it."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+
+
+class Role(ValueEnum):
     """The three GEMMs of a Linear ``y = x Wᵀ``.
 
     ``fwd``   : ``x (M, K) @ Wᵀ (K, N) -> y (M, N)``
@@ -23,9 +33,6 @@ class Role(str, enum.Enum):
     FWD = "fwd"
     DGRAD = "dgrad"
     WGRAD = "wgrad"
-
-    def __str__(self) -> str:  # "fwd", not "Role.FWD", in tables and JSON
-        return self.value
 
     @classmethod
     def parse(cls, value: "Role | str") -> "Role":

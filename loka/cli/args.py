@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -157,16 +157,22 @@ def speedup(text: str) -> float:
     return value
 
 
+def parse_kernels(text: Optional[str]) -> Optional[Tuple[str, ...]]:
+    """``--kernels a,b`` -> ``("a", "b")`` (None when not given); unknown names refused."""
+    if not text:
+        return None
+    kernels = tuple(k.strip() for k in text.split(",") if k.strip())
+    known = {k.name for k in registry.all_kernels()}
+    unknown = [k for k in kernels if k not in known]
+    if unknown:
+        raise usage(f"--kernels: unknown kernel(s) {unknown}", "list them with 'loka kernels'")
+    return kernels
+
+
 def probe_config(args) -> ProbeConfig:
     """The ``loka probe`` options as a ProbeConfig (kernels, roles and the module filter
     checked)."""
-    kernels = None
-    if args.kernels:
-        kernels = tuple(k.strip() for k in args.kernels.split(",") if k.strip())
-        known = {k.name for k in registry.all_kernels()}
-        unknown = [k for k in kernels if k not in known]
-        if unknown:
-            raise usage(f"--kernels: unknown kernel(s) {unknown}", "list them with 'loka kernels'")
+    kernels = parse_kernels(args.kernels)
     roles = ROLES
     if args.roles:
         try:

@@ -32,11 +32,11 @@ from ..reporting import text_plan, text_report, write_html, write_markdown, writ
 from ..reporting.tables import format_table
 from ..train import CHECKPOINT_NAME, loss_fn, make_optimizers, train
 from .args import (EXIT_FAILURE, EXIT_OK, EXIT_USAGE, CliError, demo_config, parse_budgets,
-                   parse_mods, parse_pairs, probe_config, resolve_device, usage)
+                   parse_kernels, parse_mods, parse_pairs, probe_config, resolve_device, usage)
 from .files import load_any, load_checkpoint, load_curves, load_plan, load_report
 
-__all__ = ["run", "cmd_demo", "cmd_train", "cmd_probe", "cmd_plan", "cmd_optimize", "cmd_audit",
-           "cmd_apply",
+__all__ = ["run", "cmd_demo", "cmd_train", "cmd_probe", "cmd_plan", "cmd_optimize",
+           "cmd_audit", "cmd_apply",
            "cmd_report", "cmd_bench", "cmd_kernels", "kernel_table", "mismatch_hint"]
 
 
@@ -120,9 +120,12 @@ def _autocast_loss(device: torch.device):
     return loss
 
 
-def cmd_probe(args) -> int:
-    device = resolve_device(args)
-    cfg = probe_config(args)
+def _model_and_stream(args, device: torch.device):
+    """The model the options name (Mods, checkpoint), on ``device``, and its training stream.
+
+    Returns:
+        ``(model, description, mods, batch_size, stream)``.
+    """
     mods = parse_mods(args.mods)
     data = parse_data(args.data)
     features = criteo_features(args.model, args.preset) if data.kind == "criteo" else None
@@ -132,6 +135,13 @@ def cmd_probe(args) -> int:
     model.to(device)
     batch_size = args.batch_size or getattr(model, "default_batch_size", 512)
     stream, _ = make_streams(data, model, batch_size, args.seed, device)
+    return model, desc, mods, batch_size, stream
+
+
+def cmd_probe(args) -> int:
+    device = resolve_device(args)
+    cfg = probe_config(args)
+    model, desc, mods, batch_size, stream = _model_and_stream(args, device)
     optimizer = Optimizers(make_optimizers(model, args.lr, device))
 
     loss = _autocast_loss(device)
@@ -152,25 +162,13 @@ def cmd_probe(args) -> int:
 
 def cmd_optimize(args) -> int:
     device = resolve_device(args)
-    kernels = None
-    if args.kernels:
-        kernels = tuple(k.strip() for k in args.kernels.split(",") if k.strip())
-        unknown = [k for k in kernels if k not in {k.name for k in registry.all_kernels()}]
-        if unknown:
-            raise usage(f"--kernels: unknown kernel(s) {unknown}", "list them with 'loka kernels'")
-    mods = parse_mods(args.mods)
-    data = parse_data(args.data)
-    features = criteo_features(args.model, args.preset) if data.kind == "criteo" else None
-    model, desc = build_model(args.model, args.preset, mods, features, args.seed)
-    if args.checkpoint:
-        load_checkpoint(model, args.checkpoint)
-    model.to(device)
-    batch_size = args.batch_size or getattr(model, "default_batch_size", 512)
-    stream, _ = make_streams(data, model, batch_size, args.seed, device)
+    kernels = parse_kernels(args.kernels)
+    model, desc, mods, batch_size, stream = _model_and_stream(args, device)
     batches = [b for _, b in zip(range(args.steps), device_batches(stream, device))]
     config = ProbeConfig(num_samples=args.num_samples, kernels=kernels, seed=args.seed,
                          every_n_steps=1, max_error=args.max_error, min_speedup=args.min_speedup)
     print(f"optimizing {desc} for {'serving' if args.inference else 'training'} on {device}")
+
     def forward(m, batch):
         with _autocast(device):
             return m(batch)

@@ -11,13 +11,12 @@ fused norm→quantize producer or a weight quantized once); a kernel whose ``qua
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Callable, Dict, FrozenSet, Iterable, List, Optional, Tuple, Union
 
 import torch
 
-from ..config import ROLES, Role
+from ..config import ROLES, Role, ValueEnum
 from ..numerics import QTensor
 from . import capabilities as caps
 
@@ -25,7 +24,7 @@ Operand = Union[torch.Tensor, QTensor]
 GemmFn = Callable[[Operand, Operand, torch.dtype], torch.Tensor]
 
 
-class Scaling(str, enum.Enum):
+class Scaling(ValueEnum):
     """How a kernel scales its FP8 operands (``NONE``: a high-precision kernel).
 
     The values are :class:`~loka.numerics.Granularity`'s, so a kernel's scaling converts
@@ -37,13 +36,8 @@ class Scaling(str, enum.Enum):
     BLOCKWISE = "blockwise"
     MX = "mx"
 
-    def __str__(self) -> str:
-        return self.value
 
-    __format__ = str.__format__
-
-
-class Library(str, enum.Enum):
+class Library(ValueEnum):
     """Who implements a kernel. ``CUSTOM``: a kernel registered from outside LoKA."""
 
     TORCH = "torch"
@@ -53,11 +47,6 @@ class Library(str, enum.Enum):
     TORCHAO = "torchao"
     FBGEMM = "fbgemm"
     CUSTOM = "custom"
-
-    def __str__(self) -> str:
-        return self.value
-
-    __format__ = str.__format__
 
 
 @dataclass(frozen=True)

@@ -23,26 +23,23 @@ Quantization itself never raises on values.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 from typing import Tuple
 
 import torch
 
+from ..config import ValueEnum
 from .formats import FP8Format, get_format
 
 AMAX_EPS = 1e-12
 """lower clamp of a block's amax: all-zero blocks quantize to zero with a finite scale"""
 
 
-class Granularity(str, enum.Enum):
+class Granularity(ValueEnum):
     TENSORWISE = "tensorwise"
     ROWWISE = "rowwise"
     BLOCKWISE = "blockwise"
     MX = "mx"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 BLOCK = 128
