@@ -16,15 +16,12 @@ import json
 import os
 import random
 import resource
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from loka.data import CriteoReader  # noqa: E402
+from loka.data import CriteoReader
 
 
 def _peak_rss_mb() -> float:

@@ -56,12 +56,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from loka.mods.fused import fused_norm_act_quant, reference_norm_act  # noqa: E402
-from loka.numerics import quantize  # noqa: E402
-from loka.jsonio import atomic_write_text  # noqa: E402
-from loka.timing import time_fn  # noqa: E402
+from loka.mods.fused import fused_norm_act_quant, reference_norm_act
+from loka.numerics import quantize
+from loka.jsonio import atomic_write_text
+from loka.timing import time_fn
 
 CASES = (  # name, M, D, norm, act
     ("fmb_norm", 4096, 2048, "blocknorm", "identity"),

@@ -31,10 +31,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from loka.jsonio import atomic_write_text  # noqa: E402
-from loka.timing import time_fn  # noqa: E402
+from loka.jsonio import atomic_write_text
+from loka.timing import time_fn
 
 CASES = {  # name: (M, K, N) of the wgrad GEMM
     "fm_projection wgrad": (32, 1 << 20, 64),

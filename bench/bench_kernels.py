@@ -35,15 +35,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import loka  # noqa: E402
-from loka.config import role_shape  # noqa: E402
-from loka.kernels import capabilities as caps  # noqa: E402
-from loka.numerics import mere, relative_frobenius  # noqa: E402
-from loka.jsonio import atomic_write_text  # noqa: E402
-from loka.probe.probe import _compile_for_timing, compiled_call  # noqa: E402
-from loka.timing import time_fn  # noqa: E402
+import loka
+from loka.config import role_shape
+from loka.kernels import capabilities as caps
+from loka.numerics import mere, relative_frobenius
+from loka.jsonio import atomic_write_text
+from loka.probe.measure import compiled_call, compiles_for_timing
+from loka.timing import time_fn
 
 WUKONG = {  # site: (M tokens, in_features K, out_features N) of the forward GEMM
     "fm_projection / lcb": (1048576, 64, 32),
@@ -102,7 +100,7 @@ class Caller:
         self.device, self.compiled, self.fns = device, compiled, {}
 
     def is_compiled(self, kern) -> bool:
-        return self.compiled and _compile_for_timing(kern, self.device, "auto")
+        return self.compiled and compiles_for_timing(kern, self.device, "auto")
 
     def __call__(self, kern):
         if not self.is_compiled(kern):

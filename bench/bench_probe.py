@@ -1,14 +1,14 @@
 """Probe overhead per training step, and the time of a full ``probe.report()``.
 
-The model is the Wukong paper preset (``loka.models.build('wukong', 'paper')``; 19
-Linears, batch 4096, bf16) or, where ``loka.models`` is missing, a stand-in MLP with
-Wukong's large Linear shapes. A run of ``--steps`` training steps (forward, BCE, backward,
+The model is the Wukong paper preset as the benchmark builds it (``loka.bench.build_model``:
+dense embedding gradients, tables capped in rows; batch 4096, bf16) or, with
+``--stand-in``, an MLP with Wukong's large Linear shapes. A run of ``--steps`` training steps (forward, BCE, backward,
 AdamW) is timed as a whole, without and with a Probe attached (statistics every
 ``--every`` steps), ``--reps`` times alternating; the overhead is the ratio of the median
 totals (target: <= 1 %). One statistics step is also timed alone, and then a full
 ``report()`` (every available kernel, site and role) on what the Probe learned.
 
-    python bench/bench_probe.py                      # GPU, about 2-3 minutes
+    python bench/bench_probe.py                      # GPU
     python bench/bench_probe.py --device cpu --small # a CPU smoke run
 
 Writes JSON to ``--out`` (default ``bench/results/probe_overhead_<device>.json``).
@@ -29,11 +29,12 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import loka  # noqa: E402
-from loka.config import ProbeConfig  # noqa: E402
-from loka.jsonio import atomic_write_text  # noqa: E402
+import loka
+from loka.bench import BenchConfig, build_model, make_batch
+from loka.config import ProbeConfig
+from loka.jsonio import atomic_write_text
+from loka.timing import synchronize
+from loka.train import loss_fn
 
 
 class StandIn(nn.Module):
@@ -66,12 +67,7 @@ def stand_in_loss(model, batch):
 def build(args, device: torch.device, dtype: torch.dtype):
     """(model, batch, loss_fn, description)."""
     torch.manual_seed(0)
-    try:  # the reference step of loka.bench: dense embedding grads, tables capped in rows
-        from loka.bench import BenchConfig, build_model, make_batch
-        from loka.train import loss_fn
-    except ImportError:
-        build_model = None
-    if build_model is not None and not args.stand_in:
+    if not args.stand_in:  # the reference step of loka.bench
         preset = "tiny" if args.small else "paper"
         bcfg = BenchConfig(model="wukong", preset=preset, device=str(device),
                            table_rows=args.table_rows, compile=False)
@@ -85,21 +81,17 @@ def build(args, device: torch.device, dtype: torch.dtype):
     return model, batch, stand_in_loss, f"stand-in MLP (width {width})"
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def run_steps(model, batch, loss_fn, opt, steps, device) -> float:
     """Seconds for ``steps`` full training steps."""
-    sync(device)
+    synchronize(device)
     t0 = time.perf_counter()
     for _ in range(steps):
         loss = loss_fn(model, batch)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    sync(device)
+    synchronize(device)
     return time.perf_counter() - t0
 
 
@@ -190,10 +182,10 @@ def main(argv=None) -> int:
     out = args.out or os.path.join("bench", "results", f"probe_overhead_{name}.json")
     atomic_write_text(out, json.dumps(result, indent=1))  # kept if the report runs out of time
     if not args.no_report:
-        sync(device)
+        synchronize(device)
         t0 = time.perf_counter()
         report = probe.report()
-        sync(device)
+        synchronize(device)
         result["report_s"] = time.perf_counter() - t0
         result["report_kernels"] = report.kernel_names()
         result["report_site_roles"] = sum(len(s.roles) for s in report.sites.values())

@@ -20,25 +20,18 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.nn as nn
 
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-
-import loka.models as M  # noqa: E402
-from loka.config import ModsConfig, config_to_dict  # noqa: E402
-from loka.data import SyntheticCTR  # noqa: E402
-from loka.train import make_optimizers, train_step  # noqa: E402
+import loka.models as M
+from loka.config import ModsConfig, config_to_dict
+from loka.data import SyntheticCTR
+from loka.timing import synchronize
+from loka.train import make_optimizers, train_step
 
 MODS = {"none": None, "paper": ModsConfig.paper()}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run(args) -> dict:
@@ -56,10 +49,10 @@ def run(args) -> dict:
     times = []
     for i in range(args.warmup + args.steps):
         batch = batches[i % len(batches)]
-        _sync(device)
+        synchronize(device)
         tic = time.perf_counter()
         loss = train_step(step_model, batch, optimizers)
-        _sync(device)
+        synchronize(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - tic)
     if not torch.isfinite(loss.float()):

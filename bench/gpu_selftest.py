@@ -23,10 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from loka.kernels import capabilities as caps  # noqa: E402
-from loka.numerics import dequantize, quantize, relative_frobenius  # noqa: E402
+from loka.kernels import capabilities as caps
+from loka.numerics import dequantize, quantize, relative_frobenius
 
 RESULTS = []
 

@@ -20,24 +20,22 @@ import argparse
 import copy
 import dataclasses
 import json
-import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import torch
 
-import torch  # noqa: E402
-
-from loka import bench  # noqa: E402
-from loka.config import ModsConfig  # noqa: E402
-from loka.dispatch import Plan, apply  # noqa: E402
-from loka.numerics import relative_frobenius  # noqa: E402
+from loka import bench
+from loka.config import ModsConfig
+from loka.dispatch import Plan, apply
+from loka.numerics import relative_frobenius
+from loka.train import loss_fn
 
 
 def gradients(model, batch) -> dict:
     """{name: float64 gradient} of the benchmark loss on ``batch``."""
     model.zero_grad(set_to_none=True)
-    bench._loss(model, bench._cast_batch(batch, next(model.parameters()).dtype)).backward()
+    loss_fn(model, bench.cast_batch(batch, next(model.parameters()).dtype)).backward()
     return {n: p.grad.double() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -71,7 +69,7 @@ def main(argv=None) -> int:
     batch = bench.make_batch(model, cfg, device)
     exact = gradients(copy.deepcopy(model).double(), batch)
     rows = {"model": relative_errors(gradients(model, batch), exact)}
-    for name, path in bench._named_plans(args.plans).items():
+    for name, path in bench.named_plans(args.plans).items():
         planned = copy.deepcopy(model)
         apply(planned, Plan.load(path))
         rows[name] = relative_errors(gradients(planned, batch), exact)

@@ -18,17 +18,14 @@ import math
 import os
 import platform
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-import loka.models as M  # noqa: E402
-from loka.config import ModsConfig  # noqa: E402
-from loka.data import SyntheticConfig, SyntheticCTR  # noqa: E402
-from loka.train import train  # noqa: E402
+import loka.models as M
+from loka.config import ModsConfig
+from loka.data import SyntheticConfig, SyntheticCTR
+from loka.train import train
 
 
 def _summary(values):

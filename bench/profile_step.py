@@ -11,22 +11,18 @@ benchmark run, on the very steps it timed.
 
 import argparse
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import torch
 
-import torch  # noqa: E402
-
-from loka import bench  # noqa: E402
+from loka import bench
 
 
-def profile(name, cfg, device, steps=5):
-    step, row, _ = bench.prepare_train(name, cfg, device, {})
+def profile(variant, cfg, device, steps=5):
+    step, row, _ = bench.prepare_train(variant, cfg, device, {})
     for _ in range(cfg.warmup):
         step()
     out = bench.profile_breakdown(step, steps)
-    return {"variant": name, "fp8_sites": row.get("fp8_sites"), **out}
+    return {"variant": variant.name, "fp8_sites": row.get("fp8_sites"), **out}
 
 
 def main():
@@ -42,11 +38,11 @@ def main():
     cfg = bench.BenchConfig(model=args.model, preset=args.preset, device="cuda", warmup=3,
                             plan=args.plan)
     results = []
-    for name in args.variants.split(","):
+    for variant in [bench.Variant.parse(n) for n in args.variants.split(",")]:
         try:
-            r = profile(name, cfg, device, args.steps)
+            r = profile(variant, cfg, device, args.steps)
         except Exception as e:  # noqa: BLE001 - keep the other variants
-            r = {"variant": name, "error": f"{type(e).__name__}: {e}"}
+            r = {"variant": variant.name, "error": f"{type(e).__name__}: {e}"}
         results.append(r)
         torch._dynamo.reset()
         print(json.dumps({k: v for k, v in r.items() if k != "top_kernels_us"}, indent=None))

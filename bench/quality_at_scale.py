@@ -32,17 +32,17 @@ the same held-out batches. The NE change against the same model served in bf16 i
 plan's own effect on a trained model (``served`` per run, ``served_ne_change_pct`` in the
 summary).
 
-Learning on this stream is limited by examples per embedding row: with 56 tables of 1,000
-rows a model is still at NE ~0.99 after ~1M examples, with 100 rows it is at ~0.92 (CPU
-runs of a narrow Wukong at batch 4096). The tables are not what FP8 changes (the plan is
-over the Linears), so ``--table-rows 100`` is the setting for a run of a few thousand
-steps. A cosine decay to a tenth makes the final NE of a run stable step to step, which a
-0.02% comparison needs.
+Learning on this stream is limited by examples per embedding row: with large tables a run
+of a few thousand steps stays near NE 1. The tables are not what FP8 changes (the plan is
+over the Linears), so ``--table-rows 100`` is the setting for such a run. A cosine decay
+to a tenth makes the final NE of a run stable step to step, which a comparison at the
+0.02% level needs.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import math
@@ -50,16 +50,21 @@ import os
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import torch
 
-import torch  # noqa: E402
-
-import loka  # noqa: E402
-from loka import bench  # noqa: E402
-from loka.config import ModsConfig  # noqa: E402
-from loka.data.metrics import Metrics  # noqa: E402
-from loka.data.synthetic import SyntheticCTR  # noqa: E402
+import loka
+from loka import bench, models
+from loka.assembly import capped_features
+from loka.config import ModsConfig
+from loka.data.metrics import Metrics
+from loka.data.synthetic import SyntheticCTR
+from loka.dispatch import Plan, apply
+from loka.models.arch import EmbeddingArch
+from loka.models.fused_embedding import FusedEmbeddingArch
+from loka.timing import synchronize
+from loka.train import loss_fn
 
 BASE = "bf16+mods"
 JITTER_ARM = "bf16+mods+jitter"
@@ -68,16 +73,12 @@ ARMS = (BASE, "loka+mods")
 """the arms of a run without named plans"""
 
 
-def _cast(batch, dtype):
-    return bench._cast_batch(batch, dtype)
-
-
 def evaluate(model, stream: SyntheticCTR, steps: int, dtype) -> dict:
     metrics, teacher = Metrics(from_logits=True), Metrics(from_logits=True)
     with torch.no_grad():
         for i in range(steps):
             batch = stream.batch(i)
-            logits = model(_cast(batch, dtype)).float()
+            logits = model(bench.cast_batch(batch, dtype)).float()
             metrics.update(logits, batch.labels)
             teacher.update(stream.teacher_logits(batch).float(), batch.labels)
     out = metrics.compute()
@@ -90,9 +91,6 @@ def _mods(args) -> ModsConfig:
 
 
 def _is_embedding(module) -> bool:
-    from loka.models.arch import EmbeddingArch
-    from loka.models.fused_embedding import FusedEmbeddingArch
-
     return isinstance(module, (EmbeddingArch, FusedEmbeddingArch, torch.nn.Embedding,
                                torch.nn.EmbeddingBag))
 
@@ -129,7 +127,7 @@ def _held_out_ne(step_model, model, batches, dtype) -> dict:
     model.eval()
     with torch.no_grad():
         for batch in batches:
-            metrics.update(step_model(_cast(batch, dtype)).float(), batch.labels)
+            metrics.update(step_model(bench.cast_batch(batch, dtype)).float(), batch.labels)
     model.train()
     out = metrics.compute()
     return {"ne": out["ne"], "auc": out["auc"]}
@@ -139,12 +137,8 @@ def _spec_holder(args):
     """What :func:`train_batches` reads of a model (``feature_spec``, ``default_batch_size``),
     without building one: the preset's features with tables capped as ``bench.build_model``
     caps them."""
-    from types import SimpleNamespace
-
-    from loka import models
-
     base = models.presets(args.model)[args.preset]
-    return SimpleNamespace(feature_spec=bench.capped_features(base.features, args.table_rows),
+    return SimpleNamespace(feature_spec=capped_features(base.features, args.table_rows),
                            default_batch_size=base.batch_size)
 
 
@@ -163,16 +157,12 @@ def serve(model, plan, held_out: SyntheticCTR, args, dtype) -> dict:
     """Held-out metrics of a trained ``model`` served with ``plan`` (a copy of it, applied
     with ``inference=True``; compiled as the training arms are), on the batches the
     training arms are evaluated on."""
-    import copy
-
-    from loka.dispatch import apply
-
     served = copy.deepcopy(model).eval()
     apply(served, plan, inference=True)
     run = torch.compile(served) if args.compile else served
     with torch.inference_mode():
         out = evaluate(run, held_out, args.eval_steps, dtype)
-    out["fp8_sites"] = bench._count_fp8(served)
+    out["fp8_sites"] = bench.count_fp8(served)
     del served, run
     return out
 
@@ -203,15 +193,12 @@ def run_arm(arm: str, seed: int, plan, args, device, cached=None, serve_plans=No
         train, batches = train_batches(model, args, seed, device)
     else:
         train, batches = cached
-    held_out = SyntheticCTR(model.feature_spec, train.batch_size, seed=10_000_019,
-                            device=device, _teacher=train.teacher)
+    held_out = train.held_out(seed=10_000_019)
     curve_every = args.eval_every if args.eval_every >= 0 else max(1, args.steps // 10)
     curve_set = [held_out.batch(i) for i in range(args.curve_eval_steps)] if curve_every else []
     if arm == JITTER_ARM:
         jitter_(model, args.jitter, seed)
     if arm.startswith("loka"):
-        from loka.dispatch import apply
-
         apply(model, plan)
     step_model = torch.compile(model) if args.compile else model
     opt = make_optimizer(model, args, device)
@@ -224,12 +211,12 @@ def run_arm(arm: str, seed: int, plan, args, device, cached=None, serve_plans=No
             group["lr"] = group["base_lr"] * factor
         opt.zero_grad(set_to_none=True)
         batch = batches[i] if batches is not None else train.batch(i)
-        loss = bench._loss(step_model, _cast(batch, dtype))
+        loss = loss_fn(step_model, bench.cast_batch(batch, dtype))
         loss.backward()
         opt.step()
         losses.append(loss.detach())
         if i + 1 == min(10, args.steps):  # compilation is behind: time the steady steps
-            bench._sync(device)
+            synchronize(device)
             t_steady, eval_at_steady = time.perf_counter(), eval_s
         if curve_every and (i + 1) % curve_every == 0 and i + 1 < args.steps:
             te = time.perf_counter()
@@ -257,7 +244,7 @@ def run_arm(arm: str, seed: int, plan, args, device, cached=None, serve_plans=No
     return {"arm": arm, "seed": seed, "final": final, **extra, "train_s": train_s,
             "ms_per_step": 1e3 * train_s / max(1, args.steps), "steady_ms_per_step": steady_ms,
             "curve_eval_s": eval_s,
-            "fp8_sites": bench._count_fp8(model), "finite": all(math.isfinite(x) for x in losses),
+            "fp8_sites": bench.count_fp8(model), "finite": all(math.isfinite(x) for x in losses),
             "loss_curve": [[i + 1, losses[i]] for i in range(0, len(losses), every)],
             "ne_curve": curve}
 
@@ -377,9 +364,7 @@ def main(argv=None) -> int:
     args.compile = not args.no_compile and device.type == "cuda"
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    from loka.dispatch import Plan
-
-    named = bench._named_plans(args.plans)
+    named = bench.named_plans(args.plans)
     plan, plan_src = None, args.plan
     if args.plan or named or args.serve_plans:  # serving alone: no Probe, no LoKA arm
         plan = Plan.load(args.plan) if args.plan else None
@@ -387,9 +372,9 @@ def main(argv=None) -> int:
         cfg = bench.BenchConfig(model=args.model, preset=args.preset, device=str(device),
                                 batch_size=args.batch_size, table_rows=args.table_rows)
         model = bench.build_model(cfg, _mods(args), device)
-        batch = bench._cast_batch(bench.make_batch(model, cfg, device),
-                                  next(model.parameters()).dtype)
-        report, plan = bench._loka_plan(model, batch, cfg, device, {})
+        batch = bench.cast_batch(bench.make_batch(model, cfg, device),
+                                 next(model.parameters()).dtype)
+        report, plan = bench.probe_and_plan(model, batch, cfg, device, {})
         plan_src = "probed in this run"
         if args.assume_fast:  # CPU timings decide nothing: FP8 where the error fits
             plan = loka.plan(report, max_error=cfg.max_error, min_speedup=cfg.min_speedup,
@@ -400,7 +385,7 @@ def main(argv=None) -> int:
     for name, path in named.items():
         plans[f"loka@{name}+mods"] = Plan.load(path)
     serve_plans = {name: Plan.load(path)
-                   for name, path in bench._named_plans(args.serve_plans).items()}
+                   for name, path in bench.named_plans(args.serve_plans).items()}
     arms = (BASE,) + ((JITTER_ARM,) if args.jitter else ()) + tuple(plans)
     result = {"schema": "loka.quality", "version": 1, "env": bench.environment(device),
               "config": {k: v for k, v in vars(args).items()}, "plan_source": plan_src,

@@ -1,18 +1,18 @@
 #!/usr/bin/env python3
 """Pool the runs of several quality JSONs (``bench/quality_at_scale.py``) arm by arm.
 
-One GPU call holds 2-3 seeds of 3 arms, and a training run is not reproducible across code
-versions or machines to the last bit: a rounding-level change (an Inductor kernel choice, a
-new op in the graph) moves one Wukong ``paper`` run's final NE by up to ~2%, the same order
-as the seed-to-seed spread. So the per-seed pairing of one call says little, and the arms
-are compared as samples: the mean NE per arm over every run of every file, and the change
-of each arm's mean against the bf16 + Mods mean with a permutation p-value (how often a
-random relabelling of the pooled runs gives a gap at least as large).
+One GPU call holds a few seeds of a few arms, and a training run is not reproducible
+across code versions or machines to the last bit: a rounding-level change (an Inductor
+kernel choice, a new op in the graph) moves one Wukong ``paper`` run's final NE by as much
+as the seed-to-seed spread (bench/BENCHMARKS.md). So the per-seed pairing of one call says
+little, and the arms are compared as samples: the mean NE per arm over every run of every
+file, and the change of each arm's mean against the bf16 + Mods mean with a permutation
+p-value (how often a random relabelling of the pooled runs gives a gap at least as large).
 
 A run that appears in several files with the same arm and seed and a final NE within
-``SAME_RUN`` (1e-4) of it counts once: two runs that end that close took the same path (a
-rerun of the same code; bit-level nondeterminism moved them by ~1e-6), and counting both
-would overstate the evidence. Arms that ran the same plan (equal plan JSON) pool under the
+``SAME_RUN`` of it counts once: two runs that end that close took the same path (a rerun
+of the same code, apart by bit-level nondeterminism only), and counting both would
+overstate the evidence. Arms that ran the same plan (equal plan JSON) pool under the
 name the first file gave that plan, whatever later files call it (``loka+mods`` with
 ``--plan X`` in one call, ``loka@tuned+mods`` with ``--plans tuned=X`` in another), and
 arms of one name that ran different plans are kept apart (``name~<digest>``); the

@@ -1,15 +1,12 @@
 #!/usr/bin/env python3
 """Every variant side by side on one device: `python bench/run_all.py --help`.
 
-The same harness as `loka bench` (loka/bench.py); results go to bench/results/.
+The same harness as `loka bench` (the package loka.bench); results go to bench/results/.
 """
 
-import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from loka.bench import main  # noqa: E402
+from loka.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

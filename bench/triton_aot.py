@@ -38,10 +38,9 @@ import traceback
 from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("LOKA_TRITON_AUTOTUNE", "1")  # every config the tuner would try
 
-import torch  # noqa: E402
+import torch
 
 
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}

@@ -8,6 +8,9 @@ each call is timed by events instead (``'cuda-events'``, which includes launch g
 the CPU it is the wall-clock median of single calls (``'cpu-wallclock'``): useful for
 smoke tests, not for decisions about GPUs. Inputs stay in cache between calls (the same
 buffers every call), for the kernel and for its baseline alike.
+
+Whole steps (a training step, an inference forward) are timed by :func:`time_steps`: the
+median of per-step CUDA-event times after warm-up, or wall-clock medians on the CPU.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-__all__ = ["TimingResult", "time_fn"]
+__all__ = ["TimingResult", "time_fn", "time_steps", "synchronize"]
 
 
 @dataclass(frozen=True)
@@ -169,3 +172,51 @@ def _time_cuda(fn, warmup: int, iters: int, per_graph: int, budget_ms) -> Timing
         iters = _fit(iters, budget_ms * 1e3, _events_median(fn, 2, 1))
     return TimingResult(_events_median(fn, iters, 1), "cuda-events", iters,
                         f"graph capture failed: {failure}")
+
+
+def synchronize(device: "torch.device | str") -> None:
+    """Wait for ``device``'s queued work (a no-op off CUDA)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(step: Callable[[], object], device: "torch.device | str", steps: int,
+               warmup: int) -> Dict[str, object]:
+    """Times of ``steps`` calls of a whole step, after ``warmup`` untimed ones (compilation
+    and CUDA-graph capture happen there), each call timed on its own.
+
+    Args:
+        step: one training step or forward; its outputs are discarded.
+        device: where it runs; on CUDA each call is timed by CUDA events (launch gaps
+            included, as a step pays them), elsewhere by the wall clock.
+        steps: timed calls (at least one).
+        warmup: untimed calls first.
+
+    Returns:
+        ``median_ms``, ``min_ms``, ``max_ms`` over the timed calls, ``warmup_s`` (the
+        warm-up's wall-clock seconds) and ``timing`` ('cuda-events' or 'cpu-wallclock').
+    """
+    device = torch.device(device)
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    synchronize(device)
+    warm_s = time.perf_counter() - t0
+    times = []
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(steps)]
+        for start, end in events:
+            start.record()
+            step()
+            end.record()
+        synchronize(device)
+        times = [s.elapsed_time(e) for s, e in events]
+    else:
+        for _ in range(steps):
+            t = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t) * 1e3)
+    return {"median_ms": statistics.median(times), "min_ms": min(times),
+            "max_ms": max(times), "warmup_s": warm_s,
+            "timing": "cuda-events" if device.type == "cuda" else "cpu-wallclock"}

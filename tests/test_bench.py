@@ -15,8 +15,10 @@ import torch
 
 import loka
 from loka import bench
-from loka.dispatch.plan import Plan
-from loka.probe.report import ProbeReport
+from loka.bench import Variant, baselines, rows, runner
+from loka.dispatch import Plan
+from loka.probe import ProbeReport
+from loka.train import loss_fn
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,6 +28,14 @@ def _load(name):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _mods(name):
+    return Variant.parse(name).mods_config()
+
+
+def _names(variants):
+    return [v.name for v in variants]
 
 
 def _cfg(tmp_path, **kw):
@@ -129,7 +139,7 @@ def test_plan_file_replaces_the_probe(first_run, tmp_path):
 
 
 def test_torchao_rows_are_skipped_with_a_note_when_absent(tmp_path, monkeypatch):
-    monkeypatch.setattr(bench.caps, "torchao_available", lambda: False)
+    monkeypatch.setattr(runner.caps, "torchao_available", lambda: False)
     result = bench.run(_cfg(tmp_path, train_variants=["bf16", "torchao-rowwise"],
                             infer_variants=["torchao-tensorwise"]), progress=lambda s: None)
     assert [r["variant"] for r in result["train"]] == ["bf16"] and result["infer"] == []
@@ -143,7 +153,7 @@ def test_a_failing_variant_is_recorded_and_the_rest_still_run(tmp_path, monkeypa
         if mods is not None:
             raise RuntimeError("boom")
         return real(cfg, mods, device)
-    monkeypatch.setattr(bench, "build_model", broken)
+    monkeypatch.setattr(rows, "build_model", broken)
     result = bench.run(_cfg(tmp_path, train_variants=["bf16+mods", "bf16"], infer_variants=[]),
                        progress=lambda s: None)
     bad, good = result["train"]
@@ -156,7 +166,7 @@ def test_tuned_inference_variant_tunes_the_forward_plan(tmp_path):
     assert "loka+mods+merge+tuned+graphs" in bench.INFER_VARIANTS
     cfg = _cfg(tmp_path, train_variants=[], infer_variants=["loka+mods+tuned"], steps=1,
                warmup=1, plan=str(tmp_path / "uniform.plan.json"))
-    model = bench.build_model(cfg, bench.variant_mods("loka+mods"), torch.device("cpu"))
+    model = bench.build_model(cfg, _mods("loka+mods"), torch.device("cpu"))
     Plan.uniform(model, "emulated-rowwise-e4m3").save(cfg.plan)
     lines = []
     row = bench.run(cfg, progress=lines.append)["infer"][0]
@@ -175,7 +185,7 @@ def test_tuned_inference_variant_tunes_the_forward_plan(tmp_path):
 def test_named_plans_run_side_by_side(tmp_path):
     cfg = _cfg(tmp_path, train_variants=["loka@all+mods", "loka@none+mods"],
                infer_variants=["loka@all+mods"], steps=1, warmup=1)
-    model = bench.build_model(cfg, bench.variant_mods("loka+mods"), torch.device("cpu"))
+    model = bench.build_model(cfg, _mods("loka+mods"), torch.device("cpu"))
     Plan.uniform(model, "emulated-rowwise-e4m3").save(tmp_path / "all.plan.json")
     Plan.uniform(model, "bf16").save(tmp_path / "none.plan.json")
     cfg.plans = {"all": str(tmp_path / "all.plan.json"), "none": str(tmp_path / "none.plan.json")}
@@ -186,13 +196,13 @@ def test_named_plans_run_side_by_side(tmp_path):
     # served as deployed: the bf16 weights of the FP8 forwards are freed
     assert inf["hp_weights_dropped"] == inf["plan_fwd_fp8_sites"] == inf["fp8_sites"]
     assert "graph_breaks" not in all_  # CPU runs are eager
-    assert bench.plan_name("loka@all+mods+graphs") == "all" and bench.plan_name("loka+mods") is None
+    assert Variant.parse("loka@all+mods+graphs").plan == "all" and Variant.parse("loka+mods").plan == ""
     bad = bench.run(dataclasses.replace(cfg, train_variants=["loka@gone+mods"], infer_variants=[]),
                     progress=lambda s: None)["train"][0]
     assert "plan 'gone'" in bad["error"]
     with pytest.raises(ValueError, match="name=path"):
-        bench._named_plans("all")
-    assert bench._named_plans("a=x.json, b=y.json") == {"a": "x.json", "b": "y.json"}
+        bench.named_plans("all")
+    assert bench.named_plans("a=x.json, b=y.json") == {"a": "x.json", "b": "y.json"}
 
 
 def test_named_merged_plan_is_taken_as_given(tmp_path):
@@ -200,7 +210,7 @@ def test_named_merged_plan_is_taken_as_given(tmp_path):
     needs its .merge sibling beside it, and its absence is a clear error."""
     cfg = _cfg(tmp_path, train_variants=["loka@m+mods+merge", "loka@p+mods+merge"],
                infer_variants=[], steps=1, warmup=1)
-    model = bench.build_model(cfg, bench.variant_mods("loka+mods+merge"), torch.device("cpu"))
+    model = bench.build_model(cfg, _mods("loka+mods+merge"), torch.device("cpu"))
     Plan.uniform(model, "emulated-rowwise-e4m3").save(tmp_path / "m.merge.plan.json")
     Plan.uniform(model, "bf16").save(tmp_path / "p.plan.json")
     cfg.plans = {"m": str(tmp_path / "m.merge.plan.json"), "p": str(tmp_path / "p.plan.json")}
@@ -213,7 +223,7 @@ def test_named_merged_plan_is_taken_as_given(tmp_path):
 def test_profile_names_must_be_variants_of_the_run(tmp_path):
     cfg = _cfg(tmp_path, train_variants=["bf16"], infer_variants=["bf16+mods"])
     for ok in (("bf16",), ("train:bf16",), ("infer:bf16+mods",)):
-        bench._check_profile(dataclasses.replace(cfg, profile=ok))
+        dataclasses.replace(cfg, profile=ok).check_profile()
     for bad in (("infer:bf16",), ("train:bf16+mods",), ("bf16+graphs",)):
         with pytest.raises(ValueError, match="names no variant"):
             bench.run(dataclasses.replace(cfg, profile=bad), progress=lambda s: None)
@@ -221,10 +231,121 @@ def test_profile_names_must_be_variants_of_the_run(tmp_path):
 
 def test_unknown_variants_are_refused():
     with pytest.raises(ValueError, match="unknown variant"):
-        bench._variants("bf16,warp", bench.TRAIN_VARIANTS, bench.TRAIN_VARIANTS)
-    assert bench._variants("none", bench.TRAIN_VARIANTS, bench.TRAIN_VARIANTS) == []
-    assert bench._variants("loka-uniform-cublas-rowwise-big+mods", bench.TRAIN_VARIANTS,
-                           bench.TRAIN_VARIANTS) == ["loka-uniform-cublas-rowwise-big+mods"]
+        bench.parse_variants("bf16,warp", bench.TRAIN_VARIANTS, bench.TRAIN_VARIANTS)
+    assert bench.parse_variants("none", bench.TRAIN_VARIANTS, bench.TRAIN_VARIANTS) == []
+    assert _names(bench.parse_variants("loka-uniform-cublas-rowwise-big+mods", bench.TRAIN_VARIANTS,
+                                       bench.TRAIN_VARIANTS)) == ["loka-uniform-cublas-rowwise-big+mods"]
+
+
+@pytest.mark.parametrize("modifier", bench.MODIFIERS)
+def test_every_modifier_parses_to_its_field_and_back(modifier):
+    base = "torchao-rowwise" if modifier == "plain-inductor" else "loka"
+    name = f"{base}+{modifier}"
+    v = Variant.parse(name)
+    assert v.modifiers == (modifier,) and getattr(v, modifier.replace("-", "_")) is True
+    assert v.name == str(v) == name and Variant.parse(v.name) == v
+    others = [m for m in bench.MODIFIERS if m != modifier]
+    assert not any(getattr(v, m.replace("-", "_")) for m in others)
+
+
+@pytest.mark.parametrize("name, fields", [
+    ("bf16", dict(base=bench.Base.BF16)),
+    ("loka", dict(base=bench.Base.LOKA)),
+    ("loka@fast+mods+graphs", dict(base=bench.Base.NAMED, plan="fast", mods=True, graphs=True)),
+    ("loka-uniform-cublas-rowwise-big+mods", dict(base=bench.Base.UNIFORM, kernel="cublas-rowwise",
+                                                  big_only=True, mods=True)),
+    ("loka-uniform-triton-rowwise-cublas", dict(base=bench.Base.UNIFORM,
+                                                kernel="triton-rowwise-cublas")),
+    ("torchao-rowwise_with_gw_hp-auto+mods", dict(base=bench.Base.TORCHAO,
+                                                  recipe="rowwise_with_gw_hp", auto=True, mods=True)),
+    ("torchao-tensorwise+mods+plain-inductor", dict(base=bench.Base.TORCHAO, recipe="tensorwise",
+                                                    mods=True, plain_inductor=True)),
+    ("loka+mods+automerge+search+graphs+token-major+triton-emb+fused-norm+static",
+     dict(base=bench.Base.LOKA, mods=True, automerge=True, search=True, graphs=True,
+          token_major=True, triton_emb=True, fused_norm=True, static=True)),
+])
+def test_variant_bases_parse_to_a_typed_spec_and_round_trip(name, fields):
+    v = Variant.parse(name)
+    assert v == Variant(**fields)
+    assert v.name == name and Variant(**fields).name == name
+
+
+def test_every_listed_variant_round_trips():
+    for name in bench.TRAIN_VARIANTS + bench.INFER_VARIANTS:
+        assert Variant.parse(name).name == name
+    cfg = bench.BenchConfig(train_variants=["loka+mods+merge+tuned+graphs"], infer_variants=[])
+    assert cfg.train_variants == [Variant.parse("loka+mods+merge+tuned+graphs")]
+    assert cfg.to_dict()["train_variants"] == ["loka+mods+merge+tuned+graphs"]
+
+
+@pytest.mark.parametrize("name, message", [
+    ("bf16+warp", r"unknown modifier \+warp"),
+    ("loka+mods+fused", r"unknown modifier \+fused "),
+    ("warp", r"the base 'warp'"),
+    ("torchao-blockwise", r"torchao recipe 'blockwise'"),
+    ("loka@+mods", r"needs a plan name"),
+    ("loka-uniform-", r"name a kernel"),
+    ("loka+mods+mods", r"\+mods twice"),
+    ("loka+graphs+mods", r"out of order, write 'loka\+mods\+graphs'"),
+    ("loka+mods+merge+automerge", r"\+merge and \+automerge exclude each other"),
+    ("loka+mods+tuned+search", r"\+tuned and \+search exclude each other"),
+])
+def test_variants_outside_the_grammar_are_refused_in_one_line(name, message):
+    with pytest.raises(bench.VariantError, match=message) as info:
+        Variant.parse(name)
+    assert "\n" not in str(info.value) and name in str(info.value)
+    with pytest.raises(ValueError, match=r"unknown variant\(s\)"):
+        bench.parse_variants(f"bf16,{name}", bench.TRAIN_VARIANTS, bench.TRAIN_VARIANTS)
+
+
+def test_variant_fields_the_harness_reads():
+    v = Variant.parse("loka@p+mods+merge+tuned+graphs+token-major+fused-norm")
+    assert v.applies_plan and v.family == "loka" and v.structure == "merge"
+    assert v.whole_step == "tuned" and v.plan == "p"
+    assert v.graphs_on(torch.device("cuda")) and not v.graphs_on(torch.device("cpu"))
+    mods = v.mods_config()
+    assert mods.merge_siblings and mods.token_major and mods.fuse_norm_quant
+    assert Variant.parse("bf16").mods_config() is None
+    assert not Variant.parse("loka-uniform-k+mods").applies_plan
+    assert Variant.parse("torchao-rowwise").family == "torchao"
+    assert Variant.parse("loka+mods+automerge+search").structure == "automerge"
+    assert Variant.parse("loka+mods+automerge+search").whole_step == "search"
+    # what the command line's lists must hold: the variant without its free modifiers
+    assert Variant.parse("loka+mods+automerge+tuned+graphs+static").listed().name == "loka+mods+merge+graphs"
+    # a listed base with a free modifier is accepted; an unlisted base is not
+    assert _names(bench.parse_variants("bf16+mods+triton-emb", bench.INFER_VARIANTS,
+                                       bench.INFER_VARIANTS)) == ["bf16+mods+triton-emb"]
+    with pytest.raises(ValueError, match=r"unknown variant\(s\) \['torchao-rowwise-auto'\]"):
+        bench.parse_variants("torchao-rowwise-auto", bench.INFER_VARIANTS, bench.INFER_VARIANTS)
+
+
+def test_whole_step_timer_reports_every_field_on_the_cpu():
+    from loka.timing import time_steps
+
+    calls = []
+    r = time_steps(lambda: calls.append(1), torch.device("cpu"), steps=3, warmup=2)
+    assert len(calls) == 5 and r["timing"] == "cpu-wallclock" and r["warmup_s"] >= 0
+    assert 0 <= r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+
+
+def test_uniform_rows_put_one_kernel_on_every_eligible_linear(tmp_path):
+    """loka-uniform-<kernel>: every Linear but the logit on the kernel (each role in
+    training, the forward served with its weight quantized once); -big keeps the tiny
+    model's Linears (all under 1024 wide) on bf16."""
+    name = "loka-uniform-emulated-rowwise-e4m3+mods"
+    result = bench.run(_cfg(tmp_path, train_variants=[name, "loka-uniform-emulated-rowwise-e4m3-big+mods"],
+                            infer_variants=[name], steps=1, warmup=1), progress=lambda s: None)
+    (train, big), (infer,) = result["train"], result["infer"]
+    assert "error" not in train and "error" not in infer, (train.get("traceback"), infer.get("traceback"))
+    model = bench.build_model(_cfg(tmp_path), _mods(name), torch.device("cpu"))
+    align = loka.kernels.get("emulated-rowwise-e4m3").align
+    linears = [(n, m) for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    eligible = {n for n, m in linears[:-1] if m.in_features % align == 0 == m.out_features % align}
+    assert 0 < len(eligible) < len(linears) - 1  # the tiny model's proj Linears do not align
+    assert set(bench.uniform_plan(model, "emulated-rowwise-e4m3").fp8_sites()) == eligible
+    assert train["fp8_sites"] == len(eligible)
+    assert infer["fp8_sites"] == infer["plan_fwd_fp8_sites"] == infer["hp_weights_dropped"] == len(eligible)
+    assert big["fp8_sites"] == 0
 
 
 @pytest.mark.parametrize("name, cls", [
@@ -308,7 +429,7 @@ def test_quality_summary_pairs_arms_by_seed(tmp_path):
 def test_tuned_variant_times_whole_steps_and_keeps_the_model_it_started_from(tmp_path):
     cfg = _cfg(tmp_path, train_variants=["loka+mods+tuned"], infer_variants=[], steps=1,
                warmup=1, plan=str(tmp_path / "uniform.plan.json"))
-    model = bench.build_model(cfg, bench.variant_mods("loka+mods"), torch.device("cpu"))
+    model = bench.build_model(cfg, _mods("loka+mods"), torch.device("cpu"))
     Plan.uniform(model, "emulated-rowwise-e4m3").save(cfg.plan)  # FP8 on every Linear
     result = bench.run(cfg, progress=lambda s: None)
     row = result["train"][0]
@@ -346,7 +467,7 @@ def test_search_variant_times_every_candidate_and_skips_unavailable_kernels(tmp_
                         ("emulated-rowwise-e4m3", LinearConfig(fwd="cublas-rowwise-fastacc")))
     cfg = _cfg(tmp_path, train_variants=["loka+mods+search"], infer_variants=[], steps=1,
                warmup=1, plan=str(tmp_path / "base.plan.json"))
-    model = bench.build_model(cfg, bench.variant_mods("loka+mods"), torch.device("cpu"))
+    model = bench.build_model(cfg, _mods("loka+mods"), torch.device("cpu"))
     Plan.uniform(model, "bf16").save(cfg.plan)
     row = bench.run(cfg, progress=lambda s: None)["train"][0]
     assert "error" not in row, row.get("traceback")
@@ -397,9 +518,9 @@ def test_source_digest_names_the_code_that_ran(tmp_path, monkeypatch):
     # a copy of the package with one changed byte has another digest
     import shutil
     pkg = tmp_path / "loka"
-    shutil.copytree(os.path.dirname(bench.__file__), pkg,
+    shutil.copytree(os.path.dirname(loka.__file__), pkg,
                     ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(bench, "__file__", str(pkg / "bench.py"))
+    monkeypatch.setattr(bench.env, "PACKAGE_ROOT", str(pkg))
     assert bench.source_digest() == here
     (pkg / "config.py").write_text((pkg / "config.py").read_text() + "\n# changed\n")
     assert bench.source_digest() != here
@@ -420,7 +541,7 @@ def test_automerge_variant_merges_where_the_timing_says_so(tmp_path, monkeypatch
             return 10.0 if n[0] % 2 else 5.0
         return real(tokens, timer=timer, **kw)
 
-    monkeypatch.setattr("loka.mods.merge_pays", scripted)
+    monkeypatch.setattr("loka.bench.models.merge_pays", scripted)
     cfg = _cfg(tmp_path, train_variants=["bf16+mods+automerge", "loka+mods+automerge"],
                infer_variants=["bf16+mods+automerge"], steps=1, warmup=1)
     result = bench.run(cfg, progress=lambda s: None)
@@ -464,8 +585,32 @@ def test_benchmarks_md_renders_a_kernel_sweep(tmp_path):
 
 
 def test_torchao_gw_hp_auto_uses_the_rowwise_filter_and_says_so(monkeypatch):
-    import sys
-    import types
+    """The row's conversion goes through LoKA's torchao adapter, which stands in the rowwise
+    filter for rowwise_with_gw_hp; the row says so. The adapter is faked here (torchao may
+    be absent); the next test runs the real one on a faked torchao."""
+    calls = {}
+
+    def convert_torchao(model, recipe, auto_filter=False, device=None, skip_fqns=(),
+                        skip_last=False):
+        calls.update(recipe=recipe, auto=auto_filter, skip_last=skip_last)
+        return []
+
+    adapter = types.SimpleNamespace(convert_torchao=convert_torchao,
+                                    AUTO_FILTER_STAND_IN={"rowwise_with_gw_hp": "rowwise"})
+    monkeypatch.setattr(loka.kernels.adapters, "torchao", adapter, raising=False)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 1))
+    cuda = torch.device("cuda")
+    note = baselines.torchao_training(model, "rowwise_with_gw_hp", auto=True, device=cuda)
+    assert calls == {"recipe": "rowwise_with_gw_hp", "auto": True, "skip_last": True}
+    assert note == "torchao has no auto filter for rowwise_with_gw_hp: its rowwise filter chose the Linears"
+    assert baselines.torchao_training(model, "rowwise", auto=True, device=cuda) is None
+
+
+def test_torchao_adapter_gives_gw_hp_the_rowwise_filter_and_skips_the_logit(monkeypatch):
+    pytest.importorskip("torchao.float8", reason="torchao is not installed")
+    import torchao.float8
+
+    from loka.kernels.adapters import torchao as adapter
 
     calls = {}
 
@@ -484,17 +629,16 @@ def test_torchao_gw_hp_auto_uses_the_rowwise_filter_and_says_so(monkeypatch):
     def convert(model, config, module_filter_fn):
         calls["converted"] = config
 
-    float8 = types.SimpleNamespace(Float8LinearConfig=Config, convert_to_float8_training=convert)
-    utils = types.SimpleNamespace(_auto_filter_for_recipe=auto_filter)
-    monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
-    monkeypatch.setitem(sys.modules, "torchao.float8", float8)
-    monkeypatch.setitem(sys.modules, "torchao.float8.float8_linear_utils", utils)
+    monkeypatch.setattr(torchao.float8, "_auto_filter_for_recipe", auto_filter)
+    monkeypatch.setattr(adapter, "Float8LinearConfig", Config)
+    monkeypatch.setattr(adapter, "convert_to_float8_training", convert)
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 1))
-    note = bench._torchao_convert(model, "rowwise_with_gw_hp", auto=True)
+    note = baselines.torchao_training(model, "rowwise_with_gw_hp", auto=True,
+                                      device=torch.device("cuda"))
     assert calls == {"recipe": "rowwise_with_gw_hp", "filter": ("rowwise", ["1"]),
                      "converted": "rowwise_with_gw_hp"}
     assert note == "torchao has no auto filter for rowwise_with_gw_hp: its rowwise filter chose the Linears"
-    assert bench._torchao_convert(model, "rowwise", auto=True) is None
+    assert baselines.torchao_training(model, "rowwise", auto=True, device=torch.device("cuda")) is None
 
 
 def test_quality_schedule_and_optimizer_groups():
@@ -509,7 +653,7 @@ def test_quality_schedule_and_optimizer_groups():
     assert all(a >= b for a, b in zip(f[10:], f[11:]))  # monotone after the warm-up
     assert q.lr_factor(50, NS(warmup=0, schedule="constant", steps=100, min_lr_ratio=0.1)) == 1.0
     cfg = bench.BenchConfig(model="wukong", preset="tiny", device="cpu", table_rows=100)
-    model = bench.build_model(cfg, bench.variant_mods("loka+mods"), torch.device("cpu"))
+    model = bench.build_model(cfg, _mods("loka+mods"), torch.device("cpu"))
     opt = q.make_optimizer(model, NS(lr=1e-3, emb_lr=1e-2, weight_decay=0.01), torch.device("cpu"))
     dense, emb = opt.param_groups
     assert (dense["lr"], emb["lr"]) == (1e-3, 1e-2) and emb["base_lr"] == 1e-2
@@ -618,10 +762,10 @@ def test_fp8_site_count_sees_torchao_inference_weights():
     counts as an FP8 site, a plain Linear does not."""
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16),
                                 torch.nn.Linear(16, 1))
-    assert bench._count_fp8(model) == 0
+    assert bench.count_fp8(model) == 0
     model[0].weight.qdata = torch.zeros(16, 16, dtype=torch.float8_e4m3fn)
     model[1].weight.tensor_impl = object()
-    assert bench._count_fp8(model) == 2
+    assert bench.count_fp8(model) == 2
 
 
 def test_chart_has_a_panel_per_measured_mode_against_the_first_baseline(tmp_path):
@@ -657,15 +801,16 @@ def test_a_row_that_changes_inductor_settings_is_undone_and_recorded(tmp_path, m
     before = inductor_config.coordinate_descent_tuning
     precision = torch.get_float32_matmul_precision()
     seen = {}
-    real = bench.run_train_variant
+    real = runner.run_train_variant
 
-    def spy(name, cfg, device, shared):
+    def spy(variant, cfg, device, shared):
+        name = variant.name
         seen[name] = inductor_config.coordinate_descent_tuning
         if name == "bf16+mods":  # as torchao's recommended_inductor_config_setter does
             inductor_config.coordinate_descent_tuning = not before
             torch.set_float32_matmul_precision("medium")
-        return real(name, cfg, device, shared)
-    monkeypatch.setattr(bench, "run_train_variant", spy)
+        return real(variant, cfg, device, shared)
+    monkeypatch.setattr(runner, "run_train_variant", spy)
     result = bench.run(_cfg(tmp_path, train_variants=["bf16+mods", "bf16"], infer_variants=[],
                             steps=1, warmup=1), progress=lambda s: None)
     first, second = result["train"]
@@ -692,37 +837,37 @@ def test_plain_inductor_torchao_inference_keeps_torchao_off_inductor(monkeypatch
     monkeypatch.setitem(sys.modules, "torchao", types.ModuleType("torchao"))
     monkeypatch.setitem(sys.modules, "torchao.quantization", quant)
     model = torch.nn.Sequential(torch.nn.Linear(32, 32))
-    bench._torchao_inference(model, "rowwise")
-    bench._torchao_inference(model, "tensorwise", set_inductor_config=False)
+    baselines.torchao_inference(model, "rowwise")
+    baselines.torchao_inference(model, "tensorwise", set_inductor_config=False)
     assert made == [("PerRow", True), ("PerTensor", False)]
-    names = bench._variants("torchao-rowwise+mods+plain-inductor", bench.INFER_VARIANTS,
-                            bench.INFER_VARIANTS)
+    names = _names(bench.parse_variants("torchao-rowwise+mods+plain-inductor", bench.INFER_VARIANTS,
+                                        bench.INFER_VARIANTS))
     assert names == ["torchao-rowwise+mods+plain-inductor"]
     with pytest.raises(ValueError, match="unknown variant"):
-        bench._variants("bf16+plain-inductor+warp", bench.INFER_VARIANTS, bench.INFER_VARIANTS)
+        bench.parse_variants("bf16+plain-inductor+warp", bench.INFER_VARIANTS, bench.INFER_VARIANTS)
 
 
 def test_contiguous_input_hook_copies_a_strided_input_only():
     x = torch.arange(24.0).reshape(2, 3, 4).transpose(1, 2)  # strided, as Wukong's FM input
-    (y,) = bench._contiguous_input(None, (x,))
+    (y,) = baselines.contiguous_input(None, (x,))
     assert y.is_contiguous() and not x.is_contiguous() and torch.equal(y, x)
     z = torch.ones(3, 4)
-    assert bench._contiguous_input(None, (z, 1))[0] is z  # no copy when already contiguous
+    assert baselines.contiguous_input(None, (z, 1))[0] is z  # no copy when already contiguous
 
 
 def test_triton_emb_variant_switches_the_fused_tables_to_triton_pooling(tmp_path, monkeypatch):
     from loka.models.fused_embedding import FusedEmbeddingArch
 
     seen = []
-    real = bench.set_pooling
+    real = rows.set_pooling
 
-    def spy(model, name):
-        n = real(model, name)
-        seen.append((name, n, sorted({m.pooling for m in model.modules()
+    def spy(model, variant):
+        n = real(model, variant)
+        seen.append((variant.name, n, sorted({m.pooling for m in model.modules()
                                       if isinstance(m, FusedEmbeddingArch)})))
         return n
-    monkeypatch.setattr(bench, "set_pooling", spy)
-    names = bench._variants("bf16+mods+triton-emb,bf16+mods", bench.TRAIN_VARIANTS,
+    monkeypatch.setattr(rows, "set_pooling", spy)
+    names = bench.parse_variants("bf16+mods+triton-emb,bf16+mods", bench.TRAIN_VARIANTS,
                             bench.TRAIN_VARIANTS)
     result = bench.run(_cfg(tmp_path, train_variants=names, infer_variants=["bf16+triton-emb"],
                             steps=1, warmup=1), progress=lambda s: None)
@@ -732,7 +877,7 @@ def test_triton_emb_variant_switches_the_fused_tables_to_triton_pooling(tmp_path
     assert all("error" not in r for r in result["train"] + result["infer"])
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="fused embedding tables"):
-        bench.set_pooling(model, "bf16+triton-emb")
+        bench.set_pooling(model, Variant.parse("bf16+triton-emb"))
 
 
 def test_quality_named_arms_pair_each_with_the_bf16_arm(tmp_path):
@@ -818,22 +963,22 @@ def test_quality_harness_serves_the_trained_model_with_plans(tmp_path):
 
 
 def test_token_major_variants_build_the_token_major_model():
-    assert bench.variant_mods("bf16+mods+merge+token-major").token_major
-    assert bench.variant_mods("bf16+mods+merge+token-major").merge_siblings
-    assert not bench.variant_mods("bf16+mods").token_major
-    names = bench._variants("loka+mods+merge+tuned+graphs+token-major", bench.TRAIN_VARIANTS,
-                            bench.TRAIN_VARIANTS)
+    assert _mods("bf16+mods+merge+token-major").token_major
+    assert _mods("bf16+mods+merge+token-major").merge_siblings
+    assert not _mods("bf16+mods").token_major
+    names = _names(bench.parse_variants("loka+mods+merge+tuned+graphs+token-major",
+                                        bench.TRAIN_VARIANTS, bench.TRAIN_VARIANTS))
     assert names == ["loka+mods+merge+tuned+graphs+token-major"]
 
 
 def test_fused_norm_variants_switch_the_fusion_on():
-    mods = bench.variant_mods("loka+mods+merge+tuned+graphs+token-major+fused-norm")
+    mods = _mods("loka+mods+merge+tuned+graphs+token-major+fused-norm")
     assert mods.fuse_norm_quant and mods.token_major and mods.merge_siblings
-    assert not bench.variant_mods("loka+mods+merge+tuned+graphs").fuse_norm_quant
+    assert not _mods("loka+mods+merge+tuned+graphs").fuse_norm_quant
     name = "loka+mods+merge+tuned+graphs+token-major+triton-emb+fused-norm"
-    assert bench._variants(name, bench.TRAIN_VARIANTS, bench.TRAIN_VARIANTS) == [name]
+    assert _names(bench.parse_variants(name, bench.TRAIN_VARIANTS, bench.TRAIN_VARIANTS)) == [name]
     with pytest.raises(ValueError, match="unknown variant"):
-        bench._variants("loka+fused", bench.TRAIN_VARIANTS, bench.TRAIN_VARIANTS)
+        bench.parse_variants("loka+fused", bench.TRAIN_VARIANTS, bench.TRAIN_VARIANTS)
 
 
 def test_compiled_rows_record_where_compilation_time_went(tmp_path):
@@ -856,9 +1001,9 @@ def test_static_variant_sets_the_probes_amax_where_the_kernel_takes_one(tmp_path
 
     cfg = _cfg(tmp_path, train_variants=[], infer_variants=["loka+mods+static", "loka+mods"],
                steps=1, warmup=1, plan=str(tmp_path / "uniform.plan.json"))
-    model = bench.build_model(cfg, bench.variant_mods("loka+mods"), torch.device("cpu"))
+    model = bench.build_model(cfg, _mods("loka+mods"), torch.device("cpu"))
     batch = bench.make_batch(model, cfg, torch.device("cpu"))
-    report = probe(model, [batch] * 2, bench._loss,
+    report = probe(model, [batch] * 2, loss_fn,
                    config=ProbeConfig(num_samples=2, bootstrap=10, timing=False,
                                       kernels=("bf16", "emulated-rowwise-e4m3"), progress=False))
     report.save(tmp_path / "uniform.report.json")
@@ -942,7 +1087,7 @@ def test_graphed_step_peak_includes_activations():
     """On a GPU: an MLP whose activations (8192 x 8192 floats, 256 MiB per layer) dwarf its
     weights; the graphed step's reported peak must hold at least one layer's activation,
     and be within 2x of the eager step's peak."""
-    from loka.bench import GraphedStep, _capture_peak, peak_memory_gb
+    from loka.bench.steps import GraphedStep, capture_peak, peak_memory_gb
 
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -965,7 +1110,7 @@ def test_graphed_step_peak_includes_activations():
     step = GraphedStep.__new__(GraphedStep)  # only its capture_peak_bytes is used
     graph = torch.cuda.CUDAGraph()
     opt.zero_grad(set_to_none=True)
-    with _capture_peak(step):
+    with capture_peak(step):
         with torch.cuda.graph(graph):
             model(x).square().mean().backward()
             opt.step()

@@ -140,20 +140,28 @@ def _eligible(module: nn.Module, fqn: str, skip: Iterable[str]) -> bool:
             and module.out_features % 16 == 0 and not any(s in fqn for s in skip))
 
 
+AUTO_FILTER_STAND_IN = {"rowwise_with_gw_hp": "rowwise"}
+"""recipes torchao has no auto filter for -> the recipe whose filter stands in (it judges
+the same forward GEMMs)"""
+
+
 def convert_torchao(model: nn.Module, recipe: str = "tensorwise", auto_filter: bool = False,
                     device: "torch.device | str | None" = None,
-                    skip_fqns: Iterable[str] = ()) -> List[str]:
+                    skip_fqns: Iterable[str] = (), skip_last: bool = False) -> List[str]:
     """Swap a model's Linears for torchao's ``Float8Linear``, in place.
 
     Args:
         model: any module.
         recipe: a torchao recipe name (:data:`RECIPES`).
         auto_filter: use torchao's own filter (``_auto_filter_for_recipe``: skips Linears
-            whose shapes its H100 benchmarks found slower in FP8); for
-            'rowwise_with_gw_hp', which it does not cover, its 'rowwise' filter. Otherwise
-            every Linear with dims divisible by 16.
+            whose shapes its H100 benchmarks found slower in FP8); for a recipe it does not
+            cover, the filter :data:`AUTO_FILTER_STAND_IN` names. Otherwise every Linear
+            with dims divisible by 16.
         device: the device the model will run on; off CUDA torchao's emulation is used.
         skip_fqns: substrings of module names never converted.
+        skip_last: the model's last ``nn.Linear`` (a recommendation model's logit) is
+            never converted either (matched by its exact name; torchao's auto filter also
+            gets it among its ``filter_fqns``).
 
     Returns:
         The fully qualified names of the converted Linears.
@@ -164,14 +172,16 @@ def convert_torchao(model: nn.Module, recipe: str = "tensorwise", auto_filter: b
     if caps.device_type(device) != "cuda":
         config = dataclasses.replace(config, emulate=True)
     skip = list(skip_fqns)
+    last = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)][-1:] if skip_last else []
     if auto_filter:
         from torchao.float8 import _auto_filter_for_recipe
 
-        torchao_filter = _auto_filter_for_recipe(
-            "rowwise" if recipe == "rowwise_with_gw_hp" else recipe, skip)
-        filter_fn = lambda m, fqn: _eligible(m, fqn, skip) and torchao_filter(m, fqn)  # noqa: E731
+        torchao_filter = _auto_filter_for_recipe(AUTO_FILTER_STAND_IN.get(recipe, recipe),
+                                                 skip + last)
+        filter_fn = lambda m, fqn: (_eligible(m, fqn, skip) and fqn not in last  # noqa: E731
+                                    and torchao_filter(m, fqn))
     else:
-        filter_fn = lambda m, fqn: _eligible(m, fqn, skip)  # noqa: E731
+        filter_fn = lambda m, fqn: _eligible(m, fqn, skip) and fqn not in last  # noqa: E731
     converted = [fqn for fqn, m in model.named_modules() if filter_fn(m, fqn)]
     convert_to_float8_training(model, module_filter_fn=filter_fn, config=config)
     return converted
