@@ -20,7 +20,7 @@ QTensors hold *dequantization* scales (``x ≈ q * s``); torchao's are their rec
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, List, Optional
+from typing import Iterable, List
 
 import torch
 from torch import nn
@@ -185,9 +185,3 @@ def convert_torchao(model: nn.Module, recipe: str = "tensorwise", auto_filter: b
     converted = [fqn for fqn, m in model.named_modules() if filter_fn(m, fqn)]
     convert_to_float8_training(model, module_filter_fn=filter_fn, config=config)
     return converted
-
-
-def torchao_version() -> Optional[str]:
-    import torchao
-
-    return getattr(torchao, "__version__", None)
