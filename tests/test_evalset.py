@@ -1,0 +1,343 @@
+"""The evaluation set (bench/evalset/) and its benchmark (bench/eval_set.py) on the CPU:
+the models are what their papers and ANCHORS.md describe, LoKA's public path works on
+each of them, the benchmark writes its rows, and nothing under loka/ recognises them.
+No time is asserted: CPU timings say nothing about FP8 on a GPU."""
+
+import ast
+import copy
+import importlib.util
+import inspect
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import loka
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import evalset  # noqa: E402  (bench/ is not a package)
+from evalset import EVAL_MODELS, loss_fn  # noqa: E402
+
+# one intra-op thread (conftest's one_thread): on 2 shared cores a second thread stalls
+pytestmark = pytest.mark.usefixtures("one_thread")
+NAMES = sorted(EVAL_MODELS)
+PROBE = loka.ProbeConfig(kernels=("bf16", "emulated-rowwise-e4m3"), num_samples=4, timing=False,
+                         compare_naive=False, bootstrap=50, progress=False)
+
+
+def _linears(model):
+    return [m for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+def _paper(name):
+    with torch.device("meta"):
+        return EVAL_MODELS[name]("paper")
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _load_eval_set():
+    """bench/eval_set.py as a module (registered first: its dataclasses need it)."""
+    if "eval_set" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("eval_set", BENCH / "eval_set.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["eval_set"] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["eval_set"]
+
+
+# ------------------------------------------------------------------ the models
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiny_forward_backward_finite(name, dtype):
+    model = EVAL_MODELS[name]("tiny").to(dtype)
+    inputs, labels = model.make_batch(32, "cpu", dtype, seed=0)
+    assert all(x.dtype == dtype for x in inputs) and labels.dtype == torch.float32
+    logits = model(*inputs)
+    assert logits.shape == (32,) and logits.dtype == dtype
+    loss = loss_fn(model, (inputs, labels))
+    assert loss.dtype == torch.float32 and math.isfinite(loss.item())
+    loss.backward()
+    for pname, p in model.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), pname
+        assert p.grad.abs().sum() > 0, pname
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_batches_are_seeded_and_labels_are_binary(name):
+    model = EVAL_MODELS[name]("tiny")
+    (x1, y1), (x2, y2) = model.make_batch(64, seed=3), model.make_batch(64, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(x1, x2)) and torch.equal(y1, y2)
+    assert not torch.equal(model.make_batch(64, seed=4)[0][-1], x1[-1])
+    assert set(y1.unique().tolist()) <= {0.0, 1.0} and 0 < y1.mean() < 1
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_mods_are_built_in(name):
+    """No bias but the logit's, block norms and hard swish: the model as written is the
+    paper's bf16 + Mods baseline."""
+    model = _paper(name)
+    lins = _linears(model)
+    assert [m.bias is not None for m in lins] == [False] * (len(lins) - 1) + [True]
+    assert lins[-1].out_features == 1
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert {"RowBlockNorm", "HSwish"} <= kinds
+    assert not kinds & {"LayerNorm", "SiLU", "ReLU", "GELU"}
+
+
+def test_paper_wukong_is_the_reference_step():
+    model = _paper("wukong")
+    shapes = [(m.in_features, m.out_features) for m in _linears(model)]
+    assert len(shapes) == 19
+    assert shapes.count((64, 32)) == 8                 # FM projection and LCB, 4 layers
+    assert shapes.count((2048, 2048)) == 4 and shapes.count((2048, 8192)) == 4  # FM MLPs
+    assert shapes[-3:] == [(16384, 2048), (2048, 1024), (1024, 1)]             # top MLP
+    # the block norms: 256 features per block, the layer norm over d = 256
+    assert {m.block for m in model.modules() if type(m).__name__ == "RowBlockNorm"} == {256}
+
+
+def test_paper_dcnv2_and_dlrm_shapes():
+    dcn = [(m.in_features, m.out_features) for m in _linears(_paper("dcnv2"))]
+    assert dcn == [(8, 64), (27 * 64, 2048)] + [(2048, 2048)] * 3 + [
+        (2048, 1024), (1024, 1024), (1024, 512), (512, 1)]
+    dlrm = [(m.in_features, m.out_features) for m in _linears(_paper("dlrm"))]
+    # 27 embeddings of 256: 351 dots + 256, padded to 608
+    assert dlrm == [(512, 1024), (1024, 512), (512, 256), (608, 2048), (2048, 2048),
+                    (2048, 1024), (1024, 1)]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_paper_scale_forward_on_meta(name):
+    """The paper-scale shapes compose: a forward on the meta device (no memory, no time)."""
+    model = _paper(name)
+    tiny = EVAL_MODELS[name]("tiny")
+    shapes = [tuple(x.shape) for x in tiny.make_batch(2)[0]]
+    spec = model.spec
+    if name == "wukong":
+        full = [(4096, spec.num_embeddings, spec.dim)]
+    elif name == "dcnv2":
+        full = [(4096, spec.num_dense), (4096, spec.num_sparse, spec.embedding_dim)]
+    else:
+        full = [(4096, spec.num_dense), (4096, spec.num_sparse, spec.bottom[-1])]
+    assert [len(s) for s in shapes] == [len(s) for s in full]
+    out = model(*(torch.empty(s, device="meta", dtype=torch.bfloat16) for s in full))
+    assert out.shape == (4096,)
+
+
+def test_registry():
+    assert set(EVAL_MODELS) == {"wukong", "dcnv2", "dlrm"}
+    for name, cls in EVAL_MODELS.items():
+        assert cls("tiny").scale == "tiny"
+        with pytest.raises(ValueError):
+            cls("huge")
+
+
+# ------------------------------------------------------------------ LoKA's public path
+
+@pytest.fixture(scope="module")
+def probed():
+    """name -> (model, batches, report): one Probe per tiny model."""
+    out, threads = {}, torch.get_num_threads()
+    torch.set_num_threads(1)  # a module fixture runs before the tests' one_thread
+    try:
+        for name in NAMES:
+            torch.manual_seed(0)
+            model = EVAL_MODELS[name]("tiny")
+            batches = [model.make_batch(64, seed=i) for i in range(2)]
+            out[name] = (model, batches, loka.probe(model, batches, loss_fn, config=PROBE))
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _fake_rowwise_e4m3(linear, x):
+    """An FP8 forward written here, not by LoKA: e4m3 per row of x and of W (scale =
+    amax / 448), float32 accumulation, both scales applied after the reduction."""
+    def quant(t):
+        scale = t.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 448.0
+        return (t.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float(), scale
+    x2 = x.reshape(-1, x.shape[-1])
+    qx, sx = quant(x2)
+    qw, sw = quant(linear.weight)
+    y = (qx @ qw.t()) * sx * sw.t()
+    if linear.bias is not None:
+        y = y + linear.bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_loka_trains_each_model_through_the_public_path(probed, name):
+    model, batches, report = probed[name]
+    assert set(report.sites) == {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    plan = loka.plan(report, assume_fast=True)
+    planned = copy.deepcopy(model)
+    applied = loka.apply(planned, plan)
+    assert any(c.action == "swap" for c in applied.changes)
+    swapped = [n for n, m in planned.named_modules() if isinstance(m, loka.Linear)]
+    assert swapped and all(isinstance(model.get_submodule(n), nn.Linear) for n in swapped)
+    assert planned.state_dict().keys() == model.state_dict().keys()
+    inputs = batches[0][0]
+    with torch.no_grad():
+        err = _rel(planned(*inputs), model(*inputs))
+    # every planned forward in e4m3 in series: about 0.04 of output error per GEMM
+    # (0.05-0.10 measured on these models); a broken swap gives errors near 1
+    assert 0 < err < 0.15, err
+    loss = loss_fn(planned, batches[1])
+    loss.backward()
+    assert math.isfinite(loss.item())
+    assert all(p.grad is not None and torch.isfinite(p.grad).all()
+               for p in planned.parameters())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_loka_serving_plan_computes_what_its_kernels_say(probed, name):
+    """``loka.apply(inference=True)`` gives the model exactly the FP8 forwards its plan
+    names, at the sites it names: against a rowwise-e4m3 forward written here."""
+    model, batches, report = probed[name]
+    plan = loka.plan(report, assume_fast=True, inference=True)
+    fp8 = {s for s, sp in plan.sites.items() if sp.roles[loka.Role.FWD].kernel != plan.baseline}
+    assert fp8 and {sp.roles[loka.Role.FWD].kernel for s, sp in plan.sites.items()
+                    if s in fp8} == {"emulated-rowwise-e4m3"}
+    served, emulated = copy.deepcopy(model), copy.deepcopy(model)
+    loka.apply(served, plan, inference=True)
+    for site in fp8:
+        lin = emulated.get_submodule(site)
+        lin.forward = (lambda m: lambda x: _fake_rowwise_e4m3(m, x))(lin)
+    inputs = batches[0][0]
+    with torch.inference_mode():
+        ref, out, emu = model(*inputs), served(*inputs), emulated(*inputs)
+    assert _rel(out, emu) < 1e-3 < _rel(out, ref)
+
+
+# ------------------------------------------------------------------ bench/eval_set.py
+
+ROW_FIELDS = {"model", "scale", "batch_size", "mode", "variant", "graphs", "status", "reason",
+              "compile_mode", "backend", "linears", "notes", "vs_bf16"}
+OK_FIELDS = {"fp8_sites", "output_rel_err_vs_bf16", "step_ms", "step_ms_min", "step_ms_max",
+             "first_step_s", "samples_per_s", "gpu_ms", "profile_ms", "top_kernels_ms",
+             "wall_over_gpu", "peak_mem_gib", "loss_first_step"}
+
+
+def test_eval_set_script_runs_on_the_cpu(tmp_path):
+    out = tmp_path / "tmp.json"
+    cmd = [sys.executable, str(BENCH / "eval_set.py"), "--scale", "tiny", "--models", "wukong",
+           "--batch-sizes", "64", "--modes", "train", "--steps", "2", "--warmup", "1",
+           "--no-graphs", "--out", str(out),
+           # Dynamo and AOTAutograd trace every row as under Inductor, without Inductor's
+           # C++ compilation (over half a minute a row with a cold cache on 2 cores)
+           "--backend", "aot_eager"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert (doc["schema"], doc["version"]) == ("loka.evalset", 1)
+    env = doc["env"]
+    assert env["timings_meaningful"] is False and "GPU" in env["note"]
+    rows = {r["variant"]: r for r in doc["rows"]}
+    assert list(rows) == ["bf16", "torchao-tensorwise", "torchao-rowwise",
+                          "torchao-rowwise_with_gw_hp", "loka"]
+    for r in doc["rows"]:
+        assert ROW_FIELDS <= set(r), ROW_FIELDS - set(r)
+        assert (r["model"], r["batch_size"], r["mode"], r["graphs"]) == ("wukong", 64, "train", False)
+        if r["status"] != "ok":
+            assert r["status"] == "skipped" and r["reason"], r   # torchao: missing or no CUDA
+    bf16, lk = rows["bf16"], rows["loka"]
+    for r in (bf16, lk):
+        assert r["status"] == "ok", r["reason"]
+        assert OK_FIELDS <= set(r), OK_FIELDS - set(r)
+        assert r["step_ms"] > 0 and r["linears"] == 11 and r["gpu_ms"] is None
+    assert bf16["fp8_sites"] == 0 and bf16["output_rel_err_vs_bf16"] < 1e-6
+    assert lk["fp8_sites"] == len(lk["plan"]) > 0 and lk["probe_wall_s"] > 0
+    assert 0 < lk["output_rel_err_vs_bf16"] < 0.15
+    assert lk["vs_bf16"]["step"] == pytest.approx(bf16["step_ms"] / lk["step_ms"])
+    assert doc["probes"][0]["probe_wall_s"] == lk["probe_wall_s"]
+    for f in doc["probes"][0]["files"].values():   # the Probe's report and plans load back
+        assert Path(f).exists()
+    loka.Plan.load(doc["probes"][0]["files"]["plan_train"])
+    summary = doc["summary"][0]
+    assert summary["loka"]["step_ms"] == lk["step_ms"] and summary["best_torchao"] is None
+
+
+@pytest.mark.parametrize("kernel, cls", [
+    ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NNT", "gemm_bf16"),
+    ("nvjet_qqtst_128x128_128x6_1x2_h_bz_coopA_TNT", "gemm_fp8"),
+    ("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x64", "gemm_fp8"),
+    ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>",
+     "gemm_bf16"),
+    ("triton_tem_fused_mm_0", "gemm_bf16"),
+    ("rowwise_gemm_kernel", "gemm_fp8"),
+    ("rowwise_quant_kernel", "quantization"),
+    ("triton_red_fused_abs_amax_0", "quantization"),
+    ("triton_per_fused__scaled_mm__to_copy_abs_amax_clamp_clone_exp2_floor_log2_mul_"
+     "reciprocal_t_transpose_view_0", "quantization"),                 # torchao, H200
+    ("triton_poi_fused__scaled_mm__to_copy__unsafe_view_clamp_clone_exp2_floor_log2_mul_"
+     "reciprocal_slice_t_transpose_view_26", "quantization"),
+    ("triton_red_fused__scaled_mm__to_copy_abs_amax_mean_mul_pow_rsqrt_3", "triton"),
+    ("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_ovscale_TNT", "gemm_fp8"),
+    ("nvjet_sm90_qrtst_128x128_128x6_2x1_v_bz_coopA_algo2_TNT", "gemm_fp8"),   # e4m3 x e5m2
+    ("nvjet_sm90_tst_64x32_64x16_1x1_h_bz_splitK_NTT", "gemm_bf16"),
+    ("triton_red_fused__to_copy__unsafe_view_add_cat_clone_mean_mul_pow_rsqrt_transpose_view_5",
+     "triton"),
+    ("triton_poi_fused_clone_transpose_3", "copies"),
+    ("triton_poi_fused__to_copy_2", "copies"),
+    ("triton_per_fused_cat_1", "copies"),
+    ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_4", "triton"),
+    ("triton_poi_fused_add_clamp_div_mul_5", "triton"),
+    ("void at::native::elementwise_kernel<128, 4, at::native::direct_copy_kernel_cuda>", "copies"),
+    ("Memcpy DtoD (Device -> Device)", "copies"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<float4, 8>", "copies"),
+    ("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>", "optimizer"),
+    ("void at::native::scatter_gather_elementwise_kernel<128, 4>", "other"),
+    ("void at::native::reduce_kernel<512, 1>", "other"),
+])
+def test_kernel_classes(kernel, cls):
+    assert _load_eval_set().kernel_class(kernel) == cls
+
+
+# ------------------------------------------------------------------ LoKA never special-cases them
+
+def _evalset_names():
+    names = {"evalset", "eval_set", "EVAL_MODELS"}
+    for mod in (evalset.common, evalset.wukong, evalset.dcnv2, evalset.dlrm):
+        names |= {n for n, obj in vars(mod).items()
+                  if inspect.isclass(obj) and obj.__module__ == mod.__name__}
+    return names
+
+
+def test_loka_does_not_know_the_eval_set():
+    names = _evalset_names()
+    assert {"WukongRec", "DCNv2Rec", "DLRMRec", "RowBlockNorm", "HSwish"} <= names
+    pattern = re.compile(r"\b(" + "|".join(sorted(map(re.escape, names))) + r")\b")
+    hits = []
+    for path in sorted((ROOT / "loka").rglob("*")):
+        if path.is_file() and path.suffix in {".py", ".md", ".json", ".txt", ".toml", ".cfg"}:
+            for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+                if pattern.search(line):
+                    hits.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
+    assert not hits, "\n".join(hits)
+
+
+def test_the_eval_set_does_not_import_loka():
+    for path in sorted((BENCH / "evalset").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                mods = [node.module or ""] if node.level == 0 else []
+            else:
+                continue
+            assert not any(m == "loka" or m.startswith("loka.") for m in mods), (path, mods)
