@@ -12,6 +12,8 @@ only in what its Linears run:
   rowwise_with_gw_hp) on every Linear whose dims are multiples of 16; serving:
   ``Float8DynamicActivationFloat8WeightConfig`` (per tensor, per row) through ``quantize_``;
   skipped, with the reason recorded, where torchao is missing or cannot run;
+- ``loka-optimize``: ``loka.optimize`` on the same report: whole steps, compiled as the row
+  is, decide which FP8 sites stay, and the plan is kept only if it wins every A/B round;
 - ``loka``: ``loka.probe(model, batches, loss_fn)`` -> ``loka.plan(report)`` (serving:
   ``loka.plan(report, inference=True)``) -> ``loka.apply(model, plan)`` (serving:
   ``inference=True``), then the same compile. The Probe runs once per model and batch size
@@ -85,8 +87,10 @@ MODES = ("train", "serve")
 TORCHAO_TRAIN_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 TORCHAO_SERVE_RECIPES = ("tensorwise", "rowwise")
 VARIANTS = {
-    "train": ("bf16",) + tuple(f"torchao-{r}" for r in TORCHAO_TRAIN_RECIPES) + ("loka",),
-    "serve": ("bf16",) + tuple(f"torchao-{r}" for r in TORCHAO_SERVE_RECIPES) + ("loka",),
+    "train": ("bf16",) + tuple(f"torchao-{r}" for r in TORCHAO_TRAIN_RECIPES)
+    + ("loka", "loka-optimize"),
+    "serve": ("bf16",) + tuple(f"torchao-{r}" for r in TORCHAO_SERVE_RECIPES)
+    + ("loka", "loka-optimize"),
 }
 KERNEL_CLASSES = ("gemm_bf16", "gemm_fp8", "quantization", "copies", "triton", "optimizer",
                   "other")
@@ -239,6 +243,7 @@ class Case:
     ref_out: Dict[str, torch.Tensor]        # mode -> eager bf16 logits (float32)
     linears: int
     probe_s: Optional[float] = None
+    report: Optional[object] = None         # the Probe's report (loka.ProbeReport)
     plans: Optional[dict] = None            # mode -> Plan
     probe_error: Optional[str] = None
     probe_files: Optional[dict] = None
@@ -253,7 +258,7 @@ def run_probe(case: Case, args, device, dtype, out_stem: Optional[str]) -> None:
     """``loka.probe`` on a copy of the model, then both plans, through the public API."""
     if args.report:
         path = args.report.format(model=case.name, batch=case.batch_size)
-        report = loka.ProbeReport.load(path)
+        report = case.report = loka.ProbeReport.load(path)
         case.probe_files = {"report": path}
         case.plans = {"train": loka.plan(report, **args.plan_kwargs),
                       "serve": loka.plan(report, inference=True, **args.plan_kwargs)}
@@ -262,7 +267,7 @@ def run_probe(case: Case, args, device, dtype, out_stem: Optional[str]) -> None:
     batches = [model.make_batch(case.batch_size, device, dtype, seed=1 + i)
                for i in range(args.probe_batches)]
     t0 = time.perf_counter()
-    report = loka.probe(model, batches, loss_fn, config=args.probe_config)
+    report = case.report = loka.probe(model, batches, loss_fn, config=args.probe_config)
     synchronize(device)
     case.probe_s = time.perf_counter() - t0
     case.plans = {"train": loka.plan(report, **args.plan_kwargs),
@@ -291,8 +296,8 @@ def probe_case(case: Case, args, device, out_stem: Optional[str]) -> dict:
             {m: len(fp8_sites(p)) for m, p in case.plans.items()}}
 
 
-def convert(model: nn.Module, variant: str, mode: str, case: Case,
-            device: torch.device) -> Tuple[int, List[str], dict]:
+def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch.device,
+            graphs: bool = False, args=None) -> Tuple[int, List[str], dict]:
     """Turn the bf16 model into ``variant`` in place: (FP8 sites, notes, extra row fields)."""
     if variant == "bf16":
         return 0, [], {}
@@ -311,6 +316,25 @@ def convert(model: nn.Module, variant: str, mode: str, case: Case,
                  "apply_notes": list(getattr(applied, "notes", []) or []),
                  "probe_files": case.probe_files}
         return len(chosen), [], extra
+    if variant == "loka-optimize":
+        if case.report is None:
+            raise Skip(f"no report: the Probe failed ({case.probe_error})" if case.probe_error
+                       else "no report: the time budget was spent before the Probe")
+        # loka.optimize on the Probe's report: whole compiled steps (compiled as this row is)
+        # decide which FP8 sites stay; it keeps a plan only if it wins every A/B round
+        result = loka.optimize(
+            model, [case.batch], loss_fn, inference=(mode == "serve"), report=case.report,
+            forward=lambda m, batch: m(*batch[0]),
+            compile_mode="reduce-overhead" if graphs else None,
+            max_trials=getattr(args, "optimize_trials", 8),
+            rounds=getattr(args, "optimize_rounds", 2))
+        applied = loka.apply(model, result.plan, inference=(mode == "serve"))
+        chosen = fp8_sites(result.plan)
+        extra = {"plan": chosen, "optimize_speedup": result.speedup,
+                 "optimize_rounds": result.rounds, "optimize_trials": len(result.trials),
+                 "untuned_fp8_sites": len(fp8_sites(result.untuned)), "timed": result.timed,
+                 "apply_notes": list(getattr(applied, "notes", []) or [])}
+        return len(chosen), list(result.plan.notes[-2:]), extra
     raise ValueError(f"unknown variant {variant!r}")
 
 
@@ -380,7 +404,7 @@ def run_row(case: Case, variant: str, mode: str, graphs: bool, args, device) -> 
         torch._dynamo.reset()
         model = copy.deepcopy(case.base).to(device)
         set_mode(model, mode)
-        sites, notes, extra = convert(model, variant, mode, case, device)
+        sites, notes, extra = convert(model, variant, mode, case, device, graphs, args)
         row.update(fp8_sites=sites, **extra)
         row["notes"] += notes
         set_mode(model, mode)
@@ -449,6 +473,7 @@ def summarize(rows: List[dict]) -> List[dict]:
         tao = [r for r in ok if r["variant"].startswith("torchao-")]
         best = min(tao, key=lambda r: r["step_ms"]) if tao else None
         lk = next((r for r in ok if r["variant"] == "loka"), None)
+        opt = next((r for r in ok if r["variant"] == "loka-optimize"), None)
 
         def cell(r):
             return None if r is None else {"variant": r["variant"], "step_ms": r["step_ms"],
@@ -456,7 +481,8 @@ def summarize(rows: List[dict]) -> List[dict]:
                                            "vs_bf16": (r.get("vs_bf16") or {}).get("step"),
                                            "fp8_sites": r.get("fp8_sites")}
         out.append({"model": k[0], "batch_size": k[1], "mode": k[2], "graphs": k[3],
-                    "bf16": cell(bf16), "best_torchao": cell(best), "loka": cell(lk)})
+                    "bf16": cell(bf16), "best_torchao": cell(best), "loka": cell(lk),
+                    "loka_optimize": cell(opt)})
     return out
 
 
@@ -526,7 +552,12 @@ def parse_args(argv=None):
     ap.add_argument("--scale", default="paper", choices=SCALES)
     ap.add_argument("--modes", default="train,serve")
     ap.add_argument("--variants", default=None,
-                    help="comma list of bf16, torchao-<recipe>, loka (default: all of the mode)")
+                    help="comma list of bf16, torchao-<recipe>, loka, loka-optimize (default: all "
+                         "of the mode)")
+    ap.add_argument("--optimize-trials", type=int, default=8,
+                    help="loka-optimize: at most this many whole-step timings while tuning")
+    ap.add_argument("--optimize-rounds", type=int, default=2,
+                    help="loka-optimize: final A/B rounds the plan must win, each of them")
     ap.add_argument("--steps", type=int, default=50, help="timed steps (median)")
     ap.add_argument("--warmup", type=int, default=10, help="untimed steps first (>= 1: the first compiles)")
     ap.add_argument("--profile-steps", type=int, default=3, help="steps under torch.profiler (CUDA)")
@@ -614,7 +645,7 @@ def main(argv=None) -> int:
                       for m in args.modes}
             for mode in args.modes:
                 for variant in wanted[mode]:
-                    if variant == "loka" and not case.probed and not over_budget():
+                    if variant.startswith("loka") and not case.probed and not over_budget():
                         # the Probe runs when the first LoKA row needs it: a run cut short by
                         # its time budget keeps the baselines
                         probes.append(probe_case(case, args, device, out_stem))

@@ -249,7 +249,7 @@ def test_eval_set_script_runs_on_the_cpu(tmp_path):
     assert env["timings_meaningful"] is False and "GPU" in env["note"]
     rows = {r["variant"]: r for r in doc["rows"]}
     assert list(rows) == ["bf16", "torchao-tensorwise", "torchao-rowwise",
-                          "torchao-rowwise_with_gw_hp", "loka"]
+                          "torchao-rowwise_with_gw_hp", "loka", "loka-optimize"]
     for r in doc["rows"]:
         assert ROW_FIELDS <= set(r), ROW_FIELDS - set(r)
         assert (r["model"], r["batch_size"], r["mode"], r["graphs"]) == ("wukong", 64, "train", False)
@@ -270,6 +270,12 @@ def test_eval_set_script_runs_on_the_cpu(tmp_path):
     loka.Plan.load(doc["probes"][0]["files"]["plan_train"])
     summary = doc["summary"][0]
     assert summary["loka"]["step_ms"] == lk["step_ms"] and summary["best_torchao"] is None
+    # loka.optimize on the same report: untimed on a CPU, so the report's plan, and it says so
+    opt = rows["loka-optimize"]
+    assert opt["status"] == "ok" and opt["timed"] is False and opt["optimize_rounds"] == []
+    assert opt["plan"] == lk["plan"] and opt["untuned_fp8_sites"] == lk["fp8_sites"]
+    assert any("not timed" in n for n in opt["notes"])
+    assert summary["loka_optimize"]["step_ms"] == opt["step_ms"]
 
 
 @pytest.mark.parametrize("kernel, cls", [

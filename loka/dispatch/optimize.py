@@ -111,6 +111,7 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
 
 def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, object], torch.Tensor],
              *, inference: bool = False, config: Optional[ProbeConfig] = None,
+             report: Optional[ProbeReport] = None,
              max_error: Optional[float] = None, min_speedup: Optional[float] = None,
              allowed_kernels: Optional[Sequence[str]] = None,
              time_step: Optional[Callable[[nn.Module], float]] = None,
@@ -128,6 +129,7 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
         loss_fn: ``loss_fn(model, batch) -> scalar loss``.
         inference: plan and time serving (forward only, weights quantized once).
         config: the Probe's settings (default :class:`~loka.ProbeConfig`).
+        report: a Probe report of this model made before: the Probe is not run again.
         max_error, min_speedup, allowed_kernels: passed to :func:`loka.plan`.
         time_step: ``time_step(model) -> time`` of the caller's own; default
             :func:`step_timer` on the first batch (on CUDA only: without a GPU and without
@@ -153,9 +155,10 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     device = first.device if first is not None else torch.device("cpu")
     timed = time_step is not None or device.type == "cuda"
 
-    say(f"probing {sum(1 for m in root.modules() if isinstance(m, nn.Linear))} Linear(s) "
-        f"over {len(batches)} batch(es)")
-    report = probe(model, batches, loss_fn, config=config or ProbeConfig())
+    if report is None:
+        say(f"probing {sum(1 for m in root.modules() if isinstance(m, nn.Linear))} Linear(s) "
+            f"over {len(batches)} batch(es)")
+        report = probe(model, batches, loss_fn, config=config or ProbeConfig())
     # where the report has no decisive timing, a safe kernel is a candidate all the same:
     # the whole step decides (or, untimed, the plan is made on error alone, and says so)
     untuned = make_plan(report, max_error=max_error, min_speedup=min_speedup,

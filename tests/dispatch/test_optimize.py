@@ -117,3 +117,13 @@ def test_step_timer_times_without_changing_the_weights(inference):
     assert ms > 0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_given_report_is_used_and_the_probe_not_run_again():
+    model = _model()
+    first = optimize(model, _batches(), _loss, config=_config())
+    calls = []
+    again = optimize(model, _batches(1), lambda m, b: calls.append(1) or _loss(m, b),
+                     report=first.report)
+    assert calls == [] and again.report is first.report
+    assert again.untuned.to_dict()["sites"] == first.untuned.to_dict()["sites"]
