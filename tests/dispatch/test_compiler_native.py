@@ -1,0 +1,110 @@
+"""What Inductor makes of a planned model (issue 27's compiler-native FP8), read from the
+code it generates on the CPU: the quantization of an operand that a fusible op (an
+activation, a norm) produces is fused into that op's kernel, and a planned step calls no
+Python-level custom op, however many sites are on FP8. Kernels whose quantization is
+plain PyTorch (``cublas-*``, their emulated twins) are the ones this holds for; LoKA's
+Triton kernels still run as custom ops, one Python dispatch per call."""
+
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch._inductor.utils import run_and_get_code
+
+import loka
+from loka.config import ROLES
+from loka.kernels import ops
+from loka.dispatch import Linear, Plan, RoleChoice
+
+
+class OwnNorm(nn.Module):
+    """A user's RMS norm (not a class LoKA knows)."""
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class Tower(nn.Module):
+    """x -> Linear -> Hard Swish -> Linear -> own norm -> Linear, repeated ``depth`` times."""
+
+    def __init__(self, width=128, depth=1):
+        super().__init__()
+        layers = []
+        for _ in range(depth):
+            layers += [nn.Linear(width, width, bias=False), nn.Hardswish(),
+                       nn.Linear(width, width, bias=False), OwnNorm(),
+                       nn.Linear(width, width, bias=False)]
+        self.body = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _kernels(model, x, grad=False):
+    """Names of the kernels Inductor generated for one step (forward; and backward)."""
+    compiled = torch.compile(model, fullgraph=True)
+    if grad:
+        def step():
+            compiled(x).float().pow(2).mean().backward()
+        _, codes = run_and_get_code(step)
+    else:
+        with torch.no_grad():
+            _, codes = run_and_get_code(compiled, x)
+    code = "\n".join(codes)
+    return sorted(set(re.findall(r"\bcpp_fused_\w+", code))), code
+
+
+def _serving(kernel, depth=1):
+    torch.manual_seed(0)
+    model = Tower(depth=depth)
+    plan = Plan.uniform(model, kernel)
+    for sp in plan.sites.values():  # serving: FP8 forwards, weights quantized once
+        for role in ROLES[1:]:
+            sp.roles[role] = RoleChoice(plan.baseline)
+    loka.apply(model, plan, inference=True)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kernel", ["cublas-rowwise", "cublas-tensorwise"])
+def test_quantization_after_a_fusible_producer_is_fused_into_it(kernel):
+    torch._dynamo.reset()
+    model = _serving(kernel)
+    assert sum(isinstance(m, Linear) for m in model.modules()) == 3
+    names, _ = _kernels(model, torch.randn(256, 128))
+    quantizing = [n for n in names if "amax" in n]
+    # three FP8 operands: the graph input (no producer), Hard Swish's output, the norm's
+    assert len(quantizing) == 3, names
+    fused_act = [n for n in quantizing if "hardswish" in n]
+    fused_norm = [n for n in quantizing if "rsqrt" in n]
+    standalone = [n for n in quantizing if n not in fused_act + fused_norm]
+    assert len(fused_act) == 1 and len(fused_norm) == 1, names
+    assert len(standalone) == 1, names  # only the graph input's quantization stands alone
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_a_compiled_planned_step_calls_no_custom_op_whatever_the_number_of_fp8_sites(depth):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Tower(depth=depth)
+    loka.apply(model, Plan.uniform(model, "cublas-rowwise"))
+    assert sum(isinstance(m, Linear) for m in model.modules()) == 3 * depth
+    x = torch.randn(256, 128, requires_grad=True)
+    _, code = _kernels(model, x, grad=True)
+    assert "_scaled_mm" in code  # the FP8 GEMMs are in the compiled step ...
+    # ... as ATen calls from the generated code, with no Python-level op of LoKA's
+    assert re.findall(r"torch\.ops\.loka\.\w+", code) == []
+
+
+def test_the_opaque_route_is_what_the_custom_op_check_would_catch():
+    """The check above can fail: a kernel routed through LoKA's opaque custom op shows up as
+    one ``torch.ops.loka.gemm`` call per FP8 GEMM in the generated code."""
+    torch._dynamo.reset()
+    ops.mark_opaque("cublas-rowwise")
+    try:
+        model = _serving("cublas-rowwise")
+        _, code = _kernels(model, torch.randn(256, 128))
+    finally:
+        ops.unmark_opaque("cublas-rowwise")
+        torch._dynamo.reset()
+    assert len(re.findall(r"torch\.ops\.loka\.gemm", code)) >= 3
