@@ -141,6 +141,20 @@ class DataSpec:
     train_path: Optional[str] = None
     eval_path: Optional[str] = None
 
+    @property
+    def held_out(self) -> bool:
+        """Whether evaluation data is apart from the training data: the synthetic stream's
+        held-out seed or an evaluation file; a Criteo training file alone is evaluated on
+        itself (``make_streams``), and is not held out."""
+        return self.kind == "synthetic" or self.eval_path is not None
+
+    @property
+    def eval_source(self) -> str:
+        """What evaluation reads: ``synthetic held-out stream`` or the file's path."""
+        if self.kind == "synthetic":
+            return "synthetic held-out stream"
+        return self.eval_path or self.train_path
+
 
 def parse_data(text: str) -> DataSpec:
     """``synthetic`` | ``criteo:TRAIN.tsv[,EVAL.tsv]`` | ``criteo:sample`` -> DataSpec."""
@@ -173,8 +187,15 @@ def criteo_features(spec: str, preset: str) -> Optional[FeatureSpec]:
     return None
 
 
-def make_streams(data: DataSpec, model: nn.Module, batch_size: int, seed: int, device):
-    """``(train_stream, eval_stream)``: iterables of Batch with ``state_dict`` support."""
+def make_streams(data: DataSpec, model: nn.Module, batch_size: int, seed: int, device,
+                 skip_malformed: bool = False):
+    """``(train_stream, eval_stream)``: iterables of Batch with ``state_dict`` support.
+
+    The synthetic stream and its held-out twin never end; a Criteo training file loops, its
+    evaluation file (``data.eval_source``: the training file itself when no evaluation file
+    is named, see ``DataSpec.held_out``) is read once and ends. ``skip_malformed``: Criteo
+    readers count and skip malformed lines instead of raising. An empty file is an
+    :class:`AssemblyError`."""
     if data.kind == "synthetic":
         spec = getattr(model, "feature_spec", None)
         if spec is None:
@@ -185,9 +206,16 @@ def make_streams(data: DataSpec, model: nn.Module, batch_size: int, seed: int, d
         return stream, stream.held_out()
     sizes = [t.num_embeddings for t in model.feature_spec.tables] if hasattr(
         model, "feature_spec") else 100_000
-    train = CriteoReader(data.train_path, batch_size, table_sizes=sizes, loop=True)
-    held = CriteoReader(data.eval_path or data.train_path, batch_size, table_sizes=sizes,
-                        loop=True)
+    train = CriteoReader(data.train_path, batch_size, table_sizes=sizes, loop=True,
+                         skip_malformed=skip_malformed)
+    # the evaluation file is read once per evaluation: it never loops
+    held = CriteoReader(data.eval_source, batch_size, table_sizes=sizes, loop=False,
+                        skip_malformed=skip_malformed)
+    for reader in (train, held):
+        if reader.is_empty():
+            raise AssemblyError(f"--data: {reader.path} holds no examples"
+                                + (" (every line malformed)" if skip_malformed else ""),
+                                "give a Criteo TSV file with at least one line")
     return train, held
 
 

@@ -25,6 +25,8 @@ LAYERS: Dict[str, int] = {
     # reference models are plain PyTorch with Mods: no Probe, no Dispatch
     "models": 5,
     "train": 6, "reporting": 6, "assembly": 6,
+    # the paired quality check trains both arms with the training loop
+    "quality": 7,
     # the edges: nothing in the library imports them
     "demo": 7, "bench": 7,
     "cli": 8, "__main__": 9,

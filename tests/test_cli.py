@@ -3,8 +3,13 @@
 import argparse
 import json
 import os
+import shutil
+import stat
+import struct
 import subprocess
 import sys
+import time
+import zipfile
 
 import pytest
 import torch
@@ -31,23 +36,30 @@ SURFACE = {
                        "--train-variants", "--warmup"],
     "demo": COMMON + ["--batch-size", "--max-error", "--model", "--out", "--preset",
                       "--probe-steps", "--quick", "--seed", "--steps"],
+    "evaluate": COMMON + ["--batch-size", "--checkpoint", "--data", "--eval-steps", "--model",
+                          "--mods", "--out", "--plan", "--preset", "--seed", "--skip-bad-lines",
+                          "-o"],
     "kernels": COMMON + ["--json"],
     "optimize": COMMON + ["--batch-size", "--checkpoint", "--compile-mode", "--data", "--inference",
                           "--kernels", "--max-error", "--max-trials", "--min-speedup", "--mods",
                           "--no-compile", "--num-samples", "--out", "--preset", "--report",
-                          "--rounds", "--seed", "--steps", "-o", "<model>"],
+                          "--rounds", "--seed", "--skip-bad-lines", "--steps", "-o", "<model>"],
     "plan": COMMON + ["--assign", "--assume-fast", "--kernels", "--max-error", "--metric",
                       "--min-speedup", "--out", "--replace", "--role-budget", "--site-budget", "-o", "<report>"],
     "probe": COMMON + ["--batch-size", "--bootstrap", "--checkpoint", "--data", "--every-n-steps",
                        "--kernels", "--lr", "--max-error", "--min-speedup", "--mods",
                        "--module-filter", "--no-naive", "--no-timing", "--num-samples", "--out",
-                       "--preset", "--roles", "--sample-rows", "--seed", "--source", "--steps",
-                       "-o", "<model>"],
+                       "--preset", "--roles", "--sample-rows", "--seed", "--skip-bad-lines",
+                       "--source", "--steps", "-o", "<model>"],
+    "quality": COMMON + ["--batch-size", "--bootstrap", "--checkpoint", "--confidence",
+                         "--control", "--data", "--eval-steps", "--logit-scale", "--lr",
+                         "--model", "--mods", "--out", "--plan", "--preset", "--seeds",
+                         "--skip-bad-lines", "--steps", "-o"],
     "report": COMMON + ["--curves", "--html", "--markdown", "--metric", "--tensorboard",
                         "--title", "<files>"],
     "train": COMMON + ["--batch-size", "--checkpoint-every", "--data", "--eval-every",
                        "--eval-steps", "--lr", "--model", "--mods", "--out", "--plan", "--preset",
-                       "--resume", "--seed", "--steps"],
+                       "--resume", "--seed", "--skip-bad-lines", "--steps"],
 }
 TOP = ["--debug", "--device", "--version"]
 
@@ -76,6 +88,7 @@ def test_cli_surface_is_frozen():
 # ... and what each command takes when an option is left out, so that moving an option (to
 # another module, another parser) cannot change its default unnoticed
 REQUIRED = {"apply": ["PLAN"], "audit": ["PLAN", "REPORT"], "plan": ["REPORT"], "optimize": ["MODEL"],
+            "evaluate": ["--checkpoint", "CKPT"],
             "probe": ["MODEL"], "report": ["FILE"]}
 DEFAULTS = {
     "apply": {"check": False, "data": "synthetic", "inference": False, "model": "wukong",
@@ -88,12 +101,15 @@ DEFAULTS = {
               "warmup": 5},
     "demo": {"batch_size": None, "max_error": 0.2, "model": "wukong", "out": "./loka-demo",
              "preset": None, "probe_steps": None, "quick": False, "seed": 0, "steps": None},
+    "evaluate": {"batch_size": None, "checkpoint": "CKPT", "data": "synthetic", "eval_steps": None,
+                 "model": "wukong", "mods": "none", "out": None, "plan": None, "preset": "tiny",
+                 "seed": 0, "skip_bad_lines": False},
     "kernels": {"json": False},
     "optimize": {"batch_size": None, "checkpoint": None, "compile_mode": None, "data": "synthetic",
                  "inference": False, "kernels": None, "max_error": 0.2, "max_trials": 16,
                  "min_speedup": 1.05, "model": "MODEL", "mods": "none", "no_compile": False,
                  "num_samples": 16, "out": "plan.json", "preset": "tiny", "report": None,
-                 "rounds": 3, "seed": 0, "steps": 8},
+                 "rounds": 3, "seed": 0, "skip_bad_lines": False, "steps": 8},
     "plan": {"assign": [], "assume_fast": False, "kernels": None, "max_error": 0.2,
              "metric": "mere", "min_speedup": 1.05, "out": "plan.json", "replace": [],
              "report": "REPORT", "role_budget": None, "site_budget": None},
@@ -102,13 +118,18 @@ DEFAULTS = {
               "min_speedup": 1.05, "model": "MODEL", "mods": "none", "module_filter": None,
               "no_naive": False, "no_timing": False, "num_samples": 64, "out": "report.json",
               "preset": "tiny", "roles": None, "sample_rows": None, "seed": 0,
-              "source": "learned", "steps": 20},
+              "skip_bad_lines": False, "source": "learned", "steps": 20},
+    "quality": {"batch_size": None, "bootstrap": 0, "checkpoint": None, "confidence": 0.95,
+                "control": False, "data": "synthetic", "eval_steps": None, "logit_scale": 1.0,
+                "lr": 0.001, "model": "wukong", "mods": "none", "out": "quality.json",
+                "plan": None, "preset": "tiny", "seeds": "0", "skip_bad_lines": False,
+                "steps": 100},
     "report": {"curves": None, "files": ["FILE"], "html": None, "markdown": None,
                "metric": "mere", "tensorboard": None, "title": "LoKA report"},
     "train": {"batch_size": None, "checkpoint_every": 0, "data": "synthetic", "eval_every": 0,
-              "eval_steps": 20, "lr": 0.001, "model": "wukong", "mods": "none",
+              "eval_steps": None, "lr": 0.001, "model": "wukong", "mods": "none",
               "out": "runs/loka", "plan": None, "preset": "tiny", "resume": False, "seed": 0,
-              "steps": 200},
+              "skip_bad_lines": False, "steps": 200},
 }
 
 
@@ -215,16 +236,19 @@ def _expect_error(code, err, want_code, *needles):
     (["probe", "wukong", "--checkpoint", "{d}/corrupt.json"], 1, ["not a loadable checkpoint"]),
     # plan
     (["plan", "{d}/missing.json"], 1, ["missing.json: no such file", "loka probe"]),
-    (["plan", "{d}/corrupt.json"], 1, ["not valid JSON"]),
+    # a truncated plan where a report belongs: named by what its header says it is
+    (["plan", "{d}/corrupt.json"], 1, ["corrupt.json is not a loka.probe-report file",
+                                       "schema: 'loka.plan'"]),
     (["plan", "{d}/foreign.json"], 1, ["is not a loka.probe-report file (schema: 'something.else')"]),
     (["plan", "{d}/wukong-plan.json"], 1, ["is not a loka.probe-report file (schema: 'loka.plan')"]),
-    (["plan", "{d}/noschema.json"], 1, ["schema: 'list'"]),
+    (["plan", "{d}/noschema.json"], 1, ["noschema.json is not a loka.probe-report file",
+                                        "does not hold a JSON object"]),
     (["plan", "{d}"], 1, ["is a directory"]),
     (["plan", "{d}/empty-report.json", "--role-budget", "wgrad"], 2, ["expected KEY=VALUE"]),
     (["plan", "{d}/empty-report.json", "--role-budget", "sideways=0.1"], 2, ["unknown role"]),
     (["plan", "{d}/empty-report.json", "--role-budget", "wgrad=lots"], 2, ["is not a number"]),
     (["plan", "{d}/empty-report.json", "--site-budget", "(x=0.1"], 2, ["not a regular expression"]),
-    (["plan", "{d}/empty-report.json", "--kernels", "nope"], 2, ["unregistered kernels"]),
+    (["plan", "{d}/empty-report.json", "--kernels", "nope"], 2, ["unknown kernel(s) ['nope']"]),
     (["plan", "{d}/empty-report.json", "--max-error", "-1"], 2,
      ["loka plan: argument --max-error: expected a finite number >= 0", "loka plan --help"]),
     (["plan", "{d}/empty-report.json", "--min-speedup", "0"], 2, ["use --assume-fast"]),
@@ -461,3 +485,231 @@ def test_optimize_writes_a_plan_and_its_report_and_says_it_was_not_timed_on_a_cp
 def test_optimize_refuses_an_unknown_kernel(capsys):
     code, _, err = run(["optimize", "wukong", "--kernels", "bf16,cublas-nope"], capsys)
     assert code == 2 and "unknown kernel" in err
+
+
+# -- runs: damaged checkpoints, a locked --out, a finished run, plans, file modes ----------
+TRAIN = ["train", "--preset", "tiny", "--batch-size", "32", "--eval-steps", "1", "--device",
+         "cpu"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A ``loka train`` run directory of 2 steps."""
+    out = tmp_path_factory.mktemp("run") / "r"
+    assert cli.main(TRAIN + ["--steps", "2", "--out", str(out)]) == 0
+    return out
+
+
+def _flip_a_tensor_byte(path):
+    with zipfile.ZipFile(path) as z:
+        info = max(z.infolist(), key=lambda i: i.file_size)
+    raw = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", raw[info.header_offset + 26:info.header_offset + 30])
+    raw[info.header_offset + 30 + name_len + extra_len + info.file_size // 3] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("damage, needle", [
+    ("empty", "empty file (0 bytes)"), ("foreign", "not a LoKA checkpoint (no 'optimizers' entry)"),
+    ("flipped", "checksum mismatch")])
+def test_train_refuses_a_damaged_checkpoint_in_one_line(damage, needle, finished_run, tmp_path,
+                                                        capsys):
+    out = tmp_path / "r"
+    shutil.copytree(finished_run, out)
+    ckpt = out / "checkpoint.pt"
+    if damage == "empty":
+        ckpt.write_bytes(b"")
+    elif damage == "foreign":
+        torch.save({"model": {}}, ckpt)
+    else:
+        _flip_a_tensor_byte(ckpt)
+    code, _, err = run(TRAIN + ["--steps", "4", "--out", str(out), "--resume"], capsys)
+    _expect_error(code, err, 1, str(ckpt), needle, "restore the file")
+    code, _, err = run(["probe", "wukong", "--checkpoint", str(ckpt), "--device", "cpu"], capsys)
+    assert code == 1 and str(ckpt) in err and "Traceback" not in err
+
+
+def test_a_second_train_into_a_run_refuses_to_overwrite_it(finished_run, tmp_path, capsys):
+    out = tmp_path / "r"
+    shutil.copytree(finished_run, out)
+    before = (out / "checkpoint.pt").read_bytes()
+    code, _, err = run(TRAIN + ["--steps", "3", "--out", str(out)], capsys)
+    _expect_error(code, err, 2, f"{out} already holds a run", "--resume")
+    assert (out / "checkpoint.pt").read_bytes() == before
+
+
+def test_two_train_runs_into_one_out_cannot_both_run(tmp_path, capsys):
+    out = tmp_path / "r"
+    first = subprocess.Popen([sys.executable, "-m", "loka"] + TRAIN + [
+        "--steps", "100000", "--checkpoint-every", "1", "--out", str(out)], cwd=REPO,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "checkpoint.pt").exists() and time.monotonic() < deadline:
+            assert first.poll() is None
+            time.sleep(0.1)
+        code, _, err = run(TRAIN + ["--steps", "3", "--out", str(out), "--resume"], capsys)
+        _expect_error(code, err, 1, f"in use by another loka run (pid {first.pid})", "another --out")
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_an_fp8_run_resumes_on_its_plan_with_the_guard_and_refuses_another(files, tmp_path,
+                                                                           capsys):
+    out, plan = tmp_path / "r", files / "wukong-plan.json"
+    old = os.umask(0o022)
+    try:
+        code, text, err = run(TRAIN + ["--steps", "2", "--out", str(out), "--plan", str(plan)],
+                              capsys)
+    finally:
+        os.umask(old)
+    assert code == 0, err
+    assert "Guard on" in text and "the Guard switched 0" in text
+    first = json.loads((out / "metrics.json").read_text())
+    assert first["fp8_sites"] == Plan.load(plan).fp8_sites() and first["fallbacks"] == []
+    for name in ("checkpoint.pt", "metrics.json"):  # the umask's mode, not mkstemp's 0600
+        assert stat.S_IMODE(os.stat(out / name).st_mode) == 0o644, name
+    code, _, err = run(TRAIN + ["--steps", "3", "--out", str(out), "--resume"], capsys)
+    assert code == 0, err
+    assert "resuming with the plan recorded in the checkpoint" in err
+    assert json.loads((out / "metrics.json").read_text())["fp8_sites"] == first["fp8_sites"]
+    other = tmp_path / "other.json"
+    torch.manual_seed(0)
+    Plan.uniform(loka.models.build("wukong", "tiny"), "emulated-tensorwise-e4m3",
+                 device="cpu").save(other)
+    code, _, err = run(TRAIN + ["--steps", "4", "--out", str(out), "--resume", "--plan",
+                                str(other)], capsys)
+    _expect_error(code, err, 1, "trained with another plan", "resume without --plan")
+
+
+def test_a_plan_written_under_a_022_umask_is_0644(workflow, tmp_path, capsys):
+    old = os.umask(0o022)
+    try:
+        code, _, _ = run(["plan", str(workflow / "report.json"), "-o", str(tmp_path / "p.json")],
+                         capsys)
+    finally:
+        os.umask(old)
+    assert code == 0 and stat.S_IMODE(os.stat(tmp_path / "p.json").st_mode) == 0o644
+
+
+# -- honest output: unknown names, bad data, budgets, what a CPU measured -----------------
+ALL_KERNELS_LISTED = "triton-tensorwise-cublas-fastacc"  # in the full list, near nothing asked
+
+
+@pytest.fixture(scope="module")
+def misspelt_plan(files):
+    d = json.loads((files / "wukong-plan.json").read_text())
+    site = next(iter(d["sites"]))
+    d["sites"][site]["roles"]["fwd"]["kernel"] = "cublas-rowwse"
+    path = files / "misspelt-plan.json"
+    path.write_text(json.dumps(d))
+    return path, site
+
+
+@pytest.mark.parametrize("argv", [
+    ["probe", "wukong", "--kernels", "bf16,cublas-rowwse"],
+    ["optimize", "wukong", "--kernels", "bf16,cublas-rowwse"],
+    ["plan", "{d}/empty-report.json", "--kernels", "cublas-rowwse"],
+    ["plan", "{d}/empty-report.json", "--replace", "bf16=cublas-rowwse"],
+])
+def test_an_unknown_kernel_name_gets_the_nearest_names(argv, files, capsys):
+    code, _, err = run([a.replace("{d}", str(files)) for a in argv], capsys)
+    _expect_error(code, err, 2, "unknown kernel(s) ['cublas-rowwse']",
+                  "did you mean 'cublas-rowwise'", "loka kernels")
+    assert ALL_KERNELS_LISTED not in err
+
+
+@pytest.mark.parametrize("command", [["train", "--steps", "1", "--device", "cpu"],
+                                     ["apply", "--check"]])
+def test_a_plan_naming_an_unknown_kernel_says_which_and_the_nearest(command, misspelt_plan,
+                                                                     tmp_path, capsys):
+    path, site = misspelt_plan
+    argv = command + (["--plan", str(path), "--out", str(tmp_path / "r")]
+                      if command[0] == "train" else [str(path)])
+    code, _, err = run(argv, capsys)
+    _expect_error(code, err, 1, f"{path}: unknown kernel 'cublas-rowwse' ({site} fwd)",
+                  "did you mean 'cublas-rowwise'")
+    assert ALL_KERNELS_LISTED not in err and "another model" not in err
+
+
+@pytest.fixture(scope="module")
+def bad_tsv(tmp_path_factory):
+    from loka.data import sample_path
+
+    lines = open(sample_path()).read().splitlines()
+    lines.insert(4, "1\tnot\tenough\tfields")
+    path = tmp_path_factory.mktemp("tsv") / "bad.tsv"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+PROBE_QUICK = ["--preset", "tiny", "--steps", "1", "--every-n-steps", "1", "--batch-size", "16",
+               "--num-samples", "2", "--sample-rows", "16", "--bootstrap", "10", "--no-naive",
+               "--no-timing", "--kernels", "bf16,emulated-rowwise-e4m3", "--device", "cpu"]
+
+
+def test_a_malformed_data_line_is_named_and_can_be_skipped(bad_tsv, tmp_path, capsys):
+    data = f"criteo:{bad_tsv}"
+    code, _, err = run(["probe", "dlrm", "--data", data, "-o", str(tmp_path / "r.json")]
+                       + PROBE_QUICK, capsys)
+    _expect_error(code, err, 1, f"{bad_tsv}:5: expected 40 tab-separated fields",
+                  "--skip-bad-lines")
+    assert "--module-filter" not in err
+    code, _, err = run(["train", "--model", "dlrm", "--preset", "tiny", "--data", data,
+                        "--steps", "1", "--batch-size", "16", "--device", "cpu",
+                        "--out", str(tmp_path / "t")], capsys)
+    err = err[err.index("error: "):]  # after the progress bar of the steps before the line
+    _expect_error(code, err, 1, f"{bad_tsv}:5:", "--skip-bad-lines")
+    code, _, err = run(["probe", "dlrm", "--data", data, "-o", str(tmp_path / "r.json"),
+                        "--skip-bad-lines"] + PROBE_QUICK, capsys)
+    assert code == 0, err
+    assert f"skipped 1 malformed line(s) of {bad_tsv}" in err
+
+
+def test_a_negative_budget_has_a_hint(files, capsys):
+    code, _, err = run(["plan", str(files / "empty-report.json"), "--role-budget", "wgrad=-0.5"],
+                       capsys)
+    _expect_error(code, err, 2, "the budget must be a finite number >= 0",
+                  "hint: a budget is a bound on the error metric", "--role-budget wgrad=0.1")
+
+
+def _cpu_report(path):
+    """A CPU report as `loka probe` writes one: wall-clock timings, float32 sites, fp32 the
+    most accurate kernel, an FP8 kernel within the budget."""
+    from loka.probe.report import ErrorStat, KernelResult, RoleReport, SiteReport
+
+    def kr(name, hi, speed):
+        return KernelResult(name, mere=ErrorStat(hi * 0.8, hi * 0.7, hi, 8), speedup=speed,
+                            time_us=10.0 / speed, timing="cpu-wallclock", safe=hi < 0.2,
+                            fast=speed > 1.05)
+
+    roles = {r: RoleReport(r, loka.config.role_shape(r, 64, 64, 64), 10.0, {
+        "bf16": kr("bf16", 1e-7, 1.0), "fp32": kr("fp32", 1e-8, 696.19),
+        "emulated-rowwise-e4m3": kr("emulated-rowwise-e4m3", 0.05, 35.0)})
+        for r in loka.config.ROLES}
+    site = SiteReport("mlp.0", 64, 64, 64, dtype="float32", roles=roles)
+    ProbeReport(sites={"mlp.0": site}, device="cpu").save(path)
+    return path
+
+
+def test_a_cpu_report_plans_fp8_on_error_alone_and_says_what_was_measured(tmp_path, capsys):
+    report = _cpu_report(tmp_path / "cpu-report.json")
+    code, out, _ = run(["plan", str(report), "-o", str(tmp_path / "p.json"), "--assume-fast"],
+                       capsys)
+    assert code == 0
+    assert "1/1 sites with FP8" in out and "chosen on error alone" in out
+    assert "speedup >= 1.05" not in out and "baseline bf16 ran fp32" in out
+    assert Plan.load(tmp_path / "p.json").config("mlp.0") == \
+        loka.config.LinearConfig.uniform("emulated-rowwise-e4m3")
+    code, out, _ = run(["plan", str(report), "-o", str(tmp_path / "p.json")], capsys)
+    assert code == 0 and "0/1 sites with FP8" in out
+    assert "--assume-fast" in out  # the note names the CLI's flag
+    # fp32 only when asked for by name
+    code, out, _ = run(["plan", str(report), "-o", str(tmp_path / "p.json"), "--assume-fast",
+                        "--kernels", "fp32"], capsys)
+    assert code == 0 and Plan.load(tmp_path / "p.json").config("mlp.0").fwd == "fp32"
+    table = ProbeReport.load(report).summary_table()
+    assert "696" not in table and "35.00x" not in table
+    assert "CPU timing, not a GPU speed" in table
+    assert all(line.split()[-1] == "-" for line in table.splitlines()[2:5])

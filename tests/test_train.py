@@ -1,13 +1,27 @@
+import math
 import os
+import signal
+import stat
+import struct
+import subprocess
+import sys
+import time
+import zipfile
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import loka
 import loka.models as M
+from loka.config import LinearConfig, Role
 from loka.data import CriteoReader, SyntheticCTR, sample_path
-from loka.train import (CHECKPOINT_NAME, TrainResult, evaluate, loss_fn, make_optimizers,
-                        train)
+from loka.dispatch import Plan
+from loka.kernels import Kernel, register, unregister
+from loka.kernels import get as get_kernel
+from loka.train import (CHECKPOINT_NAME, CheckpointError, PlanChangedError, RunExistsError,
+                        RunInUseError, RunLock, TrainResult, evaluate, loss_fn, make_optimizers,
+                        remove_stale_temp_files, train)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -122,3 +136,237 @@ def test_errors():
         train(model, data, 2, resume=True)
     with pytest.raises(ValueError):
         train(model, data, -1)
+
+
+# -- checkpoints that are empty, foreign or damaged; the run directory ------------------
+def _checkpointed(tmp_path, steps=3):
+    model, data, _ = _setup()
+    train(model, data, steps, checkpoint_dir=str(tmp_path), progress=False)
+    return tmp_path / CHECKPOINT_NAME
+
+
+def _resume(tmp_path, steps=5):
+    model, data, _ = _setup(seed=7)
+    return train(model, data, steps, checkpoint_dir=str(tmp_path), resume=True,
+                 progress=False)
+
+
+def test_zero_byte_checkpoint_is_refused_naming_the_file(tmp_path):
+    (tmp_path / CHECKPOINT_NAME).write_bytes(b"")
+    with pytest.raises(CheckpointError, match="empty") as info:
+        _resume(tmp_path)
+    assert str(tmp_path / CHECKPOINT_NAME) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_checkpoint_of_another_structure_is_refused_naming_the_file(tmp_path):
+    torch.save({"model": {}}, tmp_path / CHECKPOINT_NAME)
+    with pytest.raises(CheckpointError, match="'optimizers'") as info:
+        _resume(tmp_path)
+    assert str(tmp_path / CHECKPOINT_NAME) in str(info.value)
+    torch.save([1, 2, 3], tmp_path / CHECKPOINT_NAME)
+    with pytest.raises(CheckpointError, match="not a LoKA checkpoint"):
+        _resume(tmp_path)
+
+
+def test_one_flipped_byte_in_a_stored_tensor_is_caught_by_the_checksum(tmp_path):
+    path = _checkpointed(tmp_path)
+    with zipfile.ZipFile(path) as z:  # torch.save writes a zip: find a stored tensor's bytes
+        info = max(z.infolist(), key=lambda i: i.file_size)
+    raw = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", raw[info.header_offset + 26:info.header_offset + 30])
+    offset = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+    raw[offset] ^= 0x10
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="checksum") as info:
+        _resume(tmp_path)
+    assert str(path) in str(info.value)
+    # still a plain torch checkpoint: weights_only loading works, and the checksum is in it
+    assert torch.load(path, weights_only=True)["checksum"].startswith("sha256:")
+
+
+def test_a_second_run_into_a_directory_with_a_checkpoint_refuses_without_resume(tmp_path):
+    path = _checkpointed(tmp_path)
+    before = path.read_bytes()
+    model, data, _ = _setup()
+    with pytest.raises(RunExistsError, match="resume"):
+        train(model, data, 3, checkpoint_dir=str(tmp_path), progress=False)
+    assert path.read_bytes() == before
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_the_run_directory_is_locked_and_a_dead_holders_lock_is_taken_over(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from loka.train import RunLock\n"
+         "with RunLock(sys.argv[1]):\n    print('locked', flush=True); time.sleep(60)",
+         str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        model, data, _ = _setup()
+        with pytest.raises(RunInUseError, match=f"pid {holder.pid}") as info:
+            train(model, data, 2, checkpoint_dir=str(tmp_path), progress=False)
+        assert str(tmp_path) in str(info.value)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert not (tmp_path / CHECKPOINT_NAME).exists()
+    # the holder died: its lock file stays, with its pid, and the next run takes it over
+    dead = _dead_pid()
+    (tmp_path / RunLock.NAME).write_text(f"{dead}\n")
+    notes = []
+    result = train(model, data, 2, checkpoint_dir=str(tmp_path), progress=False,
+                   log_fn=lambda e: notes.append(e["message"]) if e["event"] == "note" else None)
+    assert result.steps == 2
+    assert any(f"pid {dead}" in n and "took over" in n for n in notes), notes
+    assert any(f"pid {dead}" in n for n in result.notes)
+    assert sorted(os.listdir(tmp_path)) == [CHECKPOINT_NAME]  # the lock is gone with its run
+
+
+_KILL_DURING_WRITE = """
+import os, sys, time, torch
+import loka.models as M
+from loka.data import SyntheticCTR
+from loka.train import train
+out, marker, resume = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+real_save = torch.save
+def stalled_save(obj, f, *a, **k):  # the payload is written, then the process is killed
+    real_save(obj, f, *a, **k)
+    f.flush()
+    open(marker, "w").close()
+    time.sleep(60)
+torch.save = stalled_save
+torch.manual_seed(0)
+model = M.build("wukong", "tiny")
+train(model, SyntheticCTR(model.feature_spec, 16, seed=1), 4, checkpoint_dir=out,
+      checkpoint_every=1, resume=resume, progress=False)
+"""
+
+
+@pytest.mark.slow
+def test_sigkill_during_checkpoint_writes_leaves_at_most_one_temp_file_and_resume_cleans_it(
+        tmp_path):
+    out = tmp_path / "run"
+    for i in range(2):
+        marker = tmp_path / f"writing-{i}"
+        child = subprocess.Popen([sys.executable, "-c", _KILL_DURING_WRITE, str(out),
+                                  str(marker), "1" if i else "0"])
+        try:
+            deadline = time.monotonic() + 120
+            while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert marker.exists(), "the child never reached its checkpoint write"
+            child.send_signal(signal.SIGKILL)
+        finally:
+            child.kill()
+            child.wait()
+    temps = [f for f in os.listdir(out) if f.endswith(".tmp")]
+    assert len(temps) <= 1, temps
+    model, data, _ = _setup()
+    result = train(model, data, 3, checkpoint_dir=str(out), resume=True, progress=False)
+    assert result.steps == 3
+    assert sorted(os.listdir(out)) == [CHECKPOINT_NAME]
+
+
+def test_stale_temp_files_of_the_run_are_removed_on_start_and_nothing_else(tmp_path):
+    for name in (".ckpt-abc123.tmp", ".ckpt-x9.tmp", ".tmp-k2jmetrics.json"):
+        (tmp_path / name).write_bytes(b"partial")
+    (tmp_path / "notes.tmp").write_text("the user's")
+    assert sorted(remove_stale_temp_files(str(tmp_path))) == [".ckpt-abc123.tmp", ".ckpt-x9.tmp",
+                                                             ".tmp-k2jmetrics.json"]
+    assert sorted(os.listdir(tmp_path)) == ["notes.tmp"]
+
+
+def test_checkpoints_get_the_umask_mode(tmp_path):
+    old = os.umask(0o022)
+    try:
+        path = _checkpointed(tmp_path)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o644
+
+
+# -- training with a plan: the Guard, and the plan recorded in the checkpoint -----------
+FAULTY = "t-train-faulty"
+FP8 = "emulated-rowwise-e4m3"
+
+
+@pytest.fixture
+def faulty_kernel():
+    """An FP8 kernel whose output is Inf from a finite input: the Guard must switch it."""
+    base = get_kernel(FP8)
+
+    def inf_out(a, b, out_dtype):
+        y = base(a, b, out_dtype).clone()
+        y[0] = float("inf")
+        return y
+
+    register(Kernel(FAULTY, inf_out, library="custom", scaling="rowwise",
+                    formats=("e4m3", "e4m3"), quantize_a=base.quantize_a,
+                    quantize_b=base.quantize_b), override=True)
+    yield FAULTY
+    unregister(FAULTY)
+
+
+def _plan_for(model, site_kernels=None):
+    plan = Plan.uniform(model, FP8, device="cpu")
+    for site, kernel in (site_kernels or {}).items():
+        plan.sites[site].roles[Role.FWD].kernel = kernel
+    return plan
+
+
+def test_training_with_a_plan_arms_the_guard(tmp_path, faulty_kernel):
+    model, data, held = _setup()
+    site = "over_arch.mlp.0"
+    plan = _plan_for(model, {site: FAULTY})
+    result = train(model, data, 6, plan=plan, guard_every=2, checkpoint_dir=str(tmp_path),
+                   eval_iter=held, eval_steps=2, progress=False)
+    assert [e.site for e in result.guard_events] == [site]
+    assert result.skipped_steps == [1]  # the first step is checked: its update is skipped
+    assert [f.site for f in result.plan.fallbacks] == [site]
+    assert plan.fallbacks == []  # the caller's plan is not changed
+    assert math.isfinite(result.final["ne"]) and all(math.isfinite(l) for l in result.losses[1:])
+    assert isinstance(model.over_arch.mlp[2], loka.Linear)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_an_fp8_run_resumes_with_its_recorded_plan_bit_for_bit(tmp_path):
+    model, data, _ = _setup()
+    full = train(model, data, 6, plan=_plan_for(model), progress=False)
+
+    model, data, _ = _setup()
+    train(model, data, 3, plan=_plan_for(model), checkpoint_dir=str(tmp_path), progress=False)
+    model, data, _ = _setup(seed=5)  # a fresh process: no plan given, none applied
+    notes = []
+    resumed = train(model, data, 6, checkpoint_dir=str(tmp_path), resume=True, progress=False,
+                    log_fn=lambda e: notes.append(e["message"]) if e["event"] == "note" else None)
+    assert isinstance(model.over_arch.mlp[0], loka.Linear)
+    assert model.over_arch.mlp[0].config == LinearConfig.uniform(FP8)
+    assert any("recorded in the checkpoint" in n for n in notes)
+    assert resumed.losses == full.losses
+
+
+def test_resuming_with_another_plan_is_refused(tmp_path):
+    model, data, _ = _setup()
+    train(model, data, 2, plan=_plan_for(model), checkpoint_dir=str(tmp_path), progress=False)
+    model, data, _ = _setup()
+    other = Plan.uniform(model, "emulated-tensorwise-e4m3", device="cpu")
+    with pytest.raises(PlanChangedError, match="another plan"):
+        train(model, data, 4, plan=other, checkpoint_dir=str(tmp_path), resume=True,
+              progress=False)
+
+
+def test_the_fallbacks_of_a_run_survive_its_resume(tmp_path, faulty_kernel):
+    model, data, _ = _setup()
+    site = "over_arch.mlp.0"
+    first = train(model, data, 3, plan=_plan_for(model, {site: FAULTY}), guard_every=1,
+                  checkpoint_dir=str(tmp_path), progress=False)
+    assert [e.site for e in first.guard_events] == [site]
+    model, data, _ = _setup()
+    resumed = train(model, data, 5, checkpoint_dir=str(tmp_path), resume=True, progress=False)
+    assert resumed.guard_events == [] and [f.site for f in resumed.plan.fallbacks] == [site]
+    assert not isinstance(model.over_arch.mlp[0], loka.Linear)  # on the baseline: plain again
+    assert model.over_arch.mlp[2].config == LinearConfig.uniform(FP8)

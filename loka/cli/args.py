@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import re
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -21,7 +22,7 @@ from ..kernels import registry
 
 __all__ = ["EXIT_OK", "EXIT_FAILURE", "EXIT_USAGE", "CliError", "usage", "resolve_device",
            "parse_mods", "parse_pairs", "parse_budgets", "positive", "budget", "speedup",
-           "probe_config", "demo_config"]
+           "parse_kernels", "unknown_kernels", "kernel_hint", "probe_config", "demo_config"]
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -105,14 +106,16 @@ def parse_budgets(items: Optional[Sequence[str]], what: str, keys: Optional[Sequ
     """``["wgrad=0.1", ...]`` -> ``{"wgrad": 0.1}``; the key may contain ``=`` (a regex)."""
     out: Dict[str, float] = {}
     example = f"{'wgrad' if keys else 'over_arch'}=0.1"
+    hint = (f"a budget is a bound on the error metric, a finite number >= 0 "
+            f"(0: the baseline only), e.g. --{what} {example}")
     for key, value in parse_pairs(items, what, example).items():
         item = f"{key}={value}"
         try:
             number = float(value)
         except ValueError:
-            raise usage(f"--{what} {item!r}: {value!r} is not a number") from None
+            raise usage(f"--{what} {item!r}: {value!r} is not a number", hint) from None
         if not number >= 0 or number == float("inf"):
-            raise usage(f"--{what} {item!r}: the budget must be a finite number >= 0")
+            raise usage(f"--{what} {item!r}: the budget must be a finite number >= 0", hint)
         if keys is not None and key not in keys:
             raise usage(f"--{what} {item!r}: unknown role {key!r}", f"roles: {', '.join(keys)}")
         if keys is None:
@@ -157,15 +160,32 @@ def speedup(text: str) -> float:
     return value
 
 
+def unknown_kernels(names: Sequence[str]) -> List[str]:
+    """The names in ``names`` no registered kernel has, in order."""
+    known = {k.name for k in registry.all_kernels()}
+    return [n for n in names if n not in known]
+
+
+def kernel_hint(unknown: Sequence[str]) -> str:
+    """The registered kernel names nearest to ``unknown`` ones, and where to find all."""
+    known = sorted(k.name for k in registry.all_kernels())
+    close: List[str] = []
+    for name in unknown:
+        close += [c for c in difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+                  if c not in close]
+    suggestion = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+    return suggestion + "'loka kernels' lists every kernel"
+
+
 def parse_kernels(text: Optional[str]) -> Optional[Tuple[str, ...]]:
-    """``--kernels a,b`` -> ``("a", "b")`` (None when not given); unknown names refused."""
+    """``--kernels a,b`` -> ``("a", "b")`` (None when not given); unknown names refused,
+    with the nearest registered names."""
     if not text:
         return None
     kernels = tuple(k.strip() for k in text.split(",") if k.strip())
-    known = {k.name for k in registry.all_kernels()}
-    unknown = [k for k in kernels if k not in known]
+    unknown = unknown_kernels(kernels)
     if unknown:
-        raise usage(f"--kernels: unknown kernel(s) {unknown}", "list them with 'loka kernels'")
+        raise usage(f"--kernels: unknown kernel(s) {unknown}", kernel_hint(unknown))
     return kernels
 
 

@@ -4,13 +4,19 @@ calls the one the namespace names.
 
 A failure the user can fix raises :class:`~loka.cli.args.CliError`, which ``main`` prints
 as one line and a hint; :func:`run` turns an :class:`~loka.assembly.AssemblyError` (a
-model or data stream that cannot be built as named) into one.
+model or data stream that cannot be built as named) and a malformed line of a Criteo file
+into one.
+
+Length: one ``cmd_<name>`` per subcommand and the few helpers they share (notes, the
+evaluation line, strict JSON files); split by command, the modules would import each
+other's helpers.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 from typing import List, Tuple
@@ -21,33 +27,102 @@ from .. import bench
 from ..assembly import (AssemblyError, Optimizers, build_model, criteo_features, device_batches,
                         make_streams, parse_data)
 from ..config import ROLES, ProbeConfig
+from ..data import CriteoFormatError
 from ..demo.runner import run as run_demo
 from ..dispatch import Plan, PlanMismatchError, apply, audit, check, optimize, override
 from ..dispatch import plan as make_plan
-from ..jsonio import atomic_write_text
+from ..jsonio import atomic_write_text, json_safe
 from ..kernels import capabilities, registry
 from ..probe import probe
 from ..probe.report import ProbeReport
+from ..quality import paired_check
 from ..reporting import text_plan, text_report, write_html, write_markdown, write_tensorboard
 from ..reporting.tables import format_table
-from ..train import CHECKPOINT_NAME, loss_fn, make_optimizers, train
-from .args import (EXIT_FAILURE, EXIT_OK, EXIT_USAGE, CliError, demo_config, parse_budgets,
-                   parse_kernels, parse_mods, parse_pairs, probe_config, resolve_device, usage)
-from .files import load_any, load_checkpoint, load_curves, load_plan, load_report
+from ..train import (CHECKPOINT_NAME, CheckpointError, EmptyEvaluationError, PlanChangedError,
+                     RunExistsError, RunInUseError, RunLock, checkpoint_plan, evaluate, loss_fn,
+                     make_optimizers, train)
+from .args import (EXIT_FAILURE, EXIT_OK, EXIT_USAGE, CliError, demo_config, kernel_hint,
+                   parse_budgets, parse_kernels, parse_mods, parse_pairs, probe_config,
+                   resolve_device, unknown_kernels, usage)
+from .files import (DAMAGED_HINT, check_plan_kernels, load_any, load_checkpoint, load_curves,
+                    load_plan, load_report, load_weights, read_checkpoint_file)
 
-__all__ = ["run", "cmd_demo", "cmd_train", "cmd_probe", "cmd_plan", "cmd_optimize",
+__all__ = ["run", "cmd_demo", "cmd_train", "cmd_evaluate", "cmd_quality", "cmd_probe", "cmd_plan", "cmd_optimize",
            "cmd_audit", "cmd_apply",
-           "cmd_report", "cmd_bench", "cmd_kernels", "kernel_table", "mismatch_hint"]
+           "cmd_report", "cmd_bench", "cmd_kernels", "kernel_table", "mismatch_hint",
+           "BAD_LINE_HINT", "SYNTHETIC_EVAL_STEPS", "write_json"]
+
+BAD_LINE_HINT = ("that line of the data file is not in the Criteo TSV layout (label, 13 counts, "
+                 "26 hex ids, tab-separated): fix or remove it, or pass --skip-bad-lines")
+SYNTHETIC_EVAL_STEPS = 20
+"""batches of the synthetic held-out stream per evaluation when --eval-steps is left out
+(the stream never ends; an evaluation file is read whole instead)"""
+QUALITY_EVAL_STEPS = 64
+"""the same for ``loka quality``, whose intervals narrow with the examples scored"""
 
 
 def run(args) -> int:
     """Run the subcommand ``args.command`` (its ``cmd_<command>``); a model or data source
     that cannot be built as named (:class:`AssemblyError`) becomes the CliError it is: a
-    usage error when the name itself is wrong."""
+    usage error when the name itself is wrong; a malformed line of a Criteo file, a
+    failure naming the file and the line."""
     try:
         return globals()[f"cmd_{args.command}"](args)
     except AssemblyError as e:
         raise CliError(e.message, e.hint, EXIT_USAGE if e.usage else EXIT_FAILURE) from e
+    except CriteoFormatError as e:
+        raise CliError(str(e), BAD_LINE_HINT) from e
+    except EmptyEvaluationError as e:
+        raise CliError(str(e), "give --data an evaluation file with at least one example"
+                       ) from e
+
+
+def write_json(path: str, obj) -> None:
+    """``obj`` as strict JSON (inf and NaN as loka.jsonio writes them), atomically."""
+    atomic_write_text(path, json.dumps(json_safe(obj), indent=1, allow_nan=False))
+
+
+def _eval_steps(args, data) -> "int | None":
+    """``--eval-steps``, or its default: the whole evaluation file, or
+    :data:`SYNTHETIC_EVAL_STEPS` batches of the synthetic stream."""
+    if args.eval_steps is not None or data.kind != "synthetic":
+        return args.eval_steps
+    return SYNTHETIC_EVAL_STEPS
+
+
+def _eval_data(data, held, steps, count: int) -> dict:
+    """What an evaluation read: its source, whether it is held out, how much of it."""
+    whole = held.at_end() if hasattr(held, "at_end") else None
+    return {"source": data.eval_source, "held_out": data.held_out, "examples": int(count),
+            "batches": steps, "whole_file": whole}
+
+
+def _eval_line(metrics: dict, eval_data: dict) -> str:
+    """One line: the NE, AUC and log loss, what they were measured on, how many examples."""
+    name = "held-out NE" if eval_data["held_out"] else "NE on the training file"
+    n = eval_data["examples"]
+    if eval_data["whole_file"] is None:
+        where = f"over {n:,} examples ({eval_data['batches']} batches of the {eval_data['source']})"
+    elif eval_data["whole_file"]:
+        where = f"over {n:,} examples of {eval_data['source']} (the whole file)"
+    else:
+        where = (f"over {n:,} examples, part of {eval_data['source']} (--eval-steps "
+                 f"{eval_data['batches']}; leave it out to read the whole file)")
+    line = (f"{name} {metrics['ne']:.5f}, AUC {metrics['auc']:.4f}, log loss "
+            f"{metrics['logloss']:.5f} {where}")
+    if not eval_data["held_out"]:
+        line += "; not held out: no evaluation file was given (criteo:TRAIN,EVAL names one)"
+    return line
+
+
+def _note(message: str) -> None:
+    print(f"note: {message}", file=sys.stderr)
+
+
+def _skipped_lines(stream) -> None:
+    skipped = getattr(stream, "num_skipped", 0)
+    if skipped:
+        _note(f"skipped {skipped} malformed line(s) of {stream.path} (--skip-bad-lines)")
 
 
 def mismatch_hint(what: str = "the model") -> str:
@@ -73,22 +148,56 @@ def cmd_train(args) -> int:
     plan = None
     if args.plan:
         plan = load_plan(args.plan)
+        check_plan_kernels(plan, args.plan)
         model.to(device)
         try:
-            apply(model, plan)
+            check(model, plan)  # a plan for another model fails before anything is written
         except PlanMismatchError as e:
             raise CliError(f"{args.plan}: {e}", mismatch_hint()) from None
-    stream, held = make_streams(data, model, batch_size, args.seed, device)
+    stream, held = make_streams(data, model, batch_size, args.seed, device,
+                                skip_malformed=args.skip_bad_lines)
     ckpt = os.path.join(args.out, CHECKPOINT_NAME)
+    try:
+        with RunLock(args.out) as lock:
+            if lock.takeover_note:
+                _note(lock.takeover_note)
+            return _train_locked(args, data, model, desc, stream, held, plan, batch_size,
+                                 device, ckpt)
+    except RunInUseError as e:
+        raise CliError(str(e), "wait for that run to end, or train into another --out") from None
+
+
+def _train_locked(args, data, model, desc, stream, held, plan, batch_size, device, ckpt) -> int:
+    """``loka train`` holding the lock of ``--out``."""
     if args.resume and not os.path.exists(ckpt):
-        print(f"note: no checkpoint at {ckpt}; starting a fresh run", file=sys.stderr)
+        _note(f"no checkpoint at {ckpt}; starting a fresh run")
     print(f"training {desc} on {args.data} for {args.steps} steps (batch {batch_size}, "
-          f"{device}{', plan ' + args.plan if plan else ''})")
+          f"{device}{', plan ' + args.plan + ', Guard on' if plan else ''})")
+
+    def log(event) -> None:
+        if event["event"] == "note":
+            _note(event["message"])
+
     try:
         result = train(
             model, stream, args.steps, lr=args.lr, device=device, eval_iter=held,
-            eval_every=args.eval_every, eval_steps=args.eval_steps, checkpoint_dir=args.out,
-            checkpoint_every=args.checkpoint_every, resume=args.resume, seed=args.seed)
+            eval_every=args.eval_every, eval_steps=_eval_steps(args, data), checkpoint_dir=args.out,
+            checkpoint_every=args.checkpoint_every, resume=args.resume, seed=args.seed,
+            plan=plan, log_fn=log)
+    except RunExistsError:
+        raise usage(f"{args.out} already holds a run ({ckpt}); not overwriting it",
+                    "continue it with --resume, or train into another --out") from None
+    except CheckpointError as e:
+        raise CliError(str(e), DAMAGED_HINT) from None
+    except PlanChangedError:
+        raise CliError(f"{ckpt} trained with another plan than {args.plan}",
+                       "resume without --plan to continue with the plan the run trained "
+                       "with, or train this plan into another --out") from None
+    except PlanMismatchError as e:
+        raise CliError(f"{ckpt}: the plan it recorded does not fit {desc} "
+                       f"({str(e).split(': ', 1)[-1]})",
+                       "resume with the --model/--preset/--mods of that run, or pick "
+                       "another --out") from None
     except RuntimeError as e:
         if args.resume and "state_dict" in str(e):
             raise CliError(f"{ckpt} holds another model's weights "
@@ -96,15 +205,159 @@ def cmd_train(args) -> int:
                            "resume with the --model/--preset/--mods of that run, or pick "
                            "another --out") from None
         raise
-    metrics = {"model": desc, "data": args.data, "steps": result.steps, "final": result.final,
-               "eval_history": result.eval_history, "samples_per_s": result.samples_per_s,
-               "resumed_from": result.resumed_from, "plan": args.plan}
-    atomic_write_text(os.path.join(args.out, "metrics.json"), json.dumps(metrics, indent=1))
+    _skipped_lines(stream)
+    run_plan = result.plan
     f = result.final
-    if "ne" in f:
-        print(f"step {result.steps}: held-out NE {f['ne']:.5f}, AUC {f['auc']:.4f}, "
-              f"log loss {f['logloss']:.5f} ({result.samples_per_s:,.0f} samples/s)")
+    eval_data = _eval_data(data, held, _eval_steps(args, data), f["count"])
+    metrics_path = os.path.join(args.out, "metrics.json")
+    speed = f" ({result.samples_per_s:,.0f} samples/s)" if result.samples_per_s else ""
+    print(f"step {result.steps}{speed}: {_eval_line(f, eval_data)}")
+    if result.resumed_from == result.steps and os.path.exists(metrics_path):
+        _note(f"the run is already at step {result.steps}: nothing left to train; "
+              f"{metrics_path} is kept as the run wrote it")
+        print(f"kept {metrics_path}")
+        return EXIT_OK
+    metrics = {"model": desc, "data": args.data, "steps": result.steps, "final": result.final,
+               "eval_data": eval_data,
+               "eval_history": result.eval_history, "samples_per_s": result.samples_per_s,
+               "resumed_from": result.resumed_from, "plan": args.plan,
+               "fp8_sites": [] if run_plan is None else run_plan.fp8_sites(),
+               "fallbacks": [] if run_plan is None else [f.to_dict() for f in run_plan.fallbacks],
+               "skipped_steps": result.skipped_steps}
+    write_json(metrics_path, metrics)
+    if run_plan is not None:
+        print(f"plan: {len(run_plan.fp8_sites())} site(s) on FP8; the Guard switched "
+              f"{len(result.guard_events)} to {run_plan.baseline} and skipped "
+              f"{len(result.skipped_steps)} update(s) in this run")
     print(f"wrote {ckpt} and {os.path.join(args.out, 'metrics.json')}")
+    return EXIT_OK
+
+
+def cmd_evaluate(args) -> int:
+    device = resolve_device(args)
+    mods = parse_mods(args.mods)
+    data = parse_data(args.data)
+    features = criteo_features(args.model, args.preset) if data.kind == "criteo" else None
+    model, desc = build_model(args.model, args.preset, mods, features, args.seed)
+    weights, state = read_checkpoint_file(args.checkpoint)
+    plan, plan_name = None, None
+    if args.plan:
+        plan, plan_name = load_plan(args.plan), args.plan
+        check_plan_kernels(plan, args.plan)
+    elif state is not None:
+        try:
+            plan = checkpoint_plan(args.checkpoint, state)
+        except CheckpointError as e:
+            raise CliError(str(e), DAMAGED_HINT) from None
+        if plan is not None:
+            plan_name = "the checkpoint's"
+            _note(f"evaluating with the plan {args.checkpoint} trained with "
+                  f"({len(plan.fp8_sites())} FP8 site(s)); --plan names another")
+    model.to(device)
+    if plan is not None:
+        try:
+            check(model, plan)
+        except PlanMismatchError as e:
+            raise CliError(f"{args.plan or args.checkpoint}: the plan does not fit {desc} "
+                           f"({str(e).split(': ', 1)[-1]})", mismatch_hint()) from None
+        apply(model, plan)
+    load_weights(model, weights, args.checkpoint)
+    batch_size = args.batch_size or getattr(model, "default_batch_size", 512)
+    _, held = make_streams(data, model, batch_size, args.seed, device,
+                           skip_malformed=args.skip_bad_lines)
+    steps = _eval_steps(args, data)
+    metrics = evaluate(model, held, steps, device=device, autocast_bf16=device.type == "cuda")
+    _skipped_lines(held)
+    eval_data = _eval_data(data, held, steps, metrics["count"])
+    print(f"{args.checkpoint} ({desc}{', plan ' + plan_name if plan_name else ''}): "
+          f"{_eval_line(metrics, eval_data)}")
+    if args.out:
+        write_json(args.out, {"schema": "loka.evaluation", "version": 1,
+                              "checkpoint": args.checkpoint, "model": desc, "data": args.data,
+                              "plan": plan_name, "metrics": metrics, "eval_data": eval_data})
+        print(f"wrote {args.out}")
+    return EXIT_OK
+
+
+def _seeds(text: str) -> List[int]:
+    try:
+        seeds = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise usage(f"--seeds {text!r}: expected a comma list of distinct integers", "e.g. 0,1,2")
+    return seeds
+
+
+def cmd_quality(args) -> int:
+    device = resolve_device(args)
+    if args.plan is None and not args.control:
+        raise usage("loka quality needs the plan arm's --plan (or --control for a control "
+                    "run)", "make a plan with 'loka plan report.json -o plan.json'")
+    if not 0.0 < args.confidence < 1.0:
+        raise usage(f"--confidence {args.confidence}: expected a number in (0, 1)", "e.g. 0.95")
+    if not (math.isfinite(args.logit_scale) and args.logit_scale > 0):
+        raise usage(f"--logit-scale {args.logit_scale}: expected a positive number", "1: none")
+    seeds = _seeds(args.seeds)
+    mods = parse_mods(args.mods)
+    data = parse_data(args.data)
+    features = criteo_features(args.model, args.preset) if data.kind == "criteo" else None
+    model, desc = build_model(args.model, args.preset, mods, features, seeds[0])
+    plan = None
+    if args.plan:
+        plan = load_plan(args.plan)
+        check_plan_kernels(plan, args.plan)
+        try:
+            check(model.to(device), plan)
+        except PlanMismatchError as e:
+            raise CliError(f"{args.plan}: {e}", mismatch_hint()) from None
+    weights = None
+    if args.checkpoint:
+        weights, _ = read_checkpoint_file(args.checkpoint)
+        load_weights(model, weights, args.checkpoint)  # another model's weights: fail now
+    batch_size = args.batch_size or getattr(model, "default_batch_size", 512)
+    streams = {s: make_streams(data, model, batch_size, s, device,
+                               skip_malformed=args.skip_bad_lines) for s in seeds}
+    starts = {s: streams[s][0].state_dict() for s in seeds}
+    held = streams[seeds[0]][1]
+    eval_steps = args.eval_steps
+    if eval_steps is None and data.kind == "synthetic":
+        eval_steps = QUALITY_EVAL_STEPS
+
+    def train_data(seed):
+        stream = streams[seed][0]
+        stream.load_state_dict(starts[seed])  # both arms: the same batches from the start
+        return stream
+
+    def eval_data():
+        if data.kind == "synthetic":
+            return (held.batch(i) for i in range(eval_steps))
+        return make_streams(data, model, batch_size, seeds[0], device,
+                            skip_malformed=args.skip_bad_lines)[1]
+
+    def build(seed):
+        return build_model(args.model, args.preset, mods, features, seed)[0]
+
+    scale = args.logit_scale
+    arm = "control" if args.control else "paired"
+    print(f"quality check ({arm}) of {desc} on {args.data}: {args.steps} steps per arm, "
+          f"seeds {','.join(map(str, seeds))}, plan {args.plan or 'none'}, {device}")
+    result = paired_check(
+        build, train_data, eval_data, plan, steps=args.steps, seeds=seeds, lr=args.lr,
+        device=device, initial_state=weights, eval_steps=None if data.kind == "synthetic"
+        else eval_steps, control=args.control, confidence=args.confidence,
+        bootstrap=args.bootstrap, plan_logits=None if scale == 1.0 else (lambda z: z * scale),
+        meta={"model": desc, "data": args.data, "plan": args.plan, "mods": args.mods,
+              "checkpoint": args.checkpoint, "lr": args.lr, "batch_size": batch_size,
+              "device": str(device), "eval_source": data.eval_source,
+              "eval_held_out": data.held_out,
+              "perturbation": None if scale == 1.0 else f"logits x {scale!r}"})
+    print(result.summary())
+    if not data.held_out:
+        _note("no evaluation file was given: both arms were scored on the training file "
+              "(criteo:TRAIN,EVAL names a held-out one)")
+    result.save(args.out)
+    print(f"wrote {args.out}")
     return EXIT_OK
 
 
@@ -134,7 +387,8 @@ def _model_and_stream(args, device: torch.device):
         load_checkpoint(model, args.checkpoint)
     model.to(device)
     batch_size = args.batch_size or getattr(model, "default_batch_size", 512)
-    stream, _ = make_streams(data, model, batch_size, args.seed, device)
+    stream, _ = make_streams(data, model, batch_size, args.seed, device,
+                             skip_malformed=args.skip_bad_lines)
     return model, desc, mods, batch_size, stream
 
 
@@ -150,13 +404,20 @@ def cmd_probe(args) -> int:
     try:
         report = probe(model, device_batches(stream, device), loss, config=cfg,
                        optimizer=optimizer, steps=args.steps, device=device)
+    except CriteoFormatError:
+        raise  # the data file's line: run() says so
     except ValueError as e:  # e.g. no Linear matches --module-filter
         raise CliError(str(e), "check --module-filter against the model's Linear names") from None
+    _skipped_lines(stream)
     report.meta.update(model=desc, data=args.data, mods=dataclasses.asdict(mods),
                        batch_size=batch_size)
     report.save(args.out)
     print(report.summary_table())
-    print(f"wrote {args.out}; next: loka plan {args.out} -o plan.json")
+    if device.type == "cuda":
+        print(f"wrote {args.out}; next: loka plan {args.out} -o plan.json")
+    else:
+        print(f"wrote {args.out}; next: loka plan {args.out} -o plan.json --assume-fast "
+              f"(CPU timings do not decide FP8 speed: choose on error alone)")
     return EXIT_OK
 
 
@@ -194,9 +455,7 @@ def cmd_optimize(args) -> int:
 
 def cmd_plan(args) -> int:
     report = load_report(args.report)
-    allowed = None
-    if args.kernels:
-        allowed = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    allowed = parse_kernels(args.kernels)
     device = resolve_device(args) if args.device else None
     try:
         plan = make_plan(report, max_error=args.max_error, min_speedup=args.min_speedup,
@@ -210,13 +469,13 @@ def cmd_plan(args) -> int:
     except ValueError as e:
         raise usage(str(e)) from None
     if args.replace or args.assign:
+        replace = parse_pairs(args.replace, "replace", "triton-rowwise-cublas=cublas-rowwise")
+        assign = parse_pairs(args.assign, "assign", "'over_arch.*:fwd=cublas-rowwise'")
+        unknown = unknown_kernels(list(replace.values()) + list(assign.values()))
+        if unknown:
+            raise usage(f"--replace/--assign: unknown kernel(s) {unknown}", kernel_hint(unknown))
         try:
-            plan = override(
-                plan, replace=parse_pairs(args.replace, "replace", "triton-rowwise-cublas=cublas-rowwise"),
-                assign=parse_pairs(args.assign, "assign", "'over_arch.*:fwd=cublas-rowwise'"),
-                report=report)
-        except KeyError as e:
-            raise usage(f"unknown kernel: {e.args[0]}", "list them with 'loka kernels'") from None
+            plan = override(plan, replace=replace, assign=assign, report=report)
         except ValueError as e:
             raise usage(str(e)) from None
     plan.save(args.out)
@@ -249,6 +508,7 @@ def cmd_apply(args) -> int:
                     "would be lost when the command ends",
                     "apply for real with 'loka train --plan plan.json' or loka.apply(model, plan)")
     plan = load_plan(args.plan)
+    check_plan_kernels(plan, args.plan)
     mods = parse_mods(args.mods)
     data = parse_data(args.data)
     features = criteo_features(args.model, args.preset) if data.kind == "criteo" else None

@@ -73,6 +73,12 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="seed of model, data and sampler")
 
 
+def _skip_bad_lines(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--skip-bad-lines", action="store_true",
+                   help="count and skip malformed lines of criteo data instead of stopping "
+                        "at the first")
+
+
 def _model_args(p: argparse.ArgumentParser, positional: bool = False) -> None:
     if positional:
         p.add_argument("model", help="reference model (wukong, dcnv2, interformer, dlrm, "
@@ -100,7 +106,27 @@ writes report.json, plan.json, report.html, summary.md and curves.json to --out.
   loka train --model wukong --preset small --steps 500 --out runs/wukong
   loka train --out runs/wukong --steps 1000 --resume        # continue that run
   loka train --plan plan.json --out runs/wukong-fp8         # train with a plan applied
-  loka train --model dlrm --data criteo:day_0.tsv,day_1.tsv --out runs/dlrm""",
+  loka train --model dlrm --data criteo:day_0.tsv,day_1.tsv --out runs/dlrm
+
+one run at a time per --out (it is locked); a run into an --out that holds a checkpoint
+must --resume it. Checkpoints carry a checksum: a damaged one is refused, never loaded.""",
+    "evaluate": """examples:
+  loka evaluate --checkpoint runs/dlrm/checkpoint.pt --model dlrm --data criteo:day_0.tsv,day_1.tsv
+  loka evaluate --checkpoint runs/w/checkpoint.pt --plan plan.json -o eval.json
+  loka evaluate --checkpoint runs/w/checkpoint.pt --eval-steps 100    # synthetic: 100 batches
+
+an evaluation file (the second of criteo:TRAIN,EVAL) is read exactly once unless
+--eval-steps says otherwise; with a training file alone the NE is the training file's
+(and says so). Prints how many examples it saw; an empty file is refused.""",
+    "quality": """examples:
+  loka quality --plan plan.json --steps 300 --seeds 0,1,2 -o quality.json
+  loka quality --plan plan.json --control               # the plan against itself: exactly 0
+  loka quality --plan plan.json --checkpoint runs/w/checkpoint.pt --data criteo:train.tsv,test.tsv
+
+both arms start from the same weights and train on the same batches with the same RNG
+(deterministic algorithms on); each is scored once on the same evaluation examples. Reports
+NE_plan / NE_base - 1 and the AUC change with intervals over examples (delta method;
+--bootstrap for a paired bootstrap too) and over seeds (t, with several --seeds).""",
     "probe": """examples:
   loka probe wukong --preset tiny -o report.json
   loka probe wukong --preset small --checkpoint runs/wukong/checkpoint.pt --steps 50
@@ -190,11 +216,60 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     p.add_argument("--eval-every", type=positive(int, "--eval-every", 0), default=0,
                    help="evaluate every N steps (0: at the end only)")
-    p.add_argument("--eval-steps", type=positive(int, "--eval-steps"), default=20,
-                   help="held-out batches per evaluation")
+    p.add_argument("--eval-steps", type=positive(int, "--eval-steps"), default=None,
+                   help="batches per evaluation (default: the whole evaluation file, once; "
+                        "20 batches of the synthetic held-out stream)")
     p.add_argument("--checkpoint-every", type=positive(int, "--checkpoint-every", 0), default=0,
                    help="checkpoint every N steps (0: at the end only)")
-    p.add_argument("--plan", default=None, help="train with this plan applied (loka.apply)")
+    p.add_argument("--plan", default=None,
+                   help="train with this plan applied (loka.apply) and the Guard on; a run "
+                        "that trained with a plan resumes with it")
+    _skip_bad_lines(p)
+
+    p = add("evaluate", "score a checkpoint on evaluation data: NE, AUC, log loss, examples seen")
+    p.add_argument("--checkpoint", required=True,
+                   help="the weights to score (a loka train checkpoint.pt or a state dict)")
+    _model_args(p)
+    p.add_argument("--plan", default=None,
+                   help="evaluate with this plan applied (default: the plan the checkpoint's "
+                        "run trained with, if any)")
+    p.add_argument("--batch-size", type=positive(int, "--batch-size"), default=None,
+                   help="default: the preset's")
+    p.add_argument("--eval-steps", type=positive(int, "--eval-steps"), default=None,
+                   help="batches to evaluate (default: the whole evaluation file, once; 20 "
+                        "batches of the synthetic held-out stream)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the synthetic stream (the run's --seed: its held-out twin)")
+    p.add_argument("-o", "--out", default=None, help="also write the result here as JSON")
+    _skip_bad_lines(p)
+
+    p = add("quality", "paired quality check: the plan against the baseline on identical "
+                       "terms; relative NE and AUC change with intervals")
+    _model_args(p)
+    p.add_argument("--plan", default=None, help="the plan arm's plan (a plan.json)")
+    p.add_argument("--control", action="store_true",
+                   help="run the plan arm's configuration in both arms (the result must be 0)")
+    p.add_argument("--checkpoint", default=None,
+                   help="both arms start from these weights (default: fresh weights per seed)")
+    p.add_argument("--steps", type=positive(int, "--steps", 0), default=100,
+                   help="training steps per arm")
+    p.add_argument("--seeds", default="0",
+                   help="comma list of seeds, one paired comparison each (initial weights, "
+                        "batches, RNG)")
+    p.add_argument("--batch-size", type=positive(int, "--batch-size"), default=None,
+                   help="default: the preset's")
+    p.add_argument("--lr", type=positive(float, "--lr", 0), default=1e-3, help="learning rate")
+    p.add_argument("--eval-steps", type=positive(int, "--eval-steps"), default=None,
+                   help="evaluation batches (default: the whole evaluation file, once; 64 "
+                        "batches of the synthetic held-out stream)")
+    p.add_argument("--confidence", type=float, default=0.95, help="of every interval")
+    p.add_argument("--bootstrap", type=positive(int, "--bootstrap", 0), default=0,
+                   help="paired bootstrap resamples per seed (0: the delta method alone)")
+    p.add_argument("--logit-scale", type=float, default=1.0,
+                   help="test hook: multiply the plan arm's evaluation logits by this "
+                        "(a perturbation of known size; 1: none)")
+    p.add_argument("-o", "--out", default="quality.json", help="the JSON result to write")
+    _skip_bad_lines(p)
 
     p = add("probe", "learn each GEMM's distributions while training; measure every kernel")
     _model_args(p, positional=True)
@@ -226,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-speedup", type=speedup, default=1.05, help="the report's fast flag")
     p.add_argument("--no-naive", action="store_true", help="skip the N(0, 1) comparison")
     p.add_argument("--no-timing", action="store_true", help="errors only, no speed measurement")
+    _skip_bad_lines(p)
 
     p = add("plan", "choose a kernel per site and role under an accuracy budget")
     p.add_argument("report", help="a report.json written by 'loka probe'")
@@ -243,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", default=None, help="comma list of allowed kernels")
     p.add_argument("--assume-fast", action="store_true",
                    help="where no GPU timing decides (CPU reports), choose the lowest-error "
-                        "safe kernel instead of bf16")
+                        "safe FP8 kernel instead of bf16")
     p.add_argument("--replace", action="append", metavar="OLD=NEW", default=[],
                    help="then move every role on kernel OLD to kernel NEW (repeatable; "
                         "NEW must meet the budget where the report measured it)")
@@ -277,6 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="final A/B rounds the plan must win, each of them")
     p.add_argument("--max-trials", type=positive(int, "--max-trials", 2), default=16,
                    help="at most this many whole-step timings while tuning")
+    _skip_bad_lines(p)
 
     p = add("audit", "check a plan against its Probe report: budgets kept, fastest chosen")
     p.add_argument("plan", help="a plan.json")

@@ -155,6 +155,29 @@ class CriteoReader:
         if labels and not self.drop_last:
             yield self._make_batch(labels, dense, cats)
 
+    def is_empty(self) -> bool:
+        """Whether the file holds no example at all (only blank lines, or, with
+        ``skip_malformed``, only malformed ones); reads up to the first example."""
+        with open(self.path, "rb") as f:
+            for line_no, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                if not self.skip_malformed:
+                    return False  # a malformed first line is reported when it is read
+                try:
+                    self._parse(raw.decode("utf-8", errors="replace"), line_no)
+                except CriteoFormatError:
+                    continue
+                return False
+        return True
+
+    def at_end(self) -> bool:
+        """Whether no example is left after the reader's position (the batches read so far
+        covered the rest of the file)."""
+        with open(self.path, "rb") as f:
+            f.seek(self._offset)
+            return not any(raw.strip() for raw in f)
+
     def state_dict(self) -> Dict[str, int]:
         return {"offset": self._offset, "line_no": self._line_no, "num_skipped": self.num_skipped}
 

@@ -14,15 +14,16 @@ call). Their public names are all here.
 
 from .linear import Linear
 from .schema import Fallback, Plan, PlanMismatchError, RoleChoice, SitePlan
-from .select import audit, override, plan
-from .swap import ApplyReport, Change, amax_from_report, applied_plan, apply, check, unapply
+from .select import audit, budget_problem, override, plan, plan_report_mismatches
+from .swap import (ApplyReport, Change, amax_from_report, applied_plan, apply, check,
+                   skipped_sites, unapply)
 from .guard import Guard, GuardEvent
 from .tighten import tighten_end_to_end
 from .tune import FUSIBLE_TWINS, search_speed, tune_speed
 from .optimize import OptimizeResult, optimize, step_timer
 
 __all__ = ["Linear", "Plan", "SitePlan", "RoleChoice", "Fallback", "PlanMismatchError", "plan",
-           "audit", "override", "tighten_end_to_end", "tune_speed", "search_speed",
+           "audit", "budget_problem", "plan_report_mismatches", "override", "tighten_end_to_end", "tune_speed", "search_speed",
            "FUSIBLE_TWINS", "optimize", "OptimizeResult", "step_timer", "apply", "unapply",
-           "check", "applied_plan", "ApplyReport", "Change", "amax_from_report", "Guard",
+           "check", "applied_plan", "skipped_sites", "ApplyReport", "Change", "amax_from_report", "Guard",
            "GuardEvent"]

@@ -9,7 +9,10 @@ reason, and records it in the plan's ``fallbacks``, so ``plan.save(...)`` makes 
 run start from it. A switched site is never checked or switched back within the run.
 
 Only the site that *introduced* a non-finite value is blamed: downstream sites that merely
-received one are not. Non-finite values that no FP8 site introduced are logged and left.
+received one are not, and neither is a site whose weight or bias is non-finite (the
+baseline would fail the same way: switching it fixes nothing). Non-finite values that no
+FP8 site introduced are logged and left. Sites that ``apply(plan, strict=False)`` skipped
+are not guarded (:attr:`Guard.unguarded` lists them).
 
 Costs: off check steps one attribute test per site; on check steps a few reductions per
 site and one host synchronization in ``step``. Arming changes a Python flag that compiled
@@ -39,7 +42,7 @@ from torch import nn
 from ..config import LinearConfig
 from .linear import Linear, SiteMonitor
 from .schema import Plan
-from .swap import root_module
+from .swap import applied_plan, root_module, skipped_sites
 
 log = logging.getLogger("loka.dispatch")
 
@@ -71,6 +74,11 @@ class Guard:
         on_switch: called with each :class:`GuardEvent` (default: a logging warning).
         check_loss: test the loss passed to :meth:`step` for finiteness every step (one
             scalar host synchronization; pass False to test only on check steps).
+
+    Attributes:
+        sites: the guarded sites (FP8 sites of the plan, applied, not yet switched).
+        unguarded: FP8 sites of the plan that ``apply(model, plan, strict=False)`` skipped,
+            and why; they run no FP8 kernel and are not guarded.
     """
 
     def __init__(self, model: nn.Module, plan: Plan, check_every: Optional[int] = 100,
@@ -95,11 +103,23 @@ class Guard:
         self.sites: Dict[str, Linear] = {}
         seen = set()
         modules = dict(root.named_modules(remove_duplicate=False))
-        not_applied = [s for s in plan.fp8_sites() if not isinstance(modules.get(s), Linear)]
+        # sites a non-strict apply of this plan skipped run on nothing of the plan: not guarded
+        skipped = skipped_sites(root) if applied_plan(root) is plan else {}
+        self.unguarded: Dict[str, str] = {}  # FP8 sites a non-strict apply skipped, and why
+        not_applied = []
+        for site in plan.fp8_sites():
+            if isinstance(modules.get(site), Linear):
+                continue
+            if site in skipped:
+                self.unguarded[site] = skipped[site]
+            else:
+                not_applied.append(site)
         if not_applied:
             raise ValueError(f"the plan's FP8 sites {not_applied[:6]} are not loka.Linear in this "
                              "model: loka.apply(model, plan) first")
         for site in plan.fp8_sites():
+            if site in self.unguarded:
+                continue
             mod = modules[site]
             if id(mod) in seen or mod._all_baseline:
                 continue

@@ -165,9 +165,12 @@ class _LinearFunction(torch.autograd.Function):
             db = dy.sum(0)
         d_flags = None
         if ctx.check_grads:  # the guard: did a gradient GEMM turn finite into non-finite?
+            # (operands the baseline reads as well must be finite: a NaN weight is no
+            # FP8 fault)
             dy_ok = torch.isfinite(dy).all()
             no = torch.zeros_like(dy_ok)
-            dgrad_bad = no if dx is None else dy_ok & ~torch.isfinite(dx).all()
+            dgrad_bad = (no if dx is None else
+                         dy_ok & torch.isfinite(weight).all() & ~torch.isfinite(dx).all())
             wgrad_bad = (no if dw is None else
                          dy_ok & torch.isfinite(x2d).all() & ~torch.isfinite(dw).all())
             d_flags = torch.stack([dgrad_bad, wgrad_bad]).float()
@@ -179,7 +182,8 @@ class SiteMonitor:
     :class:`~loka.dispatch.guard.Guard` checks). Everything stays on the device: reading
     the flags is the only synchronization, and the guard does it outside the hot path.
 
-    ``fwd_bad``: a call turned a finite input into a non-finite output.
+    ``fwd_bad``: a call turned a finite input (and finite weight and bias) into a
+    non-finite output.
     ``saturation``: the largest fraction of input elements beyond a static input scale.
     ``grad_flags``: a (2,) leaf whose gradient counts calls whose dgrad / wgrad turned a
     finite gradient into a non-finite one (the backward writes it like any gradient, so
@@ -203,8 +207,15 @@ class SiteMonitor:
     def disarm(self) -> None:
         self.armed = False
 
-    def record(self, x2d: torch.Tensor, y: torch.Tensor, input_amax: Optional[torch.Tensor]) -> None:
-        bad = torch.isfinite(x2d).all() & ~torch.isfinite(y).all()
+    def record(self, x2d: torch.Tensor, y: torch.Tensor, input_amax: Optional[torch.Tensor],
+               params: Tuple[Optional[torch.Tensor], ...] = ()) -> None:
+        """Record one forward call; ``params`` (weight, bias) must be finite as well for
+        the call to count as bad: a non-finite parameter fails the baseline just the same."""
+        ok_in = torch.isfinite(x2d).all()
+        for p in params:
+            if p is not None:
+                ok_in = ok_in & torch.isfinite(p.detach()).all()
+        bad = ok_in & ~torch.isfinite(y).all()
         self.fwd_bad = bad if self.fwd_bad is None else self.fwd_bad | bad
         if input_amax is not None:
             sat = (x2d.detach().abs() > input_amax).float().mean()
@@ -357,7 +368,8 @@ class Linear(nn.Linear):
         scale = self.input_amax.clamp(min=AMAX_EPS) / fmt.max
         if gran is Granularity.MX:
             scale = round_scale_to_power_of_two(scale)
-        return quantize(x2d, fmt, gran, "a", scale=scale.expand(grid))
+        # checked once, in set_input_amax: no host synchronization per call
+        return quantize(x2d, fmt, gran, "a", scale=scale.expand(grid), check_scale=False)
 
     def _apply(self, fn, recurse=True):
         # the FP8 weight and the static scale are plain attributes, not buffers (a dtype
@@ -418,7 +430,7 @@ class Linear(nn.Linear):
         y = _LinearFunction.apply(x2d, x_q, self.weight, self.bias, self._kernels,
                                   self.weight_q, mon.grad_flags if armed else None)
         if armed:
-            mon.record(x2d, y, self.input_amax)
+            mon.record(x2d, y, self.input_amax, (self.weight, self.bias))
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:

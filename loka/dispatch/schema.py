@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -31,8 +32,9 @@ import torch
 from torch import nn
 
 from ..config import BASELINE, REFERENCE_KERNEL, ROLES, LinearConfig, Role, role_shape
-from ..jsonio import (ReportError, atomic_write_text, decode_number, encode_number, json_safe,
-                      read_json, require_fields)
+from ..jsonio import (ReportError, atomic_write_text, encode_number, field_bool, field_device,
+                      field_int, field_list, field_mapping, field_number, field_path, field_str,
+                      json_safe, read_json, require_fields)
 from ..kernels import registry
 
 SCHEMA = "loka.plan"
@@ -65,12 +67,14 @@ class RoleChoice:
                 "budget": encode_number(self.budget), "reason": self.reason}
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "RoleChoice":
-        require_fields(d, ("kernel",), "role choice")
+    def from_dict(cls, d: Mapping, where: str = "role choice") -> "RoleChoice":
+        require_fields(d, ("kernel",), where)
         if not isinstance(d["kernel"], str) or not d["kernel"]:
-            raise ReportError(f"role choice: kernel must be a name, got {d['kernel']!r}")
-        return cls(d["kernel"], decode_number(d.get("error")), decode_number(d.get("error_mean")),
-                   decode_number(d.get("speedup")), decode_number(d.get("budget")), str(d.get("reason", "")))
+            raise ReportError(f"{field_path(where, 'kernel')}: kernel must be a name, got "
+                              f"{str(d['kernel'])[:60]!r}")
+        return cls(d["kernel"], *(field_number(d, k, where) for k in
+                                  ("error", "error_mean", "speedup", "budget")),
+                   field_str(d, "reason", where, ""))
 
 
 @dataclass
@@ -97,19 +101,18 @@ class SitePlan:
                 "roles": {r.value: c.to_dict() for r, c in self.roles.items()}}
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "SitePlan":
-        require_fields(d, ("name", "in_features", "out_features", "tokens", "roles"), "site plan")
-        if not isinstance(d["roles"], Mapping):
-            raise ReportError(f"site plan {d['name']!r}: roles must be an object")
-        dims = [d["in_features"], d["out_features"], d["tokens"]]
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in dims):
-            raise ReportError(f"site plan {d['name']!r}: features and tokens must be "
-                              f"non-negative integers, got {dims}")
-        try:
-            roles = {Role.parse(r): RoleChoice.from_dict(c) for r, c in d["roles"].items()}
-        except ValueError as e:
-            raise ReportError(f"site plan {d['name']!r}: {e}") from None
-        return cls(str(d["name"]), *dims, roles)
+    def from_dict(cls, d: Mapping, where: str = "site plan") -> "SitePlan":
+        require_fields(d, ("name", "in_features", "out_features", "tokens", "roles"), where)
+        name = field_str(d, "name", where)
+        dims = [field_int(d, k, where) for k in ("in_features", "out_features", "tokens")]
+        roles = {}
+        for r, c in field_mapping(d, "roles", where).items():
+            try:
+                role = Role.parse(r)
+            except ValueError as e:
+                raise ReportError(f"{field_path(where, 'roles')}[{r!r}]: {e}") from None
+            roles[role] = RoleChoice.from_dict(c, f"{field_path(where, 'roles')}[{r!r}]")
+        return cls(name, *dims, roles)
 
 
 @dataclass
@@ -127,10 +130,15 @@ class Fallback:
                 "previous": dict(self.previous)}
 
     @classmethod
-    def from_dict(cls, d: Mapping) -> "Fallback":
-        require_fields(d, ("site", "step", "reason"), "fallback")
-        return cls(str(d["site"]), int(d["step"]), str(d["reason"]),
-                   {str(k): str(v) for k, v in dict(d.get("previous", {})).items()})
+    def from_dict(cls, d: Mapping, where: str = "fallback") -> "Fallback":
+        require_fields(d, ("site", "step", "reason"), where)
+        previous = field_mapping(d, "previous", where, {})
+        for role, kernel in previous.items():
+            if not isinstance(kernel, str):
+                raise ReportError(f"{field_path(where, 'previous')}.{role}: expected a string, "
+                                  f"got {str(kernel)[:60]!r}")
+        return cls(field_str(d, "site", where), field_int(d, "step", where),
+                   field_str(d, "reason", where), dict(previous))
 
 
 @dataclass
@@ -250,8 +258,15 @@ class Plan:
         if "uniform" in self.budget:
             how = "uniform: " + ", ".join(f"{r}={k}" for r, k in self.budget["uniform"].items())
         else:
-            how = (f"{self.budget.get('metric', 'mere')} <= {self.budget.get('max_error')}, "
-                   f"speedup >= {self.budget.get('min_speedup')}")
+            how = f"{self.budget.get('metric', 'mere')} <= {self.budget.get('max_error')}, "
+            timed = any(c.speedup is not None for sp in self.sites.values() for c in sp.roles.values())
+            if self.budget.get("assume_fast"):  # untimed roles were chosen on error alone
+                how += (f"speedup >= {self.budget.get('min_speedup')} where timed, else "
+                        if timed else "") + "chosen on error alone"
+            else:
+                how += f"speedup >= {self.budget.get('min_speedup')}"
+        if self.source.get("dtype") not in (None, "bfloat16"):  # what the baseline ran
+            how += f"; baseline {self.baseline} ran {str(self.source['dtype']).replace('float', 'fp')}"
         lines = [f"plan for {self.device}: {len(self.fp8_sites())}/{len(self.sites)} sites "
                  f"with FP8 ({how})", fmt(header), "-" * len(fmt(header))]
         lines += [fmt(row) for row in rows]
@@ -271,35 +286,85 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Plan":
+        """Read and check a plan's JSON (ReportError naming the field)."""
         require_fields(d, ("sites",), "plan")
         try:
-            if not isinstance(d["sites"], Mapping):
-                raise ReportError("plan: sites must be an object")
-            sites = {k: SitePlan.from_dict(v) for k, v in d["sites"].items()}
-            for k, sp in sites.items():
+            sites = {}
+            for k, v in field_mapping(d, "sites", "").items():
+                sp = SitePlan.from_dict(v, f"sites[{k!r}]")
                 if sp.name != k:
-                    raise ReportError(f"plan: site key {k!r} holds site {sp.name!r}")
-            fallbacks = [Fallback.from_dict(f) for f in d.get("fallbacks", [])]
-            budget = dict(d.get("budget", {}))
+                    raise ReportError(f"sites[{k!r}]: holds site {sp.name!r}")
+                sites[k] = sp
+            fallbacks = [Fallback.from_dict(f, f"fallbacks[{i}]") if isinstance(f, Mapping) else
+                         _not_object(f"fallbacks[{i}]", f)
+                         for i, f in enumerate(field_list(d, "fallbacks", "", []))]
+            return cls(sites=sites, device=field_device(d, "device", ""), budget=_budget(d),
+                       source=dict(field_mapping(d, "source", "", {})),
+                       notes=list(field_list(d, "notes", "", [], item=str)),
+                       fallbacks=fallbacks, created=field_str(d, "created", "", ""))
         except ReportError:
             raise
-        except (TypeError, ValueError, KeyError, AttributeError) as e:
-            raise ReportError(f"plan: invalid content ({e})") from None
-        return cls(sites=sites, device=str(d.get("device", "cpu")), budget=budget,
-                   source=dict(d.get("source", {})), notes=[str(n) for n in d.get("notes", [])],
-                   fallbacks=fallbacks, created=str(d.get("created", "")))
+        except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError,
+                RecursionError) as e:
+            raise ReportError(f"plan: invalid content ({type(e).__name__}: {str(e)[:200]})") from None
 
     def save(self, path: "str | os.PathLike") -> None:
         atomic_write_text(path, json.dumps(self.to_dict(), indent=1))
 
     @classmethod
-    def load(cls, path: "str | os.PathLike") -> "Plan":
-        """Load and validate a plan file (ReportError for corrupt/foreign/unknown version)."""
-        data = read_json(path, SCHEMA, SCHEMA_VERSION)
+    def load(cls, path: "str | os.PathLike", max_bytes: Optional[int] = None) -> "Plan":
+        """Load and validate a plan file: any fault (corrupt, foreign, unknown version, a
+        field of the wrong type or range) is a one-line :class:`ReportError` naming the
+        file and the field (``max_bytes``: see :func:`loka.jsonio.load_json`)."""
+        data = read_json(path, SCHEMA, SCHEMA_VERSION, max_bytes)
         try:
             return cls.from_dict(data)
         except ReportError as e:
             raise ReportError(f"{path}: {e}") from None
+
+
+def _not_object(where: str, x) -> None:
+    raise ReportError(f"{where}: expected a JSON object, got {str(x)[:60]!r}")
+
+
+_METRICS = ("mere", "relfro", "neg_sqnr")
+"""the error metrics a budget applies to (``DispatchConfig.metric``)"""
+_BUDGET_FIELDS = {"max_error": "number", "min_speedup": "number", "metric": "string",
+                  "baseline": "string", "assume_fast": "bool", "inference": "bool",
+                  "role_budgets": "numbers", "site_budgets": "numbers",
+                  "allowed_kernels": "names", "uniform": "names-by-role"}
+"""the fields of a plan's ``budget`` LoKA reads, and their JSON types (others are kept)"""
+
+
+def _budget(d: Mapping) -> Dict[str, Any]:
+    """``d['budget']`` with the types of the fields LoKA reads checked; values are kept as
+    written (numbers may be "inf"; null budgets load, and :func:`audit` judges them)."""
+    budget = dict(field_mapping(d, "budget", "", {}))
+    for key, kind in _BUDGET_FIELDS.items():
+        if key not in budget or (budget[key] is None and kind in ("names", "numbers")):
+            continue
+        where = f"budget.{key}"
+        if kind == "number":  # what every rendering of the plan shows: finite numbers
+            x = field_number(budget, key, "budget", optional=False)
+            if not math.isfinite(x) or (key == "min_speedup" and x <= 0):
+                raise ReportError(f"{where}: expected a finite number"
+                                  + (" > 0" if key == "min_speedup" else "") + f", got {x!r}")
+        elif kind == "string":
+            field_str(budget, key, "budget")
+            if key == "metric" and budget[key] not in _METRICS:
+                raise ReportError(f"{where}: unknown metric {budget[key][:60]!r}; expected one "
+                                  f"of {list(_METRICS)}")
+        elif kind == "bool":
+            field_bool(budget, key, "budget")
+        elif kind == "numbers":
+            for k in field_mapping(budget, key, "budget"):
+                field_number(budget[key], k, where)
+        elif kind == "names":
+            field_list(budget, key, "budget", item=str)
+        else:
+            for k in field_mapping(budget, key, "budget"):
+                field_str(budget[key], k, where)
+    return budget
 
 
 def _is_fp8(name: str) -> bool:

@@ -9,7 +9,9 @@ Selection rule for one (site, role):
 
 1. A candidate is a registered kernel other than the baseline that the report measured
    there without failing, that runs on the target device, serves the role, fits the
-   role's GEMM shape (alignment), and is in ``allowed_kernels`` if given.
+   role's GEMM shape (alignment), and is in ``allowed_kernels`` if given. A reference
+   kernel (not FP8: fp32, tf32) is a candidate only when ``allowed_kernels`` names it:
+   it is what errors are measured against, and its low error would win rule 5.
 2. It is *safe* when the upper end of the confidence interval of the error metric is at
    most the budget (``hi <= budget``). The budget is the site's (``site_budgets``, the
    strictest matching pattern), else the role's (``role_budgets``), else ``max_error``.
@@ -23,6 +25,9 @@ Selection rule for one (site, role):
    references, never fast), then the lowest error bound, then the name; otherwise the
    baseline. This makes CPU reports without
    timings (``ProbeConfig(timing=False)``) plan bf16 everywhere unless the caller opts in.
+
+Length: :func:`plan`, :func:`audit` (with the budget and model checks it makes first) and
+:func:`override` apply one selection rule; in one module they cannot drift apart.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 import torch
 
 from ..config import ROLES, DispatchConfig, Role, config_to_dict, role_shape
-from ..jsonio import encode_number
+from ..jsonio import decode_number, encode_number
 from ..kernels import registry
 from ..probe.report import ProbeReport
 from .schema import Plan, RoleChoice, SitePlan
@@ -164,6 +169,8 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
                 if not usable(kname):
                     continue
                 kern = registry.get(kname)
+                if not kern.is_fp8 and allowed is None:  # a reference: only when named
+                    continue
                 shape = role_shape(role, kern.padded_tokens(site.tokens), site.in_features,
                                    site.out_features)
                 if not kern.supports(target, *shape, role=role):
@@ -180,7 +187,7 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
                 if inference and kr.speedup_weight_q is not None:
                     speedup = kr.speedup_weight_q
                 decisive = (same_device_type and not kern.is_emulated
-                            and kr.timing not in _UNTRUSTED_TIMINGS
+                            and kr.timing.split("+")[0] not in _UNTRUSTED_TIMINGS
                             and speedup is not None and math.isfinite(speedup))
                 if decisive:
                     if speedup >= cfg.min_speedup:
@@ -216,13 +223,15 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
     if undecided:
         notes.append(f"{undecided} site-role(s) kept on {cfg.baseline}: their safe kernels have "
                      "no decisive timing (CPU wall-clock, emulated, untimed, or measured on "
-                     "another device type); pass assume_fast=True to choose the lowest-error "
-                     "safe kernel")
+                     "another device type); plan with assume_fast=True (loka plan "
+                     "--assume-fast) to choose the lowest-error safe kernel")
     budget_dict = config_to_dict(cfg)
     budget_dict.update(assume_fast=bool(assume_fast), inference=bool(inference),
                        allowed_kernels=None if allowed is None else sorted(allowed))
+    dtypes = {site.dtype for site in report.sites.values()}
     source = {"report_created": report.created, "report_device": report.device,
-              "device_name": report.device_name, "torch": report.torch_version}
+              "device_name": report.device_name, "torch": report.torch_version,
+              "dtype": dtypes.pop() if len(dtypes) == 1 else None}
     return Plan(sites=sites, device=str(target), budget=budget_dict, source=source, notes=notes)
 
 
@@ -234,11 +243,27 @@ def audit(plan: Plan, report: "ProbeReport | str | os.PathLike") -> dict:
     may be faster by the plan's ``min_speedup`` rule (a role left on the baseline is at
     speed 1.0; a candidate must reach ``min_speedup`` to count). Speeds are the report's
     (``speedup_weight_q`` for an inference plan). Only timings taken on a GPU count; a
-    plan made with ``assume_fast`` is checked for the budget only. A kernel the report
-    timed ran where the report was measured, so the check needs no GPU: it runs anywhere.
+    plan made with ``assume_fast`` is checked for the budget only. Speeds count as in
+    :func:`plan` (rule 3): taken on the plan's device type, not by the CPU wall clock, and
+    not of an emulated kernel. A kernel the report timed ran where the report was
+    measured, so the check needs no GPU: it runs anywhere.
+
+    Before that, two checks that make "within its budget" mean something:
+
+    * the plan and the report must describe the same model: every site in both, with the
+      same in/out features and tokens (:func:`plan_report_mismatches`); each difference
+      is a violation of kind ``"mismatch"`` (role ``"*"``);
+    * every role's budget must be a real bound: the one the plan's own configuration
+      (``budget``: ``max_error``, ``role_budgets``, ``site_budgets``) gives that site and
+      role, recorded in the choice, and not one any output meets (:func:`budget_problem`:
+      missing, not finite, or at least what a kernel returning zeros scores). A role
+      whose budget fails is a violation of kind ``"budget"`` and is not checked further.
+
+    Each site and role has at most one violation: kinds ``"mismatch"``, ``"budget"``,
+    ``"error"`` (the chosen kernel outside its budget) and ``"speed"``.
 
     Returns:
-        ``{"site_roles": n checked, "violations": [{"site", "role", "chosen",
+        ``{"site_roles": n checked, "violations": [{"site", "role", "chosen", "kind",
         "chosen_speedup", "best", "best_speedup", "why"}], "ok": bool}``.
     """
     if not isinstance(report, ProbeReport):
@@ -249,6 +274,8 @@ def audit(plan: Plan, report: "ProbeReport | str | os.PathLike") -> dict:
     inference = bool(cfg.get("inference", False))
     speeds_count = not cfg.get("assume_fast", False)
     allowed = None if cfg.get("allowed_kernels") is None else set(cfg["allowed_kernels"])
+    registered = {k.name: k for k in registry.all_kernels()}
+    same_device_type = torch.device(plan.device).type == torch.device(report.device).type
 
     def within(rr, kname: str, budget: float) -> bool:
         kr = rr.kernels.get(kname)
@@ -256,10 +283,13 @@ def audit(plan: Plan, report: "ProbeReport | str | os.PathLike") -> dict:
         return stat is not None and stat.hi is not None and stat.hi <= budget
 
     def speed(rr, kname: str) -> float:
+        # decisive only as plan() rule 3 has it: timed on the plan's device type, not on
+        # the CPU's wall clock, and not an emulated kernel (a numerical reference)
         if kname == plan.baseline:
             return 1.0
         kr = rr.kernels.get(kname)
-        if kr is None or kr.timing in _UNTRUSTED_TIMINGS:
+        if (kr is None or not same_device_type or kr.timing.split("+")[0] in _UNTRUSTED_TIMINGS
+                or kname not in registered or registered[kname].is_emulated):
             return math.nan
         s = kr.speedup_weight_q if inference and kr.speedup_weight_q is not None else kr.speedup
         return math.nan if s is None else float(s)
@@ -277,21 +307,29 @@ def audit(plan: Plan, report: "ProbeReport | str | os.PathLike") -> dict:
                                           site.out_features), role=role))
 
     checked, violations = 0, []
+    mismatched = set()
+    for m in plan_report_mismatches(plan, report):
+        mismatched.add(m["site"])
+        violations.append({"site": m["site"], "role": "*", "chosen": None, "kind": "mismatch",
+                           "why": m["why"]})
     for name, sp in plan.sites.items():
         site = report.sites.get(name)
-        if site is None:
+        if site is None or name in mismatched:
             continue
         for role, choice in sp.roles.items():
             rr = site.roles.get(role)
             if rr is None or (inference and role is not Role.FWD):
                 continue
             checked += 1
-            budget = choice.budget if choice.budget is not None else math.inf
             chosen = choice.kernel
             row = {"site": name, "role": role.value, "chosen": chosen}
+            budget, why = _audited_budget(cfg, metric, name, role, choice.budget)
+            if why is not None:
+                violations.append({**row, "kind": "budget", "why": why})
+                continue
             if chosen != plan.baseline and not within(rr, chosen, budget):
-                violations.append({**row, "why": "chosen kernel's error bound is outside the "
-                                   f"budget {budget} (or was not measured)"})
+                violations.append({**row, "kind": "error", "why": "chosen kernel's error bound "
+                                   f"is outside the budget {budget} (or was not measured)"})
                 continue
             if not speeds_count:
                 continue
@@ -303,10 +341,88 @@ def audit(plan: Plan, report: "ProbeReport | str | os.PathLike") -> dict:
             best_speed, best = max(cands)
             mine = speed(rr, chosen)
             if not mine >= best_speed:  # NaN (an untimed choice) counts as slower
-                violations.append({**row, "chosen_speedup": encode_number(mine), "best": best,
-                                   "best_speedup": best_speed,
+                violations.append({**row, "kind": "speed", "chosen_speedup": encode_number(mine),
+                                   "best": best, "best_speedup": best_speed,
                                    "why": "a faster kernel within the budget was measured"})
     return {"site_roles": checked, "violations": violations, "ok": not violations}
+
+
+def plan_report_mismatches(plan: Plan, report: ProbeReport) -> List[Dict[str, str]]:
+    """Where ``plan`` and ``report`` describe different models: sites in one and not the
+    other, and sites whose in/out features or tokens differ (a plan made from another
+    model's report, or from a run of another batch size).
+
+    Returns:
+        ``[{"site", "why"}]``, in plan order then report order; empty when they match.
+    """
+    out = []
+    for name, sp in plan.sites.items():
+        site = report.sites.get(name)
+        if site is None:
+            out.append({"site": name, "why": "in the plan but not in the report"})
+        elif (sp.in_features, sp.out_features, sp.tokens) != (
+                site.in_features, site.out_features, site.tokens):
+            out.append({"site": name, "why": (
+                f"plan {sp.in_features}->{sp.out_features} x {sp.tokens} tokens, report "
+                f"{site.in_features}->{site.out_features} x {site.tokens} tokens")})
+    out += [{"site": name, "why": "in the report but not in the plan"}
+            for name in report.sites if name not in plan.sites]
+    return out
+
+
+def budget_problem(metric: str, budget: object) -> Optional[str]:
+    """Why ``budget`` bounds nothing for ``metric`` ('mere', 'relfro', 'neg_sqnr'), or None.
+
+    A budget bounds nothing when it is missing, not a finite number, negative for an
+    error that is never negative (no kernel meets it), or at least what a kernel that
+    returns zeros scores: MERE and relative Frobenius error of zeros are at most 1, and
+    -SQNR of zeros is 0 dB. A budget of 1e308 says "every choice within its budget" of
+    any kernel at all.
+    """
+    if budget is None:
+        return "no budget is recorded"
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget):
+        return f"budget {budget!r} is not a finite number"
+    if metric in ("mere", "relfro"):
+        if budget < 0:
+            return f"budget {budget:g} is negative: no kernel meets it"
+        if budget >= 1:
+            return (f"budget {budget:g} bounds nothing: a kernel that returns zeros has "
+                    f"{metric} <= 1")
+    elif metric == "neg_sqnr" and budget >= 0:
+        return (f"budget {budget:g} bounds nothing: a kernel that returns zeros has "
+                "-SQNR 0 dB")
+    return None
+
+
+def _audited_budget(cfg: Mapping, metric: str, site: str, role: Role,
+                    recorded: Optional[float]) -> Tuple[float, Optional[str]]:
+    """The budget the plan's configuration gives ``site`` and ``role`` (as
+    :func:`resolve_budget` does), and why it or the choice's ``recorded`` one fails."""
+    if "max_error" not in cfg:
+        return math.inf, "the plan records no error budget (a uniform plan has none to audit)"
+    try:
+        matches = [decode_number(b) for pat, b in dict(cfg.get("site_budgets") or {}).items()
+                   if re.search(str(pat), site)]
+        roles = {Role.parse(r): b for r, b in dict(cfg.get("role_budgets") or {}).items()}
+        if matches:
+            where = "site_budgets"
+            configured = None if None in matches else min(matches)
+        elif role in roles:
+            where = f"role_budgets[{role.value!r}]"
+            configured = decode_number(roles[role])
+        else:
+            where = "max_error"
+            configured = decode_number(cfg.get("max_error"))
+    except (re.error, ValueError, TypeError) as e:  # ReportError is a ValueError
+        return math.inf, f"the plan's budget cannot be read ({e})"
+    why = budget_problem(metric, configured)
+    if why is not None:
+        return math.inf, f"the plan's {where}: {why}"
+    if recorded is None or not math.isclose(recorded, configured, rel_tol=1e-9, abs_tol=0.0):
+        return math.inf, (f"the choice records budget {recorded!r}, but the plan's {where} "
+                          f"gives {configured:g}")
+    return configured, None
 
 
 # -- editing a plan ---------------------------------------------------------------------

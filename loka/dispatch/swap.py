@@ -274,7 +274,7 @@ def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = 
         report.notes.append("compiled model: changes were made on model._orig_mod; it "
                             "recompiles on its next call")
     state = _state(root, create=True)
-    state.update(sites=records, plan=plan,
+    state.update(sites=records, plan=plan, skipped=dict(skipped),
                  options={"inference": inference, "strict": strict, "drop_weights": drop_weights,
                           "static_scales": dict(static_scales or {})})
     return report
@@ -326,6 +326,12 @@ def restore_on_exit(model: nn.Module) -> Iterator[None]:
 def applied_plan(model: nn.Module) -> Optional[Plan]:
     """The plan last applied to ``model`` (None if none is applied)."""
     return _state(root_module(model)[0]).get("plan")
+
+
+def skipped_sites(model: nn.Module) -> Dict[str, str]:
+    """Sites of the plan last applied to ``model`` that ``apply(strict=False)`` skipped,
+    and why (empty if none was skipped, or no plan is applied)."""
+    return dict(_state(root_module(model)[0]).get("skipped") or {})
 
 
 def amax_from_report(report, key: str = "act.amax", margin: float = 1.0) -> Dict[str, float]:

@@ -1,9 +1,15 @@
 """Emulated FP8 kernels: the numerical reference of every recipe, on any device.
 
-Quantization is the recipe's own (shared with the real kernel); the GEMM of the FP8
-values runs in float32, and the scales are applied the way the hardware applies them:
-after the K-reduction for tensorwise and rowwise (one scale per output row/column),
+Quantization is the recipe's own (shared with the real kernel); the scales are applied
+the way the hardware applies them: after the K-reduction for tensorwise and rowwise (one
+scale per output row/column; the FP8 values are reduced in float32, as tensor cores do),
 per K-block for blockwise and MX (dequantize, then reduce).
+
+The scaling itself runs in float64 and the result is rounded once to the output dtype.
+In float32, ``acc * scale_a * scale_b`` overflows on the way where the result does not
+(a = 3e38, b = 1e-10: scale_a alone is 6.7e35), and ``0 * inf`` is NaN; torch's CPU
+``_scaled_mm`` and cuBLAS both keep such products in range. So a finite input never gives
+NaN here: at worst ±inf, where the exact result exceeds the output dtype.
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ def emulated_gemm(recipe: Recipe, a, b, out_dtype: torch.dtype) -> torch.Tensor:
     qa, qb = recipe.operands(a, b)
     if recipe.scaling in (Granularity.TENSORWISE, Granularity.ROWWISE):
         acc = torch.mm(qa.data.float(), qb.data.float())
-        out = acc * qa.scale * qb.scale  # (M,1)|(1,1) times (1,N)|(1,1)
+        scales = qa.scale.double() * qb.scale.double()  # (M,1)|(1,1) times (1,N)|(1,1)
+        out = acc.double() * scales
     else:
-        out = torch.mm(qa.dequantize(), qb.dequantize())
+        out = torch.mm(qa.dequantize(torch.float64), qb.dequantize(torch.float64))
     return out.to(out_dtype)
 
 

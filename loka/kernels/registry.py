@@ -19,6 +19,7 @@ import torch
 from ..config import ROLES, Role, ValueEnum
 from ..numerics import QTensor
 from . import capabilities as caps
+from .recipes import check_gemm_operands
 
 Operand = Union[torch.Tensor, QTensor]
 GemmFn = Callable[[Operand, Operand, torch.dtype], torch.Tensor]
@@ -166,6 +167,12 @@ class Kernel:
         return YES
 
     def __call__(self, a: Operand, b: Operand, out_dtype: torch.dtype) -> torch.Tensor:
+        """``a (M, K) @ b (K, N)`` in ``out_dtype``. An empty GEMM (M, K or N zero) is
+        answered here, for every kernel: (M, N) zeros, the empty sum when K = 0; libraries
+        and quantizers need not handle it."""
+        if a.shape[0] == 0 or a.shape[1] == 0 or b.shape[1] == 0:
+            check_gemm_operands(a, b, out_dtype)
+            return torch.zeros(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
         return self.fn(a, b, out_dtype)
 
 

@@ -15,10 +15,17 @@ mx             (1, 32), e8m0        (32, 1), e8m0       OCP MXFP8 (Blackwell)
 ============  ===================  ==================  ==========================
 
 ``amax`` is clamped below by :data:`AMAX_EPS` so that an all-zero block gets a tiny
-finite scale and quantizes to zeros, never NaN. Non-finite inputs are not an error:
-NaN or Inf make the scale of their block non-finite, and the dequantized block (and any
-GEMM output reading it) is non-finite too; the Dispatch guard catches that downstream.
-Quantization itself never raises on values.
+finite scale and quantizes to zeros, never NaN; an empty block (an operand with no rows or
+no columns) has amax 0 too, so an empty operand quantizes to empty data with such scales.
+
+Finite input never yields NaN: scales and FP8 values are computed in float32, and a finite
+value beyond float32's range (a float64 input) *saturates* to ``±torch.finfo(float32).max``
+first, so its block's scale stays finite (``quantize`` of 1e300 dequantizes to 3.4e38).
+Non-finite inputs are not an error: NaN or Inf make the scale of their block non-finite,
+and the dequantized block (and any GEMM output reading it) is non-finite too; the Dispatch
+guard catches that downstream. Quantization itself never raises on values, with one
+exception: a static ``scale`` passed to :func:`quantize` must be finite and positive
+(a zero scale would turn every zero into NaN), which is checked unless the caller has.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ BLOCK = 128
 """block length of blockwise scaling (1x128 activations, 128x128 weights)"""
 MX_BLOCK = 32
 """block length of MX scaling (OCP Microscaling spec)"""
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+"""where wider inputs saturate before scaling: scales and FP8 values are float32"""
 
 
 def operand_block(granularity: "Granularity | str", operand: str) -> Tuple[int, int]:
@@ -107,6 +116,19 @@ def _resolve_block(shape: Tuple[int, int], block: Tuple[int, int]) -> Tuple[int,
     return max(br, 1), max(bc, 1)
 
 
+def _grid(shape: Tuple[int, int], block: Tuple[int, int]) -> Tuple[int, int]:
+    """Blocks per axis: one for a whole-axis block (-1), even of an empty axis."""
+    return tuple(1 if b == -1 else -(-n // b) for n, b in zip(shape, block))
+
+
+def _saturated(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself, or for float64 ``x`` in float32 with finite values beyond float32's
+    range saturated (module doc); Inf and NaN stay as they are."""
+    if x.dtype != torch.float64:
+        return x
+    return torch.where(torch.isfinite(x), x.clamp(-FLOAT32_MAX, FLOAT32_MAX), x).float()
+
+
 def _blocked(x: torch.Tensor, br: int, bc: int) -> torch.Tensor:
     """View (R, C) as (R/br, br, C/bc, bc), zero-padding ragged edges."""
     r, c = x.shape
@@ -127,11 +149,15 @@ def compute_scales(x: torch.Tensor, fmt: "FP8Format | str", block: Tuple[int, in
     """Float32 dequantization scales of ``x`` (R, C) for blocks ``block``.
 
     Returns:
-        (ceil(R / br), ceil(C / bc)) float32
+        (ceil(R / br), ceil(C / bc)) float32; a whole-axis block (-1) gives one scale
+        along that axis, also when the axis is empty
     """
     fmt = get_format(fmt)
-    br, bc = _resolve_block(tuple(x.shape), block)
-    amax = _blocked(x.detach(), br, bc).abs().amax(dim=(1, 3)).float()
+    if x.numel() == 0:  # the amax of an empty block is 0
+        amax = torch.zeros(_grid(tuple(x.shape), block), dtype=torch.float32, device=x.device)
+    else:
+        br, bc = _resolve_block(tuple(x.shape), block)
+        amax = _blocked(_saturated(x.detach()), br, bc).abs().amax(dim=(1, 3)).float()
     scale = amax.clamp(min=AMAX_EPS) / fmt.max
     if power_of_two:
         scale = round_scale_to_power_of_two(scale)
@@ -148,7 +174,7 @@ def _expand(scale: torch.Tensor, shape: Tuple[int, int], br: int, bc: int) -> to
 def quantize(x: torch.Tensor, fmt: "FP8Format | str" = "e4m3",
              granularity: "Granularity | str" = Granularity.TENSORWISE, operand: str = "a",
              *, block: Tuple[int, int] | None = None, power_of_two: bool | None = None,
-             scale: torch.Tensor | None = None) -> QTensor:
+             scale: torch.Tensor | None = None, check_scale: bool = True) -> QTensor:
     """Quantize a 2-D tensor to FP8 with saturation (values beyond ``fmt.max`` clamp).
 
     Args:
@@ -159,9 +185,16 @@ def quantize(x: torch.Tensor, fmt: "FP8Format | str" = "e4m3",
         block: explicit block shape, overriding the granularity's.
         power_of_two: round scales up to powers of two (default: only for MX).
         scale: precomputed dequantization scales (static scaling); amax is not taken.
+            One finite positive value per block (any shape with that many elements).
+        check_scale: check that ``scale`` is finite and positive (ValueError otherwise).
+            The check reads the values (a host synchronization): pass False on a hot path
+            whose scale was checked where it was made (``loka.Linear.set_input_amax``).
 
     Returns:
         QTensor with ``data`` (R, C) in ``fmt.dtype`` and float32 ``scale``.
+
+    Finite values beyond float32's range saturate (module doc): finite input never
+    yields NaN. An empty ``x`` gives empty ``data`` with finite scales.
     """
     if x.dim() != 2:
         raise ValueError(f"quantize expects a 2-D tensor, got shape {tuple(x.shape)}")
@@ -172,26 +205,52 @@ def quantize(x: torch.Tensor, fmt: "FP8Format | str" = "e4m3",
     blk = operand_block(g, operand) if block is None else block
     if power_of_two is None:
         power_of_two = g is Granularity.MX
-    br, bc = _resolve_block(tuple(x.shape), blk)
+    shape = tuple(x.shape)
+    br, bc = _resolve_block(shape, blk)
     if scale is None:
-        scale = compute_scales(x, fmt, (br, bc), power_of_two)
+        scale = compute_scales(x, fmt, blk, power_of_two)
     else:
-        scale = scale.float().reshape(-(-x.shape[0] // br), -(-x.shape[1] // bc))
-    if br == x.shape[0] and bc == x.shape[1]:
-        scaled = x.float() / scale.reshape(())
+        scale = _static_scale(scale, _grid(shape, blk), check_scale)
+    if x.numel() == 0:
+        return QTensor(torch.empty(shape, dtype=fmt.dtype, device=x.device), scale, fmt,
+                       (br, bc), g)
+    if br == shape[0] and bc == shape[1]:
+        scaled = _saturated(x).float() / scale.reshape(())
     else:
-        scaled = x.float() / _expand(scale, tuple(x.shape), br, bc)
+        scaled = _saturated(x).float() / _expand(scale, shape, br, bc)
     data = scaled.clamp(-fmt.max, fmt.max).to(fmt.dtype)
     return QTensor(data, scale, fmt, (br, bc), g)
 
 
+def _static_scale(scale: torch.Tensor, grid: Tuple[int, int], check: bool) -> torch.Tensor:
+    """A caller's dequantization scales as the (grid) float32 tensor ``quantize`` stores."""
+    scale = torch.as_tensor(scale)
+    if scale.numel() != grid[0] * grid[1]:
+        raise ValueError(f"static scale has {scale.numel()} value(s), but this operand has "
+                         f"{grid[0]}x{grid[1]} block(s)")
+    scale = scale.float().reshape(grid)
+    if check and scale.numel() and not bool(torch.isfinite(scale).all() & (scale > 0).all()):
+        bad = scale[~(torch.isfinite(scale) & (scale > 0))].flatten()[:4].tolist()
+        raise ValueError(f"static scale must be finite and positive, got {bad}: a zero "
+                         "scale turns zeros into NaN, and a non-finite one every value")
+    return scale
+
+
 def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``q.data * q.scale`` blockwise, in ``dtype``."""
+    """``q.data * q.scale`` blockwise, in ``dtype`` (empty data: an empty tensor).
+
+    Computed in float32, or exactly in float64 for ``dtype=torch.float64``. MX scales are
+    powers of two rounded up, so a block whose amax lies within half an FP8 step of
+    float32's largest value can round to 2**128: inf in float32, finite in float64."""
+    if q.data.numel() == 0:
+        return torch.empty(tuple(q.data.shape), dtype=dtype, device=q.data.device)
     br, bc = q.block
+    # float64: exact (an FP8 value times a float32 scale has at most 28 significant bits)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
     if br >= q.data.shape[0] and bc >= q.data.shape[1]:
-        out = q.data.float() * q.scale.reshape(())
+        out = q.data.to(wide) * q.scale.reshape(()).to(wide)
     else:
-        out = q.data.float() * _expand(q.scale, tuple(q.data.shape), br, bc)
+        out = q.data.to(wide) * _expand(q.scale, tuple(q.data.shape), br, bc).to(wide)
     return out.to(dtype)
 
 

@@ -413,7 +413,9 @@ class _Measurement:
                 self._time_kernel(kr, k, role, timed_shape(k), dev, dtype, base_us)
             kr.safe = (kr.error is None and kr.mere is not None and math.isfinite(kr.mere.hi)
                        and kr.mere.hi < cfg.max_error)
-            kr.fast = kr.speedup is not None and kr.speedup > cfg.min_speedup
+            # a CPU wall clock says nothing of FP8 speed on a GPU: never flagged fast
+            kr.fast = (kr.speedup is not None and kr.speedup > cfg.min_speedup
+                       and not kr.timing.startswith("cpu-wallclock"))
             rr.kernels[k.name] = kr
         return rr
 

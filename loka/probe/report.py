@@ -23,13 +23,25 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from ..config import Role
-from ..jsonio import (ReportError, atomic_write_text, decode_number, encode_number, field_bool,
-                      field_int, field_mapping, field_number, field_path, field_str, json_safe,
-                      read_json, require_fields)
+from ..config import BASELINE, Role
+from ..jsonio import (MAX_INT, ReportError, atomic_write_text, decode_number, encode_number,
+                      field_bool, field_device, field_int, field_mapping, field_number, field_path,
+                      field_str, json_safe, read_json, require_fields)
 
 SCHEMA = "loka.probe-report"
 SCHEMA_VERSION = 1
+
+
+_POSITIVE = ("mere", "relfro", "naive_mere")
+"""error metrics that are never negative (SQNR is in dB: any sign)"""
+
+
+def _non_negative(d: Mapping, key: str, where: str) -> Optional[float]:
+    """``d[key]``: a number that is not negative (a time or a speedup), or None."""
+    x = field_number(d, key, where)
+    if x is not None and x < 0:
+        raise ReportError(f"{field_path(where, key)}: expected a number >= 0, got {x!r}")
+    return x
 
 
 @dataclass
@@ -56,11 +68,28 @@ class ErrorStat:
         return f"{self.mean:.{digits}g} [{self.lo:.{digits}g}, {self.hi:.{digits}g}]"
 
     @classmethod
-    def from_dict(cls, d: Mapping, where: str = "error statistic") -> "ErrorStat":
+    def from_dict(cls, d: Mapping, where: str = "error statistic",
+                  positive: bool = False) -> "ErrorStat":
+        """Read and check one statistic: ``lo <= hi``, ``std >= 0`` and, for a ``positive``
+        metric (MERE, relative Frobenius), ``mean >= 0`` and ``hi >= 0``. NaN (a kernel
+        whose output was not finite) is kept; the planner never takes it as safe. ``lo``
+        may be negative: a normal interval ``mean -/+ 1.96 s/sqrt(n)`` reaches below zero."""
         require_fields(d, ("mean", "lo", "hi", "n"), where)
-        return cls(field_number(d, "mean", where, False), field_number(d, "lo", where, False),
+        stat = cls(field_number(d, "mean", where, False), field_number(d, "lo", where, False),
                    field_number(d, "hi", where, False), field_int(d, "n", where),
                    field_number(d, "std", where, default=0.0))
+        if positive:  # (comparisons with NaN are False)
+            for key in ("hi", "mean"):
+                if getattr(stat, key) < 0:
+                    raise ReportError(f"{field_path(where, key)}: this error metric is never "
+                                      f"negative, got {getattr(stat, key)!r}")
+        if stat.lo > stat.hi:
+            raise ReportError(f"{field_path(where, 'lo')}: the interval's lower end {stat.lo!r} "
+                              f"is above its upper end {stat.hi!r}")
+        if stat.std < 0:
+            raise ReportError(f"{field_path(where, 'std')}: a standard deviation cannot be "
+                              f"negative, got {stat.std!r}")
+        return stat
 
 
 @dataclass
@@ -111,16 +140,18 @@ class KernelResult:
     @classmethod
     def from_dict(cls, d: Mapping, where: str = "kernel result") -> "KernelResult":
         require_fields(d, ("kernel",), where)
-        stats = {k: (None if d.get(k) is None else ErrorStat.from_dict(d[k], field_path(where, k)))
+        stats = {k: (None if d.get(k) is None else
+                     ErrorStat.from_dict(d[k], field_path(where, k), positive=k in _POSITIVE))
                  for k in ("mere", "sqnr", "relfro", "naive_mere")}
         name = field_str(d, "kernel", where)
         if not name:
             raise ReportError(f"{field_path(where, 'kernel')}: empty kernel name")
-        return cls(kernel=name, time_us=field_number(d, "time_us", where),
-                   speedup=field_number(d, "speedup", where),
+        times = {k: _non_negative(d, k, where) for k in
+                 ("time_us", "speedup", "time_us_weight_q", "speedup_weight_q")}
+        return cls(kernel=name, time_us=times["time_us"], speedup=times["speedup"],
                    timing=field_str(d, "timing", where, "none"),
-                   time_us_weight_q=field_number(d, "time_us_weight_q", where),
-                   speedup_weight_q=field_number(d, "speedup_weight_q", where),
+                   time_us_weight_q=times["time_us_weight_q"],
+                   speedup_weight_q=times["speedup_weight_q"],
                    safe=field_bool(d, "safe", where),
                    fast=field_bool(d, "fast", where), error=field_str(d, "error", where, optional=True),
                    **stats)
@@ -166,16 +197,17 @@ class RoleReport:
             raise ReportError(f"{field_path(where, 'role')}: {e}") from None
         shape = d["shape"]
         if (not isinstance(shape, list) or len(shape) != 3
-                or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in shape)):
+                or any(isinstance(x, bool) or not isinstance(x, int) or not 1 <= x <= MAX_INT
+                       for x in shape)):
             raise ReportError(f"{field_path(where, 'shape')}: expected [M, K, N] of 3 positive "
-                              f"integers, got {shape!r}")
+                              f"integers, got {str(shape)[:60]}")
         kernels = {}
         for k, v in field_mapping(d, "kernels", where).items():
             kr = KernelResult.from_dict(v, f"{field_path(where, 'kernels')}[{k!r}]")
             if kr.kernel != k:
                 raise ReportError(f"{field_path(where, 'kernels')}[{k!r}]: holds kernel {kr.kernel!r}")
             kernels[k] = kr
-        return cls(role, tuple(shape), field_number(d, "baseline_us", where), kernels)
+        return cls(role, tuple(shape), _non_negative(d, "baseline_us", where), kernels)
 
 
 @dataclass
@@ -245,22 +277,26 @@ class ProbeReport:
                 if site.name != k:
                     raise ReportError(f"sites[{k!r}]: holds site {site.name!r}")
                 sites[k] = site
-            return cls(sites=sites, device=field_str(d, "device", "", "cpu"),
+            return cls(sites=sites, device=field_device(d, "device", ""),
                        device_name=field_str(d, "device_name", "", ""),
                        torch_version=field_str(d, "torch", "", ""),
                        config=dict(field_mapping(d, "config", "", {})),
                        created=field_str(d, "created", "", ""), meta=dict(field_mapping(d, "meta", "", {})))
         except ReportError:
             raise
-        except (TypeError, ValueError, KeyError, AttributeError) as e:
-            raise ReportError(f"probe report: invalid content ({type(e).__name__}: {e})") from None
+        except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError,
+                RecursionError) as e:
+            raise ReportError(f"probe report: invalid content ({type(e).__name__}: "
+                              f"{str(e)[:200]})") from None
 
     def save(self, path: "str | os.PathLike") -> None:
         atomic_write_text(path, json.dumps(self.to_dict(), indent=1, sort_keys=False))
 
     @classmethod
-    def load(cls, path: "str | os.PathLike") -> "ProbeReport":
-        data = read_json(path, SCHEMA, SCHEMA_VERSION)
+    def load(cls, path: "str | os.PathLike", max_bytes: Optional[int] = None) -> "ProbeReport":
+        """Load and validate a report file: any fault is a one-line :class:`ReportError`
+        naming the file and the field (``max_bytes``: see :func:`loka.jsonio.load_json`)."""
+        data = read_json(path, SCHEMA, SCHEMA_VERSION, max_bytes)
         try:
             return cls.from_dict(data)
         except ReportError as e:
@@ -276,18 +312,27 @@ class ProbeReport:
         """
         head = ("site", "M x K x N", "role", "best safe kernel", f"{metric} [95% CI]", "speedup")
         lines = [head]
+        cpu_timed = False
         for name, site in self.sites.items():
             for role, rr in site.roles.items():
                 best = rr.best(max_error, metric)
                 stat = None if best is None else best.metric(metric)
                 speed = None if best is None else best.speedup
-                lines.append((name, "x".join(map(str, rr.shape)), role.value,
-                              "-" if best is None else best.kernel,
+                if best is not None and best.timing.startswith("cpu-wallclock"):
+                    speed, cpu_timed = None, True  # CPU noise, not a speed of FP8 on a GPU
+                # the baseline is the GEMM in the site's dtype: say which it ran
+                label = "-" if best is None else best.kernel + (
+                    f" (ran {site.dtype.replace('float', 'fp')})"
+                    if best.kernel == BASELINE and site.dtype not in ("bfloat16", "") else "")
+                lines.append((name, "x".join(map(str, rr.shape)), role.value, label,
                               "-" if stat is None else stat.format(),
                               "-" if speed is None else f"{speed:.2f}x"))
         widths = [max(len(r[i]) for r in lines) for i in range(len(head))]
         text = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in lines]
         text.insert(1, "  ".join("-" * w for w in widths))
+        if cpu_timed:
+            text.append("speedup '-': CPU timing, not a GPU speed (wall clock of emulated and "
+                        "CPU kernels)")
         return "\n".join(text)
 
     def geomean_error(self, kernel: str, role: "Role | str | None" = None,

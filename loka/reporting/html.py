@@ -16,8 +16,8 @@ from ..config import ROLES
 from ..jsonio import atomic_write_text
 from ..probe.report import ProbeReport
 from . import plots
-from .tables import (curve_arms, decision_rows, decisions, flat_stats, fmt, fp8_fraction, geomean, plan_budget, rows,
-                     stat_columns, timing_note)
+from .tables import (curve_arms, decision_rows, decisions, flat_stats, fmt, fp8_fraction, geomean,
+                     mismatch_note, plan_budget, rows, stat_columns, timing_note)
 
 SECTIONS = ("summary", "error-speedup", "decisions", "learned-vs-naive", "activation-stats",
             "curves")
@@ -92,7 +92,7 @@ def render_html(report: Optional[ProbeReport] = None, plan=None,
     palette = sorted({r.kernel for r in data} | {k for v in decisions(plan).values()
                                                  for k in v.values()})
     parts = [f"<h1>{_e(title)}</h1>"]
-    meta = []
+    meta = []  # plain text, escaped once below (every field may come from a hostile file)
     if report is not None:
         meta.append(f"{len(report.sites)} GEMM site(s) probed on {report.device}"
                     f"{' (' + report.device_name + ')' if report.device_name else ''}, "
@@ -100,11 +100,14 @@ def render_html(report: Optional[ProbeReport] = None, plan=None,
     if plan is not None:
         fp8, total = fp8_fraction(plan)
         meta.append(f"plan: {fp8} of {total} GEMM roles off the bf16 baseline")
-    meta.append(f"budget: {metric} &lt; {max_error:g}, speedup &gt; {min_speedup:g}")
-    parts.append(f'<p class="meta">{" &middot; ".join(m if "&" in m else _e(m) for m in meta)}</p>')
+    meta.append(f"budget: {metric} < {max_error:g}, speedup > {min_speedup:g}")
+    parts.append(f'<p class="meta">{" &middot; ".join(_e(m) for m in meta)}</p>')
     note = timing_note(report) if report is not None else None
     if note:
         parts.append(f'<p class="note">{_e(note)}</p>')
+    mismatch = mismatch_note(report, plan)
+    if mismatch:
+        parts.append(f'<p class="note"><b>Warning:</b> {_e(mismatch)}</p>')
 
     # summary
     if summary:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import io
 import math
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -52,8 +52,20 @@ def _kernel_colors(names: Sequence[str], palette: Optional[Sequence[str]] = None
     return {n: cmap(order.index(n) % cmap.N) for n in names}
 
 
+_PLOTTABLE = 1e100
+"""larger magnitudes are left out of the figures (tables keep them): a log axis up to
+1e308 overflows while matplotlib places its ticks"""
+
+
 def _finite(x: Optional[float]) -> bool:
-    return x is not None and math.isfinite(x)
+    """Drawable: finite and of a magnitude below :data:`_PLOTTABLE`."""
+    return x is not None and math.isfinite(x) and abs(x) < _PLOTTABLE
+
+
+def _label(text: Any) -> str:
+    """A name from a report as literal text (``$`` would start matplotlib's math mode, and a
+    malformed formula fails the whole figure)."""
+    return str(text).replace("$", r"\$")
 
 
 def error_vs_speedup(data: List[Row], max_error: float, min_speedup: float,
@@ -79,9 +91,11 @@ def error_vs_speedup(data: List[Row], max_error: float, min_speedup: float,
         ax.set_xlim(lo, hi)
         ax.set_xlabel("speedup over bf16 (quantization included)")
     else:
-        ax.set_xticks(range(len(kernels)), kernels, rotation=30, ha="right", fontsize=8)
+        ax.set_xticks(range(len(kernels)), [_label(k) for k in kernels], rotation=30, ha="right",
+                      fontsize=8)
         ax.set_xlabel("kernel (no timings in this report)")
-    ax.axhline(max_error, color="#c62828", ls="--", lw=1, label=f"max {metric} {max_error:g}")
+    ax.axhline(max_error, color="#c62828", ls="--", lw=1,
+               label=_label(f"max {metric} {max_error:g}"))
     for r in pts:
         if timed and not _finite(r.speedup):
             continue
@@ -89,8 +103,9 @@ def error_vs_speedup(data: List[Row], max_error: float, min_speedup: float,
         ax.scatter(x, r.error, color=colors[r.kernel], marker=MARKERS.get(r.role, "o"), s=36,
                    edgecolors="black" if r.chosen else "none", linewidths=1.2, zorder=3)
     ax.set_yscale("log")
-    ax.set_ylabel(f"{metric} (mean over samples)")
-    handles = [plt.Line2D([], [], color=colors[k], marker="o", ls="", label=k) for k in kernels]
+    ax.set_ylabel(_label(f"{metric} (mean over samples)"))
+    handles = [plt.Line2D([], [], color=colors[k], marker="o", ls="", label=_label(k))
+               for k in kernels]
     handles += [plt.Line2D([], [], color="gray", marker=m, ls="", label=r)
                 for r, m in MARKERS.items()]
     handles += [plt.Line2D([], [], color="white", marker="o", markeredgecolor="black",
@@ -132,9 +147,9 @@ def decision_map(sites: Sequence[str], plan, palette: Optional[Sequence[str]] = 
     for i, s in enumerate(sites):
         for j, r in enumerate(ROLES):
             name = picked[s].get(r.value, "")
-            ax.text(j, i, name, ha="center", va="center", fontsize=7)
+            ax.text(j, i, _label(name), ha="center", va="center", fontsize=7)
     ax.set_xticks(range(len(ROLES)), [r.value for r in ROLES])
-    ax.set_yticks(range(len(sites)), sites, fontsize=7)
+    ax.set_yticks(range(len(sites)), [_label(s) for s in sites], fontsize=7)
     ax.xaxis.tick_top()
     ax.set_title("Kernel per site and role (gray: bf16 baseline)", fontsize=10, pad=18)
     return _png(fig)
@@ -163,7 +178,7 @@ def learned_vs_naive(data: List[Row], palette: Optional[Sequence[str]] = None) -
     ax.set_ylabel("MERE on learned distributions")
     ratio = math.exp(sum(math.log(r.error / r.naive) for r in pts) / len(pts))
     ax.set_title(f"Learned vs N(0, 1) error (geometric-mean ratio {ratio:.2f})", fontsize=10)
-    ax.legend(handles=[plt.Line2D([], [], color=colors[k], marker="o", ls="", label=k)
+    ax.legend(handles=[plt.Line2D([], [], color=colors[k], marker="o", ls="", label=_label(k))
                        for k in kernels], fontsize=7, loc="upper left")
     ax.grid(alpha=0.3, which="both")
     return _png(fig)
@@ -178,16 +193,16 @@ def activation_stats(site_stats: Mapping[str, Mapping], columns: Sequence[str]) 
     flat = {s: flat_stats(v) for s, v in site_stats.items()}
     # an all-zero statistic (e.g. no overflow anywhere) is left to the table
     columns = [c for c in columns if any(flat[s].get(c, 0.0) not in (0.0,) and
-                                         math.isfinite(flat[s].get(c, 0.0)) for s in sites)][:6]
+                                         _finite(flat[s].get(c, 0.0)) for s in sites)][:6]
     if not columns:
         return None
     fig, axes = plt.subplots(1, len(columns), figsize=(3.2 * len(columns), 0.9 + 0.3 * len(sites)),
                              sharey=True, squeeze=False)
     for ax, col in zip(axes[0], columns):
         vals = [flat[s].get(col, float("nan")) for s in sites]
-        ax.barh(range(len(sites)), [v if math.isfinite(v) else 0.0 for v in vals], color="#5c6bc0")
-        ax.set_title(col, fontsize=9)
-        finite = [v for v in vals if math.isfinite(v)]
+        ax.barh(range(len(sites)), [v if _finite(v) else 0.0 for v in vals], color="#5c6bc0")
+        ax.set_title(_label(col), fontsize=9)
+        finite = [v for v in vals if _finite(v)]
         positive = [v for v in finite if v > 0]
         if finite and min(finite) < 0:  # excess kurtosis can be negative
             if max(abs(v) for v in finite) > 100:
@@ -197,7 +212,7 @@ def activation_stats(site_stats: Mapping[str, Mapping], columns: Sequence[str]) 
             ax.set_xscale("log")
         ax.grid(alpha=0.3, axis="x")
         ax.tick_params(labelsize=7)
-    axes[0][0].set_yticks(range(len(sites)), sites, fontsize=7)
+    axes[0][0].set_yticks(range(len(sites)), [_label(s) for s in sites], fontsize=7)
     axes[0][0].invert_yaxis()
     fig.suptitle("Activation statistics per site", fontsize=10)
     return _png(fig)
@@ -221,9 +236,9 @@ def training_curves(curves: Mapping[str, Mapping], branch_step: Optional[int] = 
         ls = styles[i % len(styles)]  # arms share their history up to the branch: dashes show both
         if tr.get("step"):
             window = max(10, len(tr["loss"]) // 20)
-            ax_loss.plot(tr["step"], _smooth(tr["loss"], window), label=arm, lw=1.3, ls=ls)
+            ax_loss.plot(tr["step"], _smooth(tr["loss"], window), label=_label(arm), lw=1.3, ls=ls)
         if ev.get("step"):
-            ax_ne.plot(ev["step"], ev["ne"], label=arm, marker="o", ms=3, lw=1.3, ls=ls)
+            ax_ne.plot(ev["step"], ev["ne"], label=_label(arm), marker="o", ms=3, lw=1.3, ls=ls)
     for ax, name in ((ax_loss, "training loss (smoothed)"), (ax_ne, "held-out NE")):
         if branch_step is not None:
             ax.axvline(branch_step, color="gray", lw=0.8, ls=":", label="branch")

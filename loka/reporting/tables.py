@@ -7,7 +7,6 @@ their numbers through these functions, so the four never disagree.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
@@ -15,7 +14,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 from ..config import BASELINE, ROLES
 from ..dispatch.schema import SCHEMA as PLAN_SCHEMA
 from ..dispatch.schema import Plan
-from ..jsonio import ReportError
+from ..dispatch.select import plan_report_mismatches
+from ..jsonio import ReportError, load_json
 from ..probe.report import SCHEMA as REPORT_SCHEMA
 from ..probe.report import ProbeReport
 
@@ -29,12 +29,9 @@ excess kurtosis (pooled, and the worst channel)"""
 
 # -- files -------------------------------------------------------------------------------
 def file_schema(path) -> Optional[str]:
-    """The ``schema`` field of a LoKA JSON file (ReportError if it is not JSON at all)."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ReportError(f"{path}: not valid JSON ({e})") from None
+    """The ``schema`` field of a LoKA JSON file (ReportError if it is not a JSON object, or
+    above the size limit: :func:`loka.jsonio.load_json`)."""
+    data = load_json(path)
     return data.get("schema") if isinstance(data, dict) else None
 
 
@@ -181,6 +178,28 @@ def timing_modes(report: ProbeReport) -> List[str]:
     return modes
 
 
+def mismatch_note(report: Optional[ProbeReport], plan) -> Optional[str]:
+    """A warning when ``plan`` and ``report`` describe different models (sites in one and
+    not the other, or of other shapes: :func:`loka.dispatch.plan_report_mismatches`);
+    None when they match or either is missing. Every rendering shows it above its tables:
+    a report and a plan of two models are rendered side by side only with this warning."""
+    if report is None or plan is None:
+        return None
+    if isinstance(plan, Mapping):
+        plan = Plan.from_dict(plan)
+    found = plan_report_mismatches(plan, report)
+    if not found:
+        return None
+    listed = "; ".join(f"{m['site']}: {m['why']}" for m in found[:_MAX_MISMATCHES])
+    more = len(found) - _MAX_MISMATCHES
+    return (f"the plan does not match this report ({len(found)} difference(s): {listed}"
+            + (f"; and {more} more" if more > 0 else "") + "): they describe different "
+            "models or runs, so the plan's choices are not this report's")
+
+
+_MAX_MISMATCHES = 5
+
+
 def timing_note(report: ProbeReport) -> Optional[str]:
     """A warning when the report's speedups cannot support FP8 decisions."""
     modes = timing_modes(report)
@@ -251,6 +270,9 @@ def text_report(report: ProbeReport, plan=None, metric: str = "mere") -> str:
     note = timing_note(report)
     if note:
         head.append("note: " + note)
+    mismatch = mismatch_note(report, plan)
+    if mismatch:
+        head.append("warning: " + mismatch)
     body = []
     for r in rows(report, plan, metric):
         flags = ("safe " if r.safe else "") + ("fast" if r.fast else "")

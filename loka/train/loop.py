@@ -7,32 +7,66 @@ touches only the rows the batch used rather than every row of the tables; small 
 dense under AdamW, which is simpler, and at that size a dense update costs little.
 No weight decay by default: a decayed embedding table shrinks rows that a batch did not use.
 
-Checkpoints (``<checkpoint_dir>/checkpoint.pt``) hold the model, the optimizers, the step,
-the loss/eval history, the CPU and CUDA RNG states and the data stream's ``state_dict()``,
-so a resumed run continues exactly where it stopped (bit for bit on the CPU). They are
-written atomically (temp file in the same directory, then ``os.replace``) and loaded with
-``torch.load(weights_only=True)``.
+Checkpoints (``<checkpoint_dir>/checkpoint.pt``, see :mod:`loka.train.checkpoint`) hold the
+model, the optimizers, the step, the loss/eval history, the CPU and CUDA RNG states, the
+data stream's ``state_dict()`` and the plan the run trains with, so a resumed run continues
+exactly where it stopped (bit for bit on the CPU), on the same kernels. They carry a
+checksum, are written atomically and loaded with ``torch.load(weights_only=True)``. A run
+holds its directory's lock (:class:`~loka.train.checkpoint.RunLock`) and removes the temp
+files a killed run left there; a run into a directory that holds a checkpoint must resume
+it (:class:`~loka.train.checkpoint.RunExistsError` otherwise).
+
+Plans: ``train(model, ..., plan=plan)`` applies a copy of ``plan`` (``loka.apply``) and arms
+a :class:`~loka.dispatch.Guard`, which switches an FP8 site that turns finite values into
+non-finite ones (or saturates a static scale) to the baseline for good and skips that
+step's update; a plan the caller applied beforehand counts the same (it is not applied
+again). Under the Guard a step whose loss or gradients are non-finite is not applied
+either (``TrainResult.skipped_steps``). Resuming a run that trained with a plan: without a
+plan, the plan recorded in the checkpoint is applied again, with the Guard's fallbacks,
+and a note says so; with the plan the run started from, the same; with another plan,
+:class:`PlanChangedError`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import math
 import os
-import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .data.batch import Batch
-from .data.metrics import Metrics
+from ..data.batch import Batch
+from ..data.metrics import Metrics
+from ..data.synthetic import SyntheticCTR
+from ..dispatch import Guard, GuardEvent, Plan, applied_plan, apply
+from .checkpoint import (CHECKPOINT_NAME, CheckpointError, RunExistsError, RunLock,
+                         read_checkpoint, remove_stale_temp_files, write_checkpoint)
 
-CHECKPOINT_NAME = "checkpoint.pt"
+__all__ = ["loss_fn", "make_optimizers", "train_step", "evaluate", "is_infinite",
+           "EmptyEvaluationError", "TrainResult", "PlanChangedError", "plan_digest",
+           "checkpoint_plan", "train"]
+
+
+class PlanChangedError(ValueError):
+    """Resuming a run with a plan other than the one it trained with."""
+
+
+class EmptyEvaluationError(ValueError):
+    """An evaluation that saw no example: its data is empty."""
+
+
+def is_infinite(stream: Iterable[Batch]) -> bool:
+    """Whether ``stream`` never ends: the synthetic stream, or a reader told to ``loop``."""
+    return isinstance(stream, SyntheticCTR) or bool(getattr(stream, "loop", False))
 
 
 def loss_fn(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -74,22 +108,29 @@ def train_step(model: nn.Module, batch: Batch, optimizers: List[torch.optim.Opti
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data_iter: Iterable[Batch], steps: int, *, device=None,
-             autocast_bf16: bool = False) -> Dict[str, float]:
-    """NE, AUC and log loss of ``model`` over the next ``steps`` batches of ``data_iter``
-    (fewer if it ends). Returns dict(ne, auc, logloss, ctr, count)."""
+def evaluate(model: nn.Module, data_iter: Iterable[Batch], steps: Optional[int] = None, *,
+             device=None, autocast_bf16: bool = False) -> Dict[str, float]:
+    """NE, AUC and log loss of ``model`` over ``data_iter``: all of it, once (None), or its
+    next ``steps`` batches (fewer if it ends). Returns dict(ne, auc, logloss, ctr, count),
+    ``count`` the examples seen. Raises ValueError for ``steps=None`` on a stream that
+    never ends (:func:`is_infinite`), :class:`EmptyEvaluationError` for no example."""
+    if steps is None and is_infinite(data_iter):
+        raise ValueError("evaluating an infinite stream needs a number of batches (steps)")
     device = torch.device(device) if device is not None else next(model.parameters()).device
     was_training = model.training
     model.eval()
     metrics = Metrics(from_logits=True)
+    batches = data_iter if steps is None else (b for _, b in zip(range(steps), data_iter))
     try:
-        for _, batch in zip(range(steps), data_iter):
+        for batch in batches:
             batch = batch.to(device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
                 logits = model(batch)
             metrics.update(logits.float(), batch.labels)
     finally:
         model.train(was_training)
+    if metrics.count == 0:
+        raise EmptyEvaluationError("no examples to evaluate: the evaluation data is empty")
     return metrics.compute()
 
 
@@ -109,6 +150,17 @@ class TrainResult:
     """steps completed"""
     resumed_from: Optional[int] = None
     """the checkpoint step this run resumed from, if any"""
+    plan: Optional[Plan] = None
+    """the plan the run trained with, as it stands at the end (the Guard's switches are in
+    its ``fallbacks``); None without a plan"""
+    guard_events: List[GuardEvent] = field(default_factory=list)
+    """the sites the Guard switched to the baseline in this invocation"""
+    skipped_steps: List[int] = field(default_factory=list)
+    """steps of this invocation whose update the Guard skipped (a non-finite loss or
+    gradient, or a site switched on that step)"""
+    notes: List[str] = field(default_factory=list)
+    """what the run did that the caller did not ask for (a plan re-applied from the
+    checkpoint, a dead run's lock taken over, its temp files removed)"""
 
 
 def _entropy(ctr: float) -> float:
@@ -117,26 +169,53 @@ def _entropy(ctr: float) -> float:
     return -(ctr * math.log(ctr) + (1 - ctr) * math.log1p(-ctr))
 
 
-def _save_checkpoint(path: str, state: Dict[str, Any]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".ckpt-", suffix=".tmp")
+def plan_digest(plan: Plan) -> str:
+    """``"sha256:<hex>"`` of a plan's JSON: the same for a plan and its saved copy."""
+    text = json.dumps(plan.to_dict(), sort_keys=True)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def _recorded_plan(path: str, state: Dict[str, Any]) -> Optional[Tuple[Plan, str]]:
+    """The plan a checkpoint recorded and the digest of the plan its run started from."""
+    record = state.get("plan")
+    if record is None:
+        return None
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+        return Plan.from_dict(json.loads(record["json"])), str(record["digest"])
+    except (TypeError, KeyError, ValueError) as e:  # a ReportError or a JSON error too
+        raise CheckpointError(f"{path}: its recorded plan is not readable ({e})") from None
+
+
+def checkpoint_plan(path: str, state: Dict[str, Any]) -> Optional[Plan]:
+    """The plan a checkpoint's run trained with (``state``: the checkpoint read from
+    ``path``), or None when it trained without one."""
+    recorded = _recorded_plan(path, state)
+    return None if recorded is None else recorded[0]
+
+
+def _fp8_summary(plan: Plan) -> str:
+    return (f"{len(plan.fp8_sites())} FP8 site(s)"
+            + (f", {len(plan.fallbacks)} switched to {plan.baseline} by the Guard"
+               if plan.fallbacks else ""))
+
+
+def _grads_finite(optimizers: List[torch.optim.Optimizer]) -> Optional[torch.Tensor]:
+    """Whether every gradient is finite, as a tensor on the device (no host sync)."""
+    grads = [p.grad for opt in optimizers for group in opt.param_groups for p in group["params"]
+             if p.grad is not None]
+    grads = [g.coalesce().values() if g.is_sparse else g for g in grads]
+    if not grads:
+        return None
+    return torch.isfinite(torch.nn.utils.get_total_norm(grads, norm_type=math.inf))
 
 
 def train(model: nn.Module, data_iter: Iterable[Batch], steps: int, *, lr: float = 1e-3,
           device="cpu", eval_iter: Optional[Iterable[Batch]] = None, eval_every: int = 0,
-          eval_steps: int = 20, checkpoint_dir: Optional[str] = None, checkpoint_every: int = 0,
+          eval_steps: Optional[int] = None, checkpoint_dir: Optional[str] = None, checkpoint_every: int = 0,
           resume: bool = False, seed: int = 0, autocast_bf16: Optional[bool] = None,
           progress: bool = True, log_fn: Optional[Callable[[Dict[str, Any]], None]] = None,
-          weight_decay: float = 0.0) -> TrainResult:
+          weight_decay: float = 0.0, plan: Optional[Plan] = None, guard: bool = True,
+          guard_every: Optional[int] = 100) -> TrainResult:
     """Train ``model`` for ``steps`` steps (total, counting steps before a resume).
 
     Args:
@@ -149,39 +228,117 @@ def train(model: nn.Module, data_iter: Iterable[Batch], steps: int, *, lr: float
         eval_iter: held-out batches; if it has ``state_dict`` it is rewound before every
             evaluation, so every evaluation sees the same batches.
         eval_every: evaluate every this many steps (0: only at the end); eval_steps: batches
-            per evaluation.
-        checkpoint_dir: where ``checkpoint.pt`` goes (None: no checkpoints);
-            checkpoint_every: every this many steps (0: only at the end).
-        resume: continue from ``checkpoint_dir/checkpoint.pt`` when it exists.
+            per evaluation (None: all of ``eval_iter``, once; an infinite stream needs a
+            number). A resumed run that has nothing left to train evaluates again, so its
+            ``final`` is the finished run's.
+        checkpoint_dir: where ``checkpoint.pt`` goes (None: no checkpoints); the run locks
+            it. checkpoint_every: every this many steps (0: only at the end).
+        resume: continue from ``checkpoint_dir/checkpoint.pt`` when it exists (without
+            ``resume`` an existing checkpoint is an error, not overwritten).
         seed: seeds torch's RNG at the start of a fresh run.
         autocast_bf16: bf16 autocast of forward and loss; None: on for CUDA, off otherwise.
         progress: a tqdm bar with throughput and running NE.
-        log_fn: called with dict(step, loss, ne_running, samples_per_s) every 50 steps and
-            with the evaluation dict after each evaluation.
+        log_fn: called with dict(event="train", step, loss, ne_running, samples_per_s)
+            every 50 steps, with the evaluation dict (event="eval") after each evaluation,
+            dict(event="guard", step, site, reason) for each site the Guard switches and
+            dict(event="note", message) for each of ``TrainResult.notes``.
         weight_decay: AdamW's decoupled weight decay.
+        plan: train with this plan: a copy is applied to the model, recorded in the
+            checkpoints and watched by the Guard (see the module docstring). None: the plan
+            the caller applied, if any, or the one a resumed checkpoint recorded.
+        guard: arm a :class:`~loka.dispatch.Guard` when the run has a plan.
+        guard_every: the Guard's ``check_every`` (None: only after a non-finite loss).
 
     Returns:
         TrainResult.
+
+    Raises:
+        CheckpointError: the checkpoint to resume is empty, damaged or not LoKA's.
+        RunInUseError: another live run holds ``checkpoint_dir``.
+        RunExistsError: ``checkpoint_dir`` holds a checkpoint and ``resume`` is False.
+        PlanChangedError: resuming a run with another plan than it trained with.
     """
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
     if resume and checkpoint_dir is None:
         raise ValueError("resume=True needs a checkpoint_dir")
+    if eval_iter is not None and eval_steps is None and is_infinite(eval_iter):
+        raise ValueError("eval_iter never ends: give eval_steps, the batches per evaluation")
+    result = TrainResult()
+
+    def note(message: str) -> None:
+        result.notes.append(message)
+        if log_fn:
+            log_fn({"event": "note", "message": message})
+
+    lock = RunLock(checkpoint_dir) if checkpoint_dir else contextlib.nullcontext()
+    with lock:
+        if checkpoint_dir:
+            if lock.takeover_note:
+                note(lock.takeover_note)
+            stale = remove_stale_temp_files(checkpoint_dir)
+            if stale:
+                note(f"removed {len(stale)} temp file(s) a killed run left in "
+                     f"{checkpoint_dir}: {', '.join(stale)}")
+        return _train(model, data_iter, steps, result, note, lr=lr, device=device,
+                      eval_iter=eval_iter, eval_every=eval_every, eval_steps=eval_steps,
+                      checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
+                      resume=resume, seed=seed, autocast_bf16=autocast_bf16, progress=progress,
+                      log_fn=log_fn, weight_decay=weight_decay, plan=plan, guard=guard,
+                      guard_every=guard_every)
+
+
+def _train(model, data_iter, steps, result: TrainResult, note: Callable[[str], None], *, lr,
+           device, eval_iter, eval_every, eval_steps, checkpoint_dir, checkpoint_every, resume,
+           seed, autocast_bf16, progress, log_fn, weight_decay, plan, guard,
+           guard_every) -> TrainResult:
+    """:func:`train` holding the run directory's lock."""
     device = torch.device(device)
     use_autocast = device.type == "cuda" if autocast_bf16 is None else bool(autocast_bf16)
+    ckpt_path = os.path.join(checkpoint_dir, CHECKPOINT_NAME) if checkpoint_dir else None
+    state = None
+    if ckpt_path and os.path.exists(ckpt_path):
+        if not resume:
+            raise RunExistsError(f"{checkpoint_dir} already holds a run's checkpoint "
+                                 f"({ckpt_path}); resume it (resume=True) or train into "
+                                 "another directory")
+        state = read_checkpoint(ckpt_path, map_location=device)
+        if state["step"] > 0 and len(state["losses"]) != state["step"]:
+            raise CheckpointError(f"{ckpt_path}: not a LoKA checkpoint ({len(state['losses'])} "
+                                  f"losses for step {state['step']})")
+
+    # the plan of the run: given, applied by the caller, or recorded in the checkpoint
+    run_plan, to_apply, digest = None, None, None
+    mine = plan if plan is not None else applied_plan(model)
+    recorded = _recorded_plan(ckpt_path, state) if state is not None else None
+    if recorded is not None:
+        run_plan, digest = recorded
+        if mine is None:
+            note(f"resuming with the plan recorded in the checkpoint ({_fp8_summary(run_plan)})")
+        elif plan_digest(mine) != digest:
+            raise PlanChangedError(f"{ckpt_path}: this run trained with another plan "
+                                   f"({digest[:15]}..., not {plan_digest(mine)[:15]}...); "
+                                   "resume it without a plan to continue with its own")
+        to_apply = run_plan
+    elif mine is not None:
+        digest = plan_digest(mine)
+        if plan is not None:
+            run_plan = to_apply = plan.copy()  # the Guard's switches leave the caller's as it is
+        else:
+            run_plan = mine  # applied by the caller: trained as applied, not applied again
+        if state is not None:
+            note(f"the checkpoint trained without a plan; from step {state['step']} on with "
+                 f"this one ({_fp8_summary(run_plan)})")
     model.to(device)
+    if to_apply is not None:
+        apply(model, to_apply)
     model.train()
     optimizers = make_optimizers(model, lr, device, weight_decay)
-    result = TrainResult()
     start = 0
-    ckpt_path = os.path.join(checkpoint_dir, CHECKPOINT_NAME) if checkpoint_dir else None
-    if ckpt_path:
-        os.makedirs(checkpoint_dir, exist_ok=True)
-    if resume and ckpt_path and os.path.exists(ckpt_path):
-        state = torch.load(ckpt_path, map_location=device, weights_only=True)
+    if state is not None:
         model.load_state_dict(state["model"])
         if len(state["optimizers"]) != len(optimizers):
-            raise ValueError("checkpoint optimizers do not match this model's")
+            raise CheckpointError(f"{ckpt_path}: its optimizers do not match this model's")
         for opt, s in zip(optimizers, state["optimizers"]):
             opt.load_state_dict(s)
         torch.set_rng_state(state["rng_cpu"].cpu())
@@ -202,6 +359,11 @@ def train(model: nn.Module, data_iter: Iterable[Batch], steps: int, *, lr: float
                 next(data_iter)
     else:
         torch.manual_seed(seed)
+    result.plan = run_plan
+    watch = Guard(model, run_plan, check_every=guard_every) if run_plan is not None and guard \
+        else None
+    if watch is not None:
+        watch.step_index = start + 1  # the Guard's step numbers are the run's
 
     eval_state = eval_iter.state_dict() if hasattr(eval_iter, "state_dict") else None
     stream = iter(data_iter)
@@ -215,11 +377,12 @@ def train(model: nn.Module, data_iter: Iterable[Batch], steps: int, *, lr: float
             pending.clear()
 
     def running_ne() -> float:
-        n = sum(b for _, b, _ in window)
+        finite = [(l, b, p) for l, b, p in window if math.isfinite(l)]
+        n = sum(b for _, b, _ in finite)
         if not n:
             return float("nan")
-        ll = sum(l * b for l, b, _ in window) / n
-        return ll / _entropy(sum(p for _, _, p in window) / n)
+        ll = sum(l * b for l, b, _ in finite) / n
+        return ll / _entropy(sum(p for _, _, p in finite) / n)
 
     def run_eval(step: int) -> Dict[str, float]:
         if eval_state is not None:
@@ -233,7 +396,7 @@ def train(model: nn.Module, data_iter: Iterable[Batch], steps: int, *, lr: float
 
     def checkpoint(step: int) -> None:
         flush()
-        _save_checkpoint(ckpt_path, {
+        write_checkpoint(ckpt_path, {
             "model": model.state_dict(),
             "optimizers": [o.state_dict() for o in optimizers],
             "step": step,
@@ -242,7 +405,33 @@ def train(model: nn.Module, data_iter: Iterable[Batch], steps: int, *, lr: float
             "rng_cpu": torch.get_rng_state(),
             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
             "data": data_iter.state_dict() if hasattr(data_iter, "state_dict") else None,
+            "plan": None if run_plan is None else {"json": json.dumps(run_plan.to_dict()),
+                                                   "digest": digest},
         })
+
+    def guarded_update(batch: Batch, loss: torch.Tensor, step: int) -> None:
+        """The Guard's check of this step (loss and gradients), then the update or not."""
+        finite = _grads_finite(optimizers)
+        health = loss if finite is None else torch.where(finite, loss, loss.new_tensor(math.nan))
+
+        def recheck() -> None:  # the same forward and backward, with the sites watched
+            with torch.autocast(batch.device.type, dtype=torch.bfloat16, enabled=use_autocast):
+                again = loss_fn(model, batch)
+            again.backward()
+
+        seen = len(watch.events)
+        if watch.step(health, recheck=recheck):
+            for opt in optimizers:
+                opt.step()
+        else:
+            result.skipped_steps.append(step)
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        for event in watch.events[seen:]:
+            result.guard_events.append(event)
+            if log_fn:
+                log_fn({"event": "guard", "step": event.step, "site": event.site,
+                        "reason": event.reason})
 
     bar = tqdm(total=steps, initial=min(start, steps), disable=not progress, unit="step",
                dynamic_ncols=True)
@@ -256,7 +445,15 @@ def train(model: nn.Module, data_iter: Iterable[Batch], steps: int, *, lr: float
                 step -= 1
                 break
             batch = batch.to(device, non_blocking=True)
-            loss = train_step(model, batch, optimizers, use_autocast)
+            if watch is None:
+                loss = train_step(model, batch, optimizers, use_autocast)
+            else:
+                with torch.autocast(batch.device.type, dtype=torch.bfloat16,
+                                    enabled=use_autocast):
+                    loss = loss_fn(model, batch)
+                loss.backward()
+                loss = loss.detach()
+                guarded_update(batch, loss, step)
             pending.append(loss)
             samples += batch.batch_size
             window.append((loss, batch.batch_size, batch.labels.sum()))
@@ -279,6 +476,8 @@ def train(model: nn.Module, data_iter: Iterable[Batch], steps: int, *, lr: float
                 checkpoint(step)
     finally:
         bar.close()
+        if watch is not None:
+            watch.close()
     train_time += time.perf_counter() - tic
     flush()
     window = deque([(float(l), b, float(p)) for l, b, p in window], maxlen=200)
@@ -288,10 +487,10 @@ def train(model: nn.Module, data_iter: Iterable[Batch], steps: int, *, lr: float
     # eval history matches an uninterrupted one
     if ckpt_path and step > start and not (checkpoint_every and step % checkpoint_every == 0):
         checkpoint(step)
-    if eval_iter is not None and step > start:
+    if eval_iter is not None:
+        # also when a resumed run had nothing left to train: the checkpoint holds the model
+        # its final evaluation scored, so scoring it again gives the same figures
         result.final = run_eval(step)
-    elif eval_iter is not None and result.eval_history:
-        result.final = dict(result.eval_history[-1])
     else:
         result.final = {"step": step, "ne_running": running_ne()}
     return result

@@ -105,7 +105,9 @@ def _numpy_gemm_kernel(name):
         qa, qb = (base.quantize_a(a) if isinstance(a, torch.Tensor) else a,
                   base.quantize_b(b) if isinstance(b, torch.Tensor) else b)
         acc = np.matmul(qa.data.float().numpy(), qb.data.float().numpy())
-        return (torch.from_numpy(acc) * qa.scale * qb.scale).to(out_dtype)
+        # the emulated kernel's numerics: scales applied in float64, one rounding
+        scales = qa.scale.double() * qb.scale.double()
+        return (torch.from_numpy(acc).double() * scales).to(out_dtype)
 
     return Kernel(name, fn, library="custom", scaling="rowwise", formats=("e4m3", "e4m3"), align=16,
                   quantize_a=base.quantize_a, quantize_b=base.quantize_b)

@@ -1,3 +1,4 @@
+import math
 import logging
 
 import pytest
@@ -227,3 +228,58 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="loka.apply"):
         Guard(Chain(), plan)
     assert isinstance(GuardEvent("a", 1, "r", LinearConfig()), GuardEvent)
+
+
+# -- reliability (issue 29) ------------------------------------------------------------------
+@pytest.mark.parametrize("param", ["weight", "bias"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_fault_the_baseline_shares_is_not_blamed_on_fp8(param, bad):
+    # a NaN weight makes bf16 NaN too: switching the site to bf16 would fix nothing
+    model, plan = _planned()
+    events = []
+    guard = Guard(model, plan, check_every=1, on_switch=events.append)
+    with torch.no_grad():
+        getattr(model.mid, param)[0] = bad
+    loss = model(torch.randn(8, 32)).sum()
+    loss.backward()
+    assert guard.step(loss) is False  # the update is skipped all the same
+    assert events == [] and plan.fallbacks == [] and model.mid.config == LinearConfig.uniform(FP8)
+    assert guard.notes == ["step 0: non-finite loss not introduced by an FP8 site"]
+
+
+def test_a_nan_weight_read_by_a_gradient_gemm_is_not_blamed_on_fp8():
+    # 'out' gets a finite dy from the head; its dgrad dy @ W reads the NaN weight
+    model, plan = _planned()
+    guard = Guard(model, plan, check_every=1)
+    with torch.no_grad():
+        model.out.weight[:, 0] = math.nan
+    loss = model(torch.randn(8, 32)).sum()
+    loss.backward()
+    assert guard.step(loss) is False and guard.events == []
+
+
+def test_sites_skipped_by_a_non_strict_apply_are_not_guarded():
+    torch.manual_seed(0)
+    model = Chain()
+    plan = Plan.uniform(model, FP8)
+    other = Chain()
+    other.mid = nn.Linear(64, 48)  # a site of another shape: apply(strict=False) skips it
+    other.out = nn.Linear(48, 32)
+    report = loka.apply(other, plan, strict=False)
+    assert set(report.skipped) == {"mid", "out"}
+    guard = Guard(other, plan, check_every=1)
+    assert sorted(guard.sites) == ["head", "inp"]
+    assert set(guard.unguarded) == {"mid", "out"} and "64->48" in guard.unguarded["mid"]
+    loss = other(torch.randn(8, 32)).sum()
+    loss.backward()
+    assert guard.step(loss) is True
+
+
+def test_a_plan_never_applied_is_still_refused():
+    model, plan = _planned()
+    with pytest.raises(ValueError, match="loka.apply"):
+        Guard(Chain(), plan)
+    fresh = Chain()
+    loka.apply(fresh, Plan.uniform(fresh, FP8, module_filter="inp"))
+    with pytest.raises(ValueError, match="loka.apply"):  # another plan was applied
+        Guard(fresh, plan)

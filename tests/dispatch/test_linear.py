@@ -208,6 +208,34 @@ def test_non_finite_input_propagates(bad):
     assert torch.isfinite(y[torch.arange(16) != 2]).all()  # rowwise: other rows unharmed
 
 
+def _cpu_configs():
+    """Every LinearConfig of one CPU kernel per role (uniform where the kernel serves all
+    roles; its forward with the baseline gradients otherwise), and the baseline."""
+    out = [LinearConfig()]
+    for kern in loka.kernels.available("cpu", fp8_only=True):
+        if set(Role) <= set(kern.roles):
+            out.append(LinearConfig.uniform(kern.name))
+        else:
+            roles = {r.value: kern.name for r in kern.roles}
+            out.append(LinearConfig(**roles))
+    return out
+
+
+@pytest.mark.parametrize("config", _cpu_configs(), ids=lambda c: f"{c.fwd}/{c.dgrad}/{c.wgrad}")
+@pytest.mark.parametrize("value", [1e300, -1e300, 3e38])
+def test_finite_float64_input_never_gives_nan(config, value):
+    # issue 29: 1e300 became inf in float32, its scale inf, and inf / inf NaN everywhere
+    torch.manual_seed(0)
+    lin = loka.Linear(128, 128, dtype=torch.float64, config=config)
+    x = torch.randn(16, 128, dtype=torch.float64, requires_grad=True)
+    with torch.no_grad():
+        x[:, :3] = value
+    y = lin(x)
+    assert not y.isnan().any()
+    y.backward(torch.randn_like(y))
+    assert not x.grad.isnan().any() and not lin.weight.grad.isnan().any()
+
+
 # -- tensorwise operands quantized once, shared across roles ---------------------------
 @pytest.mark.parametrize("kernel,grad_kernel", [
     ("emulated-tensorwise-e4m3", "emulated-tensorwise-e4m3"),

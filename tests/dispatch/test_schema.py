@@ -49,7 +49,7 @@ def test_json_round_trip(tmp_path, make_report, three):
         "roles": {"fwd": {"kernel": 3}}}}}), "kernel must be a name"),
     (json.dumps({"schema": "loka.plan", "version": 1, "sites": {"a": {
         "name": "a", "in_features": -4, "out_features": 4, "tokens": 1, "roles": {}}}}),
-     "non-negative integers"),
+     r"sites\['a'\].in_features: expected an integer >= 0"),
     (json.dumps({"schema": "loka.plan", "version": 1, "sites": {"a": {
         "name": "b", "in_features": 4, "out_features": 4, "tokens": 1, "roles": {}}}}),
      "holds site"),
@@ -83,3 +83,114 @@ def test_uniform_plan_falls_back_per_role_where_the_kernel_cannot_run():
     assert p.config("2") == LinearConfig("bf16", "bf16", "cublas-rowwise")
     assert p.fp8_sites() == ["0", "2"]
     assert Plan.uniform(model, "cublas-rowwise", module_filter="^0$").fp8_sites() == ["0"]
+
+
+# -- reliability (issue 29): hostile plan files -------------------------------------------------
+def _plan_dict(make_report, three):
+    report = make_report({"a.b": (64, 64, 128, {r: three for r in Role})})
+    p = plan(report, role_budgets={Role.WGRAD: 0.06})
+    p.record_fallback("a.b", 17, "non-finite output")
+    return p.to_dict()
+
+
+A = ("sites", "a.b")
+FWD = A + ("roles", "fwd")
+HOSTILE = [
+    (("version",), True, "version True is not supported"),
+    (("fallbacks", 0, "step"), 1e999, "fallbacks[0].step: expected an integer"),
+    (("fallbacks", 0, "step"), "17", "fallbacks[0].step: expected an integer"),
+    (("fallbacks", 0, "previous"), 5, "fallbacks[0].previous: expected a JSON object"),
+    (("fallbacks", 0, "previous"), {"fwd": 3}, "fallbacks[0].previous.fwd: expected a string"),
+    (("fallbacks", 0, "site"), ["a"], "fallbacks[0].site: expected a string"),
+    (("fallbacks",), {"a": 1}, "fallbacks: expected a JSON array"),
+    (("fallbacks",), [5], "fallbacks[0]: expected a JSON object"),
+    (A + ("tokens",), 1e999, "sites['a.b'].tokens: expected an integer"),
+    (A + ("in_features",), 2 ** 70, "sites['a.b'].in_features: expected an integer"),
+    (A + ("roles",), [], "sites['a.b'].roles: expected a JSON object"),
+    (A + ("name",), 5, "sites['a.b'].name: expected a string"),
+    (FWD + ("error",), "low", "sites['a.b'].roles['fwd'].error: expected a number"),
+    (FWD + ("budget",), [0.2], "sites['a.b'].roles['fwd'].budget: expected a number"),
+    (FWD + ("reason",), 5, "sites['a.b'].roles['fwd'].reason: expected a string"),
+    (("notes",), 5, "notes: expected a JSON array"),
+    (("notes",), [5], "notes[0]: expected a string"),
+    (("source",), [], "source: expected a JSON object"),
+    (("budget",), 3, "budget: expected a JSON object"),
+    (("budget", "max_error"), "big", "budget.max_error: expected a number"),
+    (("budget", "min_speedup"), [1], "budget.min_speedup: expected a number"),
+    (("budget", "metric"), 3, "budget.metric: expected a string"),
+    (("budget", "baseline"), 3, "budget.baseline: expected a string"),
+    (("budget", "role_budgets"), [0.1], "budget.role_budgets: expected a JSON object"),
+    (("budget", "role_budgets", "wgrad"), "x", "budget.role_budgets.wgrad: expected a number"),
+    (("budget", "assume_fast"), "yes", "budget.assume_fast: expected true or false"),
+    (("budget", "allowed_kernels"), "bf16", "budget.allowed_kernels: expected a JSON array"),
+    (("device",), 5, "device: expected a string"),
+    (("device",), "quantum:0", "device"),
+    (("created",), 5, "created: expected a string"),
+]
+
+
+def _set(d, path, value):
+    node = d
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+
+
+@pytest.mark.parametrize("path,value,message", HOSTILE, ids=[m for _, _, m in HOSTILE])
+def test_hostile_plan_files_give_one_report_error_naming_file_and_field(
+        tmp_path, make_report, three, path, value, message):
+    d = _plan_dict(make_report, three)
+    _set(d, path, value)
+    f = tmp_path / "plan.json"
+    f.write_text(json.dumps(d))
+    with pytest.raises(ReportError) as info:
+        Plan.load(f)
+    text = str(info.value)
+    assert message in text and text.startswith(str(f)) and "\n" not in text
+
+
+@pytest.mark.parametrize("text,match", [
+    ('"step": 17', "fallbacks[0].step: expected an integer"),
+    ('"tokens": 128', "sites['a.b'].tokens: expected an integer"),
+])
+def test_a_5000_digit_integer_in_a_plan_is_a_report_error(tmp_path, make_report, three, text, match):
+    raw = json.dumps(_plan_dict(make_report, three))
+    assert text in raw
+    f = tmp_path / "plan.json"
+    f.write_text(raw.replace(text, text.split(":")[0] + ": " + "9" * 5000))
+    with pytest.raises(ReportError) as info:
+        Plan.load(f)
+    assert match in str(info.value) and str(f) in str(info.value)
+
+
+@pytest.mark.parametrize("where", [("source",), ("budget", "uniform")])
+def test_deep_nesting_in_a_plan_is_a_report_error(tmp_path, make_report, three, where):
+    d = _plan_dict(make_report, three)
+    _set(d, where, "DEEP")
+    f = tmp_path / "plan.json"
+    f.write_text(json.dumps(d).replace('"DEEP"', "[" * 100_000 + "]" * 100_000))
+    with pytest.raises(ReportError, match="nested too deeply") as info:
+        Plan.load(f)
+    assert str(f) in str(info.value)
+
+
+def test_a_plan_above_the_size_limit_is_refused(tmp_path, make_report, three):
+    d = _plan_dict(make_report, three)
+    d["notes"] = ["x" * 100] * 1000
+    f = tmp_path / "plan.json"
+    f.write_text(json.dumps(d))
+    with pytest.raises(ReportError, match="limit"):
+        Plan.load(f, max_bytes=f.stat().st_size - 1)
+    assert len(Plan.load(f).notes) == 1000
+
+
+def test_null_and_infinite_budgets_still_load(tmp_path, make_report, three):
+    # a uniform plan has no budgets; an edited one may: loading keeps them, audit judges them
+    d = _plan_dict(make_report, three)
+    _set(d, FWD + ("budget",), None)
+    _set(d, ("budget", "role_budgets", "wgrad"), "inf")
+    f = tmp_path / "plan.json"
+    f.write_text(json.dumps(d))
+    p = Plan.load(f)
+    assert p.sites["a.b"].roles[Role.FWD].budget is None
+    assert p.budget["role_budgets"]["wgrad"] == "inf"  # as written: json_safe's encoding

@@ -380,3 +380,114 @@ def test_audit_of_an_inference_plan_uses_weight_quantized_speeds(make_report):
     assert loka.dispatch.audit(p, report)["ok"]
     worse = loka.dispatch.override(p, assign={"enc:fwd": "t-mid"})
     assert loka.dispatch.audit(worse, report)["violations"][0]["best_speedup"] == pytest.approx(1.6)
+
+
+# -- reference kernels and what a plan says it was chosen on -----------------------------
+def test_reference_kernels_are_never_candidates_unless_named(make_report):
+    """fp32 is what errors are measured against: its error is the lowest, so the
+    lowest-error rule of assume_fast must not let it win over FP8 (nor a GPU timing)."""
+    kernels = {"fp32": (1e-7, None), "emulated-rowwise-e4m3": (0.05, None)}
+    report = make_report({"s": (256, 256, 64, {r: kernels for r in Role})}, device="cpu",
+                         timing="none")
+    assert plan(report, assume_fast=True).config("s") == LinearConfig.uniform("emulated-rowwise-e4m3")
+    assert plan(report, assume_fast=True, allowed_kernels=["fp32"]).config("s") == \
+        LinearConfig.uniform("fp32")
+    gpu = make_report({"s": (256, 256, 64, {"fwd": {"fp32": (1e-7, 3.0), "t-mid": (0.15, 1.4)}})})
+    assert plan(gpu).sites["s"].kernel("fwd") == "t-mid"
+    assert plan(gpu, allowed_kernels=["fp32", "t-mid"]).sites["s"].kernel("fwd") == "fp32"
+
+
+def test_the_summary_says_a_plan_was_chosen_on_error_alone(make_report, three):
+    report = make_report({"s": (256, 256, 64, {r: CPU_KERNELS for r in Role})}, device="cpu",
+                         timing="cpu-wallclock")
+    report.sites["s"].dtype = "float32"
+    head = plan(report, assume_fast=True).summary().splitlines()[0]
+    assert head == ("plan for cpu: 1/1 sites with FP8 (mere <= 0.2, chosen on error alone; "
+                    "baseline bf16 ran fp32)")
+    assert "--assume-fast" in " ".join(plan(report).notes)  # the CLI's flag, beside the API's
+    timed = make_report({"g": (64, 64, 128, {"fwd": three}),
+                         "u": (64, 64, 128, {"fwd": {"t-slow-exact": (0.01, None)}})})
+    assert "(mere <= 0.2, speedup >= 1.05 where timed, else chosen on error alone)" in \
+        plan(timed, assume_fast=True).summary()
+    assert "(mere <= 0.2, speedup >= 1.05)" in plan(timed).summary()
+
+
+def test_cpu_wallclock_timings_under_torch_compile_do_not_decide(make_report, three):
+    report = make_report({"s": (64, 64, 128, {"fwd": three})}, device="cpu",
+                         timing="cpu-wallclock+compiled")
+    assert plan(report).sites["s"].kernel("fwd") == "bf16"
+
+
+# -- reliability (issue 29): budgets that bound nothing, a report of another model ------------
+def _audited(make_report, three):
+    report = make_report({"enc": (64, 128, 256, {r: three for r in ("fwd", "dgrad", "wgrad")}),
+                          "dec": (128, 64, 256, {"fwd": three})})
+    return report, plan(report, max_error=0.2, role_budgets={"wgrad": 0.1})
+
+
+@pytest.mark.parametrize("edit", [
+    lambda d: d["sites"]["enc"]["roles"]["fwd"].update(budget=None),
+    lambda d: d["sites"]["enc"]["roles"]["fwd"].update(budget=1e308),
+    lambda d: d["sites"]["enc"]["roles"]["fwd"].update(budget="inf"),
+    lambda d: d["budget"]["role_budgets"].update(wgrad=None),
+    lambda d: d["budget"]["role_budgets"].update(wgrad=1e308),
+    lambda d: d["budget"].update(max_error=1e308),
+    lambda d: d["budget"].update(max_error=1.0),
+    lambda d: d["budget"].update(site_budgets={"^enc$": "inf"}),
+    lambda d: d["budget"].update(site_budgets={"(": 0.2}),
+    lambda d: d["budget"].pop("max_error"),
+], ids=["choice-null", "choice-1e308", "choice-inf", "role-null", "role-1e308", "max-1e308",
+        "max-1", "site-inf", "site-bad-regex", "no-budget"])
+def test_audit_flags_budgets_that_bound_nothing(make_report, three, edit):
+    # issue 29: a null or 1e308 budget passed as "every choice within its budget"
+    report, p = _audited(make_report, three)
+    assert loka.dispatch.audit(p, report)["ok"]
+    d = p.to_dict()
+    if d["budget"].get("site_budgets") is None:
+        d["budget"]["site_budgets"] = {}
+    edit(d)
+    # a budget that bounds nothing may come with a kernel that needs it
+    for site in d["sites"].values():
+        for choice in site["roles"].values():
+            if choice["kernel"] != "bf16":
+                choice["kernel"] = "t-fast-coarse"
+    res = loka.dispatch.audit(Plan.from_dict(d), report)
+    assert not res["ok"]
+    budget = [v for v in res["violations"] if v["kind"] == "budget"]
+    assert budget and all("budget" in v["why"] for v in budget)
+    seen = [(v["site"], v["role"]) for v in res["violations"]]
+    assert len(seen) == len(set(seen))  # one violation per site and role
+
+
+def test_budget_problem_names_the_budgets_that_bound_nothing():
+    from loka.dispatch import budget_problem
+    assert budget_problem("mere", 0.2) is None and budget_problem("neg_sqnr", -20.0) is None
+    for metric, bad in (("mere", None), ("mere", math.inf), ("mere", math.nan), ("mere", 1.0),
+                        ("relfro", 1e308), ("mere", -0.5), ("neg_sqnr", 0.0), ("mere", True)):
+        assert budget_problem(metric, bad), (metric, bad)
+
+
+def test_audit_flags_a_report_of_another_model(make_report, three):
+    # issue 29: a plan audited against another model's report passed
+    report, p = _audited(make_report, three)
+    other = make_report({"enc": (64, 128, 512, {r: three for r in ("fwd", "dgrad", "wgrad")}),
+                         "dec": (128, 64, 256, {"fwd": three}),
+                         "extra": (64, 64, 64, {"fwd": three})})
+    res = loka.dispatch.audit(p, other)
+    assert not res["ok"]
+    mismatch = {(v["site"], v["role"]): v["why"] for v in res["violations"] if v["kind"] == "mismatch"}
+    assert set(mismatch) == {("enc", "*"), ("extra", "*")}
+    assert "tokens" in mismatch[("enc", "*")] and "not in the plan" in mismatch[("extra", "*")]
+    fewer = make_report({"enc": (64, 128, 256, {r: three for r in ("fwd", "dgrad", "wgrad")})})
+    res = loka.dispatch.audit(p, fewer)
+    assert [(v["site"], v["kind"], v["why"]) for v in res["violations"]] == [
+        ("dec", "mismatch", "in the plan but not in the report")]
+    assert loka.dispatch.plan_report_mismatches(p, report) == []
+
+
+def test_audit_of_a_uniform_plan_says_it_has_no_budget(make_report, three):
+    report, _ = _audited(make_report, three)
+    uniform = Plan.from_dict(_audited(make_report, three)[1].to_dict())
+    uniform.budget = {"baseline": "bf16", "uniform": LinearConfig.uniform("t-mid").to_dict()}
+    res = loka.dispatch.audit(uniform, report)
+    assert not res["ok"] and all("no error budget" in v["why"] for v in res["violations"])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from loka.config import Role
-from loka.kernels import available, get
+from loka.kernels import available, gemm, get
 from loka.kernels.emulated import EMULATED
 from loka.numerics import mere, quantize, rowwise_relative_error, sqnr
 
@@ -124,3 +124,56 @@ def test_fp8_error_vs_bf16_on_heavy_tails():
     bf16 = get("bf16")(a.bfloat16(), b.bfloat16(), torch.float32)
     fp8 = get("emulated-tensorwise-e4m3")(a, b, torch.float32)
     assert mere(bf16, ref) * 4 < mere(fp8, ref)
+
+
+# -- reliability (issue 29) ----------------------------------------------------------------
+CPU_KERNELS = [k.name for k in available("cpu")]
+
+
+@pytest.mark.parametrize("name", CPU_KERNELS)
+@pytest.mark.parametrize("m,k,n", [(0, 128, 128), (128, 0, 128), (128, 128, 0), (0, 0, 0)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_empty_gemm_gives_an_empty_or_zero_result(name, m, k, n, out_dtype):
+    out = gemm(name, torch.randn(m, k), torch.randn(k, n), out_dtype)
+    assert out.shape == (m, n) and out.dtype == out_dtype
+    assert torch.equal(out, torch.zeros(m, n, dtype=out_dtype))  # K = 0: the empty sum
+
+
+@pytest.mark.parametrize("name", [n for n in CPU_KERNELS if get(n).is_fp8])
+def test_empty_gemm_takes_prequantized_empty_operands(name):
+    kern = get(name)
+    qa, qb = kern.quantize_a(torch.randn(0, 64)), kern.quantize_b(torch.randn(64, 32))
+    assert kern(qa, qb, torch.float32).shape == (0, 32)
+
+
+def test_empty_gemm_still_checks_shapes():
+    with pytest.raises(ValueError, match="do not match"):
+        gemm("cublas-tensorwise", torch.randn(0, 16), torch.randn(32, 8))
+
+
+@pytest.mark.parametrize("emulated,real", TWINS)
+@pytest.mark.parametrize("a_val,b_val", [(3e38, 1e-10), (1e-10, 3e38), (3e38, -1e-10),
+                                         (-1e-10, 1e-10), (1e20, 1e15)])
+def test_twins_agree_on_extreme_finite_operands(emulated, real, a_val, b_val):
+    # the exact product stays within float32: neither kernel may overflow on the way (and
+    # every amax is above AMAX_EPS, below which a block quantizes to zeros by design)
+    a, b = torch.full((16, 128), a_val), torch.full((128, 16), b_val)
+    e, r = get(emulated)(a, b, torch.float32), get(real)(a, b, torch.float32)
+    expected = a_val * b_val * 128
+    assert torch.isfinite(e).all() and torch.isfinite(r).all()
+    torch.testing.assert_close(e.double(), torch.full_like(e, expected).double(), rtol=2 ** -7, atol=0)
+    torch.testing.assert_close(e.bfloat16().float(), r.bfloat16().float(), rtol=2 ** -7, atol=0)
+
+
+@pytest.mark.parametrize("name", [n for n in CPU_KERNELS if get(n).is_fp8])
+@pytest.mark.parametrize("value", [1e300, 3e38])
+def test_finite_operands_never_give_nan(name, value):
+    torch.manual_seed(0)
+    a = torch.randn(16, 64, dtype=torch.float64)
+    a[:, :4] = value
+    a[:, 4:8] = -value
+    b = torch.randn(64, 32, dtype=torch.float64)
+    out = get(name)(a, b, torch.float64)
+    assert not out.isnan().any()
+    if get(name).is_emulated:  # scales applied in float64: the float64 result is finite
+        assert torch.isfinite(out).all()

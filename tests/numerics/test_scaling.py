@@ -109,3 +109,64 @@ def test_quantize_rejects_bad_granularity():
         quantize(torch.randn(4, 4), granularity="columnwise")
     with pytest.raises(ValueError, match="operand"):
         quantize(torch.randn(4, 4), granularity="rowwise", operand="c")
+
+
+# -- reliability (issue 29): empty operands, values beyond float32, bad static scales ------
+@pytest.mark.parametrize("gran", GRANS)
+@pytest.mark.parametrize("operand,shape", [("a", (0, 160)), ("a", (16, 0)), ("b", (160, 0)),
+                                           ("b", (0, 16)), ("a", (0, 0))])
+def test_empty_operands_quantize_and_dequantize(gran, operand, shape):
+    q = quantize(torch.empty(*shape), "e4m3", gran, operand)
+    out = dequantize(q)
+    assert out.shape == shape and out.dtype == torch.float32
+    assert q.data.shape == shape and q.data.dtype == torch.float8_e4m3fn
+    assert torch.isfinite(q.scale).all() and (q.scale > 0).all()
+    assert dequantize(q, torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_empty_tensorwise_scale_is_one_finite_number():
+    q = quantize(torch.empty(0, 160), "e4m3", "tensorwise")
+    assert q.scale.shape == (1, 1) and q.scale.item() == pytest.approx(AMAX_EPS / 448)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("gran", GRANS)
+@pytest.mark.parametrize("value", [1e300, -1e300, 1e39])
+def test_finite_values_beyond_float32_saturate_and_never_give_nan(fmt, gran, value):
+    x = torch.randn(8, 256, dtype=torch.float64)
+    x[0, :3] = value  # the rest of the tensor keeps its own scale where blocks allow
+    q = quantize(x, fmt, gran)
+    out = dequantize(q, torch.float64)
+    assert not out.isnan().any() and torch.isfinite(q.scale).all()
+    f32max = torch.finfo(torch.float32).max
+    assert out[0, 0].item() == pytest.approx(math.copysign(f32max, value), rel=1e-6)
+    if gran != "mx":  # MX rounds its power-of-two scale up: 2**128 is inf in float32
+        assert torch.isfinite(dequantize(q)).all()  # saturated, not overflowed
+    assert not dequantize(q).isnan().any()
+
+
+def test_float64_infinity_and_nan_still_propagate():
+    x = torch.randn(4, 32, dtype=torch.float64)
+    x[0, 0] = math.inf
+    assert not torch.isfinite(fake_quantize(x)).all()
+    x[0, 0] = math.nan
+    assert fake_quantize(x).isnan().any()
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, math.inf, math.nan])
+def test_static_scale_must_be_finite_and_positive(scale):
+    with pytest.raises(ValueError, match="scale"):
+        quantize(torch.randn(4, 16), scale=torch.tensor([scale]))
+
+
+def test_static_scale_must_have_one_value_per_block():
+    with pytest.raises(ValueError, match="scale"):
+        quantize(torch.randn(4, 16), granularity="rowwise", scale=torch.ones(3))
+    q = quantize(torch.randn(4, 16), granularity="rowwise", scale=torch.ones(4))  # (4,) reshapes
+    assert q.scale.shape == (4, 1)
+
+
+def test_static_scale_check_can_be_left_to_the_caller():
+    # loka.Linear validates its static input scale once (set_input_amax), not per call
+    q = quantize(torch.randn(4, 16), scale=torch.tensor(0.5), check_scale=False)
+    assert q.scale.item() == 0.5

@@ -148,3 +148,16 @@ def test_compiles_for_timing_only_pytorch_quantization(mode, device, compiled):
     # the baseline and emulated kernels are never compiled
     assert not compiles_for_timing(registry.get(BASELINE), dev, mode)
     assert not compiles_for_timing(registry.get("emulated-tensorwise-e4m3"), dev, mode)
+
+
+def test_cpu_wallclock_timings_are_never_flagged_fast():
+    """A CPU wall clock of emulated and CPU kernels says nothing of FP8 speed on a GPU."""
+    model = nn.Linear(16, 16)
+    rep = loka.probe(model, [torch.randn(64, 16)], lambda m, x: m(x).square().mean(),
+                     config=ProbeConfig(num_samples=4, naive_samples=4, bootstrap=20,
+                                        progress=False, roles=("fwd",), min_speedup=1e-6,
+                                        kernels=(BASELINE, "fp32", "emulated-rowwise-e4m3"),
+                                        **TIMING))
+    ks = rep.sites[""].roles[Role.FWD].kernels
+    assert all(kr.timing == "cpu-wallclock" and kr.speedup > 0 for kr in ks.values())
+    assert not any(kr.fast for kr in ks.values())

@@ -184,3 +184,114 @@ def test_compare_reports():
     same = compare_reports(a, a)
     assert same["best_changed"] == 0 and all(
         v["delta"] in (0, None) for r in same["roles"] for v in r["kernels"].values())
+
+
+# -- reliability (issue 29): hostile files, error bounds that cannot be ------------------------
+HOSTILE = [
+    (("version",), True, "version True is not supported"),
+    (SITE + ("tokens",), 1e999, "sites['mlp.0'].tokens: expected an integer"),
+    (SITE + ("tokens",), 2 ** 70, "sites['mlp.0'].tokens: expected an integer"),
+    (TWK + ("time_us",), 10 ** 19, None),  # an integer literal is fine when float() holds it
+    (TWK + ("mere", "n"), 1e999, "mere.n: expected an integer"),
+    (TWK + ("mere", "hi"), -1e308, "mere.hi"),
+    (TWK + ("mere", "hi"), "-inf", "mere.hi"),
+    (TWK + ("mere", "lo"), 0.9, "mere.lo"),  # lo > hi
+    (TWK + ("mere", "mean"), -0.5, "mere.mean"),
+    (TWK + ("relfro", "hi"), -1.0, "relfro.hi"),
+    (TWK + ("naive_mere", "lo"), 5.0, "naive_mere.lo"),
+    (TWK + ("mere", "std"), -1.0, "mere.std"),
+    (TWK + ("time_us",), -3.0, "time_us"),
+    (TWK + ("speedup",), -1.5, "speedup"),
+    (FWD + ("baseline_us",), -1.0, "baseline_us"),
+    (TWK + ("timing",), 5, "timing: expected a string"),
+    (("device",), "quantum:0", "device"),
+    (("device",), 7, "device: expected a string"),
+    (("meta",), [1], "meta: expected a JSON object"),
+    (("created",), {"a": 1}, "created: expected a string"),
+    (("device_name",), ["x"], "device_name: expected a string"),
+]
+
+
+@pytest.mark.parametrize("path,value,message", HOSTILE, ids=[str(m) for _, _, m in HOSTILE])
+def test_hostile_fields_give_one_report_error_naming_file_and_field(tmp_path, path, value, message):
+    d = make_report().to_dict()
+    _mutate(d, path, value)
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps(d))
+    if message is None:
+        ProbeReport.load(f)
+        return
+    with pytest.raises(ReportError) as info:
+        ProbeReport.load(f)
+    text = str(info.value)
+    assert message in text and "\n" not in text and str(f) in text
+
+
+def test_negative_sqnr_is_a_valid_statistic(tmp_path):
+    d = make_report().to_dict()
+    d["sites"]["mlp.0"]["roles"]["fwd"]["kernels"]["cublas-tensorwise"]["sqnr"] = {
+        "mean": -3.0, "lo": -4.0, "hi": -2.0, "n": 16, "std": 0.5}
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps(d))
+    assert ProbeReport.load(f).sites["mlp.0"].roles[Role.FWD].kernels["cublas-tensorwise"].sqnr.hi == -2.0
+
+
+def test_failed_kernels_keep_their_nan_statistics(tmp_path):
+    rep = make_report()
+    kr = rep.sites["mlp.0"].roles[Role.FWD].kernels["cublas-tensorwise"]
+    kr.mere = ErrorStat(math.nan, math.nan, math.nan, 16, math.nan)
+    kr.relfro = ErrorStat(math.inf, math.inf, math.inf, 16, math.nan)
+    rep.save(tmp_path / "r.json")
+    again = ProbeReport.load(tmp_path / "r.json")
+    assert math.isnan(again.sites["mlp.0"].roles[Role.FWD].kernels["cublas-tensorwise"].mere.hi)
+
+
+def test_a_normal_interval_may_reach_below_zero(tmp_path):
+    # bootstrap_stat(resamples=0) gives mean -/+ 1.96 s/sqrt(n): lo < 0 is honest
+    rep = make_report()
+    rep.sites["mlp.0"].roles[Role.FWD].kernels["cublas-tensorwise"].mere = ErrorStat(0.01, -0.02, 0.04, 2, 0.03)
+    rep.save(tmp_path / "r.json")
+    ProbeReport.load(tmp_path / "r.json")
+
+
+@pytest.mark.parametrize("where", [("meta",), SITE + ("stats",)])
+def test_deep_nesting_in_free_form_fields_is_a_report_error(tmp_path, where):
+    d = make_report().to_dict()
+    _mutate(d, where, "DEEP")
+    text = json.dumps(d).replace('"DEEP"', "[" * 100_000 + "]" * 100_000)
+    f = tmp_path / "r.json"
+    f.write_text(text)
+    with pytest.raises(ReportError, match="nested too deeply") as info:
+        ProbeReport.load(f)
+    assert str(f) in str(info.value)
+
+
+def test_a_5000_digit_integer_is_a_report_error(tmp_path):
+    text = json.dumps(make_report().to_dict()).replace('"tokens": 4096', '"tokens": ' + "9" * 5000)
+    f = tmp_path / "r.json"
+    f.write_text(text)
+    with pytest.raises(ReportError, match="integer") as info:
+        ProbeReport.load(f)
+    assert str(f) in str(info.value)
+
+
+def test_a_report_above_the_size_limit_is_refused(tmp_path):
+    rep = make_report()
+    rep.meta["padding"] = [0.5] * 10_000
+    rep.save(tmp_path / "r.json")
+    size = (tmp_path / "r.json").stat().st_size
+    with pytest.raises(ReportError, match="limit"):
+        ProbeReport.load(tmp_path / "r.json", max_bytes=size // 2)
+    assert ProbeReport.load(tmp_path / "r.json", max_bytes=size).meta["padding"][0] == 0.5
+
+
+def test_the_planner_never_sees_an_impossible_bound(tmp_path):
+    # issue 29: hi = -1e308 made a kernel that measured 0.326 look safe under a 0.2 budget
+    from loka.dispatch import plan
+    d = make_report(fp8_error=0.326).to_dict()
+    stat = d["sites"]["mlp.0"]["roles"]["fwd"]["kernels"]["cublas-tensorwise"]["mere"]
+    stat["hi"] = -1e308
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps(d))
+    with pytest.raises(ReportError, match="mere.hi"):
+        plan(str(f), max_error=0.2)
