@@ -1,0 +1,12 @@
+"""The paired quality check (``check``): a baseline arm and a plan arm trained on identical
+terms, scored on the same held-out examples, their relative NE and AUC changes given with
+intervals over examples and seeds (``stats``)."""
+
+from .check import (SCHEMA, SCHEMA_VERSION, QualityResult, SeedResult, deterministic,
+                    paired_check, predict)
+from .stats import (bootstrap_ratio_interval, example_log_losses, paired_auc, ratio_interval,
+                    t_interval, t_quantile, z_quantile)
+
+__all__ = ["paired_check", "QualityResult", "SeedResult", "predict", "deterministic",
+           "SCHEMA", "SCHEMA_VERSION", "example_log_losses", "ratio_interval",
+           "bootstrap_ratio_interval", "paired_auc", "t_interval", "t_quantile", "z_quantile"]
