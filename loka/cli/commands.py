@@ -140,10 +140,7 @@ def cmd_demo(args) -> int:
 
 def cmd_train(args) -> int:
     device = resolve_device(args)
-    mods = parse_mods(args.mods)
-    data = parse_data(args.data)
-    features = criteo_features(args.model, args.preset) if data.kind == "criteo" else None
-    model, desc = build_model(args.model, args.preset, mods, features, args.seed)
+    model, desc, mods, data = _named_model(args, args.seed)
     batch_size = args.batch_size or getattr(model, "default_batch_size", 512)
     plan = None
     if args.plan:
@@ -235,10 +232,7 @@ def _train_locked(args, data, model, desc, stream, held, plan, batch_size, devic
 
 def cmd_evaluate(args) -> int:
     device = resolve_device(args)
-    mods = parse_mods(args.mods)
-    data = parse_data(args.data)
-    features = criteo_features(args.model, args.preset) if data.kind == "criteo" else None
-    model, desc = build_model(args.model, args.preset, mods, features, args.seed)
+    model, desc, mods, data = _named_model(args, args.seed)
     weights, state = read_checkpoint_file(args.checkpoint)
     plan, plan_name = None, None
     if args.plan:
@@ -299,10 +293,7 @@ def cmd_quality(args) -> int:
     if not (math.isfinite(args.logit_scale) and args.logit_scale > 0):
         raise usage(f"--logit-scale {args.logit_scale}: expected a positive number", "1: none")
     seeds = _seeds(args.seeds)
-    mods = parse_mods(args.mods)
-    data = parse_data(args.data)
-    features = criteo_features(args.model, args.preset) if data.kind == "criteo" else None
-    model, desc = build_model(args.model, args.preset, mods, features, seeds[0])
+    model, desc, mods, data = _named_model(args, seeds[0])
     plan = None
     if args.plan:
         plan = load_plan(args.plan)
@@ -336,7 +327,7 @@ def cmd_quality(args) -> int:
                             skip_malformed=args.skip_bad_lines)[1]
 
     def build(seed):
-        return build_model(args.model, args.preset, mods, features, seed)[0]
+        return _named_model(args, seed)[0]
 
     scale = args.logit_scale
     arm = "control" if args.control else "paired"
@@ -373,16 +364,27 @@ def _autocast_loss(device: torch.device):
     return loss
 
 
+def _named_model(args, seed: int):
+    """The model ``--model/--preset/--mods`` name, built with ``seed`` for ``--data`` (a
+    Criteo file's features hashed into the preset's tables).
+
+    Returns:
+        ``(model, description, mods, data)``.
+    """
+    mods = parse_mods(args.mods)
+    data = parse_data(args.data)
+    features = criteo_features(args.model, args.preset) if data.kind == "criteo" else None
+    model, desc = build_model(args.model, args.preset, mods, features, seed)
+    return model, desc, mods, data
+
+
 def _model_and_stream(args, device: torch.device):
     """The model the options name (Mods, checkpoint), on ``device``, and its training stream.
 
     Returns:
         ``(model, description, mods, batch_size, stream)``.
     """
-    mods = parse_mods(args.mods)
-    data = parse_data(args.data)
-    features = criteo_features(args.model, args.preset) if data.kind == "criteo" else None
-    model, desc = build_model(args.model, args.preset, mods, features, args.seed)
+    model, desc, mods, data = _named_model(args, args.seed)
     if args.checkpoint:
         load_checkpoint(model, args.checkpoint)
     model.to(device)
@@ -509,10 +511,7 @@ def cmd_apply(args) -> int:
                     "apply for real with 'loka train --plan plan.json' or loka.apply(model, plan)")
     plan = load_plan(args.plan)
     check_plan_kernels(plan, args.plan)
-    mods = parse_mods(args.mods)
-    data = parse_data(args.data)
-    features = criteo_features(args.model, args.preset) if data.kind == "criteo" else None
-    model, desc = build_model(args.model, args.preset, mods, features, 0)
+    model, desc, mods, data = _named_model(args, 0)
     device = resolve_device(args) if args.device else None
     if device is not None:
         model.to(device)

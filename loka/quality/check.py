@@ -34,8 +34,8 @@ from ..data.batch import Batch
 from ..data.metrics import normalized_entropy
 from ..dispatch import Plan
 from ..jsonio import (ReportError, atomic_write_text, field_bool, field_int, field_list,
-                      field_mapping, field_number, field_str, json_safe, read_json)
-from ..train import EmptyEvaluationError, is_infinite, train
+                      field_mapping, field_number, json_safe, read_json)
+from ..train import predict, train
 from .stats import (bootstrap_ratio_interval, example_log_losses, paired_auc, ratio_interval,
                     t_interval)
 
@@ -63,35 +63,6 @@ class deterministic:
 
 
 @torch.no_grad()
-def predict(model: nn.Module, batches: Iterable[Batch], steps: Optional[int] = None, *,
-            device=None, autocast_bf16: bool = False) -> Tuple[np.ndarray, np.ndarray]:
-    """Logits and labels of ``model`` on ``batches``: all of them, once (None), or the
-    first ``steps``.
-
-    Returns:
-        ``(logits, labels)``, each (N,) float64.
-    """
-    if steps is None and is_infinite(batches):
-        raise ValueError("scoring an infinite stream needs a number of batches (eval_steps)")
-    device = torch.device(device) if device is not None else next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    logits, labels = [], []
-    source = batches if steps is None else (b for _, b in zip(range(steps), batches))
-    try:
-        for batch in source:
-            batch = batch.to(device)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
-                out = model(batch)
-            logits.append(out.detach().to("cpu", torch.float64).reshape(-1))
-            labels.append(batch.labels.detach().to("cpu", torch.float64).reshape(-1))
-    finally:
-        model.train(was_training)
-    if not logits:
-        raise EmptyEvaluationError("no examples to evaluate: the evaluation data is empty")
-    return torch.cat(logits).numpy(), torch.cat(labels).numpy()
-
-
 @dataclass
 class SeedResult:
     """One seed's paired comparison. Changes are plan minus baseline; NE changes are

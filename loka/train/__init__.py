@@ -1,15 +1,17 @@
 """The training loop of the CLI, the demo and the benchmarks (``loop``), and the files of
 a run directory: checkpoints with a checksum, stale temp files, the run lock
-(``checkpoint``). Their public names are all here."""
+(``checkpoint``), and scoring a model on evaluation data (``scoring``). Their public names
+are all here."""
 
 from .checkpoint import (CHECKPOINT_NAME, CHECKSUM_KEY, TEMP_PATTERNS, CheckpointError,
                          RunExistsError, RunInUseError, RunLock, checkpoint_digest,
                          read_checkpoint, remove_stale_temp_files, verify_checkpoint,
                          write_checkpoint)
-from .loop import (EmptyEvaluationError, PlanChangedError, TrainResult, checkpoint_plan, evaluate,
-                   is_infinite, loss_fn, make_optimizers, plan_digest, train, train_step)
+from .loop import (PlanChangedError, TrainResult, checkpoint_plan, loss_fn, make_optimizers,
+                   plan_digest, train, train_step)
+from .scoring import EmptyEvaluationError, evaluate, is_infinite, predict
 
-__all__ = ["train", "train_step", "loss_fn", "make_optimizers", "evaluate", "is_infinite",
+__all__ = ["train", "train_step", "loss_fn", "make_optimizers", "predict", "evaluate", "is_infinite",
            "EmptyEvaluationError", "TrainResult", "PlanChangedError", "plan_digest",
            "checkpoint_plan", "CHECKPOINT_NAME", "CHECKSUM_KEY", "TEMP_PATTERNS",
            "CheckpointError", "RunInUseError", "RunExistsError", "RunLock", "checkpoint_digest",

@@ -39,34 +39,24 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..data.batch import Batch
-from ..data.metrics import Metrics
-from ..data.synthetic import SyntheticCTR
 from ..dispatch import Guard, GuardEvent, Plan, applied_plan, apply
+from .scoring import evaluate, is_infinite
 from .checkpoint import (CHECKPOINT_NAME, CheckpointError, RunExistsError, RunLock,
                          read_checkpoint, remove_stale_temp_files, write_checkpoint)
 
-__all__ = ["loss_fn", "make_optimizers", "train_step", "evaluate", "is_infinite",
-           "EmptyEvaluationError", "TrainResult", "PlanChangedError", "plan_digest",
-           "checkpoint_plan", "train"]
+__all__ = ["loss_fn", "make_optimizers", "train_step", "TrainResult", "PlanChangedError",
+           "plan_digest", "checkpoint_plan", "train"]
 
 
 class PlanChangedError(ValueError):
     """Resuming a run with a plan other than the one it trained with."""
-
-
-class EmptyEvaluationError(ValueError):
-    """An evaluation that saw no example: its data is empty."""
-
-
-def is_infinite(stream: Iterable[Batch]) -> bool:
-    """Whether ``stream`` never ends: the synthetic stream, or a reader told to ``loop``."""
-    return isinstance(stream, SyntheticCTR) or bool(getattr(stream, "loop", False))
 
 
 def loss_fn(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -105,33 +95,6 @@ def train_step(model: nn.Module, batch: Batch, optimizers: List[torch.optim.Opti
         opt.step()
         opt.zero_grad(set_to_none=True)
     return loss.detach()
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, data_iter: Iterable[Batch], steps: Optional[int] = None, *,
-             device=None, autocast_bf16: bool = False) -> Dict[str, float]:
-    """NE, AUC and log loss of ``model`` over ``data_iter``: all of it, once (None), or its
-    next ``steps`` batches (fewer if it ends). Returns dict(ne, auc, logloss, ctr, count),
-    ``count`` the examples seen. Raises ValueError for ``steps=None`` on a stream that
-    never ends (:func:`is_infinite`), :class:`EmptyEvaluationError` for no example."""
-    if steps is None and is_infinite(data_iter):
-        raise ValueError("evaluating an infinite stream needs a number of batches (steps)")
-    device = torch.device(device) if device is not None else next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    metrics = Metrics(from_logits=True)
-    batches = data_iter if steps is None else (b for _, b in zip(range(steps), data_iter))
-    try:
-        for batch in batches:
-            batch = batch.to(device)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast_bf16):
-                logits = model(batch)
-            metrics.update(logits.float(), batch.labels)
-    finally:
-        model.train(was_training)
-    if metrics.count == 0:
-        raise EmptyEvaluationError("no examples to evaluate: the evaluation data is empty")
-    return metrics.compute()
 
 
 @dataclass
