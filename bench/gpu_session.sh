@@ -7,9 +7,10 @@
 #
 #   OUT=/tmp/out LOKA_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_session.sh selftest bench
 #
-# Stages: env, selftest, gputests, kernels, inline, bench, fused, quality, probe. Extra arguments
-# for a stage come from the environment: BENCH_ARGS, KERNEL_ARGS, INLINE_ARGS, FUSED_ARGS,
-# QUALITY_ARGS, PROBE_ARGS, GPUTEST_FILES (the test files gputests runs; by default those
+# Stages: env, selftest, gputests, kernels, inline, bench, fused, quality, probe, evalset. Extra
+# arguments for a stage come from the environment: BENCH_ARGS, KERNEL_ARGS, INLINE_ARGS,
+# FUSED_ARGS, QUALITY_ARGS, PROBE_ARGS, EVALSET_ARGS (bench/eval_set.py: the evaluation set
+# through the public path; its --time-budget-s should end inside EVALSET_LIMIT), GPUTEST_FILES (the test files gputests runs; by default those
 # with compiled Triton kernels, which the CPU suite runs only under the Triton interpreter).
 set -u
 OUT=${OUT:-bench/results/session}
@@ -44,6 +45,7 @@ for s in "$@"; do
     fused) stage fused "${FUSED_LIMIT:-90}" python3 bench/bench_fused_norm.py --out "$OUT/fused_norm.json" ${FUSED_ARGS:-} ;;
     quality) stage quality "${QUALITY_LIMIT:-300}" python3 bench/quality_at_scale.py --out "$OUT/quality.json" ${QUALITY_ARGS:-} ;;
     probe) stage probe "${PROBE_LIMIT:-240}" python3 bench/bench_probe.py --out "$OUT/probe.json" ${PROBE_ARGS:-} ;;
+    evalset) stage evalset "${EVALSET_LIMIT:-540}" python3 bench/eval_set.py --out "$OUT/eval_set.json" ${EVALSET_ARGS:-} ;;
     *) echo "unknown stage $s" | tee -a "$LOG" ;;
   esac
 done
