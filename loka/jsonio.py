@@ -26,12 +26,12 @@ import json
 import math
 import os
 import re
-import tempfile
-from typing import Any, Iterable, Mapping, Optional
+import uuid
+from typing import IO, Any, Callable, Iterable, Mapping, Optional
 
 import torch
 
-__all__ = ["ReportError", "atomic_write_text", "read_json", "load_json", "encode_number",
+__all__ = ["ReportError", "atomic_write", "atomic_write_text", "read_json", "load_json", "encode_number",
            "decode_number", "json_safe", "require_fields", "field_path", "field_int", "field_str",
            "field_bool", "field_number", "field_mapping", "field_list", "field_device",
            "MAX_FILE_BYTES", "MAX_INT_DIGITS", "MAX_INT"]
@@ -191,23 +191,38 @@ def field_device(d: Mapping, key: str, where: str, default: str = "cpu") -> str:
     return name
 
 
-def atomic_write_text(path: "str | os.PathLike", text: str) -> None:
-    """Write a file so that a crash never leaves it half-written."""
+def atomic_write(path: "str | os.PathLike", write: Callable[[IO], None], *,
+                 binary: bool = False, temp: Optional[str] = None) -> None:
+    """Write a file so that a crash never leaves it half-written: ``write(f)`` fills a temp
+    file in the same folder (``temp``, default a fresh ``.tmp-*<name>``), which is synced
+    and renamed over ``path``, and the rename is synced too. Created with the umask's mode,
+    as ``open`` would; on failure the temp file is removed."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=os.path.basename(path))
+    if temp is None:
+        temp = os.path.join(directory, f".tmp-{uuid.uuid4().hex[:12]}{os.path.basename(path)}")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 -> what open() would give (0644 under 022)
-        os.replace(tmp, path)
+        with os.fdopen(fd, "wb" if binary else "w") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        if os.path.exists(temp):
+            os.unlink(temp)
         raise
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself survives a power loss
+    finally:
+        os.close(dir_fd)
+
+
+def atomic_write_text(path: "str | os.PathLike", text: str) -> None:
+    """Write a text file through :func:`atomic_write`."""
+    atomic_write(path, lambda f: f.write(text))
 
 
 def _parse_int(text: str) -> "int | float":

@@ -115,3 +115,21 @@ def test_integers_are_bounded(value):
     with pytest.raises(ReportError, match="a.x: expected an integer"):
         field_int({"x": value}, "x", "a")
     assert field_int({"x": 2 ** 63 - 1}, "x", "a") == 2 ** 63 - 1
+
+
+def test_a_failed_write_keeps_the_old_file_and_leaves_no_temp_file(tmp_path):
+    from loka.jsonio import atomic_write, atomic_write_text
+
+    path = tmp_path / "plan.json"
+    atomic_write_text(path, '{"old": 1}')
+
+    def broken(f):
+        f.write('{"new": ')
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        atomic_write(path, broken)
+    assert path.read_text() == '{"old": 1}'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+    atomic_write(path, lambda f: f.write(b"\x00\x01"), binary=True, temp=str(tmp_path / ".t"))
+    assert path.read_bytes() == b"\x00\x01" and not (tmp_path / ".t").exists()

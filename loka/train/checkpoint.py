@@ -32,6 +32,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from ..jsonio import atomic_write
+
 __all__ = ["CHECKPOINT_NAME", "CHECKSUM_KEY", "TEMP_PATTERNS", "CheckpointError",
            "RunInUseError", "RunExistsError", "RunLock", "checkpoint_digest",
            "write_checkpoint", "read_checkpoint", "verify_checkpoint", "remove_stale_temp_files"]
@@ -101,23 +103,8 @@ def write_checkpoint(path: "str | os.PathLike", state: Mapping[str, Any]) -> Non
     path = os.fspath(path)
     payload = dict(state)
     payload[CHECKSUM_KEY] = checkpoint_digest(payload)
-    tmp = _temp_path(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # the umask's mode
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself survives a power loss
-    finally:
-        os.close(dir_fd)
+    # one fixed temp name: a killed writer leaves at most one file, which a restart removes
+    atomic_write(path, lambda f: torch.save(payload, f), binary=True, temp=_temp_path(path))
 
 
 def remove_stale_temp_files(directory: "str | os.PathLike",
