@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..config import BASELINE, Role
-from ..jsonio import (MAX_INT, ReportError, atomic_write_text, decode_number, encode_number,
+from ..jsonio import (MAX_INT, ReportError, atomic_write_text, encode_number,
                       field_bool, field_device, field_int, field_mapping, field_number, field_path,
                       field_str, json_safe, read_json, require_fields)
 
