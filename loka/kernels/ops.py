@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional, Set
+import os
+from typing import Callable, Optional, Set
 
 import torch
 
@@ -32,6 +33,27 @@ from ..numerics import Granularity, QTensor, get_format, operand_block
 OPAQUE_LIBRARIES = frozenset({"fbgemm"})
 """kernel libraries whose calls are not traced by Dynamo"""
 _OPAQUE_NAMES: Set[str] = set()
+
+
+def triton_kernel_op(name: str, fake: Callable) -> Callable[[Callable], Callable]:
+    """Register ``fn`` as the op ``name`` whose body launches LoKA's Triton kernels.
+
+    On a GPU it is a ``torch.library.triton_op``: its body launches each kernel through
+    ``torch.library.wrap_triton`` (see :func:`loka.kernels.triton.common.launch`), so
+    ``torch.compile`` traces into it and Inductor launches the kernels from the code it
+    generates: no Python-level op dispatch per call, captured by CUDA graphs. The body is
+    its own fake implementation. Under Triton's CPU interpreter (``TRITON_INTERPRET=1``)
+    the kernels are plain Python and cannot be traced, so it is a ``custom_op`` with the
+    given ``fake`` (output shapes and dtypes), which must agree with the body."""
+
+    def register(fn: Callable) -> Callable:
+        if os.environ.get("TRITON_INTERPRET", "0") == "1":
+            op = torch.library.custom_op(name, mutates_args=())(fn)
+            op.register_fake(fake)
+            return op
+        return torch.library.triton_op(name, fn, mutates_args=())
+
+    return register
 
 
 def mark_opaque(name: str) -> None:

@@ -19,6 +19,7 @@ from torch import nn
 
 from loka.data.batch import Jagged
 from loka.kernels import capabilities as caps
+from loka.kernels.ops import triton_kernel_op
 
 from .arch import EmbeddingArch, jagged_to_padded
 
@@ -28,20 +29,21 @@ POOLINGS = ("torch", "triton")
 device with Triton; elsewhere, and for sparse gradients, ``torch`` stands in)"""
 
 
-@torch.library.custom_op("loka::embedding_bag_sum", mutates_args=())
+def _bag_sum_fake(values, offsets, weight):
+    return weight.new_empty((offsets.shape[0] - 1, weight.shape[1]))
+
+
+@triton_kernel_op("loka::embedding_bag_sum", _bag_sum_fake)
 def embedding_bag_sum(values: torch.Tensor, offsets: torch.Tensor,
                       weight: torch.Tensor) -> torch.Tensor:
-    """(bags, D) bag sums by the Triton kernel: one opaque graph node under
-    ``torch.compile``, differentiable in ``weight`` (dense gradient, by PyTorch's
-    embedding-bag backward)."""
+    """(bags, D) bag sums by the Triton kernel, differentiable in ``weight`` (dense
+    gradient, by PyTorch's embedding-bag backward); see
+    :func:`loka.kernels.ops.triton_kernel_op`."""
+    from ..kernels.triton import common
     from ..kernels.triton.embedding_bag import embedding_bag_sum as kernel
 
-    return kernel(values, offsets, weight)
-
-
-@embedding_bag_sum.register_fake
-def _(values, offsets, weight):
-    return weight.new_empty((offsets.shape[0] - 1, weight.shape[1]))
+    with common.op_body():
+        return kernel(values, offsets, weight)
 
 
 def _setup_context(ctx, inputs, output):

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import capabilities as caps
+from ..kernels.ops import triton_kernel_op
 from ..kernels.registry import Library
 from ..numerics import Granularity, QTensor, get_format, quantize
 from .blocknorm import DEFAULT_EPS, BlockNorm
@@ -92,15 +93,29 @@ def _triton_path(device: torch.device, dtype: torch.dtype, fmt_name: str) -> boo
             and fmt_name in ("e4m3", "e5m2") and dtype != torch.float64)
 
 
-# -- the GPU path: one custom op with a PyTorch backward -----------------------------------
+# -- the GPU path: one Triton op with a PyTorch backward ------------------------------------
 
-@torch.library.custom_op("loka::norm_act_quant", mutates_args=())
+def _norm_act_quant_fake(x, weight, bias, norm, block, act, fmt, granularity, eps, return_hp):
+    m, d = x.shape
+    y = torch.empty_like(x) if return_hp else x.new_empty((0,))
+    q = x.new_empty((m, d), dtype=get_format(fmt).dtype)
+    s = x.new_empty((m, 1) if granularity == "rowwise" else (1, 1), dtype=torch.float32)
+    return y, q, s
+
+
+@triton_kernel_op("loka::norm_act_quant", _norm_act_quant_fake)
 def _norm_act_quant_op(x: torch.Tensor, weight: Optional[torch.Tensor],
                        bias: Optional[torch.Tensor], norm: str, block: int, act: str,
                        fmt: str, granularity: str, eps: float, return_hp: bool
                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (M, D) -> (y (M, D) or (0,) when not ``return_hp``, q (M, D), scale)."""
-    return _launch(x, weight, bias, norm, block, act, fmt, granularity, eps, return_hp)
+    """x (M, D) -> (y (M, D) or (0,) when not ``return_hp``, q (M, D), scale).
+
+    See :func:`loka.kernels.ops.triton_kernel_op`: under ``torch.compile`` on a GPU,
+    Inductor sees the Triton kernels and launches them from its own code."""
+    from ..kernels.triton import common
+
+    with common.op_body():
+        return _launch(x, weight, bias, norm, block, act, fmt, granularity, eps, return_hp)
 
 
 def _launch(x, weight, bias, norm, block, act, fmt, granularity, eps, return_hp):
@@ -112,15 +127,6 @@ def _launch(x, weight, bias, norm, block, act, fmt, granularity, eps, return_hp)
                                     granularity=granularity, return_hp=return_hp, eps=eps,
                                     weight=weight, bias=bias)
     return (y if y is not None else x.new_empty((0,))), q, s
-
-
-@_norm_act_quant_op.register_fake
-def _(x, weight, bias, norm, block, act, fmt, granularity, eps, return_hp):
-    m, d = x.shape
-    y = torch.empty_like(x) if return_hp else x.new_empty((0,))
-    q = x.new_empty((m, d), dtype=get_format(fmt).dtype)
-    s = x.new_empty((m, 1) if granularity == "rowwise" else (1, 1), dtype=torch.float32)
-    return y, q, s
 
 
 def _setup_context(ctx, inputs, output):

@@ -235,7 +235,7 @@ def compiles_for_timing(kern: Kernel, dev: torch.device, mode: str) -> bool:
     if mode == "off" or (mode == "auto" and dev.type != "cuda"):
         return False
 
-    # own quantization kernels (Triton custom ops, C++ libraries) gain nothing from
+    # own quantization kernels (Triton kernels, C++ libraries) gain no fusion from
     # Inductor; emulated kernels are references, not candidates for speed
     return kern.is_fp8 and kern.library in COMPILED_LIBRARIES and not ops.is_opaque(kern)
 

@@ -2,8 +2,8 @@
 code it generates on the CPU: the quantization of an operand that a fusible op (an
 activation, a norm) produces is fused into that op's kernel, and a planned step calls no
 Python-level custom op, however many sites are on FP8. Kernels whose quantization is
-plain PyTorch (``cublas-*``, their emulated twins) are the ones this holds for; LoKA's
-Triton kernels still run as custom ops, one Python dispatch per call."""
+plain PyTorch (``cublas-*``, their emulated twins) are the ones checked here; LoKA's Triton
+kernels are ``triton_op`` ops that Inductor traces into (tests/kernels/test_triton_traced.py)."""
 
 import re
 

@@ -20,11 +20,13 @@ Their numerics are those of the emulated recipes (``emulated-rowwise-e4m3`` etc.
 quantizers are bit-exact with :func:`loka.numerics.quantize`, so a QTensor from any
 producer of the same format and granularity is accepted as is.
 
-The Triton calls are ``torch.library`` custom ops with fake implementations, so a
-``torch.compile``d model traces through them without a graph break; in eager mode the
-wrappers are called directly (a custom op's dispatch costs microseconds, which matter at
-LRM shapes). This module imports without a GPU; its kernels then report
-"runs on cuda, not cpu".
+The Triton calls are ``torch.library.triton_op`` ops whose bodies launch the kernels
+through ``torch.library.wrap_triton``: ``torch.compile`` traces into them, Inductor sees
+each Triton kernel and launches it from the code it generates (no Python-level op
+dispatch per call, captured by CUDA graphs), and their fake implementations are the
+bodies themselves. In eager mode the wrappers are called directly (an op's dispatch costs
+microseconds, which matter at LRM shapes). This module imports without a GPU; its kernels
+then report "runs on cuda, not cpu".
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from ...config import GRAD_ROLES, Role
 from ...numerics import BLOCK, Granularity, QTensor, get_format
 from .. import capabilities as caps
 from ..cublas import _scaled_mm as _cublas_scaled_mm
+from ..ops import triton_kernel_op
 from ..recipes import check_gemm_operands
 from ..registry import YES, Capability, Kernel, Operand, register
 
@@ -50,19 +53,16 @@ def _tk():
     return quantize, gemm_rowwise, gemm_blockwise
 
 
-# -- custom ops (what torch.compile sees) -----------------------------------------------
+def _op_body():
+    """:func:`loka.kernels.triton.common.op_body`, looked up at call time (Triton is optional)."""
+    from ..triton import common
 
-@torch.library.custom_op("loka::triton_quantize", mutates_args=())
-def _quantize_op(x: torch.Tensor, fmt: str, granularity: str, layout: str
-                 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Returns the FP8 *storage* (row-major (R, C) for layout 'row', the contiguous (C, R)
-    transpose for 'col') and the scales; custom ops cannot return views."""
-    q, s = _quantize_direct(x, fmt, granularity, layout)
-    return (q if layout == "row" else q.t()), s
+    return common.op_body()
 
 
-@_quantize_op.register_fake
-def _(x, fmt, granularity, layout):
+# -- the ops (what torch.compile traces into) ----------------------------------------
+
+def _quantize_fake(x, fmt, granularity, layout):
     r, c = x.shape
     dtype = get_format(fmt).dtype
     q = x.new_empty((r, c) if layout == "row" else (c, r), dtype=dtype)
@@ -77,28 +77,35 @@ def _(x, fmt, granularity, layout):
     return q, x.new_empty(shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("loka::triton_gemm", mutates_args=())
+def _gemm_fake(a, b, *args):
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=args[-2])
+
+
+@triton_kernel_op("loka::triton_quantize", _quantize_fake)
+def _quantize_op(x: torch.Tensor, fmt: str, granularity: str, layout: str
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Returns the FP8 *storage* (row-major (R, C) for layout 'row', the contiguous (C, R)
+    transpose for 'col') and the scales."""
+    with _op_body():
+        q, s = _quantize_direct(x, fmt, granularity, layout)
+    return (q if layout == "row" else q.t()), s
+
+
+@triton_kernel_op("loka::triton_gemm", _gemm_fake)
 def _gemm_op(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
              scaling: str, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
-    return _gemm_direct(a, b, scale_a, scale_b, scaling, out_dtype, fast_accum)
+    with _op_body():
+        return _gemm_direct(a, b, scale_a, scale_b, scaling, out_dtype, fast_accum)
 
 
-@_gemm_op.register_fake
-def _(a, b, scale_a, scale_b, scaling, out_dtype, fast_accum):
-    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
-
-
-@torch.library.custom_op("loka::triton_gemm_inline", mutates_args=())
+@triton_kernel_op("loka::triton_gemm_inline", _gemm_fake)
 def _gemm_inline_op(a: torch.Tensor, b: torch.Tensor, scale_a: Optional[torch.Tensor],
                     scale_b: Optional[torch.Tensor], a_fmt: str, b_fmt: str,
                     out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
-    return _tk()[1].gemm_rowwise_inline(a, b, a_fmt, b_fmt, scale_a=scale_a, scale_b=scale_b,
-                                        out_dtype=out_dtype, fast_accum=fast_accum)
-
-
-@_gemm_inline_op.register_fake
-def _(a, b, scale_a, scale_b, a_fmt, b_fmt, out_dtype, fast_accum):
-    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+    with _op_body():
+        return _tk()[1].gemm_rowwise_inline(a, b, a_fmt, b_fmt, scale_a=scale_a,
+                                            scale_b=scale_b, out_dtype=out_dtype,
+                                            fast_accum=fast_accum)
 
 
 def _quantize_direct(x, fmt, granularity, layout):
@@ -127,7 +134,8 @@ def _gemm_direct(a, b, scale_a, scale_b, scaling, out_dtype, fast_accum):
 
 def triton_quantize(x: torch.Tensor, fmt: str, granularity: str, layout: str = "row"
                     ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Quantize through the custom op when compiling, directly otherwise.
+    """Quantize through the op when compiling (Inductor then sees the kernels), directly
+    otherwise.
 
     Returns (q (R, C) in ``layout``, scales)."""
     if torch.compiler.is_compiling():

@@ -18,13 +18,16 @@ cast (``cvt.rn.satfinite``) rounds.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Dict, List, Tuple
+import threading
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
 
 from ...numerics import AMAX_EPS, get_format
 
@@ -118,14 +121,16 @@ def _tile_area(cfg: triton.Config) -> int:
     return area
 
 
-def autotune(configs: List[triton.Config], key: List[str], prune=None, pre_hook=None):
+def autotune(configs: List[triton.Config], key: List[str], prune=None,
+             reset_to_zero: Optional[List[str]] = None):
     """``triton.autotune`` with LoKA's pruning and benchmark. Under the interpreter, or
     with ``LOKA_TRITON_AUTOTUNE=0`` (numerical self-tests), only the surviving config with
     the largest tile is kept: nothing to tune on a CPU, the interpreter's cost grows with the
-    number of programs, and every compiled config costs seconds. ``pre_hook(nargs,
-    reset_only=False)`` runs before every benchmarked launch and once more before the real
-    one: a kernel that accumulates into an output (atomics) must reset it there, as the
-    benchmark launches it many times on the same arguments."""
+    number of programs, and every compiled config costs seconds. ``reset_to_zero`` names
+    the outputs a kernel accumulates into (atomics): the benchmark launches it many times
+    on the same arguments, so they restart from zero before every benchmarked launch and
+    once more before the real one. No pre- or post-hooks: Inductor launches these kernels
+    from its own code (:func:`launch`) and runs no Python around them."""
 
     def early_prune(cfgs, named_args, **kwargs):
         kept = prune(cfgs, named_args, **kwargs) if prune is not None else list(cfgs)
@@ -134,8 +139,33 @@ def autotune(configs: List[triton.Config], key: List[str], prune=None, pre_hook=
             return [max(kept, key=_tile_area)]
         return kept
 
-    return triton.autotune(configs=configs, key=key, do_bench=_bench, pre_hook=pre_hook,
+    return triton.autotune(configs=configs, key=key, do_bench=_bench,
+                           reset_to_zero=reset_to_zero,
                            prune_configs_by={"early_config_prune": early_prune})
+
+
+_OP_BODY = threading.local()
+
+
+@contextlib.contextmanager
+def op_body() -> Iterator[None]:
+    """Marks the body of a ``torch.library.triton_op``: inside it :func:`launch` wraps
+    every kernel with ``torch.library.wrap_triton``, so that tracing (``torch.compile``,
+    ``make_fx``) records the kernel itself and Inductor launches it from the code it
+    generates, with no Python-level op dispatch per call and captured by CUDA graphs."""
+    before = getattr(_OP_BODY, "on", False)
+    _OP_BODY.on = True
+    try:
+        yield
+    finally:
+        _OP_BODY.on = before
+
+
+def launch(kernel):
+    """``kernel`` as the wrappers launch it: ``wrap_triton(kernel)`` inside a triton op's
+    body (:func:`op_body`; torch itself unwraps it again for an eager call), the kernel
+    itself elsewhere (a direct eager call pays for no wrapper)."""
+    return wrap_triton(kernel) if getattr(_OP_BODY, "on", False) else kernel
 
 
 @triton.jit

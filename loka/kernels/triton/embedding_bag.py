@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import autotune, next_pow2
+from .common import autotune, launch, next_pow2
 
 MAX_BLOCK_D = 256
 """widest feature span of one program (wider embeddings use several programs per bag)"""
@@ -98,9 +98,9 @@ def embedding_bag_sum(values: torch.Tensor, offsets: torch.Tensor,
     block_d = min(MAX_BLOCK_D, max(16, next_pow2(d)))
     nnz = values.numel()
     grid = (bags, triton.cdiv(d, block_d))
-    bag_sum_kernel[grid](values.contiguous(), offsets.contiguous(), weight, out, bags, nnz,
-                         d, weight.stride(0), out.stride(0),
-                         next_pow2(max(1, nnz // max(1, bags))), BLOCK_D=block_d)
+    launch(bag_sum_kernel)[grid](values.contiguous(), offsets.contiguous(), weight, out, bags, nnz,
+                                 d, weight.stride(0), out.stride(0),
+                                 next_pow2(max(1, nnz // max(1, bags))), BLOCK_D=block_d)
     return out
 
 

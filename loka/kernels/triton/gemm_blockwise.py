@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ...numerics import BLOCK
-from .common import autotune, check_gemm_operands, grouped_tile, next_pow2
+from .common import autotune, launch, check_gemm_operands, grouped_tile, next_pow2
 
 
 def _cfg(bm, bn, stages, warps, group=8):
@@ -91,10 +91,10 @@ def gemm_blockwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
     if c.numel() == 0:
         return c
     grid = lambda meta_: (triton.cdiv(m, meta_["BLOCK_M"]) * triton.cdiv(n, meta_["BLOCK_N"]),)  # noqa: E731
-    blockwise_gemm_kernel[grid](a, b, c, scale_a, scale_b, m, n, k, a.stride(0), a.stride(1),
-                                b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-                                scale_a.stride(0), scale_a.stride(1), scale_b.stride(0),
-                                scale_b.stride(1), BLOCK_K=BLOCK)
+    launch(blockwise_gemm_kernel)[grid](a, b, c, scale_a, scale_b, m, n, k, a.stride(0), a.stride(1),
+                                        b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+                                        scale_a.stride(0), scale_a.stride(1), scale_b.stride(0),
+                                        scale_b.stride(1), BLOCK_K=BLOCK)
     return c
 
 

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ...numerics import get_format
-from .common import (abs_amax, amax_to_scale, autotune, check_float_input,
+from .common import (abs_amax, amax_to_scale, autotune, launch, check_float_input,
                      check_gemm_operands, fp8_meta, grouped_tile, next_pow2, round_to,
                      scale_and_clamp, unsigned_zero_quotient)
 from .quantize import amax_partials, quantize_rowwise, reduce_partials
@@ -108,17 +108,12 @@ def _inline_stages(c: triton.Config) -> triton.Config:
     return triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=stages)
 
 
-def _zero_norm_stats(nargs, reset_only=False):
-    """Autotuning launches every config on the same arguments, and the BlockNorm
-    statistics are added by atomics: they restart from zero before each launch (Triton's
-    ``reset_to_zero``, only when the kernel computes them)."""
-    if nargs.get("NORM_BLOCK"):
-        nargs["ss_ptr"].zero_()
-
-
 @autotune(configs=GEMM_CONFIGS,
           key=["M", "N", "K", "K_SPLIT", "FP8_OUT", "FAST_ACC", "NORM_BLOCK", "QA_MAX",
-               "QB_MAX"], prune=_prune, pre_hook=_zero_norm_stats)
+               "QB_MAX"], prune=_prune,
+          # the BlockNorm statistics are added by atomics; without them ss_ptr is an output
+          # the kernel overwrites, so zeroing it around autotuning costs nothing
+          reset_to_zero=["ss_ptr"])
 @triton.jit
 def rowwise_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, cs_ptr, ss_ptr, M, N,
                         K, K_SPLIT, stride_am, stride_ak, stride_bk, stride_bn, stride_cs,
@@ -343,7 +338,7 @@ def gemm_rowwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
     nblk = triton.cdiv(n, norm_stats) if norm_stats is not None else 0
     ss = torch.zeros((m, nblk), dtype=torch.float32, device=a.device) if nblk else cs
     grid = lambda meta_: (triton.cdiv(m, meta_["BLOCK_M"]) * triton.cdiv(n, meta_["BLOCK_N"]), split)  # noqa: E731
-    rowwise_gemm_kernel[grid](
+    launch(rowwise_gemm_kernel)[grid](
         a, b, c, scale_a, scale_b, bias if bias is not None else scale_a, cs, ss, m, n, k,
         k_split, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         c.stride(0) if split > 1 else 0, c.stride(-2), c.stride(-1), sa_stride, sb_stride, 0, 0,
@@ -465,7 +460,7 @@ def gemm_rowwise_inline(a: torch.Tensor, b: torch.Tensor, a_fmt="e4m3", b_fmt="e
     grid = lambda meta_: (triton.cdiv(m_, meta_["BLOCK_M"]) * triton.cdiv(n_, meta_["BLOCK_N"]), split)  # noqa: E731
     inline = {"QA_MAX": qa["FMT_MAX"], "QA_MANT": qa["MANT_BITS"], "QA_MIN_EXP": qa["MIN_EXP"],
               "QB_MAX": qb["FMT_MAX"], "QB_MANT": qb["MANT_BITS"], "QB_MIN_EXP": qb["MIN_EXP"]}
-    rowwise_gemm_kernel[grid](
+    launch(rowwise_gemm_kernel)[grid](
         ta, tb, c, pa, pb, pa, c, c, m_, n_, k, k_split, ta.stride(0), ta.stride(1),
         tb.stride(0), tb.stride(1), c.stride(0) if split > 1 else 0, stride_cm, stride_cn,
         sa_stride, sb_stride, npart_a, npart_b,

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from ...numerics import get_format
-from .common import (abs_amax, amax_to_scale, autotune, fp8_meta, next_pow2, round_to,
+from .common import (abs_amax, amax_to_scale, autotune, launch, fp8_meta, next_pow2, round_to,
                      scale_and_clamp)
 from .quantize import tensor_cast_kernel
 
@@ -354,11 +354,11 @@ def norm_act_quant(x: torch.Tensor, *, norm: str = "blocknorm", block: int = 256
     kw = dict(NORM=NORMS[norm], GROUP=group, NG=ng, GP=gp, NCHUNK=nchunk,
               HAS_W=weight is not None, HAS_B=bias is not None, ACT=ACTIVATIONS[act],
               ROWWISE=rowwise, **meta)
-    norm_act_quant_kernel[grid](*args, WRITE_HP=return_hp, CAST=False, **kw)
+    launch(norm_act_quant_kernel)[grid](*args, WRITE_HP=return_hp, CAST=False, **kw)
     if not rowwise and return_hp:  # cast from the stored activation
         nprog = max(1, min(triton.cdiv(m * d, 16384), 512))
-        tensor_cast_kernel[(nprog,)](y, q, scale, amax_bits.view(torch.float32), 1, m, d,
-                                     y.stride(0), 1, d, 1, NPART_P2=1, **meta)
+        launch(tensor_cast_kernel)[(nprog,)](y, q, scale, amax_bits.view(torch.float32), 1, m, d,
+                                             y.stride(0), 1, d, 1, NPART_P2=1, **meta)
     elif not rowwise:  # FP8 only: recompute from x and cast, the activation never stored
-        norm_act_quant_kernel[grid](*args, WRITE_HP=False, CAST=True, **kw)
+        launch(norm_act_quant_kernel)[grid](*args, WRITE_HP=False, CAST=True, **kw)
     return y, q, scale

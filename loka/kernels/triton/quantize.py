@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ...numerics import BLOCK, get_format, quantize as _reference_quantize
-from .common import (abs_amax, amax_to_scale, autotune, check_float_input, fp8_meta, nan_max,
+from .common import (abs_amax, amax_to_scale, autotune, launch, check_float_input, fp8_meta, nan_max,
                      next_pow2, scale_and_clamp)
 
 MAX_ROW = 16384
@@ -305,14 +305,14 @@ def quantize_rowwise(x: torch.Tensor, fmt="e4m3") -> Tuple[torch.Tensor, torch.T
         return q, scale
     if x.stride(1) == 1 and c <= MAX_ROW:
         grid = lambda meta_: (triton.cdiv(r, meta_["BLOCK_R"]),)  # noqa: E731
-        rowwise_quant_kernel[grid](x, q, scale, r, c, x.stride(0), x.stride(1),
-                                   BLOCK_C=next_pow2(c), **meta)
+        launch(rowwise_quant_kernel)[grid](x, q, scale, r, c, x.stride(0), x.stride(1),
+                                           BLOCK_C=next_pow2(c), **meta)
         return q, scale
     # Two stages over NSPLIT column spans, sized to fill the GPU.
     partial, span = amax_partials(x)
     grid = lambda meta_: (triton.cdiv(r, meta_["BLOCK_R"]), partial.shape[0])  # noqa: E731
-    rowwise_cast_split_kernel[grid](x, q, scale, partial, r, c, x.stride(0), x.stride(1), span,
-                                    partial.shape[0], **meta)
+    launch(rowwise_cast_split_kernel)[grid](x, q, scale, partial, r, c, x.stride(0), x.stride(1), span,
+                                            partial.shape[0], **meta)
     return q, scale
 
 
@@ -329,7 +329,7 @@ def amax_partials(x: torch.Tensor) -> Tuple[torch.Tensor, int]:
     nsplit, span = split_plan(r, c, transposed=x.stride(1) != 1)
     partial = torch.empty((nsplit, r), dtype=torch.float32, device=x.device)
     grid = lambda meta_: (triton.cdiv(r, meta_["BLOCK_R"]), nsplit)  # noqa: E731
-    rowwise_amax_split_kernel[grid](x, partial, r, c, x.stride(0), x.stride(1), span)
+    launch(rowwise_amax_split_kernel)[grid](x, partial, r, c, x.stride(0), x.stride(1), span)
     return partial, span
 
 
@@ -368,9 +368,9 @@ def quantize_tensorwise(x: torch.Tensor, fmt="e4m3", layout: str = "row"
     scale = torch.empty((1, 1), dtype=torch.float32, device=x.device)
     nprog = max(1, min(triton.cdiv(x.numel(), 16384), 512))
     partial = torch.empty((nprog,), dtype=torch.float32, device=x.device)
-    tensor_amax_kernel[(nprog,)](x, partial, r, c, x.stride(0), x.stride(1))
-    tensor_cast_kernel[(nprog,)](x, q, scale, partial, nprog, r, c, x.stride(0), x.stride(1),
-                                 q.stride(0), q.stride(1), NPART_P2=next_pow2(nprog), **meta)
+    launch(tensor_amax_kernel)[(nprog,)](x, partial, r, c, x.stride(0), x.stride(1))
+    launch(tensor_cast_kernel)[(nprog,)](x, q, scale, partial, nprog, r, c, x.stride(0), x.stride(1),
+                                         q.stride(0), q.stride(1), NPART_P2=next_pow2(nprog), **meta)
     return q, scale
 
 
@@ -400,9 +400,9 @@ def quantize_blockwise(x: torch.Tensor, fmt="e4m3", block: Tuple[int, int] = (1,
         grid = lambda meta_: (triton.cdiv(r, meta_["BLOCK_R"]), triton.cdiv(c, BLOCK))  # noqa: E731
     else:
         grid = (triton.cdiv(r, BLOCK), triton.cdiv(c, BLOCK))
-    block_quant_kernel[grid](x, q, scale, r, c, x.stride(0), x.stride(1), q.stride(0),
-                             q.stride(1), scale.stride(0), scale.stride(1),
-                             SCALE_ROWS=block[0], BLOCK_C=BLOCK, **meta)
+    launch(block_quant_kernel)[grid](x, q, scale, r, c, x.stride(0), x.stride(1), q.stride(0),
+                                     q.stride(1), scale.stride(0), scale.stride(1),
+                                     SCALE_ROWS=block[0], BLOCK_C=BLOCK, **meta)
     return q, scale
 
 
