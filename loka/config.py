@@ -161,6 +161,17 @@ class ProbeConfig:
     """on GPUs, skip an emulated kernel where the real kernel it emulates runs too (same
     quantization numerics, no speed to offer; saves measurement time); ignored on the CPU
     and when ``kernels`` is given"""
+    time_unsafe: bool = False
+    """also time kernels whose error is over ``max_error`` at a site and role (False: they
+    are no candidates there, and timing, the Probe's largest cost, is skipped; a plan made
+    later with a looser budget then finds no speed for them and keeps the baseline)"""
+    roofline_prune: bool = True
+    """on a GPU whose peak rates are known (``loka.kernels.roofline.PEAKS``), do not time an
+    FP8 kernel that could not beat the measured baseline by ``min_speedup`` even at those
+    peaks (the kernel's ``not_timed`` says so)"""
+    autotune_configs: Optional[int] = 4
+    """while timing, LoKA's Triton kernels try at most this many autotuning configs per new
+    shape (the largest tiles that fit it; the choice is kept for the process); None: all"""
 
     def __post_init__(self) -> None:
         if self.every_n_steps < 1:
@@ -187,6 +198,8 @@ class ProbeConfig:
             raise ValueError("ProbeConfig.sample_rows must be >= 1 or None")
         if self.timing_rows is not None and self.timing_rows < 1:
             raise ValueError("ProbeConfig.timing_rows must be >= 1 or None")
+        if self.autotune_configs is not None and self.autotune_configs < 1:
+            raise ValueError("ProbeConfig.autotune_configs must be >= 1 or None")
         object.__setattr__(self, "roles", tuple(Role.parse(r) for r in self.roles))
 
 

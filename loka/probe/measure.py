@@ -28,6 +28,7 @@ import functools
 import math
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
@@ -40,6 +41,7 @@ from tqdm import tqdm
 from ..config import (BASELINE, GRAD_ROLES, REFERENCE_KERNEL, ProbeConfig, Role, config_to_dict,
                       role_shape)
 from ..kernels import ops, registry
+from ..kernels.roofline import autotune_limit, device_peaks, max_speedup
 from ..kernels.registry import Kernel, Library
 from ..numerics import mere_denominator
 from ..timing import TimingResult, time_fn
@@ -292,7 +294,7 @@ class KernelTimer:
                     b = kern.quantize_b(b)
             timed = functools.partial(time_fn, device=dev, warmup=cfg.timing_warmup,
                                       iters=cfg.timing_iters, budget_ms=cfg.timing_budget_ms)
-            with torch.no_grad():
+            with torch.no_grad(), autotune_limit(cfg.autotune_configs):
                 if not compiles_for_timing(kern, dev, cfg.timing_compile):
                     return timed(lambda: kern(a, b, dtype))
                 call = self._compiled_call(kern, dtype)
@@ -317,14 +319,21 @@ def _device_name(device: torch.device) -> str:
 class _Measurement:
     """The state of one :func:`measure_report`: its timer and its wall time per phase."""
 
-    def __init__(self, config: ProbeConfig) -> None:
+    def __init__(self, config: ProbeConfig, status: Callable[[str], None] = lambda s: None
+                 ) -> None:
         self.config = config
         self.timer = KernelTimer(config)
         self.phases: Dict[str, float] = {}
+        self.not_timed: Dict[str, int] = {}
+        """why kernels were not timed -> how many (site, role, kernel) triples"""
+        self.status = status
+        """shows what is being measured (the progress bar's postfix)"""
+        self.where = ""
 
     @contextlib.contextmanager
     def phase(self, name: str, dev: torch.device):
         """Accumulate wall time per phase (the report's ``meta['phases_s']``)."""
+        self.status(f"{self.where} {name}")
         t0 = time.perf_counter()
         try:
             yield
@@ -358,6 +367,7 @@ class _Measurement:
              dtype: torch.dtype) -> Union[RoleReport, Failure]:
         """Every kernel that supports the role's shapes, or why none was measured."""
         cfg = self.config
+        self.where = f"{site.name} {role.value}"
         k_in, n_out = site.in_features, site.out_features
         m_time = cfg.timing_rows or site.tokens
         m_err = error_rows(site, cfg.source, cfg.sample_rows)
@@ -409,15 +419,42 @@ class _Measurement:
             naive_k = naive.get(k.name)
             if isinstance(naive_k, SampleErrors):
                 kr.naive_mere = bootstrap_stat(naive_k.mere, cfg.bootstrap, seed)
-            if cfg.timing and kr.error is None:
-                self._time_kernel(kr, k, role, timed_shape(k), dev, dtype, base_us)
             kr.safe = (kr.error is None and kr.mere is not None and math.isfinite(kr.mere.hi)
                        and kr.mere.hi < cfg.max_error)
+            if cfg.timing and kr.error is None:
+                kr.not_timed = self._not_timed(kr, k, role, timed_shape(k), dev, dtype, base_us)
+                if kr.not_timed is None:
+                    self._time_kernel(kr, k, role, timed_shape(k), dev, dtype, base_us)
+                    kr.safe = kr.safe and kr.error is None
+                else:
+                    reason = kr.not_timed.split(":")[0]
+                    self.not_timed[reason] = self.not_timed.get(reason, 0) + 1
             # a CPU wall clock says nothing of FP8 speed on a GPU: never flagged fast
             kr.fast = (kr.speedup is not None and kr.speedup > cfg.min_speedup
                        and not kr.timing.startswith("cpu-wallclock"))
             rr.kernels[k.name] = kr
         return rr
+
+    def _not_timed(self, kr: KernelResult, k: Kernel, role: Role, shape, dev: torch.device,
+                   dtype: torch.dtype, base_us: Optional[float]) -> Optional[str]:
+        """Why timing ``k`` here would tell the plan nothing, or None to time it: an FP8
+        kernel over the error budget is no candidate (``ProbeConfig.time_unsafe``), and one
+        whose roofline bound (:mod:`loka.kernels.roofline`) cannot reach ``min_speedup``
+        over the measured baseline is never fast (``ProbeConfig.roofline_prune``)."""
+        cfg = self.config
+        if not k.is_fp8:
+            return None
+        if not kr.safe and not cfg.time_unsafe:
+            return f"unsafe: MERE upper bound over {cfg.max_error:g}"
+        peaks = device_peaks(dev) if cfg.roofline_prune and base_us else None
+        if peaks is None:
+            return None
+        # the forward is also timed with its weight quantized beforehand: the kinder bound
+        bound = max_speedup(base_us, shape, peaks, quantizes_b=role is not Role.FWD,
+                            in_bytes=dtype.itemsize, out_bytes=dtype.itemsize)
+        if bound < cfg.min_speedup:
+            return f"roofline: at most {bound:.2f}x at the device's peak rates"
+        return None
 
     def _time_kernel(self, kr: KernelResult, k: Kernel, role: Role, shape, dev, dtype,
                      base_us: Optional[float]) -> None:
@@ -448,6 +485,16 @@ class _Measurement:
         return run_samples(pairs, kernels, dtype)
 
 
+def _autotune_choices() -> Dict[str, Dict[str, str]]:
+    """The configs LoKA's Triton autotuners chose (kept in the report, so that a run can
+    see what was tuned); empty where the kernels were never loaded."""
+    if "loka.kernels.triton.common" not in sys.modules:
+        return {}
+    from ..kernels.triton import common
+
+    return common.autotune_choices()
+
+
 def measure_report(sites: Mapping[str, SiteStats], modules: Mapping[str, nn.Linear],
                    config: ProbeConfig, device: "torch.device | str | None" = None,
                    meta: Optional[Mapping[str, object]] = None) -> ProbeReport:
@@ -465,10 +512,11 @@ def measure_report(sites: Mapping[str, SiteStats], modules: Mapping[str, nn.Line
         ``meta['unobserved_sites']``.
     """
     start = time.perf_counter()
-    run = _Measurement(config)
+    bar = tqdm(sites, desc="probe", unit="site", disable=not config.progress, dynamic_ncols=True)
+    run = _Measurement(config, status=bar.set_postfix_str)
     reports: Dict[str, SiteReport] = {}
     unobserved, used = [], None
-    for name in tqdm(sites, desc="probe", unit="site", disable=not config.progress):
+    for name in bar:
         site, module = sites[name], modules[name]
         if site.act.updates == 0:
             unobserved.append(name)
@@ -480,6 +528,7 @@ def measure_report(sites: Mapping[str, SiteStats], modules: Mapping[str, nn.Line
     meta = {**(meta or {}),
             "reference": "float64" if used.type == "cpu" else "float32 (TF32 off)",
             "baseline": BASELINE, "unobserved_sites": unobserved,
-            "report_s": time.perf_counter() - start, "phases_s": dict(run.phases)}
+            "report_s": time.perf_counter() - start, "phases_s": dict(run.phases),
+            "not_timed": dict(run.not_timed), "autotuned": _autotune_choices()}
     return ProbeReport(sites=reports, device=str(used), device_name=_device_name(used),
                        torch_version=torch.__version__, config=config_to_dict(config), meta=meta)

@@ -118,6 +118,9 @@ class KernelResult:
     fast: bool = False
     error: Optional[str] = None
     """set when the kernel failed at this site (then it is never safe)"""
+    not_timed: Optional[str] = None
+    """why the Probe did not time this kernel here (over the error budget; a roofline
+    bound below ``min_speedup``); None: timed, or timing off"""
 
     def metric(self, name: str) -> Optional[ErrorStat]:
         if name == "neg_sqnr":
@@ -132,6 +135,8 @@ class KernelResult:
         if self.time_us_weight_q is not None:
             d["time_us_weight_q"] = encode_number(self.time_us_weight_q)
             d["speedup_weight_q"] = encode_number(self.speedup_weight_q)
+        if self.not_timed is not None:
+            d["not_timed"] = self.not_timed
         for k in ("mere", "sqnr", "relfro", "naive_mere"):
             v = getattr(self, k)
             d[k] = None if v is None else v.to_dict()
@@ -154,7 +159,7 @@ class KernelResult:
                    speedup_weight_q=times["speedup_weight_q"],
                    safe=field_bool(d, "safe", where),
                    fast=field_bool(d, "fast", where), error=field_str(d, "error", where, optional=True),
-                   **stats)
+                   not_timed=field_str(d, "not_timed", where, optional=True), **stats)
 
 
 @dataclass

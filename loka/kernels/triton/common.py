@@ -30,6 +30,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from ...numerics import AMAX_EPS, get_format
+from ..roofline import max_autotune_configs
 
 _FP8_DTYPES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 AMAX_EPS_CONST = tl.constexpr(AMAX_EPS)
@@ -126,7 +127,9 @@ def autotune(configs: List[triton.Config], key: List[str], prune=None,
     """``triton.autotune`` with LoKA's pruning and benchmark. Under the interpreter, or
     with ``LOKA_TRITON_AUTOTUNE=0`` (numerical self-tests), only the surviving config with
     the largest tile is kept: nothing to tune on a CPU, the interpreter's cost grows with the
-    number of programs, and every compiled config costs seconds. ``reset_to_zero`` names
+    number of programs, and every compiled config costs seconds. Inside
+    :func:`loka.kernels.roofline.autotune_limit` at most that many configs (the largest
+    tiles) are tried per new key. ``reset_to_zero`` names
     the outputs a kernel accumulates into (atomics): the benchmark launches it many times
     on the same arguments, so they restart from zero before every benchmarked launch and
     once more before the real one. No pre- or post-hooks: Inductor launches these kernels
@@ -137,6 +140,9 @@ def autotune(configs: List[triton.Config], key: List[str], prune=None,
         kept = kept or list(cfgs[:1])
         if interpreted() or os.environ.get("LOKA_TRITON_AUTOTUNE", "1") == "0":
             return [max(kept, key=_tile_area)]
+        limit = max_autotune_configs()  # loka.kernels.roofline.autotune_limit
+        if limit is not None and len(kept) > limit:
+            kept = sorted(kept, key=_tile_area, reverse=True)[:limit]
         return kept
 
     return triton.autotune(configs=configs, key=key, do_bench=_bench,
@@ -311,3 +317,22 @@ def scale_and_clamp(x, scale, FMT_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
     y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
     y = tl.clamp(y, -FMT_MAX, FMT_MAX, propagate_nan=tl.PropagateNan.ALL)
     return round_to_fp8_grid(y, MANT_BITS, MIN_EXP)
+
+
+def autotune_choices() -> Dict[str, Dict[str, str]]:
+    """kernel name -> {autotuning key -> chosen config} of every LoKA Triton autotuner
+    that has tuned something in this process."""
+    import sys
+
+    from triton.runtime.autotuner import Autotuner
+
+    out: Dict[str, Dict[str, str]] = {}
+    package = __name__.rsplit(".", 1)[0]
+    for modname in ("quantize", "gemm_rowwise", "gemm_blockwise", "norm_act_quant",
+                    "embedding_bag"):
+        mod = sys.modules.get(f"{package}.{modname}")
+        for attr, obj in (vars(mod).items() if mod is not None else ()):
+            cache = getattr(obj, "cache", None) if isinstance(obj, Autotuner) else None
+            if cache:
+                out[attr] = {",".join(map(str, key)): str(cfg) for key, cfg in cache.items()}
+    return out
