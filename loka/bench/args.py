@@ -36,6 +36,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-speedup", type=float, default=1.05, help="LoKA plan speed threshold")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/<date>-<gpu>-<commit>.json)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG chart")
+    p.add_argument("--eval-set", default=None, metavar="PATH",
+                   help="instead of a reference model, run the evaluation set at PATH (a "
+                        "package of your models defining EVAL_MODELS, SCALES and loss_fn; "
+                        "bench/eval_set.py runs this repository's) in bf16, with torchao's recipes "
+                        "and through LoKA's public path; --device, --batch-sizes, --steps, "
+                        "--warmup and --out apply, --eval-args passes the rest")
+    p.add_argument("--eval-args", default="", metavar="ARGS",
+                   help="options of the evaluation-set harness, quoted as one string (e.g. "
+                        "\"--models wukong --modes train --scale tiny\"; python "
+                        "bench/eval_set.py --help lists them)")
     p.add_argument("--plan", default=None,
                    help="apply this plan JSON in the LoKA variants instead of probing")
     p.add_argument("--plans", default="",

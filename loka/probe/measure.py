@@ -17,7 +17,12 @@ what serving costs.
 A kernel that fails is a result, not an error: it is carried as a :class:`Failure` and
 recorded in the report as :attr:`KernelResult.error <loka.probe.report.KernelResult.error>`
 (one line), and a role that cannot be measured as its reason in the site's
-``stats['skipped_roles']``.
+``stats['skipped_roles']``. Kernels that cannot matter to a plan (over the error budget;
+below ``min_speedup`` even at the device's peak rates) are not timed
+(:attr:`KernelResult.not_timed <loka.probe.report.KernelResult.not_timed>`).
+
+Length: errors, timings and the report of one measurement share the per-(site, role)
+state they fill in; split, every part would pass all of it back and forth.
 """
 
 from __future__ import annotations

@@ -1,0 +1,739 @@
+"""LoKA on models it has never seen: an evaluation set of the user's models in bf16, with
+torchao's float8 recipes, and through LoKA's public path, side by side in one run.
+
+The models come from a Python package given by its path (``loka bench --eval-set PATH``;
+the repository ships one beside its benchmark scripts): it defines ``EVAL_MODELS`` (name -> a class
+whose ``cls(scale)`` builds the model and whose ``model.make_batch(batch_size, device,
+dtype, seed=...)`` returns ``(inputs, labels)``, the model called as ``model(*inputs)``),
+``SCALES`` (the scales its classes take; the first is the full size) and
+``loss_fn(model, batch)``. Nothing here knows any model of it.
+
+Every row is the same model (same weights, same batch), compiled the same way
+(``torch.compile``, with ``mode="reduce-overhead"`` for the CUDA-graph rows), and differs
+only in what its Linears run:
+
+- ``bf16``: the model as written (bf16 weights and activations, the Mods built in);
+- ``torchao-<recipe>``: training: ``convert_to_float8_training`` with
+  ``Float8LinearConfig.from_recipe_name(recipe)`` (tensorwise, rowwise,
+  rowwise_with_gw_hp) on every Linear whose dims are multiples of 16; serving:
+  ``Float8DynamicActivationFloat8WeightConfig`` (per tensor, per row) through ``quantize_``;
+  skipped, with the reason recorded, where torchao is missing or cannot run;
+- ``loka-optimize``: ``loka.optimize`` on the same report: whole steps, compiled as the row
+  is, decide which FP8 sites stay, and the plan is kept only if it wins every A/B round;
+- ``loka``: ``loka.probe(model, batches, loss_fn)`` -> ``loka.plan(report)`` (serving:
+  ``loka.plan(report, inference=True)``) -> ``loka.apply(model, plan)`` (serving:
+  ``inference=True``), then the same compile. The Probe runs once per model and batch size
+  and both plans come from its report.
+
+Each row: median step time (a full training step: forward, BCE loss, backward, fused
+AdamW; or a serving forward), GPU time per step and its split by kernel class
+(torch.profiler), peak memory, FP8 site count, the Probe's wall time, the output's change
+against bf16, and ratios against the bf16 row of the same model, batch, mode and graph
+setting. The JSON is rewritten (atomically) after every row, so a run cut short keeps what
+it measured. On a CPU the run checks the pipeline only: its timings say nothing about FP8
+on a GPU (the JSON's ``env`` says so).
+
+    loka bench --eval-set PATH --out bench/results/<run>/eval_set.json
+    python bench/eval_set.py --out bench/results/<run>/eval_set.json   # the repository's set
+    python bench/eval_set.py --models wukong --batch-sizes 4096 --modes train \\
+        --probe-config '{"num_samples": 16, "compare_naive": false}' --out w.json
+    python bench/eval_set.py --models wukong --batch-sizes 4096 \\
+        --report 'runs/r.{model}.b{batch}.report.json' --out w2.json   # reuse a saved report
+    python bench/eval_set.py --scale tiny --models wukong --batch-sizes 64 --modes train \\
+        --steps 2 --warmup 1 --no-graphs --out /tmp/eval.json          # CPU smoke run
+
+Length: one harness (rows, the Probe's once-per-case run, the GPU profile, the JSON and
+its table) whose parts share the row format; split, each part would need all of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+import importlib.metadata
+import importlib.util
+import types
+
+from ..config import ProbeConfig
+from ..dispatch import apply as apply_plan
+from ..dispatch import optimize as optimize_plan
+from ..dispatch import plan as make_plan
+from ..jsonio import atomic_write_text, json_safe
+from ..probe import ProbeReport
+from ..probe import probe as probe_model
+from ..timing import synchronize
+
+try:  # torchao is optional: its rows are skipped, with this reason, where it is missing
+    import torchao
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    TORCHAO_VERSION: Optional[str] = getattr(torchao, "__version__", "unknown")
+    TORCHAO_MISSING: Optional[str] = None
+except Exception as e:  # noqa: BLE001 - any import failure means "no torchao rows"
+    TORCHAO_VERSION, TORCHAO_MISSING = None, f"torchao not importable ({type(e).__name__}: {e})"
+try:
+    from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig, PerRow,
+                                      PerTensor, quantize_)
+    TORCHAO_SERVE_MISSING: Optional[str] = TORCHAO_MISSING
+except Exception as e:  # noqa: BLE001
+    TORCHAO_SERVE_MISSING = TORCHAO_MISSING or (
+        f"torchao has no float8 dynamic-activation inference config ({type(e).__name__}: {e})")
+
+SCHEMA, VERSION = "loka.evalset", 1
+MODES = ("train", "serve")
+TORCHAO_TRAIN_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+TORCHAO_SERVE_RECIPES = ("tensorwise", "rowwise")
+VARIANTS = {
+    "train": ("bf16",) + tuple(f"torchao-{r}" for r in TORCHAO_TRAIN_RECIPES)
+    + ("loka", "loka-optimize"),
+    "serve": ("bf16",) + tuple(f"torchao-{r}" for r in TORCHAO_SERVE_RECIPES)
+    + ("loka", "loka-optimize"),
+}
+KERNEL_CLASSES = ("gemm_bf16", "gemm_fp8", "quantization", "copies", "triton", "optimizer",
+                  "other")
+# an Inductor kernel named after ops that only move or cast data is a copy
+_COPY_OPS = re.compile(r"(?:_+(?:unsafe_view|constant_pad_nd|to_copy|transpose|permute|clone|"
+                       r"expand|slice|copy|view|cat|t))+_*\d*")
+
+# cuBLAS's Hopper GEMMs name FP8 operand types before "tst": q (e4m3), r (e5m2)
+_NVJET_FP8 = re.compile(r"nvjet_(?:sm\d+_)?[qr]{2}t")
+# ops of a norm: an Inductor kernel with them and a quantization fused the two
+_NORM_OPS = ("rsqrt", "mean", "var_mean", "pow")
+# a copy kernel of ATen or the driver ("cat" as a word: not "scatter")
+_COPY_KERNEL = re.compile(r"copy|transpose|clone|memcpy|memset|(?<![a-z])cat")
+
+
+class Skip(Exception):
+    """A row that cannot run here; the message is the reason recorded for it."""
+
+
+# ---------------------------------------------------------------------------- profiling
+
+def kernel_class(name: str) -> str:
+    """The class of a GPU kernel by its name: ``gemm_bf16``, ``gemm_fp8`` (names with
+    f8/fp8/e4m3/scaled_mm, cuBLAS's FP8 ``nvjet_*qq/qr*`` kernels, per-row/tensor/block-scaled
+    GEMMs), ``quantization`` (amax, cast and quantize kernels: LoKA's, FBGEMM's, and
+    Inductor's that make an FP8 operand in a pass of their own), ``copies`` (copies,
+    transposes, clones, concatenations, memcpy/memset, Inductor kernels fusing only such
+    ops), ``triton`` (Inductor's fused elementwise and norm kernels, with any quantization
+    fused into a norm), ``optimizer`` or ``other``."""
+    n = name.lower()
+    if "adam" in n or "multi_tensor_apply" in n or "foreach" in n:
+        return "optimizer"
+    inductor = n.startswith(("triton_poi", "triton_red", "triton_per"))
+    gemm = n.startswith("triton_tem") or (not inductor and any(
+        t in n for t in ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm100_",
+                         "matmul", "scaled_mm", "wgmma")))
+    fp8 = any(t in n for t in ("f8", "fp8", "e4m3", "e5m2", "scaled_mm", "wise_gemm")) or bool(
+        _NVJET_FP8.match(n))
+    if gemm:
+        return "gemm_fp8" if fp8 else "gemm_bf16"
+    if inductor:
+        ops = "_" + n.split("_fused_", 1)[1] if "_fused_" in n else ""
+        if any(t in ops for t in ("amax", "_scaled_mm", "float8")):
+            # a pass of its own makes an FP8 operand; fused into a norm it is the norm's
+            return "triton" if any(t in ops for t in _NORM_OPS) else "quantization"
+        return "copies" if _COPY_OPS.fullmatch(ops) else "triton"
+    if any(t in n for t in ("amax", "quant", "float8", "cast_kernel", "cast_split")):
+        return "quantization"
+    if _COPY_KERNEL.search(n):
+        return "copies"
+    if n.startswith("triton"):
+        return "triton"
+    return "other"
+
+
+def profile_gpu(step: Callable[[], object], steps: int) -> dict:
+    """GPU time per step of an already warmed-up ``step`` (sum of CUDA kernel times), split
+    by :func:`kernel_class`, with the largest kernels, over ``steps`` steps."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    per_kernel: Dict[str, float] = {}
+    for evt in prof.events():
+        if evt.device_type != DeviceType.CUDA:
+            continue
+        per_kernel[evt.name] = per_kernel.get(evt.name, 0.0) + evt.device_time_total / steps
+    by_class = {c: 0.0 for c in KERNEL_CLASSES}
+    for k, us in per_kernel.items():
+        by_class[kernel_class(k)] += us
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:15]
+    return {"gpu_ms_per_step": sum(per_kernel.values()) / 1e3,
+            "by_class_ms": {c: v / 1e3 for c, v in by_class.items()},
+            "top_kernels_ms": [[k[:160], v / 1e3, kernel_class(k)] for k, v in ranked],
+            "profiled_steps": steps}
+
+
+# ---------------------------------------------------------------------------- variants
+
+def dims_fit_fp8(mod: nn.Module) -> bool:
+    """A Linear torchao's float8 can take: both dims multiples of 16 (the logit is not)."""
+    return isinstance(mod, nn.Linear) and mod.in_features % 16 == 0 and mod.out_features % 16 == 0
+
+
+def contiguous_input(module, args):
+    """Forward pre-hook: the first input made contiguous (torchao's rowwise casts cannot
+    take the transposed views Wukong's Linears over the embedding axis read)."""
+    return (args[0].contiguous(),) + tuple(args[1:])
+
+
+def torchao_train(model: nn.Module, recipe: str, device: torch.device) -> Tuple[int, List[str]]:
+    if TORCHAO_MISSING:
+        raise Skip(TORCHAO_MISSING)
+    if device.type != "cuda":
+        raise Skip("torchao float8 training needs a CUDA device")
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: dims_fit_fp8(m))
+    converted = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
+    notes = []
+    if recipe.startswith("rowwise"):
+        for m in converted:
+            m.register_forward_pre_hook(contiguous_input)
+        notes.append(f"inputs made contiguous at {len(converted)} Linear(s) (torchao's rowwise "
+                     "casts need it); the copies are charged to this row")
+    return len(converted), notes
+
+
+def torchao_serve(model: nn.Module, recipe: str, device: torch.device) -> Tuple[int, List[str]]:
+    if TORCHAO_SERVE_MISSING:
+        raise Skip(TORCHAO_SERVE_MISSING)
+    if device.type != "cuda":
+        raise Skip("torchao float8 inference needs a CUDA device")
+    kwargs = {"granularity": PerRow() if recipe == "rowwise" else PerTensor()}
+    notes = []
+    if "set_inductor_config" in getattr(Float8DynamicActivationFloat8WeightConfig,
+                                        "__dataclass_fields__", {}):
+        # torchao's default changes Inductor's global settings for every later row
+        kwargs["set_inductor_config"] = False
+        notes.append("set_inductor_config=False: every row compiles with the same settings")
+    chosen = []
+
+    def filt(mod, fqn):
+        ok = dims_fit_fp8(mod)
+        if ok:
+            chosen.append(fqn)
+        return ok
+    quantize_(model, Float8DynamicActivationFloat8WeightConfig(**kwargs), filter_fn=filt)
+    return len(chosen), notes
+
+
+def fp8_sites(plan) -> Dict[str, Dict[str, str]]:
+    """The plan's non-baseline choices: site -> {role: kernel}."""
+    out = {}
+    for site, sp in plan.sites.items():
+        roles = {str(r): c.kernel for r, c in sp.roles.items() if c.kernel != plan.baseline}
+        if roles:
+            out[site] = roles
+    return out
+
+
+@dataclasses.dataclass
+class Case:
+    """One model at one batch size: its weights, batches and (once) the Probe's plans."""
+
+    name: str
+    batch_size: int
+    base: nn.Module                         # on the CPU, in the run's dtype
+    batch: tuple                            # timed batch, on the device
+    ref_out: Dict[str, torch.Tensor]        # mode -> eager bf16 logits (float32)
+    linears: int
+    probe_s: Optional[float] = None
+    report: Optional[object] = None         # the Probe's report (loka.ProbeReport)
+    plans: Optional[dict] = None            # mode -> Plan
+    probe_error: Optional[str] = None
+    probe_files: Optional[dict] = None
+    probed: bool = False
+
+
+def set_mode(model: nn.Module, mode: str) -> None:
+    model.train(mode == "train")
+
+
+def run_probe(case: Case, args, device, dtype, out_stem: Optional[str]) -> None:
+    """``loka.probe`` on a copy of the model, then both plans, through the public API."""
+    if args.report:
+        path = args.report.format(model=case.name, batch=case.batch_size)
+        report = case.report = ProbeReport.load(path)
+        case.probe_files = {"report": path}
+        case.plans = {"train": make_plan(report, **args.plan_kwargs),
+                      "serve": make_plan(report, inference=True, **args.plan_kwargs)}
+        return
+    model = copy.deepcopy(case.base).to(device)
+    batches = [model.make_batch(case.batch_size, device, dtype, seed=1 + i)
+               for i in range(args.probe_batches)]
+    t0 = time.perf_counter()
+    report = case.report = probe_model(model, batches, args.eval_set.loss_fn,
+                                       config=args.probe_config)
+    synchronize(device)
+    case.probe_s = time.perf_counter() - t0
+    case.plans = {"train": make_plan(report, **args.plan_kwargs),
+                  "serve": make_plan(report, inference=True, **args.plan_kwargs)}
+    if out_stem:
+        stem = f"{out_stem}.{case.name}.b{case.batch_size}"
+        case.probe_files = {"report": stem + ".report.json",
+                            "plan_train": stem + ".plan.train.json",
+                            "plan_serve": stem + ".plan.serve.json"}
+        report.save(case.probe_files["report"])
+        case.plans["train"].save(case.probe_files["plan_train"])
+        case.plans["serve"].save(case.probe_files["plan_serve"])
+    del model, batches, report
+
+
+def probe_case(case: Case, args, device, out_stem: Optional[str]) -> dict:
+    """Run the Probe for ``case`` (once), keeping a failure as the LoKA rows' reason."""
+    case.probed = True
+    try:
+        run_probe(case, args, device, args.dtype, out_stem)
+    except Exception as e:  # noqa: BLE001 - the other rows still run
+        case.probe_error = f"{type(e).__name__}: {e}"[:2000]
+    return {"model": case.name, "batch_size": case.batch_size, "probe_wall_s": case.probe_s,
+            "error": case.probe_error, "files": case.probe_files,
+            "fp8_sites": None if case.plans is None else
+            {m: len(fp8_sites(p)) for m, p in case.plans.items()}}
+
+
+def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch.device,
+            graphs: bool = False, args=None) -> Tuple[int, List[str], dict]:
+    """Turn the bf16 model into ``variant`` in place: (FP8 sites, notes, extra row fields)."""
+    if variant == "bf16":
+        return 0, [], {}
+    if variant.startswith("torchao-"):
+        recipe = variant[len("torchao-"):]
+        sites, notes = (torchao_train if mode == "train" else torchao_serve)(model, recipe, device)
+        return sites, notes, {}
+    if variant == "loka":
+        if case.plans is None:
+            raise Skip(f"no plan: the Probe failed ({case.probe_error})" if case.probe_error
+                       else "no plan: the time budget was spent before the Probe")
+        plan = case.plans[mode]
+        applied = apply_plan(model, plan, inference=(mode == "serve"))
+        chosen = fp8_sites(plan)
+        extra = {"probe_wall_s": case.probe_s, "plan": chosen,
+                 "apply_notes": list(getattr(applied, "notes", []) or []),
+                 "probe_files": case.probe_files}
+        return len(chosen), [], extra
+    if variant == "loka-optimize":
+        if case.report is None:
+            raise Skip(f"no report: the Probe failed ({case.probe_error})" if case.probe_error
+                       else "no report: the time budget was spent before the Probe")
+        # loka.optimize on the Probe's report: whole compiled steps (compiled as this row is)
+        # decide which FP8 sites stay; it keeps a plan only if it wins every A/B round
+        result = optimize_plan(
+            model, [case.batch], args.eval_set.loss_fn, inference=(mode == "serve"),
+            report=case.report,
+            forward=lambda m, batch: m(*batch[0]),
+            compile_mode="reduce-overhead" if graphs else None,
+            max_trials=getattr(args, "optimize_trials", 8),
+            rounds=getattr(args, "optimize_rounds", 2))
+        applied = apply_plan(model, result.plan, inference=(mode == "serve"))
+        chosen = fp8_sites(result.plan)
+        extra = {"plan": chosen, "optimize_speedup": result.speedup,
+                 "optimize_rounds": result.rounds, "optimize_trials": len(result.trials),
+                 "untuned_fp8_sites": len(fp8_sites(result.untuned)), "timed": result.timed,
+                 "apply_notes": list(getattr(applied, "notes", []) or [])}
+        return len(chosen), list(result.plan.notes[-2:]), extra
+    raise ValueError(f"unknown variant {variant!r}")
+
+
+# ---------------------------------------------------------------------------- timing
+
+def make_step(compiled: nn.Module, model: nn.Module, mode: str, batch, graphs: bool,
+              device: torch.device, loss_fn: Callable) -> Callable[[], torch.Tensor]:
+    """One training step (forward, BCE loss, backward, fused AdamW) or one serving forward."""
+    if mode == "serve":
+        inputs = batch[0]
+
+        def serve():
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            with torch.inference_mode():
+                return compiled(*inputs)
+        return serve
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+
+    def train():
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        loss = loss_fn(compiled, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    return train
+
+
+def time_steps(step, device, warmup: int, steps: int) -> dict:
+    """Median wall time of ``steps`` synchronized steps after ``warmup`` (the first compiles)."""
+    t0 = time.perf_counter()
+    first = step()
+    first_value = float(first.detach().float().mean()) if first is not None else None
+    synchronize(device)
+    compile_s = time.perf_counter() - t0
+    for _ in range(max(0, warmup - 1)):
+        step()
+    synchronize(device)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append((time.perf_counter() - t) * 1e3)
+    q = sorted(times)
+    return {"step_ms": statistics.median(q), "step_ms_min": q[0], "step_ms_max": q[-1],
+            "first_step_s": compile_s, "first_value": first_value}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref).norm() / ref.norm().clamp(min=1e-12))
+
+
+def run_row(case: Case, variant: str, mode: str, graphs: bool, args, device) -> dict:
+    row = {"model": case.name, "scale": args.scale, "batch_size": case.batch_size, "mode": mode,
+           "variant": variant, "graphs": graphs, "status": "ok", "reason": None,
+           "compile_mode": "reduce-overhead" if graphs else "default",
+           "backend": args.backend, "linears": case.linears, "notes": []}
+    model = compiled = step = None
+    try:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        torch._dynamo.reset()
+        model = copy.deepcopy(case.base).to(device)
+        set_mode(model, mode)
+        sites, notes, extra = convert(model, variant, mode, case, device, graphs, args)
+        row.update(fp8_sites=sites, **extra)
+        row["notes"] += notes
+        set_mode(model, mode)
+        # eager, before compiling: what the variant computes (no_grad in training: tensors
+        # a module caches under inference_mode could not take part in autograd later)
+        with torch.inference_mode() if mode == "serve" else torch.no_grad():
+            row["output_rel_err_vs_bf16"] = rel_err(model(*case.batch[0]), case.ref_out[mode])
+        compiled = torch.compile(model, backend=args.backend,
+                                 mode="reduce-overhead" if graphs else None)
+        step = make_step(compiled, model, mode, case.batch, graphs, device, args.eval_set.loss_fn)
+        timing = time_steps(step, device, args.warmup, args.steps)
+        row.update(step_ms=timing["step_ms"], step_ms_min=timing["step_ms_min"],
+                   step_ms_max=timing["step_ms_max"], first_step_s=timing["first_step_s"],
+                   samples_per_s=case.batch_size / (timing["step_ms"] / 1e3))
+        if mode == "train":
+            row["loss_first_step"] = timing["first_value"]
+        if device.type == "cuda":
+            prof = profile_gpu(step, args.profile_steps)
+            row.update(gpu_ms=prof["gpu_ms_per_step"], profile_ms=prof["by_class_ms"],
+                       top_kernels_ms=prof["top_kernels_ms"],
+                       wall_over_gpu=row["step_ms"] / max(prof["gpu_ms_per_step"], 1e-9),
+                       peak_mem_gib=torch.cuda.max_memory_allocated(device) / 2**30)
+        else:
+            row.update(gpu_ms=None, profile_ms=None, top_kernels_ms=None, wall_over_gpu=None,
+                       peak_mem_gib=None)
+    except Skip as e:
+        row.update(status="skipped", reason=str(e))
+    except Exception as e:  # noqa: BLE001 - keep the other rows
+        row.update(status="error", reason=f"{type(e).__name__}: {e}"[:2000])
+    finally:
+        del model, compiled, step
+        gc.collect()
+    return row
+
+
+def add_ratios(rows: List[dict], row: dict) -> None:
+    """Ratios against the bf16 row of the same model, batch, mode and graph setting:
+    speedups (> 1: faster than bf16) and the memory ratio (< 1: less than bf16)."""
+    row["vs_bf16"] = None
+    if row["status"] != "ok":
+        return
+    base = next((r for r in rows if r["status"] == "ok" and r["variant"] == "bf16"
+                 and all(r[k] == row[k] for k in ("model", "batch_size", "mode", "graphs"))), None)
+    if base is None:
+        return
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+    row["vs_bf16"] = {"step": ratio(base["step_ms"], row["step_ms"]),
+                      "gpu": ratio(base.get("gpu_ms"), row.get("gpu_ms")),
+                      "peak_mem": ratio(row.get("peak_mem_gib"), base.get("peak_mem_gib"))}
+
+
+def summarize(rows: List[dict]) -> List[dict]:
+    """Per model, batch, mode and graph setting: bf16, the best torchao row, LoKA."""
+    keys = []
+    for r in rows:
+        k = (r["model"], r["batch_size"], r["mode"], r["graphs"])
+        if k not in keys:
+            keys.append(k)
+    out = []
+    for k in keys:
+        group = [r for r in rows if (r["model"], r["batch_size"], r["mode"], r["graphs"]) == k]
+        ok = [r for r in group if r["status"] == "ok"]
+        bf16 = next((r for r in ok if r["variant"] == "bf16"), None)
+        tao = [r for r in ok if r["variant"].startswith("torchao-")]
+        best = min(tao, key=lambda r: r["step_ms"]) if tao else None
+        lk = next((r for r in ok if r["variant"] == "loka"), None)
+        opt = next((r for r in ok if r["variant"] == "loka-optimize"), None)
+
+        def cell(r):
+            return None if r is None else {"variant": r["variant"], "step_ms": r["step_ms"],
+                                           "gpu_ms": r.get("gpu_ms"),
+                                           "vs_bf16": (r.get("vs_bf16") or {}).get("step"),
+                                           "fp8_sites": r.get("fp8_sites")}
+        out.append({"model": k[0], "batch_size": k[1], "mode": k[2], "graphs": k[3],
+                    "bf16": cell(bf16), "best_torchao": cell(best), "loka": cell(lk),
+                    "loka_optimize": cell(opt)})
+    return out
+
+
+# ---------------------------------------------------------------------------- run
+
+def git_state() -> dict:
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=here,
+                                    capture_output=True, text=True, timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, None
+    return {"git_commit": commit, "git_dirty": dirty}
+
+
+def environment(device: torch.device, args) -> dict:
+    cuda = device.type == "cuda"
+    env = {"created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "argv": sys.argv[1:], "device": str(device),
+           "device_name": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
+           "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+           "loka": _version(), "eval_set": args.eval_set.__file__, "torchao": TORCHAO_VERSION,
+           "torchao_missing": TORCHAO_MISSING, "torchao_serve_missing": TORCHAO_SERVE_MISSING,
+           "timings_meaningful": cuda,
+           "note": None if cuda else ("CPU run: it checks the pipeline end to end; its timings say "
+                                      "nothing about FP8 on a GPU, and no GPU profile is taken"),
+           "dtype": str(args.dtype).replace("torch.", ""), "backend": args.backend,
+           "probe_config": dataclasses.asdict(args.probe_config), "probe_batches": args.probe_batches,
+           "plan_kwargs": args.plan_kwargs, "optimizer": "AdamW(lr=1e-4, fused on CUDA)",
+           "kernel_classes": list(KERNEL_CLASSES),
+           "env_vars": {k: v for k, v in sorted(os.environ.items())
+                        if k.startswith(("LOKA_", "TORCHINDUCTOR_", "PYTORCH_CUDA_ALLOC"))}}
+    env.update(git_state())
+    return env
+
+
+def write(path: str, env: dict, rows: List[dict], probes: List[dict]) -> None:
+    doc = {"schema": SCHEMA, "version": VERSION, "env": env, "probes": probes, "rows": rows,
+           "summary": summarize(rows)}
+    atomic_write_text(path, json.dumps(json_safe(doc), indent=1) + "\n")
+
+
+def table(rows: List[dict]) -> str:
+    head = (f"{'model':7s} {'B':>6s} {'mode':5s} {'variant':27s} {'graphs':6s} {'ms':>9s} "
+            f"{'gpu ms':>8s} {'vs bf16':>7s} {'fp8':>4s} {'GiB':>6s}  status")
+    lines = [head, "-" * len(head)]
+
+    def f(x, spec):
+        return format(x, spec) if isinstance(x, (int, float)) else "-".rjust(int(spec.split(".")[0].rstrip("df")))
+    for r in rows:
+        v = (r.get("vs_bf16") or {}).get("step")
+        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {(r['reason'] or '')[:60]}"
+        lines.append(f"{r['model']:7s} {r['batch_size']:6d} {r['mode']:5s} {r['variant']:27s} "
+                     f"{str(r['graphs']):6s} {f(r.get('step_ms'), '9.3f')} {f(r.get('gpu_ms'), '8.3f')} "
+                     f"{f(v, '7.3f')} {f(r.get('fp8_sites'), '4d')} {f(r.get('peak_mem_gib'), '6.2f')}  {status}")
+    return "\n".join(lines)
+
+
+def _version() -> Optional[str]:
+    try:
+        return importlib.metadata.version("loka")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+class EvalSetError(ValueError):
+    """The path given as an evaluation set is not one (a one-line reason)."""
+
+
+def load_eval_set(path: "str | os.PathLike") -> types.ModuleType:
+    """Import the evaluation-set package at ``path`` (a folder with ``__init__.py``, or one
+    ``.py`` file) and check that it defines ``EVAL_MODELS``, ``SCALES`` and ``loss_fn``.
+
+    Raises:
+        EvalSetError: no such package, it fails to import, or a name is missing.
+    """
+    path = os.path.abspath(os.fspath(path))
+    init = os.path.join(path, "__init__.py") if os.path.isdir(path) else path
+    if not os.path.isfile(init) or not init.endswith(".py"):
+        raise EvalSetError(f"{path}: not an evaluation set (a package folder with __init__.py, "
+                           f"or a .py file)")
+    name = "loka_eval_set_" + re.sub(r"\W", "_", os.path.basename(os.path.dirname(init)
+                                                                  if os.path.isdir(path) else init[:-3]))
+    spec = importlib.util.spec_from_file_location(
+        name, init, submodule_search_locations=[path] if os.path.isdir(path) else None)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its submodules import relative to it
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - any failure of the user's code, in one line
+        sys.modules.pop(name, None)
+        raise EvalSetError(f"{init}: failed to import: {type(e).__name__}: {e}") from e
+    models, scales = getattr(module, "EVAL_MODELS", None), getattr(module, "SCALES", None)
+    if not isinstance(models, dict) or not models or not all(callable(m) for m in models.values()):
+        raise EvalSetError(f"{init}: EVAL_MODELS must be a non-empty dict of model classes")
+    if not isinstance(scales, (tuple, list)) or not scales:
+        raise EvalSetError(f"{init}: SCALES must be a non-empty tuple of scale names")
+    if not callable(getattr(module, "loss_fn", None)):
+        raise EvalSetError(f"{init}: loss_fn(model, batch) is missing")
+    return module
+
+
+def parse_args(argv, eval_set: "str | os.PathLike | types.ModuleType"):
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(__doc__.splitlines()[-12:-3]))
+    es = eval_set if isinstance(eval_set, types.ModuleType) else load_eval_set(eval_set)
+    models, scales = es.EVAL_MODELS, tuple(es.SCALES)
+    ap.add_argument("--models", default=",".join(models), help="comma list of " + ", ".join(models))
+    ap.add_argument("--batch-sizes", default="4096,16384")
+    ap.add_argument("--scale", default=scales[0], choices=scales)
+    ap.add_argument("--modes", default="train,serve")
+    ap.add_argument("--variants", default=None,
+                    help="comma list of bf16, torchao-<recipe>, loka, loka-optimize (default: all "
+                         "of the mode)")
+    ap.add_argument("--optimize-trials", type=int, default=8,
+                    help="loka-optimize: at most this many whole-step timings while tuning")
+    ap.add_argument("--optimize-rounds", type=int, default=2,
+                    help="loka-optimize: final A/B rounds the plan must win, each of them")
+    ap.add_argument("--steps", type=int, default=50, help="timed steps (median)")
+    ap.add_argument("--warmup", type=int, default=10, help="untimed steps first (>= 1: the first compiles)")
+    ap.add_argument("--profile-steps", type=int, default=3, help="steps under torch.profiler (CUDA)")
+    ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph rows")
+    ap.add_argument("--backend", default="inductor", help="torch.compile backend of every row")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
+                    help="default: bfloat16 on CUDA, float32 on the CPU")
+    ap.add_argument("--seed", type=int, default=0, help="weights seed")
+    ap.add_argument("--probe-batches", type=int, default=4)
+    ap.add_argument("--probe-config", default=None,
+                    help="JSON of loka.ProbeConfig fields (default: ProbeConfig() on CUDA; on the "
+                         "CPU, emulated rowwise e4m3 only, 4 samples, no timing)")
+    ap.add_argument("--plan-config", default=None,
+                    help="JSON of loka.plan keyword arguments (default: none on CUDA; "
+                         '{"assume_fast": true} on the CPU, where no timing decides)')
+    ap.add_argument("--report", default=None,
+                    help="plan from this saved Probe report instead of probing ('{model}' and "
+                         "'{batch}' are filled in; the rows' probe_wall_s is then null)")
+    ap.add_argument("--time-budget-s", type=float, default=None,
+                    help="start no new row or Probe after this many seconds (they are recorded as skipped)")
+    ap.add_argument("--no-save-plans", action="store_true",
+                    help="do not write the Probe's report and plans beside --out")
+    ap.add_argument("--out", required=True, help="JSON file, rewritten after every row")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    args.models = [m for m in args.models.split(",") if m]
+    args.eval_set = es
+    unknown = [m for m in args.models if m not in models]
+    if unknown:
+        ap.error(f"unknown models {unknown}; choose from {list(models)}")
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
+    args.modes = [m for m in args.modes.split(",") if m]
+    if any(m not in MODES for m in args.modes):
+        ap.error(f"--modes takes {', '.join(MODES)}")
+    if args.variants is not None:
+        args.variants = [v for v in args.variants.split(",") if v]
+        known = set(VARIANTS["train"]) | set(VARIANTS["serve"])
+        if any(v not in known for v in args.variants):
+            ap.error(f"--variants takes {sorted(known)}")
+    if args.warmup < 1 or args.steps < 1:
+        ap.error("--warmup and --steps must be >= 1")
+    args.dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    cpu = device.type != "cuda"
+    probe_fields = (json.loads(args.probe_config) if args.probe_config else
+                    {"kernels": ["bf16", "emulated-rowwise-e4m3"], "num_samples": 4,
+                     "timing": False, "compare_naive": False, "bootstrap": 100} if cpu else {})
+    if "kernels" in probe_fields and probe_fields["kernels"] is not None:
+        probe_fields["kernels"] = tuple(probe_fields["kernels"])
+    args.probe_config = ProbeConfig(**probe_fields)
+    args.plan_kwargs = json.loads(args.plan_config) if args.plan_config else (
+        {"assume_fast": True} if cpu else {})
+    return args, device
+
+
+def main(argv, eval_set: "str | os.PathLike | types.ModuleType") -> int:
+    """Run the evaluation set at ``eval_set`` with the options in ``argv`` (see
+    :func:`parse_args`); returns the exit status."""
+    args, device = parse_args(argv, eval_set)
+    start = time.perf_counter()
+    env = environment(device, args)
+    out_stem = None if args.no_save_plans else os.path.splitext(args.out)[0]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    rows: List[dict] = []
+    probes: List[dict] = []
+    graph_settings = [False] if (args.no_graphs or device.type != "cuda") else [False, True]
+    if device.type != "cuda" and not args.no_graphs:
+        env["note_graphs"] = "CUDA-graph rows need a CUDA device: left out"
+
+    def over_budget() -> bool:
+        return args.time_budget_s is not None and time.perf_counter() - start > args.time_budget_s
+
+    for name in args.models:
+        for batch_size in args.batch_sizes:
+            torch.manual_seed(args.seed)
+            base = args.eval_set.EVAL_MODELS[name](args.scale).to(args.dtype)
+            batch = base.make_batch(batch_size, device, args.dtype, seed=0)
+            ref = copy.deepcopy(base).to(device)
+            ref_out = {}
+            for mode in MODES:
+                set_mode(ref, mode)
+                with torch.inference_mode():
+                    ref_out[mode] = ref(*batch[0]).float()
+            del ref
+            case = Case(name, batch_size, base, batch, ref_out,
+                        linears=sum(isinstance(m, nn.Linear) for m in base.modules()))
+            wanted = {m: [v for v in VARIANTS[m] if args.variants is None or v in args.variants]
+                      for m in args.modes}
+            for mode in args.modes:
+                for variant in wanted[mode]:
+                    if variant.startswith("loka") and not case.probed and not over_budget():
+                        # the Probe runs when the first LoKA row needs it: a run cut short by
+                        # its time budget keeps the baselines
+                        probes.append(probe_case(case, args, device, out_stem))
+                        write(args.out, env, rows, probes)
+                    for graphs in graph_settings:
+                        if over_budget():
+                            row = {"model": name, "scale": args.scale, "batch_size": batch_size,
+                                   "mode": mode, "variant": variant, "graphs": graphs,
+                                   "status": "skipped", "reason": "time budget spent"}
+                        else:
+                            row = run_row(case, variant, mode, graphs, args, device)
+                        add_ratios(rows, row)
+                        rows.append(row)
+                        write(args.out, env, rows, probes)
+                        print(table([row]).splitlines()[-1], flush=True)
+            del case, base, batch
+    env["wall_s"] = time.perf_counter() - start
+    write(args.out, env, rows, probes)
+    print()
+    print(table(rows))
+    if env["note"]:
+        print(f"\nnote: {env['note']}")
+    print(f"wrote {args.out}")
+    return 0
+
+
