@@ -193,6 +193,7 @@ def cases(quick: bool) -> Dict[str, Callable[[], Callable[[], object]]]:
         "quantize_rowwise transposed (wgrad)": lambda: lambda: tq.quantize_rowwise(act.t()),
         "quantize_rowwise e5m2": lambda: lambda: tq.quantize_rowwise(act, "e5m2"),
         "quantize_colwise": lambda: lambda: tq.quantize_colwise(act),
+        "quantize_rowwise_dual (x and xᵀ)": lambda: lambda: tq.quantize_rowwise_dual(act),
         "quantize_tensorwise row": lambda: lambda: tq.quantize_tensorwise(act),
         "quantize_tensorwise col": lambda: lambda: tq.quantize_tensorwise(act, layout="col"),
         "quantize_blockwise 1x128": lambda: lambda: tq.quantize_blockwise(act),
@@ -229,6 +230,7 @@ def cases(quick: bool) -> Dict[str, Callable[[], Callable[[], object]]]:
     }
     if quick:  # one case per kernel family and option that the others do not cover
         keep = ("quantize_rowwise row-major", "quantize_rowwise transposed (wgrad)",
+                "quantize_rowwise_dual (x and xᵀ)",
                 "quantize_tensorwise col",
                 "quantize_blockwise 128x128 col", "gemm_rowwise fm_projection fwd (N=32)",
                 "gemm_rowwise bias+hardswish fastacc", "gemm_rowwise fp8 out (N=256)",

@@ -21,6 +21,12 @@ without the producer (a rowwise ``q`` has its scales along the other axis of the
 gradient's operand: dequantized and quantized again, it would be rounded twice), and the
 gradients are those of ``linear(x)``.
 
+Rowwise kernels with a fused quantizer (``Kernel.quantize_dual``: LoKA's Triton rowwise
+kernels) make the two layouts each tensor needs from one call, two reads instead of
+three, with the same bits: x (the forward's a, the weight gradient's xᵀ, kept in FP8 for
+the backward instead of x), W (the forward's and the input gradient's b) and dy (both
+gradients' a; no transposed copy of dy).
+
 Graph-safety: the hot path has no host synchronization and no branch on tensor values
 (branches are on shapes and on the config, fixed between calls), so ``torch.compile(...,
 fullgraph=True)`` traces it and a training step can be captured in a CUDA graph.
@@ -31,6 +37,10 @@ Inference: :meth:`Linear.quantize_weight` stores Wᵀ in FP8 once; :meth:`drop_w
 then frees the high-precision weight (the state_dict then holds ``weight_fp8`` and
 ``weight_scale`` in place of ``weight``); :meth:`set_input_amax` switches the forward's
 activation quantization from dynamic to a static scale.
+
+Length: the module, its autograd Function and the swaps in and out of ``nn.Linear``
+(including under ``fully_shard``) share the module's internals; apart, each would reach
+into the others'.
 """
 
 from __future__ import annotations
@@ -88,26 +98,68 @@ def _shares(producer: Kernel, p_operand: int, consumer: Kernel, c_operand: int) 
             and producer.formats[p_operand] == consumer.formats[c_operand])
 
 
+def _dual(first: Kernel, f_operand: int, second: Kernel, s_operand: int, rows: int):
+    """The fused quantizer of ``first`` when one call of it can make operand ``f_operand``
+    of ``first`` from a tensor t and operand ``s_operand`` of ``second`` from tᵀ (both
+    rowwise, one library, one format; ``second`` needs no zero rows appended to t's
+    ``rows``): the forward's x and the weight gradient's xᵀ, the input gradient's dy and
+    the weight gradient's dyᵀ, the weight's forward and input-gradient layouts. None where
+    the two need separate quantizations."""
+    if (first.quantize_dual is None or second.quantize_dual is None
+            or first.library != second.library or rows % second.align
+            # the fused quantizer makes its kernel's a format
+            or not first.formats[0] == first.formats[f_operand] == second.formats[s_operand]):
+        return None
+    return first.quantize_dual
+
+
+def _as_b(q_t: QTensor) -> QTensor:
+    """The rowwise ``a`` operand of tᵀ (C, R) as the ``b`` operand t (R, C) a GEMM reads
+    K-major: the same FP8 storage and scales, viewed as ``quantize_b(t)`` returns them."""
+    c, r = q_t.shape
+    return QTensor(q_t.data.t(), q_t.scale.reshape(1, -1), q_t.fmt, (max(r, 1), 1),
+                   q_t.granularity)
+
+
 class _LinearFunction(torch.autograd.Function):
     """One autograd node for the three role-specific GEMMs of a Linear."""
 
     @staticmethod
     def forward(ctx, x2d, x_q, weight, bias, kernels: Tuple[Kernel, Kernel, Kernel],
-                weight_q: Optional[QTensor], grad_flags: Optional[torch.Tensor] = None):
+                weight_q: Optional[QTensor], grad_flags: Optional[torch.Tensor] = None,
+                grad: bool = True):
         kf, kd, kw = kernels
         out_dtype = x2d.dtype
         ctx.kernels = (kd, kw)
         ctx.has_bias = bias is not None
         ctx.out_dtype = out_dtype
         ctx.check_grads = grad_flags is not None
-        ctx.x_q = ctx.w_q = None
+        ctx.x_q = ctx.w_q = ctx.w_b = None
         if kf.name == BASELINE:
             y = F.linear(x2d, weight, bias)
         else:
             a = x_q if x_q is not None else x2d
             b = weight_q if weight_q is not None else weight.t()
             share_w, share_x = _shares(kf, 1, kd, 1), _shares(kf, 0, kw, 1)
-            if share_w or share_x:
+            # (``grad``: the caller's grad mode; a forward without it needs no gradient layout)
+            dual_x = (_dual(kf, 0, kw, 1, x2d.shape[0])
+                      if grad and ctx.needs_input_grad[2] and x_q is None
+                      and not ctx.check_grads and kw.name != BASELINE else None)
+            dual_w = (_dual(kf, 1, kd, 1, 0)
+                      if grad and ctx.needs_input_grad[0] and weight_q is None
+                      and weight.is_contiguous() and kd.name != BASELINE
+                      and not ctx.check_grads else None)
+            if dual_x is not None:
+                # rowwise: x and xᵀ from one fused quantizer (two reads of x, not three);
+                # the backward keeps the FP8 xᵀ instead of x
+                a, x_t = dual_x(x2d)
+                ctx.x_q = _as_b(x_t)
+            if dual_w is not None:
+                # W (N, K) rowwise over K is the forward's b (Wᵀ, K-major); Wᵀ rowwise over
+                # N is the input gradient's b (W, reduced over N)
+                w_rows, w_cols = dual_w(weight)
+                b, ctx.w_b = _as_b(w_rows), _as_b(w_cols)
+            if share_w or share_x:  # tensorwise: never with the rowwise fused quantizer
                 # tensorwise: one scale per tensor whatever the GEMM, so the FP8 copies of x
                 # and W made here serve the gradient GEMMs too (no requantization)
                 a = a if isinstance(a, QTensor) else kf.quantize_a(a)
@@ -139,14 +191,19 @@ class _LinearFunction(torch.autograd.Function):
         if kd.name != BASELINE or kw.name != BASELINE:
             dy = dy.contiguous()  # FP8 quantizers read rows; the bf16 GEMMs take any strides
         dx = dw = db = None
-        dy_q = None
-        if _shares(kd, 0, kw, 0):
+        dy_q = dy_t = None
+        dual_dy = (_dual(kd, 0, kw, 0, dy.shape[0])
+                   if ctx.needs_input_grad[0] and ctx.needs_input_grad[2] else None)
+        if dual_dy is not None:
+            dy_q, dy_t = dual_dy(dy)  # dy for dgrad, dyᵀ for wgrad: two reads, no transpose
+        elif _shares(kd, 0, kw, 0):
             dy_q = kd.quantize_a(dy)  # one FP8 copy of dy for both gradient GEMMs
         if ctx.needs_input_grad[0]:
             if kd.name == BASELINE:
                 dx = dy.mm(weight.to(dy.dtype))
             else:
-                w_b = ctx.w_q.t() if ctx.w_q is not None else weight
+                w_b = (ctx.w_b if ctx.w_b is not None else
+                       ctx.w_q.t() if ctx.w_q is not None else weight)
                 dx = kd(dy_q if dy_q is not None else dy, w_b, dy.dtype)
         if ctx.needs_input_grad[2]:
             if kw.name == BASELINE:
@@ -157,8 +214,8 @@ class _LinearFunction(torch.autograd.Function):
             else:
                 # zero rows add nothing to dyᵀ·x: pad M for kernels that need K-alignment;
                 # dyᵀ row-major, as FP8 GEMMs (cuBLAS: TN layout) need for their a operand
-                a = (_pad_q_rows(dy_q, kw.align).t() if dy_q is not None
-                     else _pad_rows(dy, kw.align).t().contiguous())
+                a = (dy_t if dy_t is not None else _pad_q_rows(dy_q, kw.align).t()
+                     if dy_q is not None else _pad_rows(dy, kw.align).t().contiguous())
                 b = _pad_q_rows(x_b, kw.align) if x_b is not None else _pad_rows(x2d, kw.align)
                 dw = kw(a, b, weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[3]:
@@ -174,7 +231,7 @@ class _LinearFunction(torch.autograd.Function):
             wgrad_bad = (no if dw is None else
                          dy_ok & torch.isfinite(x2d).all() & ~torch.isfinite(dw).all())
             d_flags = torch.stack([dgrad_bad, wgrad_bad]).float()
-        return dx, None, dw, db, None, None, d_flags
+        return dx, None, dw, db, None, None, d_flags, None
 
 
 class SiteMonitor:
@@ -226,12 +283,43 @@ class SiteMonitor:
 _OWN_ATTRS = ("config", "_kernels", "_all_baseline", "weight_q", "input_amax", "monitor")
 
 
+def _sharded(module: nn.Module) -> bool:
+    """Whether ``module``'s parameters are DTensors (``fully_shard`` manages them)."""
+    return any(type(p).__name__ == "DTensor" or hasattr(p, "device_mesh")
+               for p in module.__dict__["_parameters"].values() if p is not None)
+
+
+def _fsdp_class(module: nn.Module, base: type) -> Optional[type]:
+    """The class ``fully_shard`` gives modules of class ``base``, when ``module`` was
+    ``fully_shard``-ed itself (its FSDP state and hooks are keyed by the object: such a
+    module changes class in place instead of being replaced); else None."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fully_shard import get_cls_to_fsdp_cls
+    except ImportError:  # a build without torch.distributed
+        return None
+    if not isinstance(module, FSDPModule):
+        return None
+    classes = get_cls_to_fsdp_cls()
+    cls = classes.get(base)
+    if cls is None:
+        deepcopy = type(module).__dict__.get("__deepcopy__")
+        cls = classes[base] = type(f"FSDP{base.__name__}", (FSDPModule, base),
+                                   {} if deepcopy is None else {"__deepcopy__": deepcopy})
+    return cls
+
+
 def _rehome(dst: nn.Module, src: nn.Module) -> None:
     """Make ``dst`` the same module as ``src`` under another class: same Parameters, same
     hook dicts (so hooks and their handles keep working), same flags and attributes; its
-    own parameter/buffer/child containers."""
+    own parameter/buffer/child containers. Parameters that ``fully_shard`` manages keep
+    one container: FSDP swaps sharded and unsharded parameters into the module it
+    recorded (``src``), so ``dst`` must see those swaps."""
     dst.__dict__.update(src.__dict__)
+    shared = ("_parameters",) if _sharded(src) else ()
     for key in ("_parameters", "_buffers", "_modules"):
+        if key in shared:
+            continue
         dst.__dict__[key] = type(src.__dict__[key])(src.__dict__[key])
     dst._non_persistent_buffers_set = set(src._non_persistent_buffers_set)
     dst.__dict__.pop("_compiled_call_impl", None)  # a compiled forward of the old class
@@ -302,11 +390,27 @@ class Linear(nn.Linear):
                 and not (mon is not None and mon.armed))
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, config: LinearConfig = LinearConfig()) -> "Linear":
-        """Wrap an existing ``nn.Linear``, sharing its Parameter objects (optimizers that
-        hold them keep working) and its hooks."""
+    def validate(cls, linear: nn.Linear, config: LinearConfig = LinearConfig()) -> None:
+        """Raise what :meth:`from_linear` would raise for ``linear`` and ``config``,
+        leaving ``linear`` as it is."""
         new = cls.__new__(cls)
         _rehome(new, linear)
+        new.weight_q = new.input_amax = new.monitor = None
+        new.set_config(config)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: LinearConfig = LinearConfig()) -> "Linear":
+        """Wrap an existing ``nn.Linear``, sharing its Parameter objects (optimizers that
+        hold them keep working) and its hooks. A Linear that ``fully_shard`` manages
+        itself becomes a ``loka.Linear`` in place (FSDP keys its state by the object)."""
+        fsdp_cls = _fsdp_class(linear, cls)
+        if fsdp_cls is not None:
+            cls.validate(linear, config)  # raise before changing anything
+            linear.__class__ = fsdp_cls
+            new = linear
+        else:
+            new = cls.__new__(cls)
+            _rehome(new, linear)
         new.weight_q = None
         new.input_amax = None
         new.monitor = None
@@ -318,8 +422,13 @@ class Linear(nn.Linear):
         if self.weight is None:
             raise ValueError("this Linear's high-precision weight was dropped (inference); "
                              "reload the original state_dict to get an nn.Linear back")
-        lin = nn.Linear.__new__(nn.Linear)
-        _rehome(lin, self)
+        fsdp_cls = _fsdp_class(self, nn.Linear)
+        if fsdp_cls is not None:  # fully_shard-ed itself: back to nn.Linear in place
+            lin = self
+            lin.__class__ = fsdp_cls
+        else:
+            lin = nn.Linear.__new__(nn.Linear)
+            _rehome(lin, self)
         for key in _OWN_ATTRS:
             lin.__dict__.pop(key, None)
         return lin
@@ -428,7 +537,8 @@ class Linear(nn.Linear):
         mon = self.monitor
         armed = mon is not None and mon.armed  # a Python flag: compiled graphs guard on it
         y = _LinearFunction.apply(x2d, x_q, self.weight, self.bias, self._kernels,
-                                  self.weight_q, mon.grad_flags if armed else None)
+                                  self.weight_q, mon.grad_flags if armed else None,
+                                  torch.is_grad_enabled())
         if armed:
             mon.record(x2d, y, self.input_amax, (self.weight, self.bias))
         return y.reshape(*lead, self.out_features)

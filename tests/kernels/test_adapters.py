@@ -131,7 +131,7 @@ def test_under_interpreter(run_under_interpreter):
     picks when it is first imported: the tests of this file run in a fresh process."""
     if GPU or INTERPRETED or not HAS_TRITON:
         pytest.skip("the kernels run in this process" if HAS_TRITON else "no Triton")
-    run_under_interpreter(__file__, "not test_under_interpreter", min_passed=11)
+    run_under_interpreter(__file__, "not test_under_interpreter", min_passed=13)
 
 
 def role_operands(role, m=48, k=160, n=64, seed=0):
@@ -217,6 +217,60 @@ def test_prequantized_operands_are_used_as_is_and_checked():
         kern(quantize(a, "e5m2", "rowwise", "a"), qb, torch.float32)
     with pytest.raises(ValueError, match="do not match"):
         kern(a[:, :128], b, torch.float32)
+
+
+@needs_triton
+@pytest.mark.parametrize("names", [("triton-rowwise",) * 3,
+                                   ("triton-rowwise-cublas", "triton-rowwise-e5m2",
+                                    "triton-rowwise-e5m2")])
+def test_a_linear_quantizes_x_and_dy_once_for_both_layouts(names, monkeypatch):
+    """Rowwise kernels need x and xᵀ (forward, weight gradient), W and Wᵀ (forward, input
+    gradient) and dy and dyᵀ (input and weight gradients): the fused quantizer makes each
+    pair from two reads, with the same bits as two separate quantizations, so the step is
+    bit-identical."""
+    kernels_run_here()
+    import loka
+    from loka.dispatch import linear as linear_mod
+    from loka.kernels.triton import quantize as Q
+
+    fwd, dgrad, wgrad = names
+    if any("-cublas" in n and not caps.has_scaled_mm(DEVICE, "rowwise") for n in names):
+        pytest.skip("no rowwise _scaled_mm in this build")
+    calls = []
+    real = Q.quantize_rowwise_dual
+    monkeypatch.setattr(Q, "quantize_rowwise_dual",
+                        lambda x, fmt="e4m3": calls.append((tuple(x.shape), fmt)) or real(x, fmt))
+
+    def step(fused):
+        torch.manual_seed(0)
+        lin = loka.Linear(160, 64, bias=False).to(DEVICE).bfloat16()
+        lin.set_config(loka.LinearConfig(fwd=fwd, dgrad=dgrad, wgrad=wgrad))
+        x = (torch.randn(48, 160, device=DEVICE) * 2).bfloat16().requires_grad_()
+        with monkeypatch.context() as m:
+            if not fused:
+                m.setattr(linear_mod, "_dual", lambda *a: None)
+            y = lin(x)
+            (y.float() * torch.linspace(-1, 1, 64, device=DEVICE)).sum().backward()
+        return y, x.grad, lin.weight.grad
+
+    fused, calls_fused = step(True), list(calls)
+    calls.clear()
+    separate = step(False)
+    assert not calls
+    with torch.no_grad():  # no gradient layouts without grad mode
+        lin = loka.Linear(160, 64, bias=False).to(DEVICE).bfloat16()
+        lin.set_config(loka.LinearConfig(fwd=fwd, dgrad=dgrad, wgrad=wgrad))
+        lin(torch.randn(48, 160, device=DEVICE).bfloat16())
+    assert not calls
+    # each pair whose two layouts share a format: x (the forward's a, the weight
+    # gradient's b), W (the forward's and the input gradient's b), dy (both gradients' a)
+    kf, kd, kw = get(fwd).formats, get(dgrad).formats, get(wgrad).formats
+    want = ([((48, 160), kf[0])] if kf[0] == kw[1] else []) + \
+           ([((64, 160), kf[0])] if kf[0] == kf[1] == kd[1] else []) + \
+           ([((48, 64), kd[0])] if kd[0] == kw[0] else [])
+    assert calls_fused == want and len(want) == 3
+    for a, b in zip(fused, separate):
+        assert torch.equal(a.float().cpu(), b.float().cpu())
 
 
 @needs_triton

@@ -25,7 +25,7 @@ def test_under_interpreter(run_under_interpreter):
     picks when it is first imported: the tests of this file run in a fresh process."""
     if GPU or INTERPRETED:
         pytest.skip("the kernels run in this process")
-    run_under_interpreter(__file__, "not test_under_interpreter", min_passed=11)
+    run_under_interpreter(__file__, "not test_under_interpreter", min_passed=18)
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +195,44 @@ def test_colwise_gives_the_transposed_operand(Q, fmt):
     ref_b = quantize(dy, fmt, "rowwise", "b")
     assert torch.equal(s.t().cpu(), ref_b.scale.cpu())
     assert torch.equal(qt.t().float().cpu(), ref_b.data.float().cpu())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape,dtype", [((200, 48), torch.bfloat16), ((37, 300), torch.float32),
+                                         ((130, 256), torch.bfloat16)])
+def test_dual_quantization_is_both_rowwise_calls_bit_for_bit(Q, fmt, shape, dtype):
+    """One read for x and its column amaxes, one for xᵀ: the same bits as quantizing x and
+    x.t() separately (the forward's a and the weight gradient's b; dy's two a operands)."""
+    x = heavy_tailed(*shape, dtype=dtype)
+    q, s, qt, st = Q.quantize_rowwise_dual(x, fmt)
+    assert q.is_contiguous() and qt.is_contiguous() and qt.shape == shape[::-1]
+    assert s.shape == (shape[0], 1) and st.shape == (shape[1], 1)
+    assert_same(q, s, quantize(x, fmt, "rowwise", "a"))
+    assert_same(qt, st, quantize(x.t(), fmt, "rowwise", "a"))
+    q2, s2 = Q.quantize_rowwise(x.t(), fmt)
+    assert torch.equal(st.cpu(), s2.cpu()) and torch.equal(qt.view(torch.uint8).cpu(),
+                                                           q2.view(torch.uint8).cpu())
+
+
+def test_dual_quantization_with_nan_and_inf_columns_and_a_strided_input(Q):
+    x = torch.randn(40, 64)
+    x[3, 7], x[11, 20] = float("nan"), float("-inf")
+    x = x.to(DEVICE)
+    q, s, qt, st = Q.quantize_rowwise_dual(x)
+    ref, ref_t = quantize(x, "e4m3", "rowwise", "a"), quantize(x.t(), "e4m3", "rowwise", "a")
+    for got, want in ((s, ref.scale), (st, ref_t.scale)):
+        assert torch.equal(got.cpu().isnan(), want.cpu().isnan())
+        assert torch.equal(got.cpu().isinf(), want.cpu().isinf())
+        finite = torch.isfinite(want.cpu())
+        assert torch.equal(got.cpu()[finite], want.cpu()[finite])
+    assert st[7].isnan().all() and st[20].isinf().all() and torch.isfinite(st[:7]).all()
+    # a view whose rows are not contiguous: the two separate calls, same results
+    xs = heavy_tailed(64, 96).t()
+    q, s, qt, st = Q.quantize_rowwise_dual(xs)
+    assert_same(q, s, quantize(xs, "e4m3", "rowwise", "a"))
+    assert_same(qt, st, quantize(xs.t(), "e4m3", "rowwise", "a"))
+    with pytest.raises(ValueError, match="zero columns"):
+        Q.quantize_rowwise_dual(torch.zeros(4, 0, device=DEVICE))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -91,6 +91,21 @@ def _quantize_op(x: torch.Tensor, fmt: str, granularity: str, layout: str
     return (q if layout == "row" else q.t()), s
 
 
+def _dual_fake(x, fmt):
+    r, c = x.shape
+    dtype = get_format(fmt).dtype
+    return (x.new_empty((r, c), dtype=dtype), x.new_empty((r, 1), dtype=torch.float32),
+            x.new_empty((c, r), dtype=dtype), x.new_empty((c, 1), dtype=torch.float32))
+
+
+@triton_kernel_op("loka::triton_quantize_dual", _dual_fake)
+def _quantize_dual_op(x: torch.Tensor, fmt: str
+                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q (R, C), scale (R, 1), qt (C, R), scale_t (C, 1)): x and xᵀ rowwise, two reads."""
+    with _op_body():
+        return _tk()[0].quantize_rowwise_dual(x, fmt)
+
+
 @triton_kernel_op("loka::triton_gemm", _gemm_fake)
 def _gemm_op(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
              scaling: str, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
@@ -142,6 +157,15 @@ def triton_quantize(x: torch.Tensor, fmt: str, granularity: str, layout: str = "
         q, s = torch.ops.loka.triton_quantize(x, fmt, granularity, layout)
         return (q if layout == "row" else q.t()), s
     return _quantize_direct(x, fmt, granularity, layout)
+
+
+def triton_quantize_dual(x: torch.Tensor, fmt: str
+                         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`~loka.kernels.triton.quantize.quantize_rowwise_dual` through the op when
+    compiling, directly otherwise."""
+    if torch.compiler.is_compiling():
+        return torch.ops.loka.triton_quantize_dual(x, fmt)
+    return _tk()[0].quantize_rowwise_dual(x, fmt)
 
 
 def triton_gemm(a, b, scale_a, scale_b, scaling: str, out_dtype: torch.dtype,
@@ -200,6 +224,20 @@ def make_quantizers(granularity: Granularity, a_format: str, b_format: str
     return quantize_a, quantize_b
 
 
+def make_dual_quantizer(a_format: str) -> Callable[[torch.Tensor], Tuple[QTensor, QTensor]]:
+    """``t (R, C) -> (t's rowwise a operand, tᵀ's rowwise a operand)`` by the fused
+    quantizer (:func:`triton_quantize_dual`): the same QTensors as two ``quantize_a`` calls."""
+    fa = get_format(a_format)
+
+    def quantize_dual(t: torch.Tensor) -> Tuple[QTensor, QTensor]:
+        r, c = t.shape
+        q, s, qt, st = triton_quantize_dual(t, fa.name)
+        return (QTensor(q, s, fa, (1, max(c, 1)), Granularity.ROWWISE),
+                QTensor(qt, st, fa, (1, max(r, 1)), Granularity.ROWWISE))
+
+    return quantize_dual
+
+
 def _checked(q: QTensor, fmt, granularity: Granularity, operand: str) -> QTensor:
     if q.fmt != get_format(fmt) or q.granularity != granularity:
         raise ValueError(f"operand {operand} was quantized as {q.fmt}/{q.granularity}, but this "
@@ -256,6 +294,9 @@ def make_triton_kernel(name: str, granularity: Granularity, *, gemm: str,
         devices=("cuda",), min_capability=(8, 9), vendor="nvidia",
         align=BLOCK if granularity is Granularity.BLOCKWISE else 16, requires=requires,
         quantize_a=quantize_a, quantize_b=quantize_b, fast_accum=fast_accum,
+        # the inline GEMM casts float operands in its own loads: no FP8 copies to share
+        quantize_dual=(make_dual_quantizer(a_format)
+                       if granularity is Granularity.ROWWISE and gemm != "triton-inline" else None),
         description=description)
 
 
