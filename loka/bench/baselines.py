@@ -25,6 +25,7 @@ def torchao_training(model: nn.Module, recipe: str, auto: bool,
     take (dims divisible by 16) except the logit, or (``auto``) those torchao's own filter
     picks. Returns a note for the row when the conversion needed a stand-in: an auto filter
     of another recipe, or inputs made contiguous."""
+    adapters.load()
     adapter = getattr(adapters, "torchao", None)
     if adapter is None:
         raise RuntimeError("torchao's adapter is not loaded: "

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Callable, Optional, Set
+from typing import Callable, List, Optional, Set
 
 import torch
 
@@ -35,8 +35,9 @@ OPAQUE_LIBRARIES = frozenset({"fbgemm"})
 _OPAQUE_NAMES: Set[str] = set()
 
 
-def triton_kernel_op(name: str, fake: Callable) -> Callable[[Callable], Callable]:
-    """Register ``fn`` as the op ``name`` whose body launches LoKA's Triton kernels.
+class TritonKernelOp:
+    """A ``torch.library`` op whose body launches LoKA's Triton kernels, registered on
+    first need (:func:`register_triton_ops`).
 
     On a GPU it is a ``torch.library.triton_op``: its body launches each kernel through
     ``torch.library.wrap_triton`` (see :func:`loka.kernels.triton.common.launch`), so
@@ -44,16 +45,80 @@ def triton_kernel_op(name: str, fake: Callable) -> Callable[[Callable], Callable
     generates: no Python-level op dispatch per call, captured by CUDA graphs. The body is
     its own fake implementation. Under Triton's CPU interpreter (``TRITON_INTERPRET=1``)
     the kernels are plain Python and cannot be traced, so it is a ``custom_op`` with the
-    given ``fake`` (output shapes and dtypes), which must agree with the body."""
+    given ``fake`` (output shapes and dtypes), which must agree with the body.
 
-    def register(fn: Callable) -> Callable:
-        if os.environ.get("TRITON_INTERPRET", "0") == "1":
-            op = torch.library.custom_op(name, mutates_args=())(fn)
-            op.register_fake(fake)
-            return op
-        return torch.library.triton_op(name, fn, mutates_args=())
+    Registration is deferred because creating a ``triton_op`` imports Triton and
+    torch.compile's machinery, seconds that ``import loka`` should not pay; it happens
+    when :mod:`loka.kernels.triton` is imported (before any of its kernels runs), when a
+    Triton kernel is checked against a device, or at the first call."""
 
-    return register
+    def __init__(self, name: str, fn: Callable, fake: Callable) -> None:
+        self.name, self.fn, self.fake = name, fn, fake
+        self.op: Optional[Callable] = None
+        self._autograd: Optional[tuple] = None
+        functools.update_wrapper(self, fn)
+
+    def register(self) -> Callable:
+        if self.op is None:
+            if os.environ.get("TRITON_INTERPRET", "0") == "1":
+                op = torch.library.custom_op(self.name, mutates_args=())(self.fn)
+                op.register_fake(self.fake)
+            else:
+                op = torch.library.triton_op(self.name, self.fn, mutates_args=())
+            if self._autograd is not None:
+                op.register_autograd(self._autograd[0], setup_context=self._autograd[1])
+            self.op = op
+        return self.op
+
+    def register_autograd(self, backward: Callable, *, setup_context: Callable) -> None:
+        self._autograd = (backward, setup_context)
+        if self.op is not None:
+            self.op.register_autograd(backward, setup_context=setup_context)
+
+    def __call__(self, *args, **kwargs):
+        # looked up in torch.ops after the registration: under tracing the registration
+        # runs eagerly and Dynamo would not see it change ``self.op``
+        _registered()
+        namespace, name = self.name.split("::")
+        return getattr(getattr(torch.ops, namespace), name)(*args, **kwargs)
+
+
+_PENDING: List[TritonKernelOp] = []
+
+
+def triton_kernel_op(name: str, fake: Callable) -> Callable[[Callable], TritonKernelOp]:
+    """Declare ``fn`` as the :class:`TritonKernelOp` ``name`` (``'loka::...'``)."""
+
+    def declare(fn: Callable) -> TritonKernelOp:
+        op = TritonKernelOp(name, fn, fake)
+        _PENDING.append(op)
+        return op
+
+    return declare
+
+
+def register_triton_ops() -> None:
+    """Register every declared :class:`TritonKernelOp` (idempotent)."""
+    for op in _PENDING:
+        op.register()
+
+
+def _registered() -> bool:
+    """:func:`register_triton_ops`, run eagerly even while Dynamo traces a caller."""
+    register_triton_ops()
+    return True
+
+
+# What torch.compiler.assume_constant_result does (Dynamo calls the function eagerly while
+# tracing and uses its result as a constant), without importing torch._dynamo when loka is
+# imported; tests/kernels/test_triton_traced.py checks that a first trace registers the ops.
+_registered._dynamo_marked_constant = True
+
+
+def ensure_triton_ops() -> bool:
+    """Make sure the ops exist before ``torch.ops.loka.<name>`` is looked up (cheap once
+    they do; under tracing the registration runs eagerly, not in the graph)."""
+    return _registered()
 
 
 def mark_opaque(name: str) -> None:

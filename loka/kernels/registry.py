@@ -181,6 +181,19 @@ class Kernel:
 
 
 _REGISTRY: Dict[str, Kernel] = {}
+_LOADERS: List[Callable[[], None]] = []
+"""registrations deferred until a kernel is first looked up (optional libraries whose
+import is slow or loads torch.compile's machinery: ``import loka`` should not pay it)"""
+
+
+def add_loader(load: Callable[[], None]) -> None:
+    """Run ``load`` (which registers kernels) before the registry is next read."""
+    _LOADERS.append(load)
+
+
+def _load() -> None:
+    while _LOADERS:
+        _LOADERS.pop(0)()
 
 
 def register(kernel: Kernel, *, override: bool = False) -> Kernel:
@@ -197,6 +210,8 @@ def unregister(name: str) -> None:
 
 def get(name: str) -> Kernel:
     """The kernel registered under ``name`` (KeyError listing the known names)."""
+    if name not in _REGISTRY:
+        _load()
     try:
         return _REGISTRY[name]
     except KeyError:
@@ -204,6 +219,7 @@ def get(name: str) -> Kernel:
 
 
 def all_kernels() -> List[Kernel]:
+    _load()
     return list(_REGISTRY.values())
 
 

@@ -243,7 +243,7 @@ def fused_norm_act_quant(x: torch.Tensor, norm: str = "blocknorm", block: int = 
             fmt.name, granularity, float(eps), return_hp)
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (x, weight, bias))):
-        y, data, scale = torch.ops.loka.norm_act_quant(*args)
+        y, data, scale = _norm_act_quant_op(*args)
     else:  # eager, nothing to differentiate (serving): the kernel without the op's dispatch,
         y, data, scale = _launch(*args)  # which costs host time at every call
     m = x2d.shape[0]

@@ -146,3 +146,43 @@ def test_launches_grow_with_sites_but_op_dispatches_stay_zero():
     (one, ops_one), (four, ops_four) = counts
     assert one >= 3 and four == 4 * one
     assert ops_one == ops_four == 0
+
+
+def test_import_registers_no_op_and_a_first_trace_does(tmp_path):
+    """``import loka`` declares the Triton ops without registering them (registering
+    imports Triton and torch.compile's machinery); a model compiled before any Triton
+    kernel ran registers them while Dynamo traces it, outside the graph."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch
+import loka
+from loka.kernels.adapters.triton_kernels import triton_quantize
+assert 'torch._dynamo' not in sys.modules and 'triton' not in sys.modules, 'import loaded them'
+assert not hasattr(torch.ops.loka, 'triton_quantize')
+from torch._dynamo.backends.common import aot_autograd
+graphs = []
+class Traced(Exception):
+    pass
+def record(gm, inputs):
+    graphs.append(gm)
+    def run(*a):
+        raise Traced()
+    run._boxed_call = True
+    return run
+f = torch.compile(lambda x: triton_quantize(x, 'e4m3', 'rowwise')[0],
+                  backend=aot_autograd(fw_compiler=record), fullgraph=True)
+try:
+    f(torch.randn(64, 128, dtype=torch.bfloat16))
+except Traced:
+    pass
+names = [str(n.target) for n in graphs[0].graph.nodes if n.op == 'call_function']
+assert hasattr(torch.ops.loka, 'triton_quantize')
+print(sum('triton_kernel_wrapper' in n for n in names), sum(n.startswith('loka.') for n in names))
+"""
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-2:] == ["1", "0"]

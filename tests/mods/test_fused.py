@@ -326,6 +326,10 @@ def test_bad_inputs_raise():
 def test_custom_op_fake_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from loka.kernels.ops import ensure_triton_ops
+
+    ensure_triton_ops()  # the ops register on first need
+
     with FakeTensorMode():
         x = torch.empty(24, 512, dtype=torch.bfloat16)
         y, q, s = torch.ops.loka.norm_act_quant(x, None, None, "blocknorm", 256, "hardswish",

@@ -39,7 +39,7 @@ from ...config import GRAD_ROLES, Role
 from ...numerics import BLOCK, Granularity, QTensor, get_format
 from .. import capabilities as caps
 from ..cublas import _scaled_mm as _cublas_scaled_mm
-from ..ops import triton_kernel_op
+from ..ops import ensure_triton_ops, triton_kernel_op
 from ..recipes import check_gemm_operands
 from ..registry import YES, Capability, Kernel, Operand, register
 
@@ -154,6 +154,7 @@ def triton_quantize(x: torch.Tensor, fmt: str, granularity: str, layout: str = "
 
     Returns (q (R, C) in ``layout``, scales)."""
     if torch.compiler.is_compiling():
+        ensure_triton_ops()
         q, s = torch.ops.loka.triton_quantize(x, fmt, granularity, layout)
         return (q if layout == "row" else q.t()), s
     return _quantize_direct(x, fmt, granularity, layout)
@@ -164,6 +165,7 @@ def triton_quantize_dual(x: torch.Tensor, fmt: str
     """:func:`~loka.kernels.triton.quantize.quantize_rowwise_dual` through the op when
     compiling, directly otherwise."""
     if torch.compiler.is_compiling():
+        ensure_triton_ops()
         return torch.ops.loka.triton_quantize_dual(x, fmt)
     return _tk()[0].quantize_rowwise_dual(x, fmt)
 
@@ -171,6 +173,7 @@ def triton_quantize_dual(x: torch.Tensor, fmt: str
 def triton_gemm(a, b, scale_a, scale_b, scaling: str, out_dtype: torch.dtype,
                 fast_accum: bool = False) -> torch.Tensor:
     if torch.compiler.is_compiling():
+        ensure_triton_ops()
         return torch.ops.loka.triton_gemm(a, b, scale_a, scale_b, scaling, out_dtype, fast_accum)
     return _gemm_direct(a, b, scale_a, scale_b, scaling, out_dtype, fast_accum)
 
@@ -185,6 +188,7 @@ def triton_gemm_inline(a: Operand, b: Operand, a_fmt: str, b_fmt: str, out_dtype
     if isinstance(b, QTensor):
         b, sb = b.data, b.scale
     if torch.compiler.is_compiling():
+        ensure_triton_ops()
         return torch.ops.loka.triton_gemm_inline(a, b, sa, sb, a_fmt, b_fmt, out_dtype,
                                                  fast_accum)
     return _tk()[1].gemm_rowwise_inline(a, b, a_fmt, b_fmt, scale_a=sa, scale_b=sb,
@@ -282,6 +286,7 @@ def make_triton_kernel(name: str, granularity: Granularity, *, gemm: str,
     def requires(device: torch.device) -> Capability:
         if not caps.triton_available(device):
             return Capability(False, "Triton kernels need triton and a CUDA device")
+        ensure_triton_ops()  # before any compiled model traces them
         if gemm == "cublas" and not caps.has_scaled_mm(device, str(granularity), a_dtype,
                                                         torch.float8_e4m3fn, torch.bfloat16):
             return Capability(False, f"this torch build has no {granularity} scaled_mm on "

@@ -17,6 +17,9 @@ first imported (Triton reads it then, for its own library functions too).
 """
 
 
+from ..ops import register_triton_ops
 from .common import interpreted
 
 __all__ = ["interpreted"]
+
+register_triton_ops()  # the ops whose bodies launch these kernels (loka.kernels.ops)
