@@ -10,6 +10,12 @@ TORCH_CPU ?= torch==2.13.0
 # compiles them for Hopper (tests/kernels/test_triton_aot.py): the version the GPU machine
 # has, installed only where no Triton is importable (a CUDA torch brings its own).
 TRITON ?= triton==3.6.0
+# torchrec for the integration tests on a CPU build of torch: the torchrec / FBGEMM pair
+# built for torch 2.13, FBGEMM's CPU wheel, installed without dependencies so that pip
+# leaves torch alone (torchrec's own requirement is FBGEMM's CUDA wheel), then the rest of
+# torchrec's dependencies (README, "Optional dependencies")
+TORCHREC_CPU ?= torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0
+TORCHREC_DEPS ?= tensordict==0.15.3 torchmetrics==1.0.3 pyre-extensions lightning-utilities typing-inspect
 
 .PHONY: setup demo test test-fast bench-cpu clean
 
@@ -20,6 +26,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_CPU)
 	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/pip install -q $(TRITON)
 	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/python -c "import torchrec" 2>/dev/null || ! $(BIN)/python -c "import torch, sys; sys.exit(torch.version.cuda is not None)" || \
+		($(BIN)/pip install -q --no-deps $(TORCHREC_CPU) && $(BIN)/pip install -q $(TORCHREC_DEPS))
 	touch $(STAMP)
 
 demo: setup

@@ -23,6 +23,8 @@ def __getattr__(name):
         "apply": ("loka.dispatch", "apply"), "unapply": ("loka.dispatch", "unapply"),
         "optimize": ("loka.dispatch", "optimize"),
         "mods": ("loka.mods", None), "models": ("loka.models", None), "data": ("loka.data", None),
+        "distributed": ("loka.distributed", None),
+        "integrations": ("loka.integrations", None),
     }
     if name in lazy:
         import importlib

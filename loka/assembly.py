@@ -115,10 +115,11 @@ def capped_features(features: FeatureSpec, table_rows: Optional[int]) -> Feature
 
 def build_reference(name: str, preset: str, mods: Optional[ModsConfig], device: torch.device, *,
                     seed: int = 0, table_rows: Optional[int] = None,
-                    fused_embeddings: bool = False) -> nn.Module:
+                    fused_embeddings: bool = False, tables: str = "torch") -> nn.Module:
     """A reference model as the benchmarks run it: dense embedding gradients (so that fused
-    AdamW and CUDA graphs apply), tables capped at ``table_rows``, optionally fused tables,
-    in bf16 on CUDA and float32 elsewhere, on ``device``."""
+    AdamW and CUDA graphs apply), tables capped at ``table_rows``, optionally fused tables
+    or tables in a torchrec ``EmbeddingBagCollection`` (``tables="torchrec"``, see
+    :func:`loka.models.build`), in bf16 on CUDA and float32 elsewhere, on ``device``."""
     torch.manual_seed(seed)
     base = models.presets(name)[preset]
     overrides = {}
@@ -126,7 +127,7 @@ def build_reference(name: str, preset: str, mods: Optional[ModsConfig], device: 
         overrides["sparse_embeddings"] = False
     if table_rows and hasattr(base, "features"):
         overrides["features"] = capped_features(base.features, table_rows)
-    model = models.build(name, preset, mods=mods, **overrides)
+    model = models.build(name, preset, mods=mods, tables=tables, **overrides)
     if fused_embeddings:
         fuse_embeddings(model)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

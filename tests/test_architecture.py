@@ -25,6 +25,10 @@ LAYERS: Dict[str, int] = {
     # reference models are plain PyTorch with Mods: no Probe, no Dispatch
     "models": 5,
     "train": 6, "reporting": 6, "assembly": 6,
+    # data-parallel training: agreement across ranks, FP8 all-gather, checkpoints
+    "distributed": 6,
+    # torchao (both directions) and torchrec: LoKA beside the libraries teams already use
+    "integrations": 6,
     # the paired quality check trains both arms with the training loop
     "quality": 7,
     # the edges: nothing in the library imports them

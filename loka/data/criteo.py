@@ -23,6 +23,7 @@ from typing import Dict, Iterator, List, Sequence, Union
 import torch
 
 from .batch import Batch, FeatureSpec, Jagged, TableSpec
+from .torchrec import TorchrecBatches
 
 NUM_DENSE = 13
 NUM_SPARSE = 26
@@ -177,6 +178,11 @@ class CriteoReader:
         with open(self.path, "rb") as f:
             f.seek(self._offset)
             return not any(raw.strip() for raw in f)
+
+    def torchrec(self) -> "TorchrecBatches":
+        """This stream yielding torchrec batches (``torchrec.datasets.utils.Batch``, sparse
+        features as one ``KeyedJaggedTensor``; the optional ``loka[torchrec]``)."""
+        return TorchrecBatches(self)
 
     def state_dict(self) -> Dict[str, int]:
         return {"offset": self._offset, "line_no": self._line_no, "num_skipped": self.num_skipped}

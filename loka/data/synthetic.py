@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .batch import Batch, FeatureSpec, Jagged
+from .torchrec import TorchrecBatches
 
 
 @dataclass(frozen=True)
@@ -244,6 +245,11 @@ class SyntheticCTR:
         out = self.batch(self.position)
         self.position += 1
         return out
+
+    def torchrec(self) -> "TorchrecBatches":
+        """This stream yielding torchrec batches (``torchrec.datasets.utils.Batch``, sparse
+        features as one ``KeyedJaggedTensor``; the optional ``loka[torchrec]``)."""
+        return TorchrecBatches(self)
 
     def state_dict(self) -> Dict[str, int]:
         return {"seed": self.seed, "position": self.position}

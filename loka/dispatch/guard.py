@@ -14,6 +14,11 @@ baseline would fail the same way: switching it fixes nothing). Non-finite values
 FP8 site introduced are logged and left. Sites that ``apply(plan, strict=False)`` skipped
 are not guarded (:attr:`Guard.unguarded` lists them).
 
+Data parallel training: pass ``agreement`` (e.g. ``loka.distributed.RankAgreement()``)
+so that every rank makes the same decisions: a non-finite loss on one rank makes every
+rank skip the update, and a site failing on one rank is switched on all of them (the
+ranks then keep running the same plan).
+
 Costs: off check steps one attribute test per site; on check steps a few reductions per
 site and one host synchronization in ``step``. Arming changes a Python flag that compiled
 graphs guard on, so ``torch.compile`` keeps two graphs (armed and not) and switches
@@ -34,13 +39,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Protocol
 
 import torch
 from torch import nn
 
 from ..config import LinearConfig
 from .linear import Linear, SiteMonitor
+from ..probe.hooks import canonical_name
 from .schema import Plan
 from .swap import applied_plan, root_module, skipped_sites
 
@@ -55,6 +61,17 @@ class GuardEvent:
     step: int
     reason: str
     previous: LinearConfig
+
+
+class Agreement(Protocol):
+    """How the ranks of a data-parallel job agree on the Guard's decisions (collectives
+    that every rank calls at the same point of the same step)."""
+
+    def any(self, flag: bool) -> bool:
+        """True when ``flag`` is True on any rank."""
+
+    def union(self, failing: Dict[str, str]) -> Dict[str, str]:
+        """Every rank's failing sites (site -> reason), the same on every rank."""
 
 
 def _log_switch(event: GuardEvent) -> None:
@@ -74,6 +91,8 @@ class Guard:
         on_switch: called with each :class:`GuardEvent` (default: a logging warning).
         check_loss: test the loss passed to :meth:`step` for finiteness every step (one
             scalar host synchronization; pass False to test only on check steps).
+        agreement: an :class:`Agreement` across data-parallel ranks (None: this process
+            decides alone).
 
     Attributes:
         sites: the guarded sites (FP8 sites of the plan, applied, not yet switched).
@@ -84,7 +103,7 @@ class Guard:
     def __init__(self, model: nn.Module, plan: Plan, check_every: Optional[int] = 100,
                  saturation_threshold: float = 1e-3,
                  on_switch: Optional[Callable[[GuardEvent], None]] = None,
-                 check_loss: bool = True) -> None:
+                 check_loss: bool = True, agreement: Optional[Agreement] = None) -> None:
         if check_every is not None and (isinstance(check_every, bool) or
                                         not isinstance(check_every, int) or check_every < 1):
             raise ValueError(f"check_every must be a positive int or None, got {check_every!r}")
@@ -96,19 +115,20 @@ class Guard:
         self.saturation_threshold = float(saturation_threshold)
         self.on_switch = on_switch or _log_switch
         self.check_loss = check_loss
+        self.agreement = agreement
         self.step_index = 0
         self.events: List[GuardEvent] = []
         self.switched: set = set()
         self._unattributed: List[str] = []
         self.sites: Dict[str, Linear] = {}
         seen = set()
-        modules = dict(root.named_modules(remove_duplicate=False))
+        modules = {canonical_name(n): m for n, m in root.named_modules(remove_duplicate=False)}
         # sites a non-strict apply of this plan skipped run on nothing of the plan: not guarded
         skipped = skipped_sites(root) if applied_plan(root) is plan else {}
         self.unguarded: Dict[str, str] = {}  # FP8 sites a non-strict apply skipped, and why
         not_applied = []
         for site in plan.fp8_sites():
-            if isinstance(modules.get(site), Linear):
+            if isinstance(modules.get(canonical_name(site)), Linear):
                 continue
             if site in skipped:
                 self.unguarded[site] = skipped[site]
@@ -120,7 +140,7 @@ class Guard:
         for site in plan.fp8_sites():
             if site in self.unguarded:
                 continue
-            mod = modules[site]
+            mod = modules[canonical_name(site)]
             if id(mod) in seen or mod._all_baseline:
                 continue
             seen.add(id(mod))
@@ -206,6 +226,8 @@ class Guard:
         bad_loss = False
         if loss is not None and (self.check_loss or self._pending):
             bad_loss = not bool(torch.isfinite(torch.as_tensor(loss)).all())
+            if self.agreement is not None:  # one rank's non-finite loss: every rank skips
+                bad_loss = self.agreement.any(bad_loss)
         failing: Dict[str, str] = {}
         evaluated = self._pending or (bad_loss and recheck is not None)
         if not self._pending and evaluated:
@@ -213,6 +235,9 @@ class Guard:
             recheck()
         if evaluated:
             failing = self._evaluate()
+            if self.agreement is not None:  # a site failing on one rank switches on all
+                failing = {s: r for s, r in self.agreement.union(failing).items()
+                           if s in self.sites}
         self._arm(False)
         self._switch(failing, step)
         if bad_loss and not failing and evaluated:

@@ -7,7 +7,11 @@ values. Other Linears are left alone. ``unapply`` restores plain ``nn.Linear`` m
 Kernels are chosen here, once; nothing is looked up per call.
 
 For a compiled model (``torch.compile(model)``) both operate on ``model._orig_mod``; the
-compiled wrapper notices the changed modules and recompiles on its next call.
+compiled wrapper notices the changed modules and recompiles on its next call. A
+``DistributedDataParallel`` wrapper is looked through the same way, and plans name sites
+without what wrappers add to qualified names (:func:`~loka.probe.hooks.canonical_name`:
+``module.``, ``_orig_mod.``, ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``),
+so a plan made on one form of a model applies to the others.
 
 Inference (``inference=True``): only the forward role matters, so only sites with an
 FP8 forward are swapped; their weights are quantized once (``Linear.quantize_weight``)
@@ -30,6 +34,7 @@ from torch import nn
 
 from ..config import LinearConfig
 from ..kernels import registry
+from ..probe.hooks import canonical_name
 from .linear import Linear
 from .schema import Plan, PlanMismatchError
 
@@ -80,13 +85,28 @@ class ApplyReport:
 
 
 def root_module(model: nn.Module) -> Tuple[nn.Module, bool]:
-    """The module to edit, and whether ``model`` is a torch.compile wrapper."""
-    orig = getattr(model, "_orig_mod", None)
-    if isinstance(orig, nn.Module):
-        return orig, True
+    """The module to edit, and whether ``model`` is a torch.compile wrapper (looking
+    through ``DistributedDataParallel`` and compile wrappers, in any order)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
-    return model, False
+    compiled = False
+    while True:
+        orig = getattr(model, "_orig_mod", None)
+        if isinstance(orig, nn.Module):
+            model, compiled = orig, True
+        elif isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model, compiled
+
+
+def site_paths(root: nn.Module) -> Dict[str, str]:
+    """canonical site name (:func:`~loka.probe.hooks.canonical_name`) -> the module's
+    qualified name in ``root`` (its first, for shared modules)."""
+    paths: Dict[str, str] = {}
+    for name, _ in root.named_modules(remove_duplicate=False):
+        paths.setdefault(canonical_name(name), name)
+    return paths
 
 
 def _state(root: nn.Module, create: bool = False) -> dict:
@@ -109,6 +129,11 @@ def _is_plain_linear(mod: nn.Module) -> bool:
     return isinstance(mod, Linear) or type(mod).forward is nn.Linear.forward
 
 
+def _is_torchao_float8(mod: nn.Module) -> bool:
+    """torchao's float8 training Linear (judged by class, without importing torchao)."""
+    return type(mod).__name__ == "Float8Linear" and type(mod).__module__.startswith("torchao.")
+
+
 def _listed(items: List[str]) -> str:
     more = len(items) - _MAX_LISTED
     return ", ".join(items[:_MAX_LISTED]) + (f" and {more} more" if more > 0 else "")
@@ -126,10 +151,10 @@ def _plan_changes(root: nn.Module, plan: Plan, inference: bool,
     """Validate ``plan`` against ``root`` and list the changes, touching nothing."""
     if not isinstance(plan, Plan):
         raise TypeError(f"expected a loka.Plan, got {type(plan).__name__}")
-    modules = dict(root.named_modules(remove_duplicate=False))
+    modules = {canonical_name(n): m for n, m in root.named_modules(remove_duplicate=False)}
     missing, wrong_type, wrong_shape, bad_kernel = [], {}, {}, []
     for site, sp in plan.sites.items():
-        mod = modules.get(site)
+        mod = modules.get(canonical_name(site))
         if mod is None:
             missing.append(site)
         elif not isinstance(mod, nn.Linear) or not _is_plain_linear(mod):
@@ -137,6 +162,11 @@ def _plan_changes(root: nn.Module, plan: Plan, inference: bool,
         elif (mod.in_features, mod.out_features) != (sp.in_features, sp.out_features):
             wrong_shape[site] = (f"plan {sp.in_features}->{sp.out_features}, "
                                  f"model {mod.in_features}->{mod.out_features}")
+    torchao = [s for s in wrong_type if _is_torchao_float8(modules[canonical_name(s)])]
+    if torchao:  # never skipped silently, strict or not: the fix is one call
+        raise PlanMismatchError(f"{len(torchao)} site(s) are torchao Float8Linear modules "
+                                f"({_listed(torchao)}): call loka.integrations.from_torchao(model) "
+                                "first (nn.Linear again, same Parameters), then apply")
     problems = []
     if missing:
         problems.append(f"{len(missing)} site(s) not in the model: {_listed(missing)}")
@@ -154,7 +184,7 @@ def _plan_changes(root: nn.Module, plan: Plan, inference: bool,
     for site in plan.sites:
         if site in skipped:
             continue
-        mod = modules[site]
+        mod = modules[canonical_name(site)]
         if site == "" and not isinstance(mod, Linear):
             raise PlanMismatchError("the plan's site '' is the model itself: a root Linear "
                                     "cannot be replaced in place; wrap it in a module")
@@ -233,9 +263,11 @@ def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = 
                              f"got {value.tolist()}")
     # validate everything before touching the model, so that a bad plan changes nothing
     changes, _ = _plan_changes(root, plan, inference, strict)
+    paths = site_paths(root)
     for c in changes:
         if c.action != "keep":
-            Linear.from_linear(root.get_submodule(c.site), c.after)  # raises for bad kernels
+            # raises for bad kernels
+            Linear.validate(root.get_submodule(paths[canonical_name(c.site)]), c.after)
     if _state(root).get("sites"):
         unapply(root)
     changes, skipped = _plan_changes(root, plan, inference, strict)
@@ -245,21 +277,24 @@ def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = 
     for c in changes:
         if c.action == "keep":
             continue
-        mod = root.get_submodule(c.site)
+        path = paths[canonical_name(c.site)]
+        mod = root.get_submodule(path)
         if c.action == "swap":
             new = swapped.get(id(mod))
             if new is None:
                 new = swapped[id(mod)] = Linear.from_linear(mod, c.after)
-            for name in aliases[c.site]:
+            for name in aliases[path]:
                 root.set_submodule(name, new)
-            records[c.site] = {"created": True, "previous": None, "aliases": aliases[c.site]}
+            records[c.site] = {"created": True, "previous": None, "aliases": aliases[path],
+                               "path": path}
         else:
-            records[c.site] = {"created": False, "previous": c.before, "aliases": aliases[c.site]}
+            records[c.site] = {"created": False, "previous": c.before, "aliases": aliases[path],
+                               "path": path}
             mod.set_config(c.after)
     report = ApplyReport(changes, skipped, inference, compiled)
     if inference:
-        for site in records:
-            mod = root.get_submodule(site)
+        for site, rec in records.items():
+            mod = root.get_submodule(rec["path"])
             if mod.config.fwd == plan.baseline:
                 continue
             mod.quantize_weight()
@@ -290,13 +325,13 @@ def unapply(model: nn.Module) -> List[str]:
     root, _ = root_module(model)
     records = _state(root).get("sites") or {}
     dropped = [s for s, rec in records.items() if rec["created"]
-               and root.get_submodule(s).weight is None]
+               and root.get_submodule(rec.get("path", s)).weight is None]
     if dropped:
         raise ValueError(f"cannot unapply: the high-precision weights of {_listed(dropped)} "
                          "were dropped (drop_weights=True); reload the original state_dict")
     restored = []
     for site, rec in records.items():
-        mod = root.get_submodule(site)
+        mod = root.get_submodule(rec.get("path", site))
         if rec["created"]:
             plain = mod.to_linear()
             for name in rec["aliases"]:

@@ -18,6 +18,7 @@ from .dcnv2 import DCNv2, DCNv2Config
 from .dlrm import DLRM, DLRMConfig
 from .interformer import InterFormer, InterFormerConfig
 from .logreg import LogisticRegression, LogRegConfig
+from .torchrec_embedding import use_torchrec_tables
 from .wukong import Wukong, WukongConfig
 
 
@@ -113,14 +114,21 @@ def presets(name: str) -> Dict[str, Any]:
     return dict(_entry(name)[1])
 
 
+TABLES = ("torch", "torchrec")
+"""how :func:`build` holds a model's tables: ``torch`` (one ``nn.EmbeddingBag`` each) or
+``torchrec`` (one torchrec ``EmbeddingBagCollection``; the optional ``loka[torchrec]``)"""
+
+
 def build(name: str, preset: str = "tiny", mods: Optional[ModsConfig] = None,
-          **overrides: Any) -> RecModel:
+          tables: str = "torch", **overrides: Any) -> RecModel:
     """Build a reference model.
 
     Args:
         name: one of :func:`list_models`.
         preset: one of ``presets(name)`` (``tiny``, ``small``, ``paper``).
         mods: Mods honoured at construction (None: none).
+        tables: :data:`TABLES`; ``torchrec`` puts the tables in an ``EmbeddingBagCollection``
+            (:func:`~loka.models.torchrec_embedding.use_torchrec_tables`).
         **overrides: config fields to replace, e.g. ``features=criteo_feature_spec()``,
             ``num_layers=3``.
 
@@ -137,4 +145,9 @@ def build(name: str, preset: str = "tiny", mods: Optional[ModsConfig] = None,
     if unknown:
         raise ValueError(f"unknown {type(config).__name__} fields {unknown}; "
                          f"valid fields: {sorted(fields)}")
-    return cls(dataclasses.replace(config, **overrides), mods)
+    if tables not in TABLES:
+        raise ValueError(f"unknown tables {tables!r}; expected one of {list(TABLES)}")
+    model = cls(dataclasses.replace(config, **overrides), mods)
+    if tables == "torchrec":
+        use_torchrec_tables(model)
+    return model

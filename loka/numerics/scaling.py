@@ -121,9 +121,10 @@ def _grid(shape: Tuple[int, int], block: Tuple[int, int]) -> Tuple[int, int]:
     return tuple(1 if b == -1 else -(-n // b) for n, b in zip(shape, block))
 
 
-def _saturated(x: torch.Tensor) -> torch.Tensor:
+def saturate_float64(x: torch.Tensor) -> torch.Tensor:
     """``x`` itself, or for float64 ``x`` in float32 with finite values beyond float32's
-    range saturated (module doc); Inf and NaN stay as they are."""
+    range saturated (module doc); Inf and NaN stay as they are. For quantizers of other
+    libraries (torchao's) that compute in float32, so that they saturate as LoKA's do."""
     if x.dtype != torch.float64:
         return x
     return torch.where(torch.isfinite(x), x.clamp(-FLOAT32_MAX, FLOAT32_MAX), x).float()
@@ -157,7 +158,7 @@ def compute_scales(x: torch.Tensor, fmt: "FP8Format | str", block: Tuple[int, in
         amax = torch.zeros(_grid(tuple(x.shape), block), dtype=torch.float32, device=x.device)
     else:
         br, bc = _resolve_block(tuple(x.shape), block)
-        amax = _blocked(_saturated(x.detach()), br, bc).abs().amax(dim=(1, 3)).float()
+        amax = _blocked(saturate_float64(x.detach()), br, bc).abs().amax(dim=(1, 3)).float()
     scale = amax.clamp(min=AMAX_EPS) / fmt.max
     if power_of_two:
         scale = round_scale_to_power_of_two(scale)
@@ -215,9 +216,9 @@ def quantize(x: torch.Tensor, fmt: "FP8Format | str" = "e4m3",
         return QTensor(torch.empty(shape, dtype=fmt.dtype, device=x.device), scale, fmt,
                        (br, bc), g)
     if br == shape[0] and bc == shape[1]:
-        scaled = _saturated(x).float() / scale.reshape(())
+        scaled = saturate_float64(x).float() / scale.reshape(())
     else:
-        scaled = _saturated(x).float() / _expand(scale, shape, br, bc)
+        scaled = saturate_float64(x).float() / _expand(scale, shape, br, bc)
     data = scaled.clamp(-fmt.max, fmt.max).to(fmt.dtype)
     return QTensor(data, scale, fmt, (br, bc), g)
 

@@ -34,7 +34,29 @@ from torch import nn
 from ..config import ProbeConfig
 from .stats import SiteStats
 
-__all__ = ["SiteCollector"]
+__all__ = ["SiteCollector", "WRAPPER_NAMES", "canonical_name", "full_weight"]
+
+WRAPPER_NAMES = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+"""module names that wrappers insert anywhere in a qualified name (torch.compile, FSDP1,
+activation checkpointing); ``DistributedDataParallel`` adds a leading ``module``"""
+
+
+def full_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The whole weight: a DTensor (a Linear that ``fully_shard`` itself manages is
+    resharded before the Probe's forward hook runs) is all-gathered, which every rank does
+    at the same hook; a plain tensor is returned as it is."""
+    full = getattr(weight, "full_tensor", None)
+    return full() if callable(full) else weight
+
+
+def canonical_name(name: str) -> str:
+    """A site's name without what wrappers add: a leading ``module.`` (DDP) and every
+    :data:`WRAPPER_NAMES` part, so that a plan made on a model names the same sites as one
+    made on its wrapped form (``module.over.0`` and ``_orig_mod.over.0`` are ``over.0``)."""
+    parts = [p for p in (name.split(".") if name else []) if p not in WRAPPER_NAMES]
+    while parts and parts[0] == "module":
+        parts = parts[1:]
+    return ".".join(parts)
 
 
 class SiteCollector:
@@ -69,6 +91,7 @@ class SiteCollector:
         self.modules: Dict[str, nn.Linear] = {}
         self.sites: Dict[str, SiteStats] = {}
         for name, mod in root.named_modules():
+            name = canonical_name(name)  # the same sites under DDP, FSDP1, checkpointing
             if isinstance(mod, nn.Linear) and (pattern is None or pattern.search(name)):
                 self.modules[name] = mod
                 self.sites[name] = SiteStats(
@@ -184,7 +207,7 @@ class SiteCollector:
                                     generator=self._generator(x2d.device))
                 x2d = x2d[idx]
             site.act.update(x2d)
-            site.weight.observe(module.weight)
+            site.weight.observe(full_weight(module.weight))
             if self.config.source == "captured":
                 site.captured_x = x2d[: self._capture_rows].clone()
         if output.requires_grad:

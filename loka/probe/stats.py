@@ -17,10 +17,18 @@ all three of a site.
 
 Rows with a NaN or Inf are left out of the moment updates (and counted), so one bad
 batch never poisons what was learned; counts live on the device for the same reason.
+
+Each accumulator merges with another of its kind (``merge``: another rank's rows, in
+data-parallel training), and :meth:`SiteStats.to` copies a site's statistics to another
+device, ready to travel between processes.
+
+Length: the accumulators of one site, their updates and merges belong together; split,
+each piece would need the others' internals.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Dict, Optional, Tuple
 
@@ -240,6 +248,29 @@ class ChannelMoments:
         self._sums += torch.stack([d.sum(0), d2.sum(0), (d2 * d).sum(0), (d2 * d2).sum(0)])
         self._n += rows
 
+    def merge(self, other: "ChannelMoments") -> "ChannelMoments":
+        """Fold in another accumulator of the same channels (e.g. another rank's): its
+        power sums are moved to this centre by the binomial expansion, then added."""
+        if other.dim != self.dim:
+            raise ValueError(f"cannot merge ChannelMoments of {other.dim} and {self.dim} channels")
+        if other._n is None:
+            return self
+        if self._n is None:
+            self._n = other._n.clone()
+            self._sums = other._sums.clone()
+            self._center = other._center.clone()
+            return self
+        delta = other._center.double().to(self._sums.device) - self._center.double()
+        s1, s2, s3, s4 = other._sums.to(self._sums.device)
+        n = other._n.to(self._n.device)
+        self._sums += torch.stack([
+            s1 + delta * n,
+            s2 + 2 * delta * s1 + delta ** 2 * n,
+            s3 + 3 * delta * s2 + 3 * delta ** 2 * s1 + delta ** 3 * n,
+            s4 + 4 * delta * s3 + 6 * delta ** 2 * s2 + 4 * delta ** 3 * s1 + delta ** 4 * n])
+        self._n += n
+        return self
+
     @property
     def count(self) -> int:
         return 0 if self._n is None else int(self._n.item())
@@ -330,6 +361,20 @@ class FP8RangeStats:
         threshold = ch_amax.max() * (self.fmt.min_normal / self.fmt.max)
         self._counts += torch.stack([rows * self.dim, (a > self.fmt.max).sum(),
                                      ((a > 0) & (a < threshold)).sum()])
+
+    def merge(self, other: "FP8RangeStats") -> "FP8RangeStats":
+        """Fold in another accumulator of the same channels: the larger amax per channel,
+        the counts added."""
+        if other.dim != self.dim:
+            raise ValueError(f"cannot merge FP8RangeStats of {other.dim} and {self.dim} channels")
+        if other._amax is None:
+            return self
+        if self._amax is None:
+            self._amax, self._counts = other._amax.clone(), other._counts.clone()
+            return self
+        torch.maximum(self._amax, other._amax.to(self._amax.device), out=self._amax)
+        self._counts += other._counts.to(self._counts.device)
+        return self
 
     @property
     def channel_amax(self) -> torch.Tensor:
@@ -437,6 +482,17 @@ class TensorStats:
         self._graphs[key] = (graph, static)
         return True
 
+    def merge(self, other: "TensorStats") -> "TensorStats":
+        """Fold in what another accumulator of the same operand learned (another rank's
+        rows): moments by Chan's merge, channel sums re-centred, ranges by max and sum."""
+        if other.dim != self.dim:
+            raise ValueError(f"cannot merge TensorStats of {other.dim} and {self.dim} features")
+        self.moments.merge(other.moments)
+        self.channels.merge(other.channels)
+        self.range.merge(other.range)
+        self.updates += other.updates
+        return self
+
     def summary(self) -> Dict[str, float]:
         """Scalars for the report (host syncs)."""
         if self.updates == 0:
@@ -483,3 +539,40 @@ class SiteStats:
     def summary(self) -> Dict[str, object]:
         return {"act": self.act.summary(), "grad": self.grad.summary(),
                 "weight": self.weight.summary()}
+
+    def merge(self, other: "SiteStats") -> "SiteStats":
+        """Fold in another rank's statistics of the same site (data parallel: each rank
+        saw its own rows). The weight model is kept: every rank holds the same weights."""
+        if (other.in_features, other.out_features) != (self.in_features, self.out_features):
+            raise ValueError(f"cannot merge site {other.name!r} "
+                             f"({other.in_features}->{other.out_features}) into {self.name!r} "
+                             f"({self.in_features}->{self.out_features})")
+        self.act.merge(other.act)
+        self.grad.merge(other.grad)
+        self.tokens = max(self.tokens, other.tokens)
+        self.dtype = self.dtype or other.dtype
+        return self
+
+    def to(self, device: "torch.device | str") -> "SiteStats":
+        """A copy with every state tensor on ``device``, without captured CUDA graphs or
+        captured operand rows (what can travel between processes)."""
+        device = torch.device(device)
+
+        def moved(obj):
+            new = copy.copy(obj)
+            for key, value in vars(obj).items():
+                if isinstance(value, torch.Tensor):
+                    setattr(new, key, value.detach().to(device, copy=True))
+            return new
+
+        out = copy.copy(self)
+        out.captured_x = out.captured_dy = None
+        for part in ("act", "grad"):
+            ts = moved(getattr(self, part))
+            ts.moments, ts.channels, ts.range = (moved(ts.moments), moved(ts.channels),
+                                                 moved(ts.range))
+            ts._graphs, ts._eager_shapes = {}, set()
+            setattr(out, part, ts)
+        out.weight = moved(self.weight)
+        out.weight._fit = None
+        return out

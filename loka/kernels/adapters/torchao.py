@@ -31,7 +31,7 @@ from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
 from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig
 
 from ...config import Role
-from ...numerics import E4M3, Granularity, QTensor
+from ...numerics import E4M3, Granularity, QTensor, saturate_float64
 from .. import capabilities as caps
 from ..recipes import check_gemm_operands
 from ..registry import YES, Capability, Kernel, register
@@ -42,8 +42,9 @@ _AO_OUT = (torch.bfloat16, torch.float16, torch.float32)
 def _cast(x: torch.Tensor, granularity: Granularity, operand: str, pow2: bool):
     """torchao's dynamic cast of one GEMM operand: (fp8 data, torchao scale)."""
     axiswise = granularity is Granularity.ROWWISE
+    # a float64 operand beyond float32's range saturates, as in LoKA's quantizers
     t = hp_tensor_to_float8_dynamic(
-        x, E4M3.dtype, LinearMMConfig(),
+        saturate_float64(x), E4M3.dtype, LinearMMConfig(),
         gemm_input_role=GemmInputRole.INPUT if operand == "a" else GemmInputRole.WEIGHT,
         scaling_granularity=ScalingGranularity.AXISWISE if axiswise else ScalingGranularity.TENSORWISE,
         axiswise_dim=(-1 if operand == "a" else 0) if axiswise else None,

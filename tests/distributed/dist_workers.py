@@ -1,0 +1,365 @@
+"""What each rank runs in the distributed tests, and the single-process references they
+are compared with. Results go to files (``torch.save`` of tensors, read back with
+``weights_only=True``; JSON for the rest)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import loka
+import loka.distributed as ld
+from loka.assembly import build_reference
+from loka.config import ProbeConfig
+from loka.data import SyntheticCTR
+from loka.dispatch import Guard, Plan
+from loka.kernels import Kernel, get, register
+from loka.train.loop import loss_fn
+
+FP8 = "emulated-rowwise-e4m3"
+BATCH = 32
+STEPS = 3
+LR = 0.05
+
+
+def tiny() -> nn.Module:
+    return build_reference("wukong", "tiny", None, torch.device("cpu"), seed=0)
+
+
+def global_batches(model, steps=STEPS, seed=0):
+    stream = iter(SyntheticCTR(model.feature_spec, BATCH, seed=seed))
+    return [next(stream) for _ in range(steps)]
+
+
+def full_params(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train_single(kernel=FP8, steps=STEPS) -> dict:
+    """The reference: one process, the whole global batch, the same plan."""
+    model = tiny()
+    if kernel is not None:
+        loka.apply(model, Plan.uniform(model, kernel))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for batch in global_batches(model, steps):
+        loss = loss_fn(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"params": full_params(model), "losses": losses}
+
+
+def _mean_loss(local: torch.Tensor) -> float:
+    t = local.detach().reshape(1).clone()
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
+def _flaky(a, b, out_dtype):
+    """The FP8 kernel, but Inf in its output on rank 1 while armed."""
+    y = get(FP8)(a, b, out_dtype)
+    if _FLAKY["on"] and dist.get_rank() == 1:
+        y = y.clone()
+        y[0] = float("inf")
+    return y
+
+
+_FLAKY = {"on": False}
+
+
+# -- DDP ---------------------------------------------------------------------------------
+def ddp_worker(rank, world, out):
+    out = Path(out)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = tiny()
+    # the plan is made once (rank 0) on the unwrapped model and applied to the DDP one
+    plan = ld.plan_once(lambda: Plan.uniform(model, FP8))
+    ddp = DDP(model)
+    report = loka.apply(ddp, plan)
+    ld.check_same_plan(plan)
+    # a plan made on the wrapped model names the same sites
+    wrapped_plan = Plan.uniform(ddp, FP8)
+    assert sorted(wrapped_plan.sites)[0].startswith("module."), sorted(wrapped_plan.sites)
+    assert loka.dispatch.check(model, wrapped_plan) is not None
+    # the Probe on the wrapped model, its statistics merged over the ranks
+    probe = loka.Probe(ddp, ProbeConfig(every_n_steps=1, progress=False))
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    losses = []
+    with probe:
+        for batch in global_batches(model):
+            loss = loss_fn(ddp, ld.shard_batch(batch))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(_mean_loss(loss))
+    site = "over_arch.mlp.0"
+    local_rows = probe.sites[site].act.moments.count
+    ld.reduce_probe(probe)
+    stats = probe.sites[site].act
+    result = {"changed": len(report.changed), "losses": losses, "local_rows": local_rows,
+              "merged_rows": stats.moments.count, "sites": sorted(probe.sites),
+              "fingerprint": ld.plan_fingerprint(plan)}
+    tensors = {"params": full_params(model), "mean": stats.moments.mean.clone(),
+               "var": stats.moments.variance().clone(), "amax": stats.range.channel_amax.clone()}
+    # a plan that differs on rank 1 is caught, naming rank 1
+    other = plan.copy()
+    if rank == 1:
+        other.sites[site].roles[loka.Role.FWD].kernel = "bf16"
+    try:
+        ld.check_same_plan(other)
+        result["divergence"] = None
+    except ld.PlanDivergenceError as e:
+        result["divergence"] = str(e)
+    # the Guard: a non-finite batch on rank 1 only makes every rank skip the update
+    guard = Guard(ddp, plan, check_every=1, agreement=ld.RankAgreement())
+    batch = ld.shard_batch(global_batches(model, 1, seed=7)[0])
+    if rank == 1:
+        batch.dense[0, 0] = float("nan")
+    loss = loss_fn(ddp, batch)
+    loss.backward()
+    result["nan_step_ok"] = guard.step(loss)
+    opt.zero_grad()
+    # a site failing on rank 1 only is switched to bf16 on every rank
+    register(Kernel("t-flaky", _flaky, library="custom", scaling="rowwise",
+                    formats=("e4m3", "e4m3"), align=16, quantize_a=get(FP8).quantize_a,
+                    quantize_b=get(FP8).quantize_b), override=True)
+    flaky = plan.copy()
+    flaky.sites["over_arch.mlp.2"].roles[loka.Role.FWD].kernel = "t-flaky"
+    loka.apply(ddp, flaky)
+    guard = Guard(ddp, flaky, check_every=1, agreement=ld.RankAgreement())
+    _FLAKY["on"] = True
+    loss = loss_fn(ddp, ld.shard_batch(global_batches(model, 1, seed=8)[0]))
+    loss.backward()
+    result["flaky_step_ok"] = guard.step(loss)
+    _FLAKY["on"] = False
+    result["switched"] = sorted(e.site for e in guard.events)
+    result["flaky_fingerprint"] = ld.plan_fingerprint(flaky)
+    ld.check_same_plan(flaky)
+    (out / f"ddp{rank}.json").write_text(json.dumps(result))
+    torch.save(tensors, out / f"ddp{rank}.pt")
+
+
+# -- FSDP2 -------------------------------------------------------------------------------
+def _shard(model):
+    from torch.distributed.fsdp import fully_shard
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model.over_arch)
+    fully_shard(model)
+
+
+def _full_state(model) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k: v.detach() + 0 for k, v in sd.items()}  # + 0: plain tensors, same values
+
+
+def fsdp_worker(rank, world, out):
+    out = Path(out)
+    result, tensors = {}, {}
+    # (a) apply before fully_shard, with FP8 all-gather (rowwise)
+    model = tiny()
+    plan = ld.plan_once(lambda: Plan.uniform(model, FP8))
+    loka.apply(model, plan)
+    result["wrapped"] = ld.fp8_all_gather(model, "rowwise")
+    _shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    probe = loka.Probe(model, ProbeConfig(every_n_steps=1, progress=False))
+    with probe:
+        for batch in global_batches(model):
+            loss = loss_fn(model, ld.shard_batch(batch))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(_mean_loss(loss))
+    ld.reduce_probe(probe)
+    result["merged_rows"] = probe.sites["over_arch.mlp.0"].act.moments.count
+    guard = Guard(model, plan, check_every=1, agreement=ld.RankAgreement())
+    result["guarded"] = sorted(guard.sites)
+    result["losses_before"] = losses
+    tensors["params_before"] = _full_state(model)
+    # (b) apply after fully_shard (no FP8 all-gather)
+    model = tiny()
+    _shard(model)
+    loka.apply(model, plan)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for batch in global_batches(model):
+        loss = loss_fn(model, ld.shard_batch(batch))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(_mean_loss(loss))
+    result["losses_after"] = losses
+    result["linear_types"] = sorted({type(m).__name__ for m in model.modules()
+                                     if isinstance(m, nn.Linear)})
+    tensors["params_after"] = _full_state(model)
+    result.update(_count_bytes(world))
+    result.update(_per_linear_shards())
+    if rank == 0:
+        (out / "fsdp.json").write_text(json.dumps(result))
+        torch.save(tensors, out / "fsdp.pt")
+
+
+def _per_linear_shards():
+    """``fully_shard`` on each Linear itself (FSDP reshards it before the Probe's forward
+    hook sees its weight; FSDP keys its state by the module object), apply before the first
+    forward, then the Probe, the Guard and unapply."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+    want = model[0].weight.detach().clone()
+    for m in (model[0], model[2], model):
+        fully_shard(m)
+    first = model[0]
+    plan = ld.plan_once(lambda: Plan.uniform(model, FP8))
+    loka.apply(model, plan)
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(dist.get_rank()))
+    with loka.Probe(model, ProbeConfig(every_n_steps=1, progress=False)) as probe:
+        model(x).sum().backward()
+    ld.reduce_probe(probe)
+    guard = Guard(model, plan, check_every=1, agreement=ld.RankAgreement())
+    loss = model(x).sum()
+    loss.backward()
+    ok = guard.step(loss)
+    swapped = model[0] is first and isinstance(first, loka.Linear) \
+        and isinstance(first, FSDPModule)
+    loka.unapply(model)
+    # one snapshot: the EMA's mean is the weight itself, up to the EMA's float32 rounding
+    got = probe.sites["0"].weight.mean
+    return {"per_linear_weight_exact": bool(torch.allclose(got, want, rtol=1e-6, atol=0)),
+            "per_linear_rows": probe.sites["0"].act.moments.count,
+            "per_linear_ok": ok, "per_linear_fp8": swapped,
+            "per_linear_back": type(model[0]).__mro__[1:3] == (FSDPModule, nn.Linear)
+            and model[0] is first}
+
+
+def _stack(scaling, kernel):
+    torch.manual_seed(1)
+    model = nn.Sequential(*[nn.Linear(128, 128, bias=False) for _ in range(3)])
+    ref = [m.weight.detach().clone() for m in model]
+    if kernel is not None:
+        loka.apply(model, Plan.uniform(model, kernel))
+    if scaling is not None:
+        ld.fp8_all_gather(model, scaling)
+    return model, ref
+
+
+def _count_bytes(world):
+    """All-gather bytes of a 3-layer stack: bf16 parameters, FP8 rowwise, FP8 tensorwise;
+    and whether the gathered FP8 weight is the forward kernel's own quantization."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    x = torch.randn(16, 128, generator=torch.Generator().manual_seed(2))
+    res = {}
+    for name, scaling, kernel in (("bf16", None, None), ("rowwise", "rowwise", FP8),
+                                  ("tensorwise", "tensorwise", "emulated-tensorwise-e4m3")):
+        model, ref = _stack(scaling, kernel)
+        seen = {}
+        if kernel is not None:
+            def keep(m, args, out):
+                seen.setdefault("q", (m.weight_q.data.float().clone(), m.weight_q.scale.clone()))
+            model[0].register_forward_hook(keep)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if scaling is None else \
+            MixedPrecisionPolicy()
+        for layer in model:
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        if scaling == "tensorwise":
+            ld.precompute_fp8_scales(model)
+        with ld.count_all_gather() as counter:
+            y = model(x.to(torch.bfloat16) if scaling is None else x)
+            y.float().sum().backward()
+        res[f"bytes_{name}"] = counter.bytes
+        res[f"gathers_{name}"] = counter.count
+        if kernel is not None:
+            exact = []
+            for step in range(2):  # the initial weights, then the weights after a step
+                want = get(kernel).quantize_b(ref[0].t())
+                q, s = seen.pop("q")
+                exact.append(bool(torch.equal(q, want.data.float())
+                                  and torch.equal(s, want.scale)))
+                # the reduce-scatter stays in high precision: float32 gradient shards
+                res[f"grad_dtype_{name}"] = str(model[0].weight.grad.dtype)
+                torch.optim.SGD(model.parameters(), lr=1.0).step()
+                if scaling == "tensorwise":
+                    ld.precompute_fp8_scales(model)
+                ref[0] = model[0].weight.full_tensor().detach() + 0
+                model.zero_grad()
+                with _count_all_reduce() as reduces:
+                    model(x).sum().backward()
+                res[f"all_reduces_{name}"] = reduces[0]
+            ld.weights_changed()  # changed weights, no precompute: the all-gather reduces
+            with _count_all_reduce() as reduces:
+                model(x).sum().backward()
+            res[f"all_reduces_unprecomputed_{name}"] = reduces[0]
+            res[f"exact_{name}"] = exact
+            res[f"grad_finite_{name}"] = bool(all(
+                torch.isfinite(m.weight.grad.to_local()).all() for m in model))
+    return res
+
+
+class _count_all_reduce:
+    """Count dist.all_reduce calls (the tensorwise amax after precompute_fp8_scales: none)."""
+
+    def __enter__(self):
+        self.count, self.orig = [0], dist.all_reduce
+
+        def counted(*args, **kwargs):
+            self.count[0] += 1
+            return self.orig(*args, **kwargs)
+        dist.all_reduce = counted
+        return self.count
+
+    def __exit__(self, *exc):
+        dist.all_reduce = self.orig
+
+
+# -- checkpoints ---------------------------------------------------------------------------
+def ckpt_save_worker(rank, world, path, ref_file):
+    model = tiny()
+    plan = Plan.uniform(model, FP8)
+    loka.apply(model, plan)
+    ld.fp8_all_gather(model, "rowwise")  # saved as the plain weights inside
+    _shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for batch in global_batches(model, 2):
+        loss_fn(model, ld.shard_batch(batch)).backward()
+        opt.step()
+        opt.zero_grad()
+    ld.save(path, model, opt, plan=plan, report=_tiny_report())
+    full = _full_state(model)
+    if rank == 0:
+        torch.save(full, ref_file)
+
+
+def ckpt_load_worker(rank, world, path, out_file):
+    model = build_reference("wukong", "tiny", None, torch.device("cpu"), seed=5)  # other init
+    loaded_plan = Plan.load(Path(path) / "plan.json")
+    loka.apply(model, loaded_plan)
+    ld.fp8_all_gather(model, "rowwise")
+    _shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    loaded = ld.load(path, model, opt)
+    full = _full_state(model)
+    # the loaded model trains on: its FP8 all-gathers quantize the loaded weights
+    loss = loss_fn(model, ld.shard_batch(global_batches(model, 1, seed=9)[0]))
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss)
+    if rank == 0:
+        torch.save({"params": full,
+                    "plan_sites": torch.tensor(len(loaded.plan.sites)),
+                    "report_sites": torch.tensor(len(loaded.report.sites))}, out_file)
+
+
+def _tiny_report():
+    from loka.probe.report import ProbeReport, SiteReport
+    return ProbeReport(sites={"over_arch.mlp.0": SiteReport("over_arch.mlp.0", 32, 32, 16)},
+                       device="cpu", device_name="test", torch_version=torch.__version__)

@@ -1,0 +1,117 @@
+"""DDP and FSDP2 on 2 (and 4) CPU processes over gloo, compared with one process
+training on the same global batch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import dist_workers as w
+from harness import run_ranks
+
+# FP8 (emulated rowwise) training on 2 ranks vs 1: the rowwise scales of the weight
+# gradient's operands span each rank's rows instead of all rows, so the runs differ by
+# FP8 rounding, not more. The bound is below the distance between the FP8 and the
+# high-precision single-process runs (asserted), so it tells FP8 noise from a real
+# difference such as a gradient not averaged over the ranks.
+PARAM_ATOL = 3e-5
+LOSS_RTOL = 5e-4
+
+
+@pytest.fixture(scope="module")
+def single():
+    return w.train_single()
+
+
+def _max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def test_ddp_trains_like_one_process_and_agrees_on_plan_stats_and_guard(tmp_path, single):
+    run_ranks(w.ddp_worker, 2, str(tmp_path))
+    res = [json.loads((tmp_path / f"ddp{r}.json").read_text()) for r in range(2)]
+    ten = [torch.load(tmp_path / f"ddp{r}.pt", weights_only=True) for r in range(2)]
+    # training: both ranks hold the same weights, those of one process on the whole batch
+    assert _max_diff(ten[0]["params"], ten[1]["params"]) == 0.0
+    assert res[0]["changed"] == len(w.Plan.uniform(w.tiny(), w.FP8).fp8_sites()) > 0
+    diff = _max_diff(ten[0]["params"], single["params"])
+    assert diff < PARAM_ATOL, diff
+    for got, want in zip(res[0]["losses"], single["losses"]):
+        assert got == pytest.approx(want, rel=LOSS_RTOL)
+    # the bound is tight enough to mean something: high precision is farther away
+    hp = w.train_single(kernel=None)
+    assert _max_diff(hp["params"], single["params"]) > PARAM_ATOL
+    # plans: one fingerprint; the divergent one names rank 1
+    assert res[0]["fingerprint"] == res[1]["fingerprint"]
+    for r in res:
+        assert r["divergence"] is not None and "ranks [1]" in r["divergence"]
+    # Probe: sites named without the DDP prefix; statistics merged over both ranks' rows
+    assert "over_arch.mlp.0" in res[0]["sites"] and not any(s.startswith("module.")
+                                                             for s in res[0]["sites"])
+    assert res[0]["merged_rows"] == res[0]["local_rows"] + res[1]["local_rows"]
+    assert res[0]["merged_rows"] == res[1]["merged_rows"]
+    for key in ("mean", "var", "amax"):
+        assert torch.equal(ten[0][key], ten[1][key])
+    # Guard: NaN data on rank 1 only -> every rank skips; a site failing on rank 1 only
+    # -> every rank switches it and keeps the same plan
+    assert [r["nan_step_ok"] for r in res] == [False, False]
+    assert [r["flaky_step_ok"] for r in res] == [False, False]
+    assert [r["switched"] for r in res] == [["over_arch.mlp.2"]] * 2
+    assert res[0]["flaky_fingerprint"] == res[1]["flaky_fingerprint"]
+
+
+def test_fsdp2_trains_like_one_process_with_fp8_all_gather_at_half_the_bytes(tmp_path, single):
+    run_ranks(w.fsdp_worker, 2, str(tmp_path))
+    res = json.loads((tmp_path / "fsdp.json").read_text())
+    ten = torch.load(tmp_path / "fsdp.pt", weights_only=True)
+    # FP8 all-gather on every FP8 site whose rows split over 2 ranks
+    assert res["wrapped"]["layers.0.fmb.mlp.0"] == "fp8"
+    assert "is not rowwise FP8" in res["wrapped"]["over_arch.mlp.4"]  # fwd on bf16 (N = 1)
+    # apply before fully_shard (FP8 all-gather) and after it: both train as one process
+    for key in ("before", "after"):
+        diff = _max_diff(ten[f"params_{key}"], single["params"])
+        assert diff < PARAM_ATOL, (key, diff)
+        for got, want in zip(res[f"losses_{key}"], single["losses"]):
+            assert got == pytest.approx(want, rel=LOSS_RTOL)
+    assert "Linear" in res["linear_types"]  # loka.Linear under fully_shard
+    # the Probe and the Guard on the sharded model
+    assert res["merged_rows"] == 3 * w.BATCH
+    assert len(res["guarded"]) > 0
+    # fully_shard on each Linear itself: the Probe sees whole weights, then apply, Guard
+    assert res["per_linear_weight_exact"] and res["per_linear_rows"] == 2 * 16
+    assert res["per_linear_ok"] and res["per_linear_fp8"] and res["per_linear_back"]
+    # bytes: FP8 rows and their row scales vs bf16 parameters (3 layers 128x128)
+    bf16 = res["bytes_bf16"]
+    assert bf16 == res["gathers_bf16"] * 128 * 128 * 2 // 2
+    assert res["bytes_rowwise"] <= 0.55 * bf16
+    assert res["bytes_rowwise"] == res["gathers_rowwise"] * (64 * 128 + 64 * 4)
+    assert res["bytes_tensorwise"] == 0.5 * bf16
+    # the gathered FP8 weight is the forward kernel's quantization of the whole weight
+    # (initial weights, and after an optimizer step: the cached FP8 shards are renewed)
+    assert res["exact_rowwise"] == res["exact_tensorwise"] == [True, True]
+    assert res["grad_finite_rowwise"] and res["grad_finite_tensorwise"]
+    assert res["grad_dtype_rowwise"] == res["grad_dtype_tensorwise"] == "torch.float32"
+    # after precompute_fp8_scales the tensorwise all-gathers need no all-reduce of their own
+    assert res["all_reduces_tensorwise"] == 0 and res["all_reduces_rowwise"] == 0
+    assert res["all_reduces_unprecomputed_tensorwise"] > 0  # (the count can see them)
+    assert res["all_reduces_unprecomputed_rowwise"] == 0  # rowwise scales are local
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_on_4_ranks_loads_on_2(tmp_path):
+    ckpt, ref, got = tmp_path / "ckpt", tmp_path / "ref.pt", tmp_path / "got.pt"
+    run_ranks(w.ckpt_save_worker, 4, str(ckpt), str(ref))
+    assert (ckpt / "plan.json").is_file() and (ckpt / "probe_report.json").is_file()
+    run_ranks(w.ckpt_load_worker, 2, str(ckpt), str(got))
+    want = torch.load(ref, weights_only=True)
+    loaded = torch.load(got, weights_only=True)
+    assert want.keys() == loaded["params"].keys()
+    for k in want:
+        assert torch.equal(want[k], loaded["params"][k]), k
+    fresh = w.build_reference("wukong", "tiny", None, torch.device("cpu"), seed=5).state_dict()
+    assert any(not torch.equal(fresh[k], want[k]) for k in want)  # loading changed them
+    assert int(loaded["plan_sites"]) == len(w.Plan.uniform(w.tiny(), w.FP8).sites)
+    assert int(loaded["report_sites"]) == 1
