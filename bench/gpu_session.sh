@@ -7,9 +7,12 @@
 #
 #   OUT=/tmp/out LOKA_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_session.sh selftest bench
 #
-# Stages: env, selftest, gputests, kernels, inline, bench, fused, quality, probe, evalset. Extra
+# Stages: env, selftest, gputests, kernels, inline, bench, fused, quality, probe, evalset,
+# traced (bench/traced_check.py: compiled steps launch LoKA's Triton kernels from Inductor's
+# code; wall against GPU time), distributed (bench/distributed/run.py under torchrun on
+# DIST_GPUS GPUs). Extra
 # arguments for a stage come from the environment: BENCH_ARGS, KERNEL_ARGS, INLINE_ARGS,
-# FUSED_ARGS, QUALITY_ARGS, PROBE_ARGS, EVALSET_ARGS (bench/eval_set.py: the evaluation set
+# FUSED_ARGS, QUALITY_ARGS, PROBE_ARGS, TRACED_ARGS, DIST_ARGS, EVALSET_ARGS (bench/eval_set.py: the evaluation set
 # through the public path; its --time-budget-s should end inside EVALSET_LIMIT), GPUTEST_FILES (the test files gputests runs; by default those
 # with compiled Triton kernels, which the CPU suite runs only under the Triton interpreter).
 set -u
@@ -38,7 +41,8 @@ for s in "$@"; do
     selftest) stage selftest "${SELFTEST_LIMIT:-120}" python3 bench/gpu_selftest.py --out "$OUT/selftest.json" ;;
     gputests) stage gputests "${GPUTEST_LIMIT:-180}" python3 -m pytest -q -p no:cacheprovider -n 6 \
         --junitxml="$OUT/gputests.xml" ${GPUTEST_FILES:-tests/mods/test_fused.py \
-        tests/kernels/test_triton_quantize.py tests/kernels/test_triton_gemm.py tests/kernels/test_fp8_kernels.py} ;;
+        tests/kernels/test_triton_quantize.py tests/kernels/test_triton_gemm.py tests/kernels/test_fp8_kernels.py \
+        tests/kernels/test_adapters.py tests/integrations/test_torchao.py} ;;
     kernels) stage kernels "${KERNELS_LIMIT:-240}" python3 bench/bench_kernels.py --out "$OUT/kernels.json" ${KERNEL_ARGS:-} ;;
     bench) stage bench "${BENCH_LIMIT:-420}" python3 bench/run_all.py --device cuda --out "$OUT/bench.json" ${BENCH_ARGS:-} ;;
     inline) stage inline "${INLINE_LIMIT:-150}" python3 bench/bench_inline.py --out "$OUT/inline.json" ${INLINE_ARGS:-} ;;
@@ -46,6 +50,9 @@ for s in "$@"; do
     quality) stage quality "${QUALITY_LIMIT:-300}" python3 bench/quality_at_scale.py --out "$OUT/quality.json" ${QUALITY_ARGS:-} ;;
     probe) stage probe "${PROBE_LIMIT:-240}" python3 bench/bench_probe.py --out "$OUT/probe.json" ${PROBE_ARGS:-} ;;
     evalset) stage evalset "${EVALSET_LIMIT:-540}" python3 bench/eval_set.py --out "$OUT/eval_set.json" ${EVALSET_ARGS:-} ;;
+    traced) stage traced "${TRACED_LIMIT:-300}" python3 bench/traced_check.py --out "$OUT/traced.json" ${TRACED_ARGS:-} ;;
+    distributed) stage distributed "${DIST_LIMIT:-300}" torchrun --nproc_per_node "${DIST_GPUS:-1}" \
+        bench/distributed/run.py --preset paper --mods paper --out "$OUT/distributed.json" ${DIST_ARGS:-} ;;
     *) echo "unknown stage $s" | tee -a "$LOG" ;;
   esac
 done
