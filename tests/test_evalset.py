@@ -262,6 +262,13 @@ def test_eval_set_script_runs_on_the_cpu(tmp_path):
     assert 0 < lk["output_rel_err_vs_bf16"] < 0.15
     assert lk["vs_bf16"]["step"] == pytest.approx(bf16["step_ms"] / lk["step_ms"])
     assert doc["probes"][0]["probe_wall_s"] == lk["probe_wall_s"]
+    # the Probe's prediction beside the measurement: untimed on a CPU, so it predicts the
+    # bf16 step and lists every FP8 site-role as untimed
+    pred = lk["prediction"]
+    assert pred["baseline_step_ms"] == bf16["step_ms"] and pred["saved_ms"] == 0
+    assert len(pred["untimed"]) >= lk["fp8_sites"] and pred["measured_step_ms"] == lk["step_ms"]
+    assert pred["prediction_error"] == pytest.approx(lk["step_ms"] / bf16["step_ms"] - 1)
+    assert bf16["prediction"] is None and "_plan" not in lk
     for f in doc["probes"][0]["files"].values():   # the Probe's report and plans load back
         assert Path(f).exists()
     loka.Plan.load(doc["probes"][0]["files"]["plan_train"])

@@ -76,6 +76,7 @@ from ..config import ProbeConfig
 from ..dispatch import apply as apply_plan
 from ..dispatch import optimize as optimize_plan
 from ..dispatch import plan as make_plan
+from ..dispatch import predict_step
 from ..jsonio import atomic_write_text, json_safe
 from ..probe import ProbeReport
 from ..probe import probe as probe_model
@@ -327,7 +328,7 @@ def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch
         plan = case.plans[mode]
         applied = apply_plan(model, plan, inference=(mode == "serve"))
         chosen = fp8_sites(plan)
-        extra = {"probe_wall_s": case.probe_s, "plan": chosen,
+        extra = {"probe_wall_s": case.probe_s, "plan": chosen, "_plan": plan,
                  "apply_notes": list(getattr(applied, "notes", []) or []),
                  "probe_files": case.probe_files}
         return len(chosen), [], extra
@@ -346,7 +347,7 @@ def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch
             rounds=getattr(args, "optimize_rounds", 2))
         applied = apply_plan(model, result.plan, inference=(mode == "serve"))
         chosen = fp8_sites(result.plan)
-        extra = {"plan": chosen, "optimize_speedup": result.speedup,
+        extra = {"plan": chosen, "_plan": result.plan, "optimize_speedup": result.speedup,
                  "optimize_rounds": result.rounds, "optimize_trials": len(result.trials),
                  "untuned_fp8_sites": len(fp8_sites(result.untuned)), "timed": result.timed,
                  "apply_notes": list(getattr(applied, "notes", []) or [])}
@@ -472,6 +473,27 @@ def add_ratios(rows: List[dict], row: dict) -> None:
     row["vs_bf16"] = {"step": ratio(base["step_ms"], row["step_ms"]),
                       "gpu": ratio(base.get("gpu_ms"), row.get("gpu_ms")),
                       "peak_mem": ratio(row.get("peak_mem_gib"), base.get("peak_mem_gib"))}
+
+
+def add_prediction(rows: List[dict], row: dict, report) -> None:
+    """What the Probe's timings predicted for a LoKA row (``loka.dispatch.predict_step``
+    on the bf16 row's step), beside what was measured: ``prediction_error`` is measured
+    over predicted, less one (> 0: the step was slower than predicted)."""
+    plan = row.pop("_plan", None)
+    row["prediction"] = None
+    if plan is None or report is None or row["status"] != "ok":
+        return
+    base = next((r for r in rows if r["status"] == "ok" and r["variant"] == "bf16"
+                 and all(r[k] == row[k] for k in ("model", "batch_size", "mode", "graphs"))), None)
+    if base is None:
+        return
+    try:
+        pred = predict_step(plan, report, base["step_ms"], inference=row["mode"] == "serve")
+    except ValueError as e:
+        row["prediction"] = {"error": str(e)}
+        return
+    row["prediction"] = {**pred.to_dict(), "measured_step_ms": row["step_ms"],
+                         "prediction_error": row["step_ms"] / pred.predicted_step_ms - 1}
 
 
 def summarize(rows: List[dict]) -> List[dict]:
@@ -723,6 +745,7 @@ def main(argv, eval_set: "str | os.PathLike | types.ModuleType") -> int:
                         else:
                             row = run_row(case, variant, mode, graphs, args, device)
                         add_ratios(rows, row)
+                        add_prediction(rows, row, case.report)
                         rows.append(row)
                         write(args.out, env, rows, probes)
                         print(table([row]).splitlines()[-1], flush=True)

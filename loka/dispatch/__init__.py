@@ -8,8 +8,9 @@ One job per module, each importing only those before it: ``linear`` (``loka.Line
 ``schema`` (the plan as data and JSON), ``select`` (``plan``, ``audit``, ``override``),
 ``swap`` (``apply``, ``unapply``, ``check``), ``guard`` (the safety valve in training),
 ``tighten`` (the end-to-end accuracy budget), ``tune`` (whole-step speed:
-``tune_speed``, ``search_speed``) and ``optimize`` (Probe, plan and whole-step check in one
-call). Their public names are all here.
+``tune_speed``, ``search_speed``), ``optimize`` (Probe, plan and whole-step check in one
+call) and ``predict`` (the step a report's timings predict for a plan). Their public names
+are all here.
 """
 
 from .linear import Linear
@@ -21,9 +22,10 @@ from .guard import Guard, GuardEvent
 from .tighten import tighten_end_to_end
 from .tune import FUSIBLE_TWINS, search_speed, tune_speed
 from .optimize import OptimizeResult, optimize, step_timer
+from .predict import StepPrediction, predict_step
 
 __all__ = ["Linear", "Plan", "SitePlan", "RoleChoice", "Fallback", "PlanMismatchError", "plan",
            "audit", "budget_problem", "plan_report_mismatches", "override", "tighten_end_to_end", "tune_speed", "search_speed",
            "FUSIBLE_TWINS", "optimize", "OptimizeResult", "step_timer", "apply", "unapply",
            "check", "applied_plan", "skipped_sites", "ApplyReport", "Change", "amax_from_report", "Guard",
-           "GuardEvent"]
+           "GuardEvent", "StepPrediction", "predict_step"]
