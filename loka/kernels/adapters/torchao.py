@@ -42,6 +42,11 @@ _AO_OUT = (torch.bfloat16, torch.float16, torch.float32)
 def _cast(x: torch.Tensor, granularity: Granularity, operand: str, pow2: bool):
     """torchao's dynamic cast of one GEMM operand: (fp8 data, torchao scale)."""
     axiswise = granularity is Granularity.ROWWISE
+    if x.numel() == 0:  # torchao's amax of an empty tensor raises: an empty operand, scale 1
+        r, c = x.shape
+        shape = ((r, 1) if operand == "a" else (1, c)) if axiswise else ()
+        return (torch.empty(r, c, dtype=E4M3.dtype, device=x.device),
+                torch.ones(shape, dtype=torch.float32, device=x.device))
     # a float64 operand beyond float32's range saturates, as in LoKA's quantizers
     t = hp_tensor_to_float8_dynamic(
         saturate_float64(x), E4M3.dtype, LinearMMConfig(),

@@ -61,6 +61,16 @@ def rowwise_quant_kernel(x_ptr, q_ptr, scale_ptr, R, C, stride_xr, stride_xc,
                          FMT_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
                          SOFT_ROUND: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
     """One pass: rows ``[pid*BLOCK_R, +BLOCK_R)`` of x (R, C) -> q (R, C) row-major, scale (R,)."""
+    _quantize_rows(x_ptr, q_ptr, scale_ptr, R, C, stride_xr, stride_xc, FMT_MAX, MANT_BITS,
+                   MIN_EXP, SOFT_ROUND, BLOCK_C, BLOCK_R)
+
+
+@triton.jit
+def _quantize_rows(x_ptr, q_ptr, scale_ptr, R, C, stride_xr, stride_xc, FMT_MAX: tl.constexpr,
+                   MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, SOFT_ROUND: tl.constexpr,
+                   BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The program's rows of x quantized and stored; returns them (float32, rows past R
+    zero) and their columns, for a caller that reduces them further."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_C)
@@ -73,6 +83,7 @@ def rowwise_quant_kernel(x_ptr, q_ptr, scale_ptr, R, C, stride_xr, stride_xc,
                         x_ptr.dtype.element_ty != tl.float32)
     tl.store(q_ptr + r64 * C + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + rows, scale, mask=rows < R)
+    return x, cols
 
 
 @autotune(configs=[triton.Config({"BLOCK_R": r}, num_warps=w)
@@ -86,18 +97,8 @@ def rowwise_dual_kernel(x_ptr, q_ptr, scale_ptr, colmax_ptr, R, C, stride_xr, st
     the program's rows, folded into ``colmax`` (C,) as int32 bits by atomic max (the bits of
     a non-negative float order as the float does; NaN is the largest): stage 1 of the
     transposed operand's quantization, with no read of its own."""
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.arange(0, BLOCK_C)
-    mask = (rows[:, None] < R) & (cols[None, :] < C)
-    r64 = rows[:, None].to(tl.int64)
-    x = tl.load(x_ptr + r64 * stride_xr + cols[None, :] * stride_xc, mask=mask, other=0.0)
-    x = x.to(tl.float32)
-    scale = amax_to_scale(abs_amax(x, 1), FMT_MAX, SOFT_ROUND)
-    y = scale_and_clamp(x, scale[:, None], FMT_MAX, MANT_BITS, MIN_EXP, SOFT_ROUND,
-                        x_ptr.dtype.element_ty != tl.float32)
-    tl.store(q_ptr + r64 * C + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + rows, scale, mask=rows < R)
+    x, cols = _quantize_rows(x_ptr, q_ptr, scale_ptr, R, C, stride_xr, stride_xc, FMT_MAX,
+                             MANT_BITS, MIN_EXP, SOFT_ROUND, BLOCK_C, BLOCK_R)
     col = abs_amax(x, 0)  # rows past R were loaded as 0
     bits = tl.where(col != col, _NAN_BITS, col.to(tl.int32, bitcast=True))
     tl.atomic_max(colmax_ptr + cols, bits, mask=cols < C)
