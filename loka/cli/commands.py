@@ -35,7 +35,7 @@ from ..jsonio import atomic_write_text, json_safe
 from ..kernels import capabilities, registry
 from ..probe import probe
 from ..probe.report import ProbeReport
-from ..quality import paired_check
+from ..quality import ne_budget, paired_check
 from ..reporting import text_plan, text_report, write_html, write_markdown, write_tensorboard
 from ..reporting.tables import format_table
 from ..train import (CHECKPOINT_NAME, CheckpointError, EmptyEvaluationError, PlanChangedError,
@@ -330,6 +330,15 @@ def cmd_quality(args) -> int:
         return _named_model(args, seed)[0]
 
     scale = args.logit_scale
+    if args.max_ne_change is not None:
+        if args.control or scale != 1.0:
+            raise usage("--max-ne-change holds a plan to an NE budget: it takes neither "
+                        "--control nor --logit-scale")
+        if not (math.isfinite(args.max_ne_change) and args.max_ne_change > 0):
+            raise usage(f"--max-ne-change {args.max_ne_change}: expected a finite number > 0",
+                        "2e-4 is 0.02% relative NE")
+        return _quality_budget(args, plan, build, train_data, eval_data, seeds, device, weights,
+                               None if data.kind == "synthetic" else eval_steps, desc)
     arm = "control" if args.control else "paired"
     print(f"quality check ({arm}) of {desc} on {args.data}: {args.steps} steps per arm, "
           f"seeds {','.join(map(str, seeds))}, plan {args.plan or 'none'}, {device}")
@@ -349,6 +358,33 @@ def cmd_quality(args) -> int:
               "(criteo:TRAIN,EVAL names a held-out one)")
     result.save(args.out)
     print(f"wrote {args.out}")
+    return EXIT_OK
+
+
+def _quality_budget(args, plan, build, train_data, eval_data, seeds, device, weights,
+                    eval_steps, desc) -> int:
+    """``loka quality --max-ne-change``: the plan's costliest FP8 site-roles back to the
+    baseline until the paired check holds (:func:`loka.quality.ne_budget`)."""
+    print(f"NE budget of {args.plan} on {desc}: relative NE change <= {args.max_ne_change:.4%} "
+          f"({args.steps} steps per arm, seeds {','.join(map(str, seeds))}, {device})")
+    result = ne_budget(plan, build, train_data, eval_data, max_ne_change=args.max_ne_change,
+                       steps=args.steps, seeds=seeds, lr=args.lr, device=device,
+                       initial_state=weights, eval_steps=eval_steps,
+                       confidence=args.confidence, cost_steps=args.cost_steps,
+                       progress=lambda line: print(f"  {line}"))
+    for c in result.costs:
+        back = " (moved back)" if f"{c.site}:{c.role}" in result.moved_back else ""
+        print(f"  {c.site} {c.role}: {c.kernel}, NE cost {c.cost:.3e}{back}")
+    print(result.plan.notes[-1])
+    result.plan.save(args.plan_out)
+    if result.quality is not None:
+        result.quality.meta.update(model=desc, data=args.data, plan=args.plan_out,
+                                   max_ne_change=args.max_ne_change)
+        print(result.quality.summary())
+        result.quality.save(args.out)
+        print(f"wrote {args.plan_out} and {args.out}")
+    else:
+        print(f"wrote {args.plan_out} (every site-role on the baseline: no check to write)")
     return EXIT_OK
 
 

@@ -121,6 +121,7 @@ an evaluation file (the second of criteo:TRAIN,EVAL) is read exactly once unless
     "quality": """examples:
   loka quality --plan plan.json --steps 300 --seeds 0,1,2 -o quality.json
   loka quality --plan plan.json --control               # the plan against itself: exactly 0
+  loka quality --plan plan.json --seeds 0,1,2 --max-ne-change 2e-4 --plan-out plan.ne.json
   loka quality --plan plan.json --checkpoint runs/w/checkpoint.pt --data criteo:train.tsv,test.tsv
 
 both arms start from the same weights and train on the same batches with the same RNG
@@ -268,6 +269,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logit-scale", type=float, default=1.0,
                    help="test hook: multiply the plan arm's evaluation logits by this "
                         "(a perturbation of known size; 1: none)")
+    p.add_argument("--max-ne-change", type=positive(float, "--max-ne-change", 0), default=None,
+                   help="NE budget: move the plan's costliest FP8 site-roles back to the "
+                        "baseline until the upper bound of the relative NE change is at most "
+                        "this (2e-4: 0.02%%); writes the plan to --plan-out")
+    p.add_argument("--plan-out", default="plan.ne.json",
+                   help="where --max-ne-change writes the plan within the budget")
+    p.add_argument("--cost-steps", type=positive(int, "--cost-steps", 0), default=None,
+                   help="training steps of each site-role's cost arm (default: min(--steps, 20))")
     p.add_argument("-o", "--out", default="quality.json", help="the JSON result to write")
     _skip_bad_lines(p)
 

@@ -118,7 +118,8 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
              forward: Optional[Callable[[nn.Module, object], object]] = None,
              compile: bool = True, compile_mode: Optional[str] = None,
              max_trials: int = 16, rounds: int = 3, steps: int = 10, warmup: int = 3,
-             progress: Optional[Callable[[str], None]] = None) -> OptimizeResult:
+             progress: Optional[Callable[[str], None]] = None,
+             refine: Optional[Callable[[Plan], Plan]] = None) -> OptimizeResult:
     """Probe ``model`` on ``batches``, plan, and keep only what makes its step faster.
 
     Args:
@@ -140,6 +141,9 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
         rounds: final A/B rounds (baseline, then plan, each timed afresh); the plan is kept
             only if it is faster in every round.
         progress: called with one line per stage.
+        refine: ``refine(plan) -> plan``, applied to the report's plan before any
+            whole-step timing (which then only moves more sites back): e.g. an NE budget,
+            ``lambda p: loka.quality.ne_budget(p, ...).plan``.
 
     Returns:
         An :class:`OptimizeResult`; ``result.plan.budget["optimize"]`` records the rounds.
@@ -164,12 +168,17 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     untuned = make_plan(report, max_error=max_error, min_speedup=min_speedup,
                         allowed_kernels=allowed_kernels, inference=inference, assume_fast=True)
     say(f"plan from the report: {len(untuned.fp8_sites())} FP8 site(s)")
-    result = OptimizeResult(plan=untuned.copy(), report=report, untuned=untuned, timed=timed)
+    start = untuned if refine is None else refine(untuned.copy())
+    if refine is not None:
+        if not isinstance(start, Plan):
+            raise TypeError(f"refine must return a Plan, got {type(start).__name__}")
+        say(f"refined: {len(start.fp8_sites())} FP8 site(s)")
+    result = OptimizeResult(plan=start.copy(), report=report, untuned=untuned, timed=timed)
     if not timed:
         result.plan.notes.append("optimize: not timed (no GPU and no time_step): the plan is "
                                  "made on error alone and may be slower than none")
         return result
-    if not untuned.fp8_sites():
+    if not start.fp8_sites():
         result.plan.notes.append("optimize: the report's plan has no FP8 site; nothing to time")
         return result
     if time_step is None:
@@ -178,7 +187,7 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
                                warmup=warmup)
 
     say(f"timing whole steps (at most {max_trials})")
-    tuned, log = tune_speed(untuned, model, time_step, inference=inference, twins=FUSIBLE_TWINS,
+    tuned, log = tune_speed(start, model, time_step, inference=inference, twins=FUSIBLE_TWINS,
                             report=report, max_trials=max_trials)
     result.trials = log
     if tuned.fp8_sites():

@@ -9,12 +9,12 @@ The JSON layout (schema ``loka.plan``, version :data:`SCHEMA_VERSION`)::
 
     {"schema": "loka.plan", "version": 1, "created": ISO-8601, "device": "cuda:0",
      "budget": {DispatchConfig fields, "assume_fast", "inference", "allowed_kernels",
-                "max_output_change"},
+                "max_output_change", "max_ne_change", "ne_budget"},
      "source": {"report_created", "report_device", "device_name", "torch"},
      "notes": [str, ...],
      "sites": {fqn: {"name", "in_features", "out_features", "tokens",
                      "roles": {"fwd"|"dgrad"|"wgrad": {"kernel", "error", "error_mean",
-                               "speedup", "budget", "reason"}}}},
+                               "speedup", "budget", "reason", ["ne_cost"]}}}},
      "fallbacks": [{"site", "step", "reason", "previous": {"fwd", "dgrad", "wgrad"}}]}
 """
 
@@ -60,11 +60,17 @@ class RoleChoice:
     budget: Optional[float] = None
     """the error budget that applied to this role at this site"""
     reason: str = ""
+    ne_cost: Optional[float] = None
+    """the measured cost of this role's FP8 kernel in relative NE (``loka.quality.ne_budget``;
+    None: not measured). Written to JSON only when set, so plans without it are unchanged."""
 
     def to_dict(self) -> dict:
-        return {"kernel": self.kernel, "error": encode_number(self.error),
-                "error_mean": encode_number(self.error_mean), "speedup": encode_number(self.speedup),
-                "budget": encode_number(self.budget), "reason": self.reason}
+        out = {"kernel": self.kernel, "error": encode_number(self.error),
+               "error_mean": encode_number(self.error_mean), "speedup": encode_number(self.speedup),
+               "budget": encode_number(self.budget), "reason": self.reason}
+        if self.ne_cost is not None:
+            out["ne_cost"] = encode_number(self.ne_cost)
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping, where: str = "role choice") -> "RoleChoice":
@@ -74,7 +80,7 @@ class RoleChoice:
                               f"{str(d['kernel'])[:60]!r}")
         return cls(d["kernel"], *(field_number(d, k, where) for k in
                                   ("error", "error_mean", "speedup", "budget")),
-                   field_str(d, "reason", where, ""))
+                   field_str(d, "reason", where, ""), field_number(d, "ne_cost", where))
 
 
 @dataclass
@@ -332,7 +338,8 @@ _METRICS = ("mere", "relfro", "neg_sqnr")
 _BUDGET_FIELDS = {"max_error": "number", "min_speedup": "number", "metric": "string",
                   "baseline": "string", "assume_fast": "bool", "inference": "bool",
                   "role_budgets": "numbers", "site_budgets": "numbers",
-                  "allowed_kernels": "names", "uniform": "names-by-role"}
+                  "allowed_kernels": "names", "uniform": "names-by-role",
+                  "max_ne_change": "number"}
 """the fields of a plan's ``budget`` LoKA reads, and their JSON types (others are kept)"""
 
 

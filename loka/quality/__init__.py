@@ -1,7 +1,11 @@
 """The paired quality check (``check``): a baseline arm and a plan arm trained on identical
 terms, scored on the same held-out examples, their relative NE and AUC changes given with
-intervals over examples and seeds (``stats``)."""
+intervals over examples and seeds (``stats``); the NE budget (``budget``): a plan's
+costliest FP8 site-roles moved back to the baseline until the paired check holds."""
 
+from .budget import (DEFAULT_MAX_NE_CHANGE, NEBudgetResult, PairedArms, SiteRoleCost,
+                     fp8_site_roles, ne_budget, only, second_order_cost, site_role_costs,
+                     without)
 from .check import (SCHEMA, SCHEMA_VERSION, QualityResult, SeedResult, deterministic,
                     paired_check, predict)
 from .stats import (bootstrap_ratio_interval, example_log_losses, paired_auc, ratio_interval,
@@ -9,4 +13,6 @@ from .stats import (bootstrap_ratio_interval, example_log_losses, paired_auc, ra
 
 __all__ = ["paired_check", "QualityResult", "SeedResult", "predict", "deterministic",
            "SCHEMA", "SCHEMA_VERSION", "example_log_losses", "ratio_interval",
-           "bootstrap_ratio_interval", "paired_auc", "t_interval", "t_quantile", "z_quantile"]
+           "bootstrap_ratio_interval", "paired_auc", "t_interval", "t_quantile", "z_quantile",
+           "ne_budget", "NEBudgetResult", "PairedArms", "SiteRoleCost", "site_role_costs",
+           "second_order_cost", "fp8_site_roles", "only", "without", "DEFAULT_MAX_NE_CHANGE"]

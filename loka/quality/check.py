@@ -62,7 +62,6 @@ class deterministic:
         torch.set_rng_state(self._rng)
 
 
-@torch.no_grad()
 @dataclass
 class SeedResult:
     """One seed's paired comparison. Changes are plan minus baseline; NE changes are

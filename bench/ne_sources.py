@@ -1,0 +1,341 @@
+#!/usr/bin/env python3
+"""Where does a plan's NE go? And does the NE budget's cost rank site-roles the way the
+paired check does?
+
+``--mode sources`` (item 3 of the NE work): on the synthetic stream, a reference model
+(``loka.assembly.build_reference``) trains in a baseline arm and in one arm per uniform
+FP8 configuration, every arm paired with the same baseline (``loka.quality.PairedArms``:
+same weights, batches, RNG, evaluation examples). The arms split the NE by its sources:
+forward only, input gradient (dgrad) only, weight gradient (wgrad) only; e4m3 against e5m2
+for the gradients; rowwise against tensorwise against blockwise scaling; every Linear
+against all but the last Linear (and all but the last block). Each arm gives the paired
+relative NE change (mean over seeds, its interval over examples and over seeds) and its
+second-order NE cost (``loka.quality.second_order_cost``), the lower-noise view. Fast
+accumulation is a cuBLAS/Triton flag of CUDA tensor cores: with ``--device cuda`` the
+script adds the ``*-fastacc`` arms, on the CPU it records them as not measurable.
+
+``--mode budget``: the calibration of the NE budget's cost. Per FP8 site-role of a plan
+made by the Probe and ``loka.plan`` (``--assume-fast``, emulated rowwise E4M3 on the
+CPU), the cost measured alone (``loka.quality.site_role_costs``); then per group of
+site-roles (each site, each role kind) the paired check, and the Spearman rank
+correlation between the groups' summed costs and, from the paired check's own arms, their
+second-order cost and their paired change; then ``loka.quality.ne_budget`` on the plan at
+``--max-ne-change`` (``--interval``: the interval whose upper end is held to it).
+
+    OMP_NUM_THREADS=1 PYTHONPATH=. python bench/ne_sources.py --mode sources \\
+        --out bench/results/ne_sources_cpu.json
+    OMP_NUM_THREADS=1 PYTHONPATH=. python bench/ne_sources.py --mode budget \\
+        --models wukong:tiny --steps 300 --eval-batches 128 \\
+        --out bench/results/ne_budget_cpu.json
+    # on a GPU (the fast-accumulation arms run there; paper scale):
+    PYTHONPATH=. python bench/ne_sources.py --mode sources --device cuda \\
+        --models wukong:paper --batch-size 4096 --steps 2000 --out ne_sources_h200.json
+    PYTHONPATH=. python bench/ne_sources.py --mode budget --device cuda \\
+        --models wukong:paper --batch-size 4096 --steps 2000 --plan-kernel cublas-rowwise \\
+        --out ne_budget_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+
+import numpy as np
+import torch
+
+from loka.assembly import build_reference
+from loka.config import BASELINE, ROLES, LinearConfig, ProbeConfig, Role
+from loka.data import SyntheticCTR
+from loka.dispatch import Plan, plan as make_plan
+from loka.jsonio import atomic_write_text, json_safe
+from loka.probe import probe
+from loka.quality import (PairedArms, QualityResult, fp8_site_roles, ne_budget,
+                          site_role_costs, without)
+from loka.train import loss_fn
+
+RW, RW5 = "emulated-rowwise-e4m3", "emulated-rowwise-e5m2"
+TW, TW5 = "emulated-tensorwise-e4m3", "emulated-tensorwise-e5m2"
+BW = "emulated-blockwise-e4m3"
+B = BASELINE
+
+ARMS = {  # name -> (fwd, dgrad, wgrad) on every Linear that fits
+    "rowwise e4m3, every role": (RW, RW, RW),
+    "rowwise e4m3, fwd only": (RW, B, B),
+    "rowwise e4m3, dgrad only": (B, RW, B),
+    "rowwise e4m3, wgrad only": (B, B, RW),
+    "rowwise, e5m2 gradients": (RW, RW5, RW5),
+    "tensorwise e4m3, every role": (TW, TW, TW),
+    "tensorwise, e5m2 gradients": (TW, TW5, TW5),
+    "blockwise e4m3, every role": (BW, BW, BW),
+}
+EXCEPT = {  # name -> which Linears stay on the baseline, with rowwise e4m3 elsewhere
+    "rowwise e4m3, all but the last Linear": "last",
+    "rowwise e4m3, all but the last block": "block",
+}
+GPU_ARMS = {
+    "cublas rowwise, every role": ("cublas-rowwise",) * 3,
+    "cublas rowwise fastacc, every role": ("cublas-rowwise-fastacc",) * 3,
+    "cublas rowwise fastacc fwd, exact accumulation gradients":
+        ("cublas-rowwise-fastacc", "cublas-rowwise", "cublas-rowwise"),
+}
+
+
+def linears(model):
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+
+
+def summarize(result, cost) -> dict:
+    """The paired check's figures and the second-order cost of one arm."""
+    seeds_iv = result.rel_ne_seeds
+    return {"rel_ne_change": result.rel_ne_change,
+            "rel_ne_examples": list(result.rel_ne_examples),
+            "rel_ne_seeds": None if seeds_iv is None else list(seeds_iv),
+            "per_seed": [s.rel_ne_change for s in result.seeds],
+            "auc_change": result.auc_change, "second_order_cost": cost,
+            "fallbacks": sum(s.fallbacks for s in result.seeds)}
+
+
+def terms(name, preset, args, device):
+    def build(seed):
+        return build_reference(name, preset, None, device, seed=seed, table_rows=args.table_rows)
+
+    spec = build(0).feature_spec
+    held = SyntheticCTR(spec, args.eval_batch, seed=10_000)
+
+    def train_data(seed):
+        return SyntheticCTR(spec, args.batch_size, seed=seed)
+
+    def eval_data():
+        return (held.batch(i) for i in range(args.eval_batches))
+    return build, train_data, eval_data
+
+
+def source_plans(model, device) -> tuple:
+    """``({arm: plan}, {what could not be measured: why})`` of the sources study."""
+    names = linears(model)
+    last = names[-1]
+    block = last.rsplit(".", 1)[0] + "." if "." in last else last
+    todo, missing = dict(ARMS), {}
+    if device.type == "cuda":
+        todo.update(GPU_ARMS)
+    else:
+        missing["fast accumulation"] = (
+            "cuBLAS/Triton fast accumulation exists on CUDA tensor cores only; run with "
+            "--device cuda for the *-fastacc arms")
+    plans = {arm: Plan.uniform(model, LinearConfig(*cfg), device=device)
+             for arm, cfg in todo.items()}
+    for arm, which in EXCEPT.items():
+        keep = (lambda s: s != last) if which == "last" else (lambda s: not s.startswith(block))
+        p = Plan.uniform(model, LinearConfig(RW, RW, RW), device=device)
+        plans[arm] = without(p, [(s, r) for s, r in fp8_site_roles(p) if not keep(s)],
+                             f"{arm}: on the baseline")
+    for arm in list(plans):
+        if not fp8_site_roles(plans[arm]):
+            missing[arm] = "no Linear of this model fits the kernel's alignment"
+            del plans[arm]
+    return plans, missing
+
+
+def low_noise(name, preset, args, device, out) -> None:
+    """Add to each arm of ``out`` the views with less training noise: the second-order cost
+    after ``--cost-steps`` steps (the NE budget's cost), and the serving change: each seed's
+    trained baseline served with the arm's forward kernels (``steps=0`` from its weights)."""
+    build, train_data, eval_data = terms(name, preset, args, device)
+    plans, _ = source_plans(build(0), device)
+    short = PairedArms(build, train_data, eval_data, steps=args.cost_steps, seeds=args.seeds,
+                       lr=args.lr, device=device)
+    full = PairedArms(build, train_data, eval_data, steps=args.steps, seeds=args.seeds,
+                      lr=args.lr, device=device, keep_states=True)
+    served = {seed: None for seed in args.seeds}
+    for seed in args.seeds:
+        full.scored(None, seed)
+        served[seed] = PairedArms(build, train_data, eval_data, steps=0, seeds=(seed,),
+                                  lr=args.lr, device=device,
+                                  initial_state=full.baseline_states[seed])
+    for arm, p in plans.items():
+        row = out["arms"].setdefault(arm, {})
+        row["short_cost"], row["short_change"] = short.cost(p)
+        if any(r is Role.FWD for _, r in fp8_site_roles(p)):
+            per_seed = [served[s].check(p).seeds[0] for s in args.seeds]
+            result = QualityResult(seeds=per_seed, steps=0, confidence=0.95, control=False)
+            row["served"] = summarize(result, math.fsum(served[s].cost(p)[0] for s in
+                                                        args.seeds) / len(args.seeds))
+        lo, hi = row.get("served", {}).get("rel_ne_examples", (math.nan, math.nan))
+        print(f"  {arm:45s} short cost {row['short_cost']:.2e}  served "
+              f"{row.get('served', {}).get('rel_ne_change', math.nan):+.4%} "
+              f"[{lo:+.4%}, {hi:+.4%}]", flush=True)
+
+
+def sources(name, preset, args, device) -> dict:
+    build, train_data, eval_data = terms(name, preset, args, device)
+    model = build(0)
+    arms = PairedArms(build, train_data, eval_data, steps=args.steps, seeds=args.seeds,
+                      lr=args.lr, device=device)
+    names = linears(model)
+    plans, missing = source_plans(model, device)
+    out = {"linears": names, "arms": {}, "not_measured": missing,
+           "site_roles_total": 3 * len(names)}
+    for arm, p in plans.items():
+        t0 = time.time()
+        result = arms.check(p)
+        cost, _ = arms.cost(p)
+        row = summarize(result, cost)
+        row["fp8_site_roles"] = len(fp8_site_roles(p))
+        row["fp8_sites"] = len(p.fp8_sites())
+        row["seconds"] = round(time.time() - t0, 1)
+        out["arms"][arm] = row
+        lo, hi = row["rel_ne_examples"]
+        print(f"  {arm:45s} {row['fp8_site_roles']:3d} roles  {row['rel_ne_change']:+.4%} "
+              f"[{lo:+.4%}, {hi:+.4%}]  cost {cost:.2e}  ({row['seconds']} s)", flush=True)
+    return out
+
+
+def spearman(x, y) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+    def ranks(v):
+        v = np.asarray(v, np.float64)
+        order = np.argsort(v, kind="mergesort")
+        r = np.empty(v.size)
+        r[order] = np.arange(1, v.size + 1)
+        for val in np.unique(v):
+            r[v == val] = r[v == val].mean()
+        return r
+    rx, ry = ranks(x), ranks(y)
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+def budget(name, preset, args, device) -> dict:
+    build, train_data, eval_data = terms(name, preset, args, device)
+    model = build(0)
+    stream = train_data(0)
+    batches = [stream.batch(i) for i in range(8)]
+    report = probe(model, batches, loss_fn,
+                   config=ProbeConfig(every_n_steps=1, num_samples=16, timing=False,
+                                      kernels=("bf16", args.plan_kernel)))
+    plan = make_plan(report, max_error=args.max_error, assume_fast=True)
+    pairs = fp8_site_roles(plan)
+    print(f"  plan: {len(plan.fp8_sites())} FP8 sites, {len(pairs)} FP8 site-roles", flush=True)
+    cost_arms = PairedArms(build, train_data, eval_data, steps=args.cost_steps,
+                           seeds=args.cost_seeds, lr=args.lr, device=device)
+    t0 = time.time()
+    costs = site_role_costs(plan, cost_arms)
+    cost_s = time.time() - t0
+    known = {(c.site, c.role): c.cost for c in costs}
+    for c in costs:
+        print(f"    {c.site:28s} {c.role:5s} cost {c.cost:.3e}  change {c.rel_ne_change:+.4%}",
+              flush=True)
+    # groups: each FP8 site (its FP8 roles), each role kind (every site)
+    groups = {}
+    for site in plan.fp8_sites():
+        groups[f"site {site}"] = [(s, r) for s, r in pairs if s == site]
+    for role in ROLES:
+        groups[f"role {role.value}"] = [(s, r) for s, r in pairs if r is role]
+    arms = PairedArms(build, train_data, eval_data, steps=args.steps, seeds=args.seeds,
+                      lr=args.lr, device=device)
+    rows = {}
+    for g, members in groups.items():
+        if not members:
+            continue
+        keep = set(members)
+        p = without(plan, [x for x in pairs if x not in keep], f"{g} only")
+        result = arms.check(p)
+        cost, _ = arms.cost(p)
+        row = summarize(result, cost)
+        row["proxy"] = math.fsum(known[(s, r.value)] for s, r in members)
+        row["site_roles"] = [f"{s}:{r.value}" for s, r in members]
+        rows[g] = row
+        print(f"  {g:34s} proxy {row['proxy']:.2e}  cost {cost:.2e}  change "
+              f"{row['rel_ne_change']:+.4%}", flush=True)
+    names = list(rows)
+    proxy = [rows[g]["proxy"] for g in names]
+    calib = {"groups": len(names),
+             "spearman_proxy_vs_cost": spearman(proxy, [rows[g]["second_order_cost"]
+                                                        for g in names]),
+             "spearman_proxy_vs_change": spearman(proxy, [rows[g]["rel_ne_change"]
+                                                          for g in names]),
+             "spearman_proxy_vs_abs_change": spearman(proxy, [abs(rows[g]["rel_ne_change"])
+                                                              for g in names])}
+    print(f"  calibration: {calib}", flush=True)
+    t0 = time.time()
+    result = ne_budget(plan, build, train_data, eval_data, max_ne_change=args.max_ne_change,
+                       steps=args.steps, seeds=args.seeds, lr=args.lr, device=device,
+                       costs=costs, interval=args.interval,
+                       progress=lambda line: print(f"    {line}", flush=True))
+    budget_s = time.time() - t0
+    kept = len(fp8_site_roles(result.plan))
+    print(f"  NE budget {args.max_ne_change:.4%}: kept {kept} of {len(pairs)}; change "
+          f"{result.rel_ne_change:+.4%}, upper {result.upper:+.4%}", flush=True)
+    return {"plan_fp8_sites": len(plan.fp8_sites()), "plan_fp8_site_roles": len(pairs),
+            "costs": [c.__dict__ for c in costs], "cost_seconds": round(cost_s, 1),
+            "groups": rows, "calibration": calib,
+            "budget": {"max_ne_change": args.max_ne_change, "interval": args.interval,
+                       "kept_site_roles": kept, "moved_back": result.moved_back,
+                       "checks": result.checks, "rel_ne_change": result.rel_ne_change,
+                       "upper": result.upper, "seconds": round(budget_s, 1),
+                       "quality": None if result.quality is None
+                       else summarize(result.quality, None)}}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mode", choices=("sources", "budget"), default="sources")
+    p.add_argument("--low-noise", action="store_true",
+                   help="--mode sources: add to --out (an earlier sources run) each arm's "
+                        "short-horizon cost and its serving change")
+    p.add_argument("--models", default="wukong:small,dcnv2:small",
+                   help="name:preset[,name:preset]")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--eval-batch", type=int, default=1024)
+    p.add_argument("--eval-batches", type=int, default=64)
+    p.add_argument("--table-rows", type=int, default=100)
+    p.add_argument("--cost-steps", type=int, default=20)
+    p.add_argument("--cost-seeds", default="0")
+    p.add_argument("--max-error", type=float, default=0.2)
+    p.add_argument("--max-ne-change", type=float, default=2e-4)
+    p.add_argument("--interval", default="auto", choices=("auto", "seeds", "examples"))
+    p.add_argument("--plan-kernel", default=RW,
+                   help="--mode budget: the FP8 kernel the Probe measures and the plan uses "
+                        "(cublas-rowwise on a GPU)")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    args.seeds = tuple(int(s) for s in args.seeds.split(","))
+    args.cost_seeds = tuple(int(s) for s in args.cost_seeds.split(","))
+    device = torch.device(args.device)
+    t0 = time.time()
+    out = {"schema": f"loka.bench.ne_{args.mode}", "version": 1,
+           "env": {"torch": torch.__version__, "python": platform.python_version(),
+                   "device": str(device), "threads": torch.get_num_threads()},
+           "config": {k: v for k, v in vars(args).items() if k != "out"},
+           "command": "python bench/ne_sources.py " + " ".join(sys.argv[1:] if argv is None
+                                                                else argv),
+           "models": {}}
+    if args.low_noise:
+        with open(args.out) as f:
+            out = json.load(f)
+        out["low_noise_command"] = ("python bench/ne_sources.py "
+                                    + " ".join(sys.argv[1:] if argv is None else argv))
+    for spec in args.models.split(","):
+        name, preset = spec.split(":")
+        print(f"{name} {preset}", flush=True)
+        if args.low_noise:
+            low_noise(name, preset, args, device, out["models"][spec])
+        else:
+            run = sources if args.mode == "sources" else budget
+            out["models"][spec] = run(name, preset, args, device)
+        atomic_write_text(args.out, json.dumps(json_safe(out), indent=1, allow_nan=False))
+    out["seconds" if not args.low_noise else "low_noise_seconds"] = round(time.time() - t0, 1)
+    atomic_write_text(args.out, json.dumps(json_safe(out), indent=1, allow_nan=False))
+    print(f"wrote {args.out} ({round(time.time() - t0, 1)} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
