@@ -70,14 +70,19 @@ def import_factory(spec: str):
 
 
 def build_model(spec: str, preset: str, mods: Optional[ModsConfig], features=None,
-                seed: int = 0) -> Tuple[nn.Module, str]:
+                seed: int = 0, tables: str = "torch") -> Tuple[nn.Module, str]:
     """A reference model ``spec`` at ``preset`` or the module returned by ``module:factory()``,
-    with ``mods`` applied; ``features`` replaces a reference preset's FeatureSpec.
+    with ``mods`` applied; ``features`` replaces a reference preset's FeatureSpec; ``tables``
+    ('torch' or 'torchrec') is how a reference model holds its embedding tables.
 
     Returns:
         ``(model, description)``.
     """
     torch.manual_seed(seed)
+    if ":" in spec and tables != "torch":
+        raise AssemblyError(f"--tables {tables} builds a reference model's tables; model "
+                            f"{spec!r} is your own", "build its tables as you want them in "
+                            "your factory", usage=True)
     if ":" in spec:
         factory = import_factory(spec)
         try:
@@ -101,7 +106,12 @@ def build_model(spec: str, preset: str, mods: Optional[ModsConfig], features=Non
         raise AssemblyError(f"unknown preset {preset!r} for {spec}", f"presets: {', '.join(presets)}",
                             usage=True)
     overrides = {} if features is None else {"features": features}
-    return models.build(spec, preset, mods=mods, **overrides), f"{spec}/{preset}"
+    try:
+        model = models.build(spec, preset, mods=mods, tables=tables, **overrides)
+    except ImportError as e:  # torchrec tables without torchrec
+        raise AssemblyError(f"--tables {tables}: {e}", "pip install 'loka[torchrec]' (see the "
+                            "README's optional dependencies)") from None
+    return model, f"{spec}/{preset}" + ("" if tables == "torch" else f" ({tables} tables)")
 
 
 def capped_features(features: FeatureSpec, table_rows: Optional[int]) -> FeatureSpec:

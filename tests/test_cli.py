@@ -27,7 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Changing the CLI is a decision: update this literal with it (torchtitan's frozen-CLI test).
 COMMON = ["--debug", "--device"]
 SURFACE = {
-    "apply": COMMON + ["--check", "--data", "--inference", "--model", "--mods", "--preset",
+    "apply": COMMON + ["--check", "--data", "--inference", "--model", "--mods", "--tables", "--preset",
                        "<plan>"],
     "audit": COMMON + ["--json", "<plan>", "<report>"],
     "bench": COMMON + ["--batch-size", "--batch-sizes", "--eval-args", "--eval-set",
@@ -38,29 +38,29 @@ SURFACE = {
     "demo": COMMON + ["--batch-size", "--max-error", "--model", "--out", "--preset",
                       "--probe-steps", "--quick", "--seed", "--steps"],
     "evaluate": COMMON + ["--batch-size", "--checkpoint", "--data", "--eval-steps", "--model",
-                          "--mods", "--out", "--plan", "--preset", "--seed", "--skip-bad-lines",
+                          "--mods", "--tables", "--out", "--plan", "--preset", "--seed", "--skip-bad-lines",
                           "-o"],
     "kernels": COMMON + ["--json"],
     "optimize": COMMON + ["--batch-size", "--checkpoint", "--compile-mode", "--data", "--inference",
-                          "--kernels", "--max-error", "--max-trials", "--min-speedup", "--mods",
+                          "--kernels", "--max-error", "--max-trials", "--min-speedup", "--mods", "--tables",
                           "--no-compile", "--num-samples", "--out", "--preset", "--report",
                           "--rounds", "--seed", "--skip-bad-lines", "--steps", "-o", "<model>"],
     "plan": COMMON + ["--assign", "--assume-fast", "--kernels", "--max-error", "--metric",
                       "--min-speedup", "--out", "--replace", "--role-budget", "--site-budget", "-o", "<report>"],
     "probe": COMMON + ["--batch-size", "--bootstrap", "--checkpoint", "--data", "--every-n-steps",
-                       "--kernels", "--lr", "--max-error", "--min-speedup", "--mods",
+                       "--kernels", "--lr", "--max-error", "--min-speedup", "--mods", "--tables",
                        "--module-filter", "--no-naive", "--no-timing", "--num-samples", "--out",
                        "--preset", "--roles", "--sample-rows", "--seed", "--skip-bad-lines",
                        "--source", "--steps", "-o", "<model>"],
     "quality": COMMON + ["--batch-size", "--bootstrap", "--checkpoint", "--confidence",
                          "--control", "--cost-steps", "--data", "--eval-steps", "--logit-scale",
-                         "--lr", "--max-ne-change", "--model", "--mods", "--out", "--plan",
+                         "--lr", "--max-ne-change", "--model", "--mods", "--tables", "--out", "--plan",
                          "--plan-out", "--preset", "--seeds", "--skip-bad-lines", "--steps",
                          "-o"],
     "report": COMMON + ["--curves", "--html", "--markdown", "--metric", "--tensorboard",
                         "--title", "<files>"],
     "train": COMMON + ["--batch-size", "--checkpoint-every", "--data", "--eval-every",
-                       "--eval-steps", "--lr", "--model", "--mods", "--out", "--plan", "--preset",
+                       "--eval-steps", "--lr", "--model", "--mods", "--tables", "--out", "--plan", "--preset",
                        "--resume", "--seed", "--skip-bad-lines", "--steps"],
 }
 TOP = ["--debug", "--device", "--version"]
@@ -94,7 +94,7 @@ REQUIRED = {"apply": ["PLAN"], "audit": ["PLAN", "REPORT"], "plan": ["REPORT"], 
             "probe": ["MODEL"], "report": ["FILE"]}
 DEFAULTS = {
     "apply": {"check": False, "data": "synthetic", "inference": False, "model": "wukong",
-              "mods": "none", "plan": "PLAN", "preset": "tiny"},
+              "mods": "none", "tables": "torch", "plan": "PLAN", "preset": "tiny"},
     "audit": {"json": False, "plan": "PLAN", "report": "REPORT"},
     "bench": {"batch_size": None, "batch_sizes": None, "eval_args": "", "eval_set": None,
               "infer_variants": None, "max_error": 0.2,
@@ -105,12 +105,12 @@ DEFAULTS = {
     "demo": {"batch_size": None, "max_error": 0.2, "model": "wukong", "out": "./loka-demo",
              "preset": None, "probe_steps": None, "quick": False, "seed": 0, "steps": None},
     "evaluate": {"batch_size": None, "checkpoint": "CKPT", "data": "synthetic", "eval_steps": None,
-                 "model": "wukong", "mods": "none", "out": None, "plan": None, "preset": "tiny",
+                 "model": "wukong", "mods": "none", "tables": "torch", "out": None, "plan": None, "preset": "tiny",
                  "seed": 0, "skip_bad_lines": False},
     "kernels": {"json": False},
     "optimize": {"batch_size": None, "checkpoint": None, "compile_mode": None, "data": "synthetic",
                  "inference": False, "kernels": None, "max_error": 0.2, "max_trials": 16,
-                 "min_speedup": 1.05, "model": "MODEL", "mods": "none", "no_compile": False,
+                 "min_speedup": 1.05, "model": "MODEL", "mods": "none", "tables": "torch", "no_compile": False,
                  "num_samples": 16, "out": "plan.json", "preset": "tiny", "report": None,
                  "rounds": 3, "seed": 0, "skip_bad_lines": False, "steps": 8},
     "plan": {"assign": [], "assume_fast": False, "kernels": None, "max_error": 0.2,
@@ -118,19 +118,19 @@ DEFAULTS = {
              "report": "REPORT", "role_budget": None, "site_budget": None},
     "probe": {"batch_size": None, "bootstrap": 1000, "checkpoint": None, "data": "synthetic",
               "every_n_steps": 5, "kernels": None, "lr": 0.001, "max_error": 0.2,
-              "min_speedup": 1.05, "model": "MODEL", "mods": "none", "module_filter": None,
+              "min_speedup": 1.05, "model": "MODEL", "mods": "none", "tables": "torch", "module_filter": None,
               "no_naive": False, "no_timing": False, "num_samples": 64, "out": "report.json",
               "preset": "tiny", "roles": None, "sample_rows": None, "seed": 0,
               "skip_bad_lines": False, "source": "learned", "steps": 20},
     "quality": {"batch_size": None, "bootstrap": 0, "checkpoint": None, "confidence": 0.95,
                 "control": False, "cost_steps": None, "data": "synthetic", "eval_steps": None,
                 "logit_scale": 1.0, "lr": 0.001, "max_ne_change": None, "model": "wukong",
-                "mods": "none", "out": "quality.json", "plan": None, "plan_out": "plan.ne.json",
+                "mods": "none", "tables": "torch", "out": "quality.json", "plan": None, "plan_out": "plan.ne.json",
                 "preset": "tiny", "seeds": "0", "skip_bad_lines": False, "steps": 100},
     "report": {"curves": None, "files": ["FILE"], "html": None, "markdown": None,
                "metric": "mere", "tensorboard": None, "title": "LoKA report"},
     "train": {"batch_size": None, "checkpoint_every": 0, "data": "synthetic", "eval_every": 0,
-              "eval_steps": None, "lr": 0.001, "model": "wukong", "mods": "none",
+              "eval_steps": None, "lr": 0.001, "model": "wukong", "mods": "none", "tables": "torch",
               "out": "runs/loka", "plan": None, "preset": "tiny", "resume": False, "seed": 0,
               "skip_bad_lines": False, "steps": 200},
 }
@@ -394,6 +394,33 @@ def test_probe_and_plan_files(workflow):
     assert plan.budget["role_budgets"] == {"wgrad": 0.5} and plan.budget["assume_fast"] is True
     kernels = {sp.kernel(r) for sp in plan.sites.values() for r in ("fwd", "dgrad", "wgrad")}
     assert "emulated-rowwise-e4m3" in kernels  # FP8 where the budget allows, on error only
+
+
+def test_a_reference_model_with_torchrec_tables_is_probed_and_its_plan_applies(workflow,
+                                                                                tmp_path, capsys):
+    """``--tables torchrec``: the same model with its tables in one torchrec
+    EmbeddingBagCollection; LoKA acts on the same dense Linears, by the same names, so the
+    plan made on the default tables applies to it."""
+    pytest.importorskip("torchrec", reason="torchrec is not installed (README: optional "
+                                           "dependencies)")
+    report = tmp_path / "report.json"
+    code = cli.main(["probe", "wukong", "--preset", "tiny", "--tables", "torchrec", "--steps", "2",
+                     "--every-n-steps", "1", "--batch-size", "64", "--num-samples", "2",
+                     "--sample-rows", "32", "--bootstrap", "10", "--no-naive", "--no-timing",
+                     "--kernels", "bf16,emulated-rowwise-e4m3", "--device", "cpu", "-o", str(report)])
+    assert code == 0
+    rep = ProbeReport.load(report)
+    assert rep.meta["model"] == "wukong/tiny (torchrec tables)"
+    assert set(rep.sites) == set(ProbeReport.load(workflow / "report.json").sites)
+    code, out, _ = run(["apply", "--check", str(workflow / "plan.json"), "--model", "wukong",
+                        "--preset", "tiny", "--tables", "torchrec", "--device", "cpu"], capsys)
+    assert code == 0 and "fits wukong/tiny (torchrec tables)" in out
+    assert "nothing was modified" in out and "swap" in out
+
+
+def test_torchrec_tables_are_refused_for_your_own_model(capsys):
+    code, _, err = run(["probe", "os.path:join", "--tables", "torchrec", "--device", "cpu"], capsys)
+    assert code == 2 and "is your own" in err and len(err.strip().splitlines()) <= 2
 
 
 def test_apply_check_touches_nothing(workflow, capsys):

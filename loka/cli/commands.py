@@ -410,7 +410,8 @@ def _named_model(args, seed: int):
     mods = parse_mods(args.mods)
     data = parse_data(args.data)
     features = criteo_features(args.model, args.preset) if data.kind == "criteo" else None
-    model, desc = build_model(args.model, args.preset, mods, features, seed)
+    model, desc = build_model(args.model, args.preset, mods, features, seed,
+                              tables=getattr(args, "tables", "torch"))
     return model, desc, mods, data
 
 

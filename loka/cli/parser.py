@@ -93,6 +93,9 @@ def _model_args(p: argparse.ArgumentParser, positional: bool = False) -> None:
     p.add_argument("--data", default="synthetic",
                    help="synthetic, or criteo:TRAIN.tsv[,EVAL.tsv] (criteo:sample: the "
                         "shipped sample)")
+    p.add_argument("--tables", default="torch", choices=("torch", "torchrec"),
+                   help="a reference model's embedding tables: torch (nn.EmbeddingBag) or "
+                        "torchrec (one EmbeddingBagCollection; needs loka[torchrec])")
 
 
 EPILOGS = {
