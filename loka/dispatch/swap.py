@@ -86,7 +86,8 @@ class ApplyReport:
 
 def root_module(model: nn.Module) -> Tuple[nn.Module, bool]:
     """The module to edit, and whether ``model`` is a torch.compile wrapper (looking
-    through ``DistributedDataParallel`` and compile wrappers, in any order)."""
+    through ``DistributedDataParallel``, torchrec's ``DistributedModelParallel`` and compile
+    wrappers, in any order)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
     compiled = False
@@ -96,6 +97,8 @@ def root_module(model: nn.Module) -> Tuple[nn.Module, bool]:
             model, compiled = orig, True
         elif isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
+        elif isinstance(getattr(model, "_dmp_wrapped_module", None), nn.Module):
+            model = model._dmp_wrapped_module  # torchrec's DistributedModelParallel
         else:
             return model, compiled
 

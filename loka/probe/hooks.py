@@ -36,9 +36,11 @@ from .stats import SiteStats
 
 __all__ = ["SiteCollector", "WRAPPER_NAMES", "canonical_name", "full_weight"]
 
-WRAPPER_NAMES = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+WRAPPER_NAMES = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module",
+                 "_dmp_wrapped_module")
 """module names that wrappers insert anywhere in a qualified name (torch.compile, FSDP1,
-activation checkpointing); ``DistributedDataParallel`` adds a leading ``module``"""
+activation checkpointing, torchrec's ``DistributedModelParallel``);
+``DistributedDataParallel`` adds a leading ``module``"""
 
 
 def full_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -206,7 +206,9 @@ DMP_SCRIPT = textwrap.dedent("""
     wrapped = [n for n, m in dmp.named_modules() if isinstance(m, torch.nn.Linear)]
     inner = unwrap(dmp)
     probe_sites = sorted(loka.Probe(inner, loka.ProbeConfig(kernels=("bf16",)))._hooks.sites)
-    report = loka.apply(inner, plan)
+    # and on the wrapper itself: the same names, and the plan applies through it
+    direct_sites = sorted(loka.Probe(dmp, loka.ProbeConfig(kernels=("bf16",)))._hooks.sites)
+    report = loka.apply(dmp, plan)
     data = SyntheticCTR(spec, 32, seed=1).torchrec()
     losses = []
     opt = torch.optim.SGD(dmp.parameters(), lr=0.05)
@@ -215,6 +217,7 @@ DMP_SCRIPT = textwrap.dedent("""
         losses.append(float(loss.detach()))
     print("RESULT " + json.dumps(dict(
         wrapped=wrapped, canon=[site_name(n) for n in wrapped], probe=probe_sites,
+        direct=direct_sites,
         changed=sorted(report.changed),
         loka=sorted(n for n, m in dmp.named_modules() if isinstance(m, loka.Linear)),
         finite=all(math.isfinite(v) for v in losses))))
@@ -224,8 +227,9 @@ DMP_SCRIPT = textwrap.dedent("""
 
 def test_distributed_model_parallel_keeps_site_names(tmp_path):
     """torchrec's DistributedModelParallel on the CPU (gloo, one rank, in a fresh process):
-    LoKA given ``unwrap(dmp)`` sees the unwrapped model's site names, a plan made on the
-    plain model applies, and the wrapped model trains with loka.Linear inside."""
+    LoKA sees the unwrapped model's site names, given ``unwrap(dmp)`` or the wrapper
+    itself; a plan made on the plain model applies through the wrapper, and the wrapped
+    model trains with loka.Linear inside."""
     script = tmp_path / "dmp.py"
     script.write_text(DMP_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
     port = str(29500 + os.getpid() % 2000)
@@ -236,7 +240,7 @@ def test_distributed_model_parallel_keeps_site_names(tmp_path):
     out = json.loads(line[len("RESULT "):])
     sites = ["dense", "over.0", "over.2", "over.4"]
     assert out["wrapped"] == [f"_dmp_wrapped_module.module.{s}" for s in sites]
-    assert out["canon"] == sites and sorted(out["probe"]) == sites
+    assert out["canon"] == sites and sorted(out["probe"]) == sites == out["direct"]
     assert out["changed"] == ["over.0", "over.2", "over.4"]  # dense: K = 4 fits no FP8 kernel
     assert out["loka"] == [f"_dmp_wrapped_module.module.{s}" for s in sites[1:]]
     assert out["finite"] is True
