@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 PACKAGES = ("loka", "loka.numerics", "loka.kernels", "loka.probe", "loka.dispatch", "loka.mods",
-            "loka.models", "loka.data")
+            "loka.models", "loka.data", "loka.quality", "loka.distributed", "loka.integrations")
 LAZY = {"loka": ("Probe", "probe", "ProbeReport", "SiteReport", "plan", "Plan", "apply",
                  "unapply")}
 SKIP = {"__version__"}
