@@ -102,6 +102,31 @@ def test_a_planned_linear_training_step_launches_kernels_and_dispatches_no_op(na
     assert fw_kernels >= 2 and bw_kernels >= 2  # at least the quantization launches
 
 
+def test_a_rowwise_linear_reads_each_tensor_twice_for_both_of_its_layouts():
+    """x, W and dy are each quantized for both of their layouts by the two-layout quantizer
+    (one fused pass and one cast of the transpose), and dy needs no transposed copy: the
+    forward launches two pairs and the GEMM, the backward one pair and two GEMMs."""
+    from torch import nn
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    import loka
+
+    lin = loka.Linear.from_linear(nn.Linear(256, 384, bias=False).bfloat16(),
+                                  loka.LinearConfig.uniform("triton-rowwise"))
+    x = torch.randn(512, 256, dtype=torch.bfloat16, requires_grad=True)
+    fw, bw = _graphs(lambda t: lin(t).float().sum(), x)
+
+    def names(gm):
+        return [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__
+                for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target)]
+
+    pair = ["rowwise_dual_kernel", "rowwise_cast_split_kernel"]
+    assert names(fw) == pair + pair + ["rowwise_gemm_kernel"]
+    assert names(bw) == pair + ["rowwise_gemm_kernel"] * 2
+    assert not any(str(n.target) == "aten.clone.default" for n in bw.graph.nodes
+                   if n.op == "call_function"), bw.code
+
+
 def test_the_triton_op_is_still_one_op_outside_compilation():
     """Eager calls go to the kernels directly (no HOP); the op stays registered for the
     cases that call it by name (``torch.ops.loka.triton_quantize``)."""
