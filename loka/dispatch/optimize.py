@@ -27,6 +27,7 @@ from ..config import ProbeConfig
 from ..probe import probe
 from ..probe.report import ProbeReport
 from ..timing import time_steps
+from .predict import predict_step
 from .schema import Plan
 from .select import plan as make_plan
 from .swap import apply, restore_on_exit, root_module, unapply
@@ -132,7 +133,8 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
         config: the Probe's settings (default :class:`~loka.ProbeConfig`).
         report: a Probe report of this model made before: the Probe is not run again.
         max_error, min_speedup, allowed_kernels: passed to :func:`loka.plan`.
-        time_step: ``time_step(model) -> time`` of the caller's own; default
+        time_step: ``time_step(model) -> ms`` of the caller's own (milliseconds, as the
+            report's savings are subtracted from it for ``predicted_speedup``); default
             :func:`step_timer` on the first batch (on CUDA only: without a GPU and without
             a ``time_step`` the plan is made on error alone and is not timed).
         forward: ``forward(model, batch)`` for serving steps (default ``model(batch)``).
@@ -146,7 +148,10 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
             ``lambda p: loka.quality.ne_budget(p, ...).plan``.
 
     Returns:
-        An :class:`OptimizeResult`; ``result.plan.budget["optimize"]`` records the rounds.
+        An :class:`OptimizeResult`; ``result.plan.budget["optimize"]`` records the rounds,
+        the measured speedup and ``predicted_speedup``, what the report's isolated GEMM
+        timings predicted for the plan that was timed (:func:`~loka.dispatch.predict_step`),
+        so every run measures how far the step is from the sum of its GEMMs.
     """
     if rounds < 1:
         raise ValueError(f"optimize needs rounds >= 1, got {rounds}")
@@ -190,17 +195,25 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     tuned, log = tune_speed(start, model, time_step, inference=inference, twins=FUSIBLE_TWINS,
                             report=report, max_trials=max_trials)
     result.trials = log
+    predicted = None
     if tuned.fp8_sites():
         say(f"confirming {len(tuned.fp8_sites())} FP8 site(s) against the baseline "
             f"in {rounds} A/B round(s)")
         result.rounds = _ab_rounds(model, tuned, time_step, inference, rounds)
+        # what the report's GEMM timings predicted for the plan that was timed
+        base_ms = statistics.median(r["baseline"] for r in result.rounds)
+        try:
+            predicted = predict_step(tuned, report, base_ms, inference=inference).speedup
+        except ValueError:  # no positive step, or savings the step cannot hold
+            predicted = None
         if not all(r["plan"] < r["baseline"] for r in result.rounds):
             tuned = on_baseline(tuned, tuned.fp8_sites(), "optimize: the plan's step was not "
                                 "faster than the baseline's in every A/B round")
             tuned.notes.append("optimize: the plan did not beat the baseline in every A/B round; "
                                "every site is on the baseline")
     tuned.budget["optimize"] = {"rounds": result.rounds, "trials": len(log),
-                                "speedup": _finite(result.speedup)}
+                                "speedup": _finite(result.speedup),
+                                "predicted_speedup": _finite(predicted)}
     result.plan = tuned
     say(f"kept {len(tuned.fp8_sites())} FP8 site(s)"
         + (f", step {result.speedup:.3f}x of the baseline" if result.speedup else ""))

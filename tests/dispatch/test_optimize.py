@@ -68,6 +68,11 @@ def test_a_plan_that_pays_is_kept_after_winning_every_round():
                for r in result.rounds)
     assert result.speedup == pytest.approx(10.0 / (10.0 - len(kept)))
     assert result.plan.budget["optimize"]["speedup"] == pytest.approx(result.speedup)
+    # beside it, what the report's isolated GEMM timings predicted for the same plan
+    from loka.dispatch import predict_step
+    want = predict_step(result.plan, result.report, 10.0)
+    assert result.plan.budget["optimize"]["predicted_speedup"] == pytest.approx(want.speedup)
+    assert want.per_role_us or want.untimed  # every FP8 site-role is accounted for
     assert not any(isinstance(m, Linear) for m in model.modules())
 
 
