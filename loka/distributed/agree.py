@@ -46,14 +46,21 @@ def _src_global(src: int, group) -> int:
 
 def broadcast_plan(plan: Optional[Plan], src: int = 0, group=None) -> Plan:
     """Rank ``src``'s plan on every rank (as JSON: what every rank gets is what
-    ``Plan.from_dict`` validates). Other ranks may pass None."""
+    ``Plan.from_dict`` validates). Other ranks may pass None; if rank ``src`` passes no
+    Plan, every rank raises TypeError."""
     rank, size = world(group)
+    bad = None
     if rank == src and not isinstance(plan, Plan):
-        raise TypeError(f"broadcast_plan: rank {src} must pass a loka.Plan, got {type(plan).__name__}")
+        bad = f"broadcast_plan: rank {src} must pass a loka.Plan, got {type(plan).__name__}"
     if size == 1:
+        if bad is not None:
+            raise TypeError(bad)
         return plan
-    box = [json.dumps(plan.to_dict()) if rank == src else None]
+    # the error travels with the broadcast: every rank raises it instead of waiting
+    box = [json.dumps(plan.to_dict()) if rank == src and bad is None else None, bad]
     dist.broadcast_object_list(box, src=_src_global(src, group), group=group)
+    if box[1] is not None:
+        raise TypeError(box[1])
     return Plan.from_dict(json.loads(box[0]))
 
 
@@ -73,8 +80,9 @@ def plan_once(make: Callable[[], Plan], src: int = 0, group=None) -> Plan:
         if error is not None:
             raise error
         return plan
+    first = (str(error).strip().splitlines() or [""])[0] if error is not None else ""
     box = [json.dumps(plan.to_dict()) if plan is not None else None,
-           None if error is None else f"{type(error).__name__}: {error}"]
+           None if error is None else f"{type(error).__name__}: {first}"]  # one line
     dist.broadcast_object_list(box, src=_src_global(src, group), group=group)
     if box[1] is not None:
         if error is not None:
@@ -97,15 +105,24 @@ def _site_kernels(plan: Plan) -> Dict[str, dict]:
 
 def check_same_plan(plan: Plan, group=None) -> None:
     """Raise :class:`PlanDivergenceError` unless every rank of ``group`` holds this same
-    plan; the error names the ranks that differ from rank 0 and a few sites where."""
-    if not isinstance(plan, Plan):
-        raise TypeError(f"check_same_plan needs a loka.Plan, got {type(plan).__name__}")
+    plan; the error names the ranks that differ from rank 0 and a few sites where. A rank
+    that passes something else raises TypeError, and every other rank this error."""
+    bad = None if isinstance(plan, Plan) else \
+        f"check_same_plan needs a loka.Plan, got {type(plan).__name__}"
     rank, size = world(group)
     if size == 1:
+        if bad is not None:
+            raise TypeError(bad)
         return
-    mine = (plan_fingerprint(plan), _site_kernels(plan))
+    # a rank without a plan still joins the gather, so that no rank waits for it
+    mine = None if bad is not None else (plan_fingerprint(plan), _site_kernels(plan))
     gathered: List = [None] * size
     dist.all_gather_object(gathered, mine, group=group)
+    if bad is not None:
+        raise TypeError(bad)
+    missing = [r for r, g in enumerate(gathered) if g is None]
+    if missing:
+        raise PlanDivergenceError(f"ranks {missing} passed no loka.Plan to check_same_plan")
     ref_print, ref_sites = gathered[0]
     differ = [r for r, (fp, _) in enumerate(gathered) if fp != ref_print]
     if not differ:
@@ -125,7 +142,8 @@ def reduce_probe(probe: Probe, group=None) -> Probe:
     """Merge every rank's Probe statistics into each rank's ``probe`` (in place): each
     rank saw its own rows, and after this every rank holds the statistics of all of them,
     merged in rank order, so that all ranks hold the same numbers. Weight models are
-    rank 0's (the ranks' weights are the same)."""
+    rank 0's (the ranks' weights are the same); operand rows captured for
+    ``source='captured'`` stay each rank's own."""
     rank, size = world(group)
     if size == 1:
         return probe
@@ -146,7 +164,11 @@ def reduce_probe(probe: Probe, group=None) -> Probe:
         for r in range(1, size):
             merged.merge(gathered[r][name])
         merged.name = name
+        own = probe.sites[name]
         probe.sites[name] = merged.to(device)
+        # operand rows captured for source='captured' do not travel: keep this rank's own
+        probe.sites[name].captured_x, probe.sites[name].captured_dy = own.captured_x, \
+            own.captured_dy
     return probe
 
 

@@ -18,6 +18,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
@@ -29,7 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from ..dispatch import Plan
 from ..probe import ProbeReport
-from .agree import world
+from .agree import collective_device, world
 from .fp8_gather import FP8GatherWeight, weights_changed
 
 __all__ = ["save", "load", "Loaded", "PLAN_FILE", "REPORT_FILE"]
@@ -64,15 +65,11 @@ def _plain(value):
     return value
 
 
-def _barrier() -> None:
-    if world()[1] > 1:
-        dist.barrier()
-
-
 def save(path: "str | os.PathLike", model: nn.Module, optimizer=None, *,
          plan: Optional[Plan] = None, report: Optional[ProbeReport] = None) -> pathlib.Path:
     """Save ``model`` (and ``optimizer``) as a DCP checkpoint at the directory ``path``,
-    with ``plan`` and ``report`` beside it. A collective: every rank calls it."""
+    with ``plan`` and ``report`` beside it. A collective: every rank calls it, and every
+    rank raises when rank 0 cannot write the plan or the report."""
     path = pathlib.Path(path)
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan must be a loka.Plan, got {type(plan).__name__}")
@@ -84,12 +81,25 @@ def save(path: "str | os.PathLike", model: nn.Module, optimizer=None, *,
     state = _plain(state)
     with _quiet_single_process():
         dcp.save(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
-    if world()[0] == 0:
-        if plan is not None:
-            plan.save(path / PLAN_FILE)
-        if report is not None:
-            report.save(path / REPORT_FILE)
-    _barrier()
+    rank, size = world()
+    error = None
+    if rank == 0:
+        try:
+            if plan is not None:
+                plan.save(path / PLAN_FILE)
+            if report is not None:
+                report.save(path / REPORT_FILE)
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            error = e
+    if size > 1:  # rank 0's outcome reaches every rank: none waits for a rank that failed
+        failed = torch.tensor([0.0 if error is None else 1.0], device=collective_device())
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        dist.barrier()  # the last collective, as before (a destroy_process_group may follow)
+        if failed.item() > 0 and error is None:
+            raise RuntimeError(f"rank 0 could not write the plan or report beside the "
+                               f"checkpoint at {path} (rank 0 raised why)")
+    if error is not None:
+        raise error
     return path
 
 

@@ -275,14 +275,17 @@ def precompute_fp8_scales(model: nn.Module) -> int:
         w = getattr(mod, "weight", None) if isinstance(mod, Linear) else None
         local = _fp8_local(w) if w is not None else None
         if local is not None and local.scaling == "tensorwise":
-            shards.append((local, getattr(w, "device_mesh", None)))
+            shards.append((local, w))
     if not shards:
         return 0
     amax = torch.stack([(s._tensor.abs().amax() if s._tensor.numel()
                          else s._tensor.new_zeros(())).float() for s, _ in shards])
-    mesh = shards[0][1]
-    if mesh is not None and mesh.size() > 1:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
+    mesh = getattr(shards[0][1], "device_mesh", None)
+    # over the mesh dimensions that shard the weights (HSDP: not the replicating one),
+    # as FSDP's all-gather does
+    for dim, placement in enumerate(getattr(shards[0][1], "placements", ())):
+        if placement.is_shard() and mesh.size(dim) > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
     for (s, _), a in zip(shards, amax):
         s._amax = (_GENERATION[0], a)
     return len(shards)
@@ -307,7 +310,10 @@ def _wait(result, device: torch.device) -> None:
 
 @contextlib.contextmanager
 def count_all_gather(timed: bool = False) -> Iterator[CollectiveBytes]:
-    """Count the input bytes of every all-gather of this process (FSDP2's included).
+    """Count the input bytes of every ``torch.distributed`` all-gather into one tensor
+    (``all_gather_into_tensor``, ``all_gather_single``) of this process: FSDP2's
+    all-gathers (functional collectives, such as a DTensor's ``full_tensor()``, are not
+    counted).
 
     ``timed``: also time each all-gather to its end (it waits for the collective and the
     device, so it serializes the step: time steps apart from counted ones)."""

@@ -7,8 +7,9 @@ it is parallelized), and ``post_optimizer_hook(model)``, called after every opti
 :class:`PlanConverter` is such a converter whose module swap is ``loka.apply(model,
 plan)``: it slots in where a float8 converter would, and a framework that lists converters
 by name can register it under one. Models torchao already converted are turned back first
-(:func:`~loka.integrations.torchao.from_torchao`), so the two converters can be stacked in
-either order with LoKA's plan deciding.
+(:func:`~loka.integrations.torchao.from_torchao`), so it may follow torchao's float8
+converter with LoKA's plan deciding; it must not precede it (torchao's converter would turn
+LoKA's Linears, which are ``nn.Linear`` too, into its own).
 """
 
 from __future__ import annotations

@@ -58,6 +58,7 @@ _TORCHAO_FLOAT8 = ("Float8Linear",)
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
                "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+               "_is_full_backward_hook",  # without it, full backward hooks never run
                "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
                "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 
@@ -91,7 +92,9 @@ def from_torchao(model: nn.Module) -> Dict[str, Any]:
 
     The new Linear holds the same ``weight`` and ``bias`` Parameter objects and the same
     hooks and instance attributes, so optimizers, ``state_dict`` keys and site names are
-    unchanged. A module shared under several names is replaced once, under all of them.
+    unchanged. (A weight torchao wrapped for its FP8 all-gather, ``enable_fsdp_float8_all_gather``,
+    becomes a new Parameter around its high-precision tensor: build the optimizer after.)
+    A module shared under several names is replaced once, under all of them.
 
     Args:
         model: a model (or its ``torch.compile`` wrapper) converted by torchao.
@@ -308,7 +311,9 @@ def _inference_config(kern) -> Optional[Any]:
     from torchao.float8.inference import Float8MMConfig
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor
 
-    act, weight = (_FORMAT_DTYPES.get(f, torch.float8_e4m3fn) for f in kern.formats)
+    if any(f not in _FORMAT_DTYPES for f in kern.formats):
+        return None  # not torchao's formats (say e4m3fnuz): not served as e4m3 either
+    act, weight = (_FORMAT_DTYPES[f] for f in kern.formats)
     scaling = str(kern.scaling)
     if scaling == "rowwise":
         gran: Any = PerRow()

@@ -348,9 +348,9 @@ def ne_budget(plan: Plan, build_model: Callable[[int], nn.Module],
     why = (f"NE budget: moved back to keep the paired relative NE change <= "
            f"{max_ne_change:.4%} ({interval} interval upper bound)")
     out = without(plan, moved, why, known)
-    for (site, role), cost in known.items():
+    for site, role in pairs:  # costs given for site-roles this plan lacks are not recorded
         if (site, role) not in moved and role in out.sites[site].roles:
-            out.sites[site].roles[role].ne_cost = cost
+            out.sites[site].roles[role].ne_cost = known[(site, role)]
     final = results.get(k)
     change = 0.0 if final is None else final.rel_ne_change
     upper = 0.0 if final is None else _upper(final, interval)

@@ -73,6 +73,10 @@ def _flaky(a, b, out_dtype):
 _FLAKY = {"on": False}
 
 
+def _no_plan():
+    raise ValueError("no report\n(a second line)")
+
+
 # -- DDP ---------------------------------------------------------------------------------
 def ddp_worker(rank, world, out):
     out = Path(out)
@@ -88,7 +92,7 @@ def ddp_worker(rank, world, out):
     assert sorted(wrapped_plan.sites)[0].startswith("module."), sorted(wrapped_plan.sites)
     assert loka.dispatch.check(model, wrapped_plan) is not None
     # the Probe on the wrapped model, its statistics merged over the ranks
-    probe = loka.Probe(ddp, ProbeConfig(every_n_steps=1, progress=False))
+    probe = loka.Probe(ddp, ProbeConfig(every_n_steps=1, progress=False, source="captured"))
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     losses = []
     with probe:
@@ -100,11 +104,14 @@ def ddp_worker(rank, world, out):
             losses.append(_mean_loss(loss))
     site = "over_arch.mlp.0"
     local_rows = probe.sites[site].act.moments.count
+    captured = probe.sites[site].captured_x
     ld.reduce_probe(probe)
     stats = probe.sites[site].act
+    # operand rows captured for source='captured' stay this rank's own
+    captured_kept = captured is not None and probe.sites[site].captured_x is captured
     result = {"changed": len(report.changed), "losses": losses, "local_rows": local_rows,
               "merged_rows": stats.moments.count, "sites": sorted(probe.sites),
-              "fingerprint": ld.plan_fingerprint(plan)}
+              "fingerprint": ld.plan_fingerprint(plan), "captured_kept": captured_kept}
     tensors = {"params": full_params(model), "mean": stats.moments.mean.clone(),
                "var": stats.moments.variance().clone(), "amax": stats.range.channel_amax.clone()}
     # a plan that differs on rank 1 is caught, naming rank 1
@@ -116,6 +123,15 @@ def ddp_worker(rank, world, out):
         result["divergence"] = None
     except ld.PlanDivergenceError as e:
         result["divergence"] = str(e)
+    # a rank passing no plan: every rank raises (none waits in the collective)
+    for key, call in (("bad_broadcast", lambda: ld.broadcast_plan(plan if rank else None)),
+                      ("bad_check", lambda: ld.check_same_plan(None if rank else plan)),
+                      ("bad_make", lambda: ld.plan_once(_no_plan))):
+        try:
+            call()
+            result[key] = None
+        except (TypeError, ValueError, RuntimeError) as e:
+            result[key] = f"{type(e).__name__}: {e}"
     # the Guard: a non-finite batch on rank 1 only makes every rank skip the update
     guard = Guard(ddp, plan, check_every=1, agreement=ld.RankAgreement())
     batch = ld.shard_batch(global_batches(model, 1, seed=7)[0])
@@ -305,6 +321,31 @@ def _count_bytes(world):
     return res
 
 
+def hsdp_worker(rank, world, out):
+    """Tensorwise FP8 all-gather under HSDP (a 2-D mesh: 2 replicas of 2 shards): the
+    precomputed scales reduce over the shard dimension, as FSDP's all-gather does."""
+    import copy
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(1)
+    model = nn.Sequential(*[nn.Linear(64, 64, bias=False) for _ in range(2)])
+    loka.apply(model, Plan.uniform(model, "emulated-tensorwise-e4m3"))
+    ref = copy.deepcopy(model)  # the same FP8 model, unsharded
+    wrapped = ld.fp8_all_gather(model, "tensorwise", world_size=2)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
+    precomputed = ld.precompute_fp8_scales(model)
+    with _count_all_reduce() as reduces:
+        y = model(x)
+    result = {"wrapped": wrapped, "precomputed": precomputed, "all_reduces": reduces[0],
+              "same_as_unsharded": bool(torch.equal(y, ref(x)))}
+    if rank == 0:
+        (Path(out) / "hsdp.json").write_text(json.dumps(result))
+
+
 class _count_all_reduce:
     """Count dist.all_reduce calls (the tensorwise amax after precompute_fp8_scales: none)."""
 
@@ -357,6 +398,17 @@ def ckpt_load_worker(rank, world, path, out_file):
         torch.save({"params": full,
                     "plan_sites": torch.tensor(len(loaded.plan.sites)),
                     "report_sites": torch.tensor(len(loaded.report.sites))}, out_file)
+
+
+def ckpt_unwritable_plan_worker(rank, world, path, out):
+    """rank 0 cannot write plan.json (a directory holds the name): every rank raises."""
+    model = nn.Sequential(nn.Linear(32, 32))
+    try:
+        ld.save(path, model, plan=Plan.uniform(model, FP8))
+        msg = None
+    except Exception as e:  # noqa: BLE001 - recorded for the test
+        msg = f"{type(e).__name__}: {e}"
+    (Path(out) / f"save{rank}.json").write_text(json.dumps(msg))
 
 
 def _tiny_report():

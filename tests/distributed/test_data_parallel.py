@@ -48,11 +48,22 @@ def test_ddp_trains_like_one_process_and_agrees_on_plan_stats_and_guard(tmp_path
     assert res[0]["fingerprint"] == res[1]["fingerprint"]
     for r in res:
         assert r["divergence"] is not None and "ranks [1]" in r["divergence"]
+    # a rank without a plan makes every rank raise instead of waiting in the collective
+    assert [r["bad_broadcast"] for r in res] == [
+        "TypeError: broadcast_plan: rank 0 must pass a loka.Plan, got NoneType"] * 2
+    assert res[0]["bad_check"] == ("PlanDivergenceError: ranks [1] passed no loka.Plan to "
+                                   "check_same_plan")
+    assert res[1]["bad_check"] == "TypeError: check_same_plan needs a loka.Plan, got NoneType"
+    # make() failing on rank 0: its own error there, one line of it on the others
+    assert res[0]["bad_make"] == "ValueError: no report\n(a second line)"
+    assert res[1]["bad_make"] == ("RuntimeError: making the plan failed on rank 0: "
+                                  "ValueError: no report")
     # Probe: sites named without the DDP prefix; statistics merged over both ranks' rows
     assert "over_arch.mlp.0" in res[0]["sites"] and not any(s.startswith("module.")
                                                              for s in res[0]["sites"])
     assert res[0]["merged_rows"] == res[0]["local_rows"] + res[1]["local_rows"]
     assert res[0]["merged_rows"] == res[1]["merged_rows"]
+    assert [r["captured_kept"] for r in res] == [True, True]
     for key in ("mean", "var", "amax"):
         assert torch.equal(ten[0][key], ten[1][key])
     # Guard: NaN data on rank 1 only -> every rank skips; a site failing on rank 1 only
@@ -101,6 +112,14 @@ def test_fsdp2_trains_like_one_process_with_fp8_all_gather_at_half_the_bytes(tmp
 
 
 @pytest.mark.slow
+def test_tensorwise_fp8_all_gather_under_hsdp_precomputes_its_scales(tmp_path):
+    run_ranks(w.hsdp_worker, 4, str(tmp_path))
+    res = json.loads((tmp_path / "hsdp.json").read_text())
+    assert res == {"wrapped": {"0": "fp8", "1": "fp8"}, "precomputed": 2, "all_reduces": 0,
+                   "same_as_unsharded": True}
+
+
+@pytest.mark.slow
 def test_checkpoint_saved_on_4_ranks_loads_on_2(tmp_path):
     ckpt, ref, got = tmp_path / "ckpt", tmp_path / "ref.pt", tmp_path / "got.pt"
     run_ranks(w.ckpt_save_worker, 4, str(ckpt), str(ref))
@@ -115,3 +134,13 @@ def test_checkpoint_saved_on_4_ranks_loads_on_2(tmp_path):
     assert any(not torch.equal(fresh[k], want[k]) for k in want)  # loading changed them
     assert int(loaded["plan_sites"]) == len(w.Plan.uniform(w.tiny(), w.FP8).sites)
     assert int(loaded["report_sites"]) == 1
+
+
+def test_a_checkpoint_whose_plan_rank_0_cannot_write_fails_on_every_rank(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "plan.json").mkdir(parents=True)  # the plan's name is taken by a directory
+    run_ranks(w.ckpt_unwritable_plan_worker, 2, str(ckpt), str(tmp_path))
+    msgs = [json.loads((tmp_path / f"save{r}.json").read_text()) for r in range(2)]
+    assert msgs[0] is not None and msgs[0].split(":")[0].endswith("Error")
+    assert msgs[1] == (f"RuntimeError: rank 0 could not write the plan or report beside the "
+                       f"checkpoint at {ckpt} (rank 0 raised why)")

@@ -239,3 +239,29 @@ def test_save_and_load_in_one_process_round_trip_weights_optimizer_and_plan(tmp_
     assert opt2.state_dict()["state"][0]["exp_avg"].abs().sum() > 0
     assert ld.plan_fingerprint(loaded.plan) == ld.plan_fingerprint(plan)
     assert loaded.report is None
+
+
+def test_load_renews_the_fp8_shards_quantized_before_it(tmp_path):
+    """Shards quantized before ``load`` (no optimizer step between) are stale after it: the
+    next all-gather quantizes the loaded weights."""
+    def gathered(model):
+        w = model[0].weight
+        (data,), meta = w.fsdp_pre_all_gather(None, w.shape, w.stride(), model[0], None)
+        return data.clone(), meta[3].clone()
+
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(64, 32, bias=False))
+        loka.apply(model, Plan.uniform(model, "emulated-tensorwise-e4m3"))
+        assert ld.fp8_all_gather(model, "tensorwise", world_size=1) == {"0": "fp8"}
+        models.append(model)
+    saved, other = models
+    want = gathered(saved)
+    ld.save(tmp_path / "c", saved)
+    before = gathered(other)
+    assert not torch.equal(before[1], want[1])
+    ld.load(tmp_path / "c", other)
+    assert torch.equal(other[0].weight, saved[0].weight)
+    got = gathered(other)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

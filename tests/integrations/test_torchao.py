@@ -14,6 +14,8 @@ from torch import nn
 import loka
 from loka.config import LinearConfig, Role
 from loka.dispatch import Plan, PlanMismatchError
+from loka.kernels import Kernel, register, unregister
+from loka.kernels import get as registry_get
 from loka.integrations import describe, from_torchao, is_torchao_linear, to_torchao, torchao_sites
 
 pytest.importorskip("torchao.float8", reason="torchao is not installed")
@@ -70,6 +72,7 @@ def test_from_torchao_keeps_parameters_hooks_and_names():
     convert_to_float8_training(model, config=Float8LinearConfig(emulate=True))
     seen = []  # what is set on torchao's modules is kept (torchao itself drops both)
     model.mid[0].register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    model.mid[0].register_full_backward_hook(lambda m, gi, go: seen.append("backward"))
     model.bottom.my_flag = True
     assert torchao_sites(model) == ["bottom", "mid.0", "mid.2", "head"]
     configs = from_torchao(model)
@@ -88,6 +91,7 @@ def test_from_torchao_keeps_parameters_hooks_and_names():
     assert seen == [torch.Size([8, 64])]  # the hook survived the round trip
     # the optimizer built before still updates the model's weights
     model(x).sum().backward()
+    assert seen[1:] == [torch.Size([8, 64]), "backward"]  # a full backward hook runs too
     w0 = model.bottom.weight.detach().clone()
     opt.step()
     assert not torch.equal(w0, model.bottom.weight)
@@ -245,6 +249,16 @@ def test_export_notes_what_torchao_cannot_express_and_rejects_bad_input():
     assert any(n.startswith("mid.0 fwd: emulated-mx-e4m3") for n in export.notes)
     assert "bottom" in export.inference_configs  # blockwise serves with PerBlock
     assert export.convert(copy.deepcopy(model)) == []
+    # formats torchao lacks are not served in others (e4m3fnuz is not e4m3)
+    register(Kernel("t-blockwise-fnuz", registry_get("emulated-blockwise-e4m3").fn,
+                    library="custom", scaling="blockwise", formats=("e4m3fnuz", "e4m3fnuz"),
+                    align=16))
+    try:
+        fnuz = Plan.uniform(model, "bf16", device="cpu")
+        fnuz.sites["mid.0"].roles[Role.FWD].kernel = "t-blockwise-fnuz"
+        assert to_torchao(fnuz).inference_configs == {}
+    finally:
+        unregister("t-blockwise-fnuz")
     with pytest.raises(TypeError, match="expected a loka.Plan"):
         to_torchao({"bottom": "x"})
     plan.sites["head"].roles[Role.FWD].kernel = "no-such-kernel"
@@ -279,3 +293,19 @@ def test_round_trip_on_the_gpu_training_and_serving():
     assert export.quantize(served) == ["0", "2"]
     with torch.no_grad():
         assert rel(served(x), ref) < 0.05
+
+
+def test_plan_converter_after_torchao_converter_applies_the_plan():
+    """A converter list with torchao's float8 converter first, then LoKA's: LoKA's plan
+    decides (the torchao conversion is undone, the same Parameters kept)."""
+    from loka.integrations import PlanConverter
+
+    model = _model()
+    weight = model.bottom.weight
+    convert_to_float8_training(model, config=Float8LinearConfig(emulate=True))
+    converter = PlanConverter(Plan.uniform(_model(), "emulated-rowwise-e4m3", device="cpu"))
+    report = converter.convert(model)
+    assert torchao_sites(model) == [] and converter.last_report is report
+    assert sorted(report.changed) == sorted(s for s in ("bottom", "mid.0", "mid.2", "head")
+                                            if isinstance(model.get_submodule(s), loka.Linear))
+    assert isinstance(model.bottom, loka.Linear) and model.bottom.weight is weight

@@ -7,6 +7,7 @@ names under DistributedModelParallel."""
 import copy
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -232,7 +233,9 @@ def test_distributed_model_parallel_keeps_site_names(tmp_path):
     model trains with loka.Linear inside."""
     script = tmp_path / "dmp.py"
     script.write_text(DMP_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__))))
-    port = str(29500 + os.getpid() % 2000)
+    with socket.socket() as sock:  # a free port: other test runs may share the machine
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
     proc = subprocess.run([sys.executable, str(script), port], cwd=ROOT, capture_output=True,
                           text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]

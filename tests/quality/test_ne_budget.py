@@ -20,7 +20,7 @@ from loka.dispatch import Plan, RoleChoice
 from loka.jsonio import ReportError
 from loka.kernels import Kernel, register, unregister
 from loka.kernels import registry
-from loka.quality import (PairedArms, fp8_site_roles, ne_budget, paired_check,
+from loka.quality import (PairedArms, SiteRoleCost, fp8_site_roles, ne_budget, paired_check,
                           second_order_cost, without)
 from loka.train import loss_fn
 
@@ -170,10 +170,13 @@ def test_the_plan_records_every_cost_and_what_went_back_and_survives_json(budget
 
 def test_a_plan_within_its_budget_is_kept_whole_with_one_check(terms, budgeted):
     plan, first = budgeted
+    # a cost of a site-role this plan lacks (measured on another plan) is not recorded
+    extra = SiteRoleCost("no.such.site", "fwd", FP8, 1.0, 0.0)
     result = ne_budget(plan, **terms, max_ne_change=0.5, steps=STEPS, seeds=(0,),
-                       costs=first.costs)
+                       costs=first.costs + [extra])
     assert result.moved_back == [] and len(result.checks) == 1
     assert fp8_site_roles(result.plan) == fp8_site_roles(plan)
+    assert "no.such.site" not in result.plan.sites
 
 
 def test_bad_budgets_and_missing_costs_are_refused_in_one_line(terms, budgeted):
