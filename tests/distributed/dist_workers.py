@@ -55,6 +55,21 @@ def train_single(kernel=FP8, steps=STEPS) -> dict:
     return {"params": full_params(model), "losses": losses}
 
 
+def _train_probed(run, model, probe):
+    """The global batches, each rank's shard, through ``run`` (the model or its wrapper)
+    under ``probe``, SGD on ``run``'s parameters; the per-step losses averaged over ranks."""
+    opt = torch.optim.SGD(run.parameters(), lr=LR)
+    losses = []
+    with probe:
+        for batch in global_batches(model):
+            loss = loss_fn(run, ld.shard_batch(batch))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(_mean_loss(loss))
+    return losses
+
+
 def _mean_loss(local: torch.Tensor) -> float:
     t = local.detach().reshape(1).clone()
     dist.all_reduce(t)
@@ -93,15 +108,7 @@ def ddp_worker(rank, world, out):
     assert loka.dispatch.check(model, wrapped_plan) is not None
     # the Probe on the wrapped model, its statistics merged over the ranks
     probe = loka.Probe(ddp, ProbeConfig(every_n_steps=1, progress=False, source="captured"))
-    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
-    losses = []
-    with probe:
-        for batch in global_batches(model):
-            loss = loss_fn(ddp, ld.shard_batch(batch))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(_mean_loss(loss))
+    losses = _train_probed(ddp, model, probe)
     site = "over_arch.mlp.0"
     local_rows = probe.sites[site].act.moments.count
     captured = probe.sites[site].captured_x
@@ -140,7 +147,7 @@ def ddp_worker(rank, world, out):
     loss = loss_fn(ddp, batch)
     loss.backward()
     result["nan_step_ok"] = guard.step(loss)
-    opt.zero_grad()
+    ddp.zero_grad()
     # a site failing on rank 1 only is switched to bf16 on every rank
     register(Kernel("t-flaky", _flaky, library="custom", scaling="rowwise",
                     formats=("e4m3", "e4m3"), align=16, quantize_a=get(FP8).quantize_a,
@@ -185,16 +192,8 @@ def fsdp_worker(rank, world, out):
     loka.apply(model, plan)
     result["wrapped"] = ld.fp8_all_gather(model, "rowwise")
     _shard(model)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
     probe = loka.Probe(model, ProbeConfig(every_n_steps=1, progress=False))
-    with probe:
-        for batch in global_batches(model):
-            loss = loss_fn(model, ld.shard_batch(batch))
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(_mean_loss(loss))
+    losses = _train_probed(model, model, probe)
     ld.reduce_probe(probe)
     result["merged_rows"] = probe.sites["over_arch.mlp.0"].act.moments.count
     guard = Guard(model, plan, check_every=1, agreement=ld.RankAgreement())
