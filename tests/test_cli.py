@@ -50,8 +50,8 @@ SURFACE = {
     "probe": COMMON + ["--batch-size", "--bootstrap", "--checkpoint", "--data", "--every-n-steps",
                        "--kernels", "--lr", "--max-error", "--min-speedup", "--mods", "--tables",
                        "--module-filter", "--no-naive", "--no-timing", "--num-samples", "--out",
-                       "--preset", "--roles", "--sample-rows", "--seed", "--skip-bad-lines",
-                       "--source", "--steps", "-o", "<model>"],
+                       "--no-roofline", "--preset", "--roles", "--sample-rows", "--seed",
+                       "--skip-bad-lines", "--source", "--steps", "--time-unsafe", "-o", "<model>"],
     "quality": COMMON + ["--batch-size", "--bootstrap", "--checkpoint", "--confidence",
                          "--control", "--cost-steps", "--data", "--eval-steps", "--logit-scale",
                          "--lr", "--max-ne-change", "--model", "--mods", "--tables", "--out", "--plan",
@@ -121,7 +121,8 @@ DEFAULTS = {
               "min_speedup": 1.05, "model": "MODEL", "mods": "none", "tables": "torch", "module_filter": None,
               "no_naive": False, "no_timing": False, "num_samples": 64, "out": "report.json",
               "preset": "tiny", "roles": None, "sample_rows": None, "seed": 0,
-              "skip_bad_lines": False, "source": "learned", "steps": 20},
+              "skip_bad_lines": False, "source": "learned", "steps": 20, "time_unsafe": False,
+              "no_roofline": False},
     "quality": {"batch_size": None, "bootstrap": 0, "checkpoint": None, "confidence": 0.95,
                 "control": False, "cost_steps": None, "data": "synthetic", "eval_steps": None,
                 "logit_scale": 1.0, "lr": 0.001, "max_ne_change": None, "model": "wukong",
@@ -366,6 +367,14 @@ def test_kernels_lists_every_registered_kernel(capsys):
     data = json.loads(out)
     assert data["device"] == "cpu" and len(data["kernels"]) == len(kernels.all_kernels())
     assert data["capabilities"]["cuda_capability"] is None
+
+
+def test_the_probes_pruning_switches_reach_its_config():
+    parse = cli.build_parser().parse_args
+    default = cli_args.probe_config(parse(["probe", "wukong"]))
+    assert default.time_unsafe is False and default.roofline_prune is True
+    cfg = cli_args.probe_config(parse(["probe", "wukong", "--time-unsafe", "--no-roofline"]))
+    assert cfg.time_unsafe is True and cfg.roofline_prune is False
 
 
 @pytest.fixture(scope="module")

@@ -210,7 +210,8 @@ def probe_config(args) -> ProbeConfig:
             sample_rows=args.sample_rows, source=args.source, compare_naive=not args.no_naive,
             kernels=kernels, roles=roles, max_error=args.max_error, min_speedup=args.min_speedup,
             bootstrap=args.bootstrap, timing=not args.no_timing, seed=args.seed,
-            module_filter=args.module_filter)
+            module_filter=args.module_filter, time_unsafe=getattr(args, "time_unsafe", False),
+            roofline_prune=not getattr(args, "no_roofline", False))
     except ValueError as e:
         raise usage(str(e)) from None
 

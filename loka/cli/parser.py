@@ -313,6 +313,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-speedup", type=speedup, default=1.05, help="the report's fast flag")
     p.add_argument("--no-naive", action="store_true", help="skip the N(0, 1) comparison")
     p.add_argument("--no-timing", action="store_true", help="errors only, no speed measurement")
+    p.add_argument("--time-unsafe", action="store_true",
+                   help="also time kernels over --max-error (default: they are no candidates "
+                        "and are not timed)")
+    p.add_argument("--no-roofline", action="store_true",
+                   help="time every FP8 kernel, also those whose roofline bound cannot reach "
+                        "--min-speedup on this GPU")
     _skip_bad_lines(p)
 
     p = add("plan", "choose a kernel per site and role under an accuracy budget")
