@@ -457,14 +457,21 @@ def run_row(case: Case, variant: str, mode: str, graphs: bool, args, device) -> 
     return row
 
 
+def _bf16_row(rows: List[dict], row: dict) -> Optional[dict]:
+    """The measured bf16 row of ``row``'s model, batch, mode and graph setting; None when
+    ``row`` itself failed or there is none."""
+    if row["status"] != "ok":
+        return None
+    return next((r for r in rows if r["status"] == "ok" and r["variant"] == "bf16"
+                 and all(r[k] == row[k] for k in ("model", "batch_size", "mode", "graphs"))),
+                None)
+
+
 def add_ratios(rows: List[dict], row: dict) -> None:
     """Ratios against the bf16 row of the same model, batch, mode and graph setting:
     speedups (> 1: faster than bf16) and the memory ratio (< 1: less than bf16)."""
     row["vs_bf16"] = None
-    if row["status"] != "ok":
-        return
-    base = next((r for r in rows if r["status"] == "ok" and r["variant"] == "bf16"
-                 and all(r[k] == row[k] for k in ("model", "batch_size", "mode", "graphs"))), None)
+    base = _bf16_row(rows, row)
     if base is None:
         return
 
@@ -481,11 +488,8 @@ def add_prediction(rows: List[dict], row: dict, report) -> None:
     over predicted, less one (> 0: the step was slower than predicted)."""
     plan = row.pop("_plan", None)
     row["prediction"] = None
-    if plan is None or report is None or row["status"] != "ok":
-        return
-    base = next((r for r in rows if r["status"] == "ok" and r["variant"] == "bf16"
-                 and all(r[k] == row[k] for k in ("model", "batch_size", "mode", "graphs"))), None)
-    if base is None:
+    base = _bf16_row(rows, row)
+    if plan is None or report is None or base is None:
         return
     try:
         pred = predict_step(plan, report, base["step_ms"], inference=row["mode"] == "serve")

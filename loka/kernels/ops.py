@@ -78,7 +78,7 @@ class TritonKernelOp:
     def __call__(self, *args, **kwargs):
         # looked up in torch.ops after the registration: under tracing the registration
         # runs eagerly and Dynamo would not see it change ``self.op``
-        _registered()
+        ensure_triton_ops()
         namespace, name = self.name.split("::")
         return getattr(getattr(torch.ops, namespace), name)(*args, **kwargs)
 
@@ -103,8 +103,10 @@ def register_triton_ops() -> None:
         op.register()
 
 
-def _registered() -> bool:
-    """:func:`register_triton_ops`, run eagerly even while Dynamo traces a caller."""
+def ensure_triton_ops() -> bool:
+    """Make sure the ops exist before ``torch.ops.loka.<name>`` is looked up:
+    :func:`register_triton_ops`, cheap once they do, and run eagerly (not in the graph)
+    even while Dynamo traces a caller."""
     register_triton_ops()
     return True
 
@@ -112,13 +114,7 @@ def _registered() -> bool:
 # What torch.compiler.assume_constant_result does (Dynamo calls the function eagerly while
 # tracing and uses its result as a constant), without importing torch._dynamo when loka is
 # imported; tests/kernels/test_triton_traced.py checks that a first trace registers the ops.
-_registered._dynamo_marked_constant = True
-
-
-def ensure_triton_ops() -> bool:
-    """Make sure the ops exist before ``torch.ops.loka.<name>`` is looked up (cheap once
-    they do; under tracing the registration runs eagerly, not in the graph)."""
-    return _registered()
+ensure_triton_ops._dynamo_marked_constant = True
 
 
 def mark_opaque(name: str) -> None:

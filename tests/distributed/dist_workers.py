@@ -4,6 +4,7 @@ are compared with. Results go to files (``torch.save`` of tensors, read back wit
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -55,12 +56,13 @@ def train_single(kernel=FP8, steps=STEPS) -> dict:
     return {"params": full_params(model), "losses": losses}
 
 
-def _train_probed(run, model, probe):
-    """The global batches, each rank's shard, through ``run`` (the model or its wrapper)
-    under ``probe``, SGD on ``run``'s parameters; the per-step losses averaged over ranks."""
+def _train(run, model, probe=None):
+    """The global batches, each rank's shard, through ``run`` (the model or its wrapper),
+    under ``probe`` if given, SGD on ``run``'s parameters; the per-step losses averaged
+    over ranks."""
     opt = torch.optim.SGD(run.parameters(), lr=LR)
     losses = []
-    with probe:
+    with probe if probe is not None else contextlib.nullcontext():
         for batch in global_batches(model):
             loss = loss_fn(run, ld.shard_batch(batch))
             loss.backward()
@@ -108,7 +110,7 @@ def ddp_worker(rank, world, out):
     assert loka.dispatch.check(model, wrapped_plan) is not None
     # the Probe on the wrapped model, its statistics merged over the ranks
     probe = loka.Probe(ddp, ProbeConfig(every_n_steps=1, progress=False, source="captured"))
-    losses = _train_probed(ddp, model, probe)
+    losses = _train(ddp, model, probe)
     site = "over_arch.mlp.0"
     local_rows = probe.sites[site].act.moments.count
     captured = probe.sites[site].captured_x
@@ -193,7 +195,7 @@ def fsdp_worker(rank, world, out):
     result["wrapped"] = ld.fp8_all_gather(model, "rowwise")
     _shard(model)
     probe = loka.Probe(model, ProbeConfig(every_n_steps=1, progress=False))
-    losses = _train_probed(model, model, probe)
+    losses = _train(model, model, probe)
     ld.reduce_probe(probe)
     result["merged_rows"] = probe.sites["over_arch.mlp.0"].act.moments.count
     guard = Guard(model, plan, check_every=1, agreement=ld.RankAgreement())
@@ -204,15 +206,7 @@ def fsdp_worker(rank, world, out):
     model = tiny()
     _shard(model)
     loka.apply(model, plan)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for batch in global_batches(model):
-        loss = loss_fn(model, ld.shard_batch(batch))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(_mean_loss(loss))
-    result["losses_after"] = losses
+    result["losses_after"] = _train(model, model)
     result["linear_types"] = sorted({type(m).__name__ for m in model.modules()
                                      if isinstance(m, nn.Linear)})
     tensors["params_after"] = _full_state(model)

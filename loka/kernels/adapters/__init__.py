@@ -31,17 +31,19 @@ def _import(name: str) -> None:
         FAILED[name] = f"{type(e).__name__}: {e}"
 
 
+_tried: set = set()
+
+
 def load() -> None:
-    """Register the deferred adapters whose library is importable (once; what failed is
-    in :data:`FAILED`). The registry calls it before it is first read."""
+    """Register the deferred adapters whose library is importable (each tried once; what
+    failed is in :data:`FAILED`). The registry calls it before it is first read."""
     for name, wanted in _ADAPTERS:
-        if name in _DEFERRED and name not in FAILED and f"{__name__}.{name}" not in _loaded:
-            _loaded.add(f"{__name__}.{name}")
+        if name in _DEFERRED and name not in _tried:
+            _tried.add(name)
             if wanted():
                 _import(name)
 
 
-_loaded: set = set()
 for _name, _wanted in _ADAPTERS:
     if _name not in _DEFERRED and _wanted():
         _import(_name)
