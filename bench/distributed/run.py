@@ -106,7 +106,11 @@ def _default_kernel(device) -> str:
 
 
 def _after_step(model, arm):
-    if arm == "torchao":
+    """The scales of the next step's FP8 all-gathers, in one collective per kind (part of
+    the step: its bytes are counted)."""
+    if arm == "loka":
+        ld.precompute_fp8_scales(model)
+    elif arm == "torchao":
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
         precompute_float8_dynamic_scale_for_fsdp(model)
 

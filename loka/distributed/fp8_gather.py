@@ -24,8 +24,13 @@ optimizer step hook counts the steps); weights changed otherwise (loaded in plac
 by hand) need :func:`weights_changed`. :func:`loka.distributed.load` calls it.
 
 On one rank there is nothing to all-gather and rowwise weights are left as they are.
-Weights whose rows do not split evenly over the ranks are not wrapped (FSDP pads such
-shards; the row scales cannot be padded alongside): :func:`fp8_all_gather` says which.
+
+Weights whose rows do not split evenly over the ranks: FSDP pads every shard to the first
+shard's rows and requires each all-gather input to have that padded shape, so the scales
+cannot ride beside the rows. Such a shard sends its FP8 rows zero-padded (one byte per
+weight, as before), and its row scales (4 bytes per row) go in a small all-gather of their
+own, once per optimizer step (:func:`precompute_fp8_scales` does every such weight in one
+all-gather). Tensorwise shards are padded the same way and need nothing more.
 A site the Guard later switches to the baseline still all-gathers FP8 (FSDP fixes the
 all-gather's layout at the first call): its weight is the dequantized FP8 weight.
 """
@@ -90,6 +95,37 @@ def _bytes(data: torch.Tensor) -> torch.Tensor:
     return data.contiguous().view(torch.uint8)
 
 
+def _pad_rows(data: torch.Tensor, rows: int) -> torch.Tensor:
+    """``data`` (r, K) with zero rows appended up to ``rows`` (FSDP's padded shard)."""
+    if data.shape[0] == rows:
+        return data
+    return torch.cat([data, data.new_zeros((rows - data.shape[0], data.shape[1]))])
+
+
+def _gather_row_scales(entries, group, ranks: int) -> List[torch.Tensor]:
+    """The scales of every row (all ranks', padded layout: ``ranks * padded``) of each
+    uneven rowwise shard in ``entries`` (``(shard, kernel, format, padded)``), in one
+    all-gather for those not yet gathered this generation. Every rank calls it with the
+    same entries in the same order (FSDP's all-gather order, or the model's)."""
+    local = [shard._local_rows(use, fmt, padded) for shard, use, fmt, padded in entries]
+    todo = [i for i, entry in enumerate(local) if entry[3] is None]
+    if todo:
+        mine = torch.cat([local[i][2] for i in todo])
+        if ranks > 1:
+            every = mine.new_empty(ranks * mine.numel())
+            dist.all_gather_into_tensor(every, mine, group=group)
+            every = every.view(ranks, -1)
+        else:
+            every = mine.view(1, -1)
+        offset = 0
+        for i in todo:
+            shard, n = entries[i][0], local[i][2].numel()
+            full = every[:, offset:offset + n].reshape(-1).clone()
+            offset += n
+            shard._rows = local[i] = local[i][:3] + (full,)
+    return [entry[3] for entry in local]
+
+
 class FP8GatherWeight(torch.Tensor):
     """A high-precision weight (N, K) that FSDP2 all-gathers as FP8 (module docstring).
 
@@ -112,6 +148,8 @@ class FP8GatherWeight(torch.Tensor):
         _watch_optimizers()
         self._amax: Optional[Tuple[int, torch.Tensor]] = None  # (generation, all-reduced amax)
         self._cache: Optional[tuple] = None  # (key, all-gather inputs, metadata)
+        # uneven rows: (key, padded FP8 rows, padded local scales, all rows' scales or None)
+        self._rows: Optional[tuple] = None
 
     def __repr__(self) -> str:
         return f"FP8GatherWeight({self.scaling}, {self._tensor!r})"
@@ -151,20 +189,47 @@ class FP8GatherWeight(torch.Tensor):
         self._amax = (generation, amax[0])
         return amax[0]
 
+    def _local_rows(self, use: Optional[Kernel], fmt, padded: int) -> tuple:
+        """Uneven rows, rowwise: this shard's FP8 rows and scales, zero-padded (scale 1) to
+        ``padded`` rows, once per generation; the entry of ``self._rows``."""
+        key = (_GENERATION[0], None if use is None else use.name, padded)
+        if self._rows is not None and self._rows[0] == key:
+            return self._rows
+        w = self._tensor.detach()
+        scales = torch.ones(padded, dtype=torch.float32, device=w.device)
+        data = w.new_zeros((0, w.shape[1]), dtype=torch.uint8)
+        if w.shape[0]:
+            q = (use.quantize_b(w.t()) if use is not None
+                 else quantize(w.t(), fmt, Granularity.ROWWISE, "b"))
+            data = _bytes(q.data.t())
+            scales[:w.shape[0]] = q.scale.reshape(-1).float()
+        self._rows = (key, _pad_rows(data, padded), scales, None)
+        return self._rows
+
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """FP8 rows of this shard (and, rowwise, their scales) as all-gather inputs."""
         kernel = module.kernels[0] if isinstance(module, Linear) else None
         use = kernel if _matches(kernel, self.scaling) else None
         fmt = get_format(use.formats[1] if use is not None else "e4m3")
         w = self._tensor.detach()
+        rows = int(outer_size[0]) if outer_size is not None else w.shape[0]
+        ranks = mesh.size() if mesh is not None else 1
+        padded = -(-rows // ranks)  # FSDP's shard rows: every rank's input has this many
+        uneven = rows % ranks != 0
         if self.scaling == "rowwise":
             key = (_GENERATION[0], None if use is None else use.name)
             if self._cache is not None and self._cache[0] == key:
                 return self._cache[1], self._cache[2]
-            q = (use.quantize_b(w.t()) if use is not None
-                 else quantize(w.t(), fmt, Granularity.ROWWISE, "b"))
-            inputs = (_bytes(q.data.t()), q.scale.reshape(-1, 1).float().contiguous())
-            meta = (module, use, fmt, None)
+            if uneven:
+                group = mesh.get_group() if ranks > 1 else None
+                full = _gather_row_scales([(self, use, fmt, padded)], group, ranks)[0]
+                inputs = (self._rows[1],)
+                meta = (module, use, fmt, full[:rows].reshape(rows, 1), rows)
+            else:
+                q = (use.quantize_b(w.t()) if use is not None
+                     else quantize(w.t(), fmt, Granularity.ROWWISE, "b"))
+                inputs = (_bytes(q.data.t()), q.scale.reshape(-1, 1).float().contiguous())
+                meta = (module, use, fmt, None, rows)
         else:
             amax = self._global_amax(w, mesh)
             key = (_GENERATION[0], None if use is None else use.name, float(amax))
@@ -173,20 +238,23 @@ class FP8GatherWeight(torch.Tensor):
             probe = torch.stack([amax, torch.zeros_like(amax)]).reshape(2, 1).to(w.device)
             scale = (use.quantize_b(probe).scale if use is not None else
                      quantize(probe, fmt, Granularity.TENSORWISE, "b").scale).reshape(1, 1)
-            q = quantize(w.t(), fmt, Granularity.TENSORWISE, "b", scale=scale, check_scale=False)
-            inputs = (_bytes(q.data.t()),)
-            meta = (module, use, fmt, scale.float())
+            data = w.new_zeros((0, w.shape[1]), dtype=torch.uint8)
+            if w.shape[0]:
+                data = _bytes(quantize(w.t(), fmt, Granularity.TENSORWISE, "b", scale=scale,
+                                       check_scale=False).data.t())
+            inputs = (_pad_rows(data, padded) if uneven else data,)
+            meta = (module, use, fmt, scale.float(), rows)
         self._cache = (key, inputs, meta)
         return inputs, meta
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
         """The dequantized weight as FSDP's unsharded parameter; the FP8 weight as the
         module's ``weight_q``."""
-        module, use, fmt, scale = metadata
-        data = outputs[0].view(fmt.dtype)
+        module, use, fmt, scale, rows = metadata
+        data = outputs[0].view(fmt.dtype)[:rows]  # padded shards: the rows come first
         n, k = data.shape
         if self.scaling == "rowwise":
-            row_scale = outputs[1].reshape(n, 1)
+            row_scale = outputs[1].reshape(-1, 1)[:rows] if len(outputs) > 1 else scale
             q = QTensor(data.t(), row_scale.t(), fmt, (k, 1), Granularity.ROWWISE)
             deq = data.float() * row_scale
         else:
@@ -245,9 +313,6 @@ def fp8_all_gather(model: nn.Module, scaling: str = "rowwise",
             # one rank gathers nothing (and FSDP2 takes only the first all-gather input
             # of a one-rank mesh, where rowwise sends two): the forward quantizes itself
             out[name] = "one rank: nothing to all-gather"
-        elif mod.out_features % size:
-            out[name] = (f"{mod.out_features} rows do not split evenly over {size} ranks "
-                         "(FSDP would pad the shards)")
         else:
             mod.weight = nn.Parameter(FP8GatherWeight(w.detach(), scaling),
                                       requires_grad=w.requires_grad)
@@ -266,29 +331,50 @@ def _fp8_local(param) -> Optional[FP8GatherWeight]:
 
 @torch.no_grad()
 def precompute_fp8_scales(model: nn.Module) -> int:
-    """The all-reduced amax of every tensorwise FP8-gathered weight, in one all-reduce
-    (call it on every rank after ``optimizer.step()``); the all-gathers of the next step
-    then need no all-reduce of their own. Returns the number of weights."""
+    """Every scale the next all-gathers need, in at most one collective of each kind (call
+    it on every rank after ``optimizer.step()``): the all-reduced amax of every tensorwise
+    FP8-gathered weight (one all-reduce), and the row scales of every rowwise weight whose
+    rows do not split evenly over the ranks (one all-gather). The all-gathers of the next
+    step then need no collective of their own. Returns the number of weights."""
     root, _ = root_module(model)
     shards: List[Tuple[FP8GatherWeight, object]] = []
+    uneven: List[tuple] = []
     for mod in root.modules():
         w = getattr(mod, "weight", None) if isinstance(mod, Linear) else None
         local = _fp8_local(w) if w is not None else None
-        if local is not None and local.scaling == "tensorwise":
+        if local is None:
+            continue
+        if local.scaling == "tensorwise":
             shards.append((local, w))
+            continue
+        group, ranks = _shard_group(w)
+        rows = w.shape[0]
+        if ranks > 1 and rows % ranks:
+            use = mod.kernels[0] if _matches(mod.kernels[0], "rowwise") else None
+            fmt = get_format(use.formats[1] if use is not None else "e4m3")
+            uneven.append(((local, use, fmt, -(-rows // ranks)), group, ranks))
+    if uneven:
+        _gather_row_scales([e for e, _, _ in uneven], uneven[0][1], uneven[0][2])
     if not shards:
-        return 0
+        return len(uneven)
     amax = torch.stack([(s._tensor.abs().amax() if s._tensor.numel()
                          else s._tensor.new_zeros(())).float() for s, _ in shards])
-    mesh = getattr(shards[0][1], "device_mesh", None)
-    # over the mesh dimensions that shard the weights (HSDP: not the replicating one),
-    # as FSDP's all-gather does
-    for dim, placement in enumerate(getattr(shards[0][1], "placements", ())):
-        if placement.is_shard() and mesh.size(dim) > 1:
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    group, ranks = _shard_group(shards[0][1])
+    if ranks > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     for (s, _), a in zip(shards, amax):
         s._amax = (_GENERATION[0], a)
-    return len(shards)
+    return len(shards) + len(uneven)
+
+
+def _shard_group(param) -> Tuple[object, int]:
+    """The process group and size of the mesh dimension that shards ``param`` (HSDP: not
+    the replicating one), over which FSDP all-gathers it; (None, 1) when not sharded."""
+    mesh = getattr(param, "device_mesh", None)
+    for dim, placement in enumerate(getattr(param, "placements", ())):
+        if placement.is_shard() and mesh.size(dim) > 1:
+            return mesh.get_group(dim), mesh.size(dim)
+    return None, 1
 
 
 class CollectiveBytes:

@@ -339,6 +339,91 @@ def hsdp_worker(rank, world, out):
         (Path(out) / "hsdp.json").write_text(json.dumps(result))
 
 
+UNEVEN = ((32, 64), (64, 48), (48, 32))
+"""(in, out) of the Linears of :func:`uneven_worker`: 64 rows shard 22/22/20 over 3 ranks,
+48 rows 16/16/16, 32 rows 11/11/10"""
+
+
+def _uneven_run(kernel, scaling, x, steps=3):
+    """The Linear stack under ``fully_shard`` (each Linear, then the root), planned with
+    ``kernel`` (None: none) and FP8-gathered at ``scaling`` (None: not), trained ``steps``
+    SGD steps on this rank's rows of ``x``; the scales are precomputed before step 1 only."""
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(4)
+    layers = []
+    for k, n in UNEVEN:
+        layers += [nn.Linear(k, n, bias=False), nn.ReLU()]
+    model = nn.Sequential(*layers[:-1])
+    res = {}
+    if kernel is not None:
+        loka.apply(model, Plan.uniform(model, kernel))
+    if scaling is not None:
+        res["wrapped"] = ld.fp8_all_gather(model, scaling)
+        seen = []
+        model[0].register_forward_hook(lambda m, a, o: seen.append(
+            (m.weight_q.data.float().clone(), m.weight_q.scale.clone())))
+    for layer in model[::2]:
+        fully_shard(layer)
+    fully_shard(model)
+    rank = dist.get_rank()
+    mine = x[rank * 8:(rank + 1) * 8]
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    res.update(exact=[], gathers=[], losses=[])
+    for step in range(steps):
+        if scaling is not None:
+            want = get(kernel).quantize_b(model[0].weight.full_tensor().detach().t())
+        if step == 1 and scaling is not None:  # the scales travel before the step, at once
+            with ld.count_all_gather() as pre:
+                res["precomputed"] = ld.precompute_fp8_scales(model)
+            res["precompute_gathers"] = pre.count
+        with ld.count_all_gather() as counter:
+            loss = model(mine).pow(2).mean()
+            loss.backward()
+        res["gathers"].append([counter.count, counter.bytes])
+        if scaling is not None:
+            q, sc = seen.pop()
+            res["exact"].append(bool(torch.equal(q, want.data.float())
+                                     and torch.equal(sc, want.scale)))
+        res["losses"].append(_mean_loss(loss))
+        opt.step()
+        opt.zero_grad()
+    res["params"] = _full_state(model)
+    return res
+
+
+def uneven_worker(rank, world, out):
+    """FP8 all-gather of weights whose rows do not split over 3 ranks (:data:`UNEVEN`), per
+    scaling against the same plan sharded without it; the bf16 all-gather's bytes."""
+    x = torch.randn(24, 32, generator=torch.Generator().manual_seed(5))
+    res, params = {}, {}
+    hp = _uneven_run(None, None, x)
+    for scaling, kernel in (("rowwise", FP8), ("tensorwise", "emulated-tensorwise-e4m3")):
+        gathered = _uneven_run(kernel, scaling, x)
+        plain = _uneven_run(kernel, None, x)
+        params[scaling] = gathered.pop("params")
+        for key, ref in (("plain", plain["params"]), ("fp32", hp["params"])):
+            res[f"diff_{key}_{scaling}"] = max(
+                float((params[scaling][k].double() - v.double()).abs().max())
+                for k, v in ref.items())
+        res[f"fp8_effect_{scaling}"] = max(
+            float((plain["params"][k].double() - v.double()).abs().max())
+            for k, v in hp["params"].items())
+        res[f"plain_losses_{scaling}"] = plain["losses"]
+        res.update({f"{k}_{scaling}": v for k, v in gathered.items()})
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    torch.manual_seed(4)
+    model = nn.Sequential(*[nn.Linear(k, n, bias=False) for k, n in UNEVEN])
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for layer in model:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    with ld.count_all_gather() as counter:
+        model(x[:8].to(torch.bfloat16)).float().sum().backward()
+    res["bytes_bf16"], res["gathers_bf16"] = counter.bytes, counter.count
+    if rank == 0:
+        (Path(out) / "uneven.json").write_text(json.dumps(res))
+
+
 class _count_all_reduce:
     """Count dist.all_reduce calls (the tensorwise amax after precompute_fp8_scales: none)."""
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import dist_workers as w
+from dist_workers import UNEVEN
 from harness import run_ranks
 
 # FP8 (emulated rowwise) training on 2 ranks vs 1: the rowwise scales of the weight
@@ -109,6 +110,38 @@ def test_fsdp2_trains_like_one_process_with_fp8_all_gather_at_half_the_bytes(tmp
     assert res["all_reduces_tensorwise"] == 0 and res["all_reduces_rowwise"] == 0
     assert res["all_reduces_unprecomputed_tensorwise"] > 0  # (the count can see them)
     assert res["all_reduces_unprecomputed_rowwise"] == 0  # rowwise scales are local
+
+
+def test_fp8_all_gather_of_rows_that_do_not_split_over_3_ranks(tmp_path):
+    run_ranks(w.uneven_worker, 3, str(tmp_path))
+    res = json.loads((tmp_path / "uneven.json").read_text())
+    assert res["wrapped_rowwise"] == res["wrapped_tensorwise"] == {"0": "fp8", "2": "fp8",
+                                                                     "4": "fp8"}
+    # every step's gathered FP8 weight is the kernel's quantization of the whole weight
+    assert res["exact_rowwise"] == res["exact_tensorwise"] == [True] * 3
+    # training: tensorwise is the plan sharded without FP8 all-gather, bit for bit; rowwise
+    # differs only by the dgrad's second quantization of the FP8 weight, well inside what
+    # FP8 itself moves the weights from fp32
+    assert res["diff_plain_tensorwise"] == 0.0
+    assert res["losses_tensorwise"] == res["plain_losses_tensorwise"]
+    assert res["diff_plain_rowwise"] < 0.5 * res["fp8_effect_rowwise"]
+    assert res["losses_rowwise"][0] == res["plain_losses_rowwise"][0]
+    # bytes: each shard padded to FSDP's padded rows p = ceil(N / 3); one forward and one
+    # backward all-gather per Linear. Rowwise rows that split evenly carry their scales in
+    # the same all-gather; uneven ones send them once per optimizer step, in one all-gather
+    # for all such weights when precomputed, or one each inside the first all-gather.
+    pad = [-(-n // 3) for _, n in UNEVEN]
+    fp8 = 2 * sum(p * k for p, (k, _) in zip(pad, UNEVEN))
+    even_scales = 2 * sum(4 * p for p, (_, n) in zip(pad, UNEVEN) if n % 3 == 0)
+    uneven_scales = sum(4 * p for p, (_, n) in zip(pad, UNEVEN) if n % 3)
+    assert res["bytes_bf16"] == 2 * fp8 and res["gathers_bf16"] == 6
+    assert res["gathers_tensorwise"] == [[6, fp8]] * 3
+    steady = [6, fp8 + even_scales]
+    unprecomputed = [8, fp8 + even_scales + uneven_scales]
+    assert res["gathers_rowwise"] == [unprecomputed, steady, unprecomputed]
+    assert res["precompute_gathers_rowwise"] == 1 and res["precomputed_rowwise"] == 2
+    assert res["precompute_gathers_tensorwise"] == 0 and res["precomputed_tensorwise"] == 3
+    assert steady[1] <= 0.55 * res["bytes_bf16"]
 
 
 @pytest.mark.slow

@@ -143,12 +143,71 @@ def test_fp8_all_gather_halves_give_the_kernel_quantization_of_the_whole_weight(
                                atol=1e-7)
     # tensorwise: one scale from the largest |w| of the shard (no mesh: this process's)
     tw = ld.FP8GatherWeight(weight.clone(), "tensorwise")
-    (data,), (_, _, _, scale) = tw.fsdp_pre_all_gather(None, weight.shape, (64, 1), full, None)
+    (data,), (_, _, _, scale, _) = tw.fsdp_pre_all_gather(None, weight.shape, (64, 1), full, None)
     assert scale.numel() == 1
     assert float(scale) == pytest.approx(float(weight.abs().max()) / 448.0, rel=1e-6)
     # the wrapped weight behaves as the plain weight everywhere else
     x = torch.randn(3, 64)
     torch.testing.assert_close(x @ tw.t(), x @ weight.t())
+
+
+class _Mesh:
+    """What FSDP's shard mesh offers the all-gather extension: its size and group."""
+
+    def __init__(self, size):
+        self._size = size
+
+    def size(self):
+        return self._size
+
+    def get_group(self):
+        return None
+
+
+def test_uneven_shards_send_padded_rows_and_gather_their_row_scales_once(monkeypatch):
+    """32 rows over 3 'ranks' (11/11/10) by hand: each rank's input is FSDP's padded shard,
+    the row scales come from one all-gather per generation (faked: every rank's padded
+    scales), and the gathered weight is the kernel's quantization of the whole weight."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32, bias=False))
+    weight = model[0].weight.detach().clone()
+    loka.apply(model, Plan.uniform(model, FP8))
+    full = model[0]
+    want = get(FP8).quantize_b(weight.t())
+    bounds = [(0, 11), (11, 22), (22, 32)]
+    every = torch.ones(3, 11)
+    for r, (a, b) in enumerate(bounds):
+        every[r, :b - a] = want.scale.reshape(-1)[a:b]
+    sent = []
+
+    def fake_gather(out, inp, group=None):
+        sent.append(inp.clone())
+        out.copy_(every.reshape(-1))
+    monkeypatch.setattr(ld.fp8_gather.dist, "all_gather_into_tensor", fake_gather)
+    rows = []
+    for r, (a, b) in enumerate(bounds):
+        shard = ld.FP8GatherWeight(weight[a:b].clone(), "rowwise")
+        (data,), meta = shard.fsdp_pre_all_gather(_Mesh(3), weight.shape, (64, 1), full, None)
+        assert data.shape == (11, 64) and data.dtype == torch.uint8
+        assert torch.equal(sent[-1], every[r])  # this rank's scales, padded with ones
+        assert shard.fsdp_pre_all_gather(_Mesh(3), weight.shape, (64, 1), full, None)[0][0] \
+            is data and len(sent) == r + 1  # once per generation
+        rows.append(data)
+    assert not rows[2][10:].any()  # the padding row is zeros
+    deq, _ = shard.fsdp_post_all_gather((torch.cat(rows),), meta, torch.float32)
+    assert deq.shape == (32, 64)
+    assert torch.equal(full.weight_q.data.float(), want.data.float())
+    assert torch.equal(full.weight_q.scale, want.scale)
+    torch.testing.assert_close(deq.double(), want.dequantize(torch.float64).t(), rtol=0,
+                               atol=1e-7)
+    # a rank whose shard is empty (2 rows over 3 ranks: 1/1/0) sends one zero row
+    monkeypatch.setattr(ld.fp8_gather.dist, "all_gather_into_tensor",
+                        lambda out, inp, group=None: out.copy_(inp.repeat(3)))
+    monkeypatch.setattr(ld.fp8_gather.dist, "all_reduce", lambda t, **kw: None)
+    for scaling in ("rowwise", "tensorwise"):
+        empty = ld.FP8GatherWeight(weight[:0].clone(), scaling)
+        (data,), meta = empty.fsdp_pre_all_gather(_Mesh(3), (2, 64), (64, 1), full, None)
+        assert data.shape == (1, 64) and not data.any() and meta[-1] == 2
 
 
 def test_fp8_all_gather_refuses_bad_input_and_says_what_it_skips():
@@ -160,9 +219,7 @@ def test_fp8_all_gather_refuses_bad_input_and_says_what_it_skips():
         ld.fp8_all_gather(model, world_size=0)
     done = ld.fp8_all_gather(model, "tensorwise")
     assert all("is not tensorwise FP8" in why for why in done.values())
-    done = ld.fp8_all_gather(model, "rowwise", world_size=3)  # 64 and 32 rows over 3
-    assert all("do not split evenly over 3" in why for why in done.values())
-    done = ld.fp8_all_gather(model, "rowwise", world_size=4)
+    done = ld.fp8_all_gather(model, "rowwise", world_size=3)  # 64 and 32 rows over 3: padded
     assert done == {"0": "fp8", "2": "fp8"}
     assert isinstance(model[0].weight.data, ld.FP8GatherWeight)
     assert ld.fp8_all_gather(model, "rowwise", world_size=4) == done  # idempotent
