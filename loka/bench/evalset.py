@@ -485,7 +485,8 @@ def add_ratios(rows: List[dict], row: dict) -> None:
 def add_prediction(rows: List[dict], row: dict, report) -> None:
     """What the Probe's timings predicted for a LoKA row (``loka.dispatch.predict_step``
     on the bf16 row's step), beside what was measured: ``prediction_error`` is measured
-    over predicted, less one (> 0: the step was slower than predicted)."""
+    over predicted, less one (> 0: the step was slower than predicted), for the step-aware
+    prediction and (``isolated_prediction_error``) the isolated-GEMM one."""
     plan = row.pop("_plan", None)
     row["prediction"] = None
     base = _bf16_row(rows, row)
@@ -497,7 +498,9 @@ def add_prediction(rows: List[dict], row: dict, report) -> None:
         row["prediction"] = {"error": str(e)}
         return
     row["prediction"] = {**pred.to_dict(), "measured_step_ms": row["step_ms"],
-                         "prediction_error": row["step_ms"] / pred.predicted_step_ms - 1}
+                         "prediction_error": row["step_ms"] / pred.predicted_step_ms - 1,
+                         "isolated_prediction_error":
+                             row["step_ms"] / pred.isolated_step_ms - 1}
 
 
 def summarize(rows: List[dict]) -> List[dict]:

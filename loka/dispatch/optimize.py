@@ -149,8 +149,9 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
 
     Returns:
         An :class:`OptimizeResult`; ``result.plan.budget["optimize"]`` records the rounds,
-        the measured speedup and ``predicted_speedup``, what the report's isolated GEMM
-        timings predicted for the plan that was timed (:func:`~loka.dispatch.predict_step`),
+        the measured speedup and ``predicted_speedup``, what the report's step-aware timings
+        predicted for the plan that was timed (:func:`~loka.dispatch.predict_step`; the
+        isolated GEMM timings' in ``isolated_predicted_speedup``),
         so every run measures how far the step is from the sum of its GEMMs.
     """
     if rounds < 1:
@@ -195,7 +196,7 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     tuned, log = tune_speed(start, model, time_step, inference=inference, twins=FUSIBLE_TWINS,
                             report=report, max_trials=max_trials)
     result.trials = log
-    predicted = None
+    predicted = isolated = None
     if tuned.fp8_sites():
         say(f"confirming {len(tuned.fp8_sites())} FP8 site(s) against the baseline "
             f"in {rounds} A/B round(s)")
@@ -203,9 +204,11 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
         # what the report's GEMM timings predicted for the plan that was timed
         base_ms = statistics.median(r["baseline"] for r in result.rounds)
         try:
-            predicted = predict_step(tuned, report, base_ms, inference=inference).speedup
+            prediction = predict_step(tuned, report, base_ms, inference=inference)
+            predicted = prediction.speedup
+            isolated = base_ms / prediction.isolated_step_ms
         except ValueError:  # no positive step, or savings the step cannot hold
-            predicted = None
+            predicted = isolated = None
         if not all(r["plan"] < r["baseline"] for r in result.rounds):
             tuned = on_baseline(tuned, tuned.fp8_sites(), "optimize: the plan's step was not "
                                 "faster than the baseline's in every A/B round")
@@ -213,7 +216,8 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
                                "every site is on the baseline")
     tuned.budget["optimize"] = {"rounds": result.rounds, "trials": len(log),
                                 "speedup": _finite(result.speedup),
-                                "predicted_speedup": _finite(predicted)}
+                                "predicted_speedup": _finite(predicted),
+                                "isolated_predicted_speedup": _finite(isolated)}
     result.plan = tuned
     say(f"kept {len(tuned.fp8_sites())} FP8 site(s)"
         + (f", step {result.speedup:.3f}x of the baseline" if result.speedup else ""))

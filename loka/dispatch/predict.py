@@ -1,23 +1,24 @@
 """What the Probe's timings predict for a whole step under a plan.
 
 Each FP8 site-role of the plan saves ``baseline_us - kernel_us`` against the baseline
-GEMM, as the Probe timed both alone at the site's shape (quantization included; the
-forward with the weight quantized beforehand when serving); a step runs each site-role
-once, so the plan's step is predicted as the measured baseline step less those savings.
-
-This is the isolated-GEMM prediction the Dispatch ranks kernels by. A compiled step can
-differ from it both ways: quantization fused into a producing norm or activation costs
-less than the Probe's standalone pass, while copies, transposes and launches that only
-the step has cost more. The evaluation harness (``loka bench --eval-set``) records this
-prediction beside every measured LoKA row, so the gap is measured, not assumed.
+GEMM; a step runs each site-role once, so the plan's step is predicted as the measured
+baseline step less those savings. ``kernel_us`` is the step-aware time where the report
+has one (:mod:`loka.probe.pricing`: the GEMM alone, plus each operand's quantization priced
+by where the operand comes from, so a quantization Inductor fuses into the activation or
+norm that produced the operand costs the share it keeps), else the isolated time of the
+whole kernel call (quantization as passes of its own). Both predictions are returned:
+the evaluation harness (``loka bench --eval-set``) records them beside every measured LoKA
+row, so the gap of each is measured, not assumed.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from ..config import Role
+from ..kernels import get
+from ..probe.pricing import step_time_us
 from ..probe.report import ProbeReport
 from .schema import Plan
 
@@ -36,6 +37,10 @@ class StepPrediction:
     """``'site:role'`` -> microseconds saved per step"""
     untimed: List[str] = field(default_factory=list)
     """FP8 site-roles the report holds no time for (counted as saving nothing)"""
+    isolated_step_ms: float = 0.0
+    """the same prediction from the isolated kernel times alone"""
+    step_aware: List[str] = field(default_factory=list)
+    """FP8 site-roles priced step-aware (the others at their isolated time)"""
 
     @property
     def speedup(self) -> float:
@@ -45,12 +50,14 @@ class StepPrediction:
         return {"baseline_step_ms": self.baseline_step_ms,
                 "predicted_step_ms": self.predicted_step_ms, "saved_ms": self.saved_ms,
                 "predicted_speedup": self.speedup, "per_role_us": dict(self.per_role_us),
-                "untimed": list(self.untimed)}
+                "untimed": list(self.untimed), "isolated_step_ms": self.isolated_step_ms,
+                "isolated_speedup": self.baseline_step_ms / self.isolated_step_ms,
+                "step_aware": list(self.step_aware)}
 
 
 def predict_step(plan: Plan, report: ProbeReport, baseline_step_ms: float, *,
                  inference: bool = False) -> StepPrediction:
-    """The step time the report's isolated timings predict for ``plan``.
+    """The step time the report's timings predict for ``plan`` (module docstring).
 
     Args:
         plan: the plan (its FP8 site-roles; baseline roles save nothing).
@@ -64,7 +71,10 @@ def predict_step(plan: Plan, report: ProbeReport, baseline_step_ms: float, *,
     """
     if not isinstance(baseline_step_ms, (int, float)) or not baseline_step_ms > 0:
         raise ValueError(f"baseline_step_ms must be a positive number, got {baseline_step_ms!r}")
-    saved_us, per_role, untimed = 0.0, {}, []
+    saved_us = isolated_us = 0.0
+    per_role: Dict[str, float] = {}
+    untimed: List[str] = []
+    aware: List[str] = []
     for site, sp in plan.sites.items():
         sr = report.sites.get(site)
         for role, choice in sp.roles.items():
@@ -79,10 +89,31 @@ def predict_step(plan: Plan, report: ProbeReport, baseline_step_ms: float, *,
             if rr is None or rr.baseline_us is None or t is None:
                 untimed.append(key)
                 continue
-            per_role[key] = rr.baseline_us - t
+            step = _step_us(kr, choice.kernel, rr, sr.producers, inference)
+            if step is not None:
+                aware.append(key)
+            per_role[key] = rr.baseline_us - (t if step is None else step)
             saved_us += per_role[key]
+            isolated_us += rr.baseline_us - t
     predicted = baseline_step_ms - saved_us / 1e3
-    if not predicted > 0:
-        raise ValueError(f"the report's savings ({saved_us / 1e3:.3f} ms) exceed the baseline "
-                         f"step ({baseline_step_ms:.3f} ms): the report is not of this model")
-    return StepPrediction(baseline_step_ms, predicted, saved_us / 1e3, per_role, untimed)
+    isolated = baseline_step_ms - isolated_us / 1e3
+    if not (predicted > 0 and isolated > 0):
+        raise ValueError(f"the report's savings ({max(saved_us, isolated_us) / 1e3:.3f} ms) "
+                         f"exceed the baseline step ({baseline_step_ms:.3f} ms): the report "
+                         "is not of this model")
+    return StepPrediction(baseline_step_ms, predicted, saved_us / 1e3, per_role, untimed,
+                          isolated, aware)
+
+
+def _step_us(kr, kernel: str, rr, producers, inference: bool) -> Optional[float]:
+    """The step-aware time of one FP8 site-role, or None where the report has none."""
+    if not inference:
+        return kr.step_us
+    try:
+        kern = get(kernel)
+    except KeyError:
+        return None
+    return step_time_us(kern, rr.role, rr.shape, time_us=kr.time_us,
+                        time_us_gemm=kr.time_us_gemm, time_us_weight_q=kr.time_us_weight_q,
+                        producers=producers, compiled=kr.timing.endswith("+compiled"),
+                        inference=True)

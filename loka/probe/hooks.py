@@ -13,7 +13,10 @@ hook subsamples up to ``max_rows_per_update`` rows of the input, folds them into
 site's statistics, folds the weight into its EMA, and puts a hook on the output tensor
 that does the same for the output gradient in the backward pass. Nothing syncs with the
 host. On the next step the site hooks are removed, so off-steps cost one pre-hook call
-per forward of the whole model. A statistics step's cost is GPU work that scales with
+per forward of the whole model. On statistics steps where a site's output gradient's
+producer is not yet known, a forward hook on the root walks the step's autograd graph
+once from the model's outputs (host work that grows with the graph's size; see
+:mod:`loka.probe.producers`). A statistics step's cost is GPU work that scales with
 ``max_rows_per_update`` (``bench/bench_probe.py`` measures it). Each site is updated at most
 once per step (a module called twice in a step, or recomputed by activation
 checkpointing, is seen on its first call). The Probe never changes the training
@@ -32,6 +35,7 @@ import torch
 from torch import nn
 
 from ..config import ProbeConfig
+from .producers import consumer_kind, consumers_of_outputs, merge_kinds, producer_of
 from .stats import SiteStats
 
 __all__ = ["SiteCollector", "WRAPPER_NAMES", "canonical_name", "full_weight"]
@@ -108,7 +112,10 @@ class SiteCollector:
         self._manual = False
         self._attached = False
         self._root_handle = None
+        self._root_post_handle = None
         self._site_handles: List = []
+        self._outputs: Dict[str, object] = {}
+        """site -> its output's autograd node, this step, until the root's forward ends"""
         self._last_update: Dict[str, int] = {n: -1 for n in self.sites}
         self.stats_steps: List[int] = []
         """indices of the steps on which statistics were taken"""
@@ -121,6 +128,7 @@ class SiteCollector:
             raise RuntimeError("this Probe is already attached")
         self._attached = True
         self._root_handle = self.model.register_forward_pre_hook(self._on_root_forward)
+        self._root_post_handle = self.model.register_forward_hook(self._on_root_output)
         self._set_step(self._step)
         return self
 
@@ -129,6 +137,10 @@ class SiteCollector:
         if self._root_handle is not None:
             self._root_handle.remove()
             self._root_handle = None
+        if self._root_post_handle is not None:
+            self._root_post_handle.remove()
+            self._root_post_handle = None
+        self._outputs = {}
         self._hooks_off()
         self._attached = False
 
@@ -212,8 +224,23 @@ class SiteCollector:
             site.weight.observe(full_weight(module.weight))
             if self.config.source == "captured":
                 site.captured_x = x2d[: self._capture_rows].clone()
+        site.producers["x"] = merge_kinds(site.producers.get("x"), producer_of(x))
         if output.requires_grad:
             output.register_hook(functools.partial(self._on_grad, name, idx))
+            if "dy" not in site.producers and output.grad_fn is not None:
+                self._outputs[name] = output.grad_fn
+
+    def _on_root_output(self, module: nn.Module, args, output) -> None:
+        """Who consumes each site's output (the producer of its gradient): one walk of the
+        step's autograd graph, on the statistics steps where a site's is not yet known."""
+        pending, self._outputs = self._outputs, {}
+        if not pending:
+            return
+        consumers = consumers_of_outputs(output)
+        for name, node in pending.items():
+            kind = consumer_kind(node, consumers)
+            if kind is not None:
+                self.sites[name].producers["dy"] = kind
 
     @property
     def _capture_rows(self) -> int:

@@ -50,6 +50,7 @@ from ..kernels.roofline import autotune_limit, device_peaks, max_speedup
 from ..kernels.registry import Kernel, Library
 from ..numerics import mere_denominator
 from ..timing import TimingResult, time_fn
+from .pricing import step_time_us
 from .report import ErrorStat, KernelResult, ProbeReport, RoleReport, SiteReport
 from .sampler import OperandSampler, error_rows, naive_pair, seed_for
 from .stats import SiteStats
@@ -266,13 +267,15 @@ class KernelTimer:
         self._compiled: Dict[tuple, Callable] = {}
 
     def time(self, kernel: str, role: Role, shape: Tuple[int, int, int], dev: torch.device,
-             dtype: torch.dtype, weight_q: bool = False) -> Union[TimingResult, Failure]:
+             dtype: torch.dtype, weight_q: bool = False, gemm_only: bool = False
+             ) -> Union[TimingResult, Failure]:
         """The kernel's :class:`~loka.timing.TimingResult` at GEMM ``shape`` (M, K, N), or
         a :class:`Failure` ('timing failed: ...'). ``weight_q``: the b operand (the weight)
-        is quantized before timing (inference)."""
-        key = (kernel, role, tuple(shape), dtype, str(dev), weight_q)
+        is quantized before timing (inference); ``gemm_only``: both operands are."""
+        key = (kernel, role, tuple(shape), dtype, str(dev), weight_q, gemm_only)
         if key not in self._results:
-            self._results[key] = self._measure(kernel, role, shape, dev, dtype, weight_q)
+            self._results[key] = self._measure(kernel, role, shape, dev, dtype, weight_q,
+                                               gemm_only)
         return self._results[key]
 
     def _pair(self, role, shape, dev, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -289,14 +292,18 @@ class KernelTimer:
             self._compiled[key] = compiled_call(kern, dtype)
         return self._compiled[key]
 
-    def _measure(self, kernel, role, shape, dev, dtype, weight_q) -> Union[TimingResult, Failure]:
+    def _measure(self, kernel, role, shape, dev, dtype, weight_q, gemm_only=False
+                 ) -> Union[TimingResult, Failure]:
         cfg = self.config
         a, b = self._pair(role, shape, dev, dtype)
         kern = registry.get(kernel)
         try:
-            if weight_q:
+            if weight_q or gemm_only:
                 with torch.no_grad():
                     b = kern.quantize_b(b)
+            if gemm_only:
+                with torch.no_grad():
+                    a = kern.quantize_a(a)
             timed = functools.partial(time_fn, device=dev, warmup=cfg.timing_warmup,
                                       iters=cfg.timing_iters, budget_ms=cfg.timing_budget_ms)
             with torch.no_grad(), autotune_limit(cfg.autotune_configs):
@@ -353,7 +360,8 @@ class _Measurement:
         dtype = site.dtype or module.weight.dtype
         stats = site.summary()
         sr = SiteReport(name, site.in_features, site.out_features, site.tokens,
-                        str(dtype).replace("torch.", ""), stats)
+                        str(dtype).replace("torch.", ""), stats,
+                        producers=dict(site.producers))
         skipped = {}
         for role in self.config.roles:
             if role in GRAD_ROLES and site.grad.updates == 0:
@@ -429,13 +437,16 @@ class _Measurement:
             if cfg.timing and kr.error is None:
                 kr.not_timed = self._not_timed(kr, k, role, timed_shape(k), dev, dtype, base_us)
                 if kr.not_timed is None:
-                    self._time_kernel(kr, k, role, timed_shape(k), dev, dtype, base_us)
+                    self._time_kernel(kr, k, role, timed_shape(k), dev, dtype, base_us,
+                                      site.producers)
                     kr.safe = kr.safe and kr.error is None
                 else:
                     reason = kr.not_timed.split(":")[0]
                     self.not_timed[reason] = self.not_timed.get(reason, 0) + 1
-            # a CPU wall clock says nothing of FP8 speed on a GPU: never flagged fast
-            kr.fast = (kr.speedup is not None and kr.speedup > cfg.min_speedup
+            # a CPU wall clock says nothing of FP8 speed on a GPU: never flagged fast; the
+            # step-aware speedup decides where the report has one
+            speedup = kr.step_speedup if kr.step_speedup is not None else kr.speedup
+            kr.fast = (speedup is not None and speedup > cfg.min_speedup
                        and not kr.timing.startswith("cpu-wallclock"))
             rr.kernels[k.name] = kr
         return rr
@@ -462,8 +473,10 @@ class _Measurement:
         return None
 
     def _time_kernel(self, kr: KernelResult, k: Kernel, role: Role, shape, dev, dtype,
-                     base_us: Optional[float]) -> None:
-        """Fill ``kr``'s times and speedups, or its ``error`` if the timing failed."""
+                     base_us: Optional[float], producers: Mapping[str, str] = {}) -> None:
+        """Fill ``kr``'s times and speedups (the step-aware ones too: the GEMM timed with
+        its operands quantized beforehand, :mod:`loka.probe.pricing`), or its ``error`` if
+        the timing failed."""
         with self.phase("timing", dev):
             t = self.timer.time(k.name, role, shape, dev, dtype)
         if isinstance(t, Failure):
@@ -479,6 +492,17 @@ class _Measurement:
                 kr.time_us_weight_q = tq.median_us
                 if base_us is not None and tq.median_us > 0:
                     kr.speedup_weight_q = base_us / tq.median_us
+        if k.is_fp8 and k.quantize_a is not None and k.quantize_b is not None:
+            with self.phase("timing", dev):
+                tg = self.timer.time(k.name, role, shape, dev, dtype, gemm_only=True)
+            if isinstance(tg, TimingResult):
+                kr.time_us_gemm = tg.median_us
+                kr.step_us = step_time_us(
+                    k, role, shape, time_us=kr.time_us, time_us_gemm=kr.time_us_gemm,
+                    time_us_weight_q=kr.time_us_weight_q, producers=producers,
+                    compiled=kr.timing.endswith("+compiled"))
+                if base_us is not None and kr.step_us and kr.step_us > 0:
+                    kr.step_speedup = base_us / kr.step_us
 
     def naive(self, site: SiteStats, role: Role, dev: torch.device, dtype: torch.dtype,
               kernels: Sequence[Kernel], rows: int) -> Dict[str, Union[SampleErrors, Failure]]:

@@ -27,6 +27,7 @@ from ..config import BASELINE, Role
 from ..jsonio import (MAX_INT, ReportError, atomic_write_text, encode_number,
                       field_bool, field_device, field_int, field_mapping, field_number, field_path,
                       field_str, json_safe, read_json, require_fields)
+from .producers import KINDS
 
 SCHEMA = "loka.probe-report"
 SCHEMA_VERSION = 1
@@ -121,6 +122,15 @@ class KernelResult:
     not_timed: Optional[str] = None
     """why the Probe did not time this kernel here (over the error budget; a roofline
     bound below ``min_speedup``); None: timed, or timing off"""
+    time_us_gemm: Optional[float] = None
+    """FP8 kernels: median time with both operands quantized beforehand (the GEMM alone;
+    ``time_us`` less this is what quantizing the operands cost)"""
+    step_us: Optional[float] = None
+    """what the compiled training step is predicted to pay for this kernel here: the GEMM,
+    plus each operand's quantization priced by where the operand comes from
+    (:mod:`loka.probe.pricing`); None where the report cannot split the time"""
+    step_speedup: Optional[float] = None
+    """baseline time / ``step_us``"""
 
     def metric(self, name: str) -> Optional[ErrorStat]:
         if name == "neg_sqnr":
@@ -137,6 +147,9 @@ class KernelResult:
             d["speedup_weight_q"] = encode_number(self.speedup_weight_q)
         if self.not_timed is not None:
             d["not_timed"] = self.not_timed
+        for k in ("time_us_gemm", "step_us", "step_speedup"):
+            if getattr(self, k) is not None:
+                d[k] = encode_number(getattr(self, k))
         for k in ("mere", "sqnr", "relfro", "naive_mere"):
             v = getattr(self, k)
             d[k] = None if v is None else v.to_dict()
@@ -152,14 +165,17 @@ class KernelResult:
         if not name:
             raise ReportError(f"{field_path(where, 'kernel')}: empty kernel name")
         times = {k: _non_negative(d, k, where) for k in
-                 ("time_us", "speedup", "time_us_weight_q", "speedup_weight_q")}
+                 ("time_us", "speedup", "time_us_weight_q", "speedup_weight_q",
+                  "time_us_gemm", "step_us", "step_speedup")}
         return cls(kernel=name, time_us=times["time_us"], speedup=times["speedup"],
                    timing=field_str(d, "timing", where, "none"),
                    time_us_weight_q=times["time_us_weight_q"],
                    speedup_weight_q=times["speedup_weight_q"],
                    safe=field_bool(d, "safe", where),
                    fast=field_bool(d, "fast", where), error=field_str(d, "error", where, optional=True),
-                   not_timed=field_str(d, "not_timed", where, optional=True), **stats)
+                   not_timed=field_str(d, "not_timed", where, optional=True),
+                   time_us_gemm=times["time_us_gemm"], step_us=times["step_us"],
+                   step_speedup=times["step_speedup"], **stats)
 
 
 @dataclass
@@ -228,16 +244,22 @@ class SiteReport:
     stats: Dict[str, Any] = field(default_factory=dict)
     """summary of the learned statistics (amax, outlier fraction, kurtosis, ...)"""
     roles: Dict[Role, RoleReport] = field(default_factory=dict)
+    producers: Dict[str, str] = field(default_factory=dict)
+    """'x' and 'dy' -> the kind of op that makes that operand in the training step
+    (:mod:`loka.probe.producers`); absent where the Probe did not see it"""
 
     @property
     def shape(self) -> Tuple[int, int, int]:
         return (self.tokens, self.in_features, self.out_features)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "in_features": self.in_features,
-                "out_features": self.out_features, "tokens": self.tokens, "dtype": self.dtype,
-                "stats": json_safe(self.stats),
-                "roles": {r.value: rr.to_dict() for r, rr in self.roles.items()}}
+        d = {"name": self.name, "in_features": self.in_features,
+             "out_features": self.out_features, "tokens": self.tokens, "dtype": self.dtype,
+             "stats": json_safe(self.stats),
+             "roles": {r.value: rr.to_dict() for r, rr in self.roles.items()}}
+        if self.producers:
+            d["producers"] = dict(self.producers)
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping, where: str = "site report") -> "SiteReport":
@@ -248,10 +270,15 @@ class SiteReport:
             if rr.role.value != r:
                 raise ReportError(f"{field_path(where, 'roles')}[{r!r}]: holds role {rr.role.value!r}")
             roles[rr.role] = rr
+        producers = dict(field_mapping(d, "producers", where, {}))
+        for operand, kind in producers.items():
+            if operand not in ("x", "dy") or kind not in KINDS:
+                raise ReportError(f"{field_path(where, 'producers')}[{operand!r}]: expected "
+                                  f"'x' or 'dy' -> one of {KINDS}, got {kind!r}")
         return cls(field_str(d, "name", where), field_int(d, "in_features", where, 1),
                    field_int(d, "out_features", where, 1), field_int(d, "tokens", where),
                    field_str(d, "dtype", where, "bfloat16"), dict(field_mapping(d, "stats", where, {})),
-                   roles)
+                   roles, producers)
 
 
 @dataclass

@@ -35,6 +35,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ..numerics import get_format
+from .producers import merge_kinds
 from .weights import WeightModel
 
 __all__ = ["Welford", "ChannelMoments", "FP8RangeStats", "TensorStats", "SiteStats"]
@@ -535,6 +536,9 @@ class SiteStats:
         """source='captured': the last captured input rows (R, K), row-aligned with dy"""
         self.captured_dy: Optional[torch.Tensor] = None
         """source='captured': the output-gradient rows (R, N) of the same rows as x"""
+        self.producers: Dict[str, str] = {}
+        """'x' and 'dy' -> the kind of op that makes that operand
+        (:mod:`loka.probe.producers`), where the Probe saw it"""
 
     def summary(self) -> Dict[str, object]:
         return {"act": self.act.summary(), "grad": self.grad.summary(),
@@ -551,6 +555,8 @@ class SiteStats:
         self.grad.merge(other.grad)
         self.tokens = max(self.tokens, other.tokens)
         self.dtype = self.dtype or other.dtype
+        for operand, kind in other.producers.items():
+            self.producers[operand] = merge_kinds(self.producers.get(operand), kind)
         return self
 
     def to(self, device: "torch.device | str") -> "SiteStats":
@@ -567,6 +573,7 @@ class SiteStats:
 
         out = copy.copy(self)
         out.captured_x = out.captured_dy = None
+        out.producers = dict(self.producers)
         for part in ("act", "grad"):
             ts = moved(getattr(self, part))
             ts.moments, ts.channels, ts.range = (moved(ts.moments), moved(ts.channels),

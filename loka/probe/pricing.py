@@ -1,0 +1,105 @@
+"""What a compiled step pays for an FP8 kernel at one site-role: the step-aware price.
+
+The Probe times each FP8 kernel twice at a site-role's shape: the whole call
+(``time_us``: both operands quantized by passes of their own, as the kernel runs alone)
+and the GEMM alone with both operands quantized beforehand (``time_us_gemm``). The
+difference is what the quantizations cost as separate passes; the forward's timing with
+the weight quantized beforehand (``time_us_weight_q``) splits it between the two
+operands, other roles split it by operand size (both passes are memory-bound reads of
+the same dtype).
+
+In a compiled step, an operand that Inductor's own code produces (``pointwise`` in
+:mod:`loka.probe.producers`) does not take a pass of its own when the kernel's
+quantization is PyTorch that Inductor compiles (the Probe timed the kernel under
+``torch.compile``): its amax, scale and cast fuse into the producing kernel, which then
+also writes the FP8 copy. That fused cost is priced as the share of the separate passes'
+memory traffic that remains (per element, bf16 operands):
+
+* rowwise (and blockwise): the separate pass reads 2 bytes and writes 1; fused, the
+  producer writes 1 more: ``1/3`` of the pass;
+* tensorwise: separately, one pass reads 2 bytes for the global amax and a second reads
+  2 and writes 1; fused, the amax rides in the producer and only the cast pass remains
+  (reads 2, writes 1): ``3/5``.
+
+Rowwise scales of the weight gradient's operands run along the token dimension (a
+column amax of x and dy), which a row-at-a-time producer cannot finish: those keep their
+pass. Weights keep theirs too (they come from the optimizer, not from the step's ops).
+Operands of other kinds (a GEMM's output, an embedding, the model's input) pay the pass
+as timed. Serving prices the forward with the weight quantized once, ahead of the steps.
+
+These shares are a model from byte counts, not a measurement: the evaluation harness
+records the prediction beside every measured step so that the gap is known.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional, Tuple
+
+from ..config import Role
+from ..kernels.registry import Kernel, Scaling
+from .producers import FUSIBLE
+
+__all__ = ["FUSED_SHARE", "OPERAND_SOURCES", "split_quantization", "step_time_us"]
+
+FUSED_SHARE = {Scaling.ROWWISE: 1 / 3, Scaling.BLOCKWISE: 1 / 3, Scaling.TENSORWISE: 3 / 5}
+"""share of a separate quantization pass's traffic left when it fuses into its producer"""
+
+OPERAND_SOURCES = {Role.FWD: ("x", "weight"), Role.DGRAD: ("dy", "weight"),
+                   Role.WGRAD: ("dy", "x")}
+"""where each role's a and b operands come from (fwd: x @ Wᵀ; dgrad: dy @ W; wgrad:
+dyᵀ @ x)"""
+
+
+def split_quantization(role: Role, shape: Tuple[int, int, int], time_us: float,
+                       time_us_gemm: float, time_us_weight_q: Optional[float] = None
+                       ) -> Tuple[float, float]:
+    """(a's, b's) quantization time in microseconds: ``time_us - time_us_gemm``, split by
+    the forward's weight-quantized timing where there is one, else by operand size."""
+    quant = max(time_us - time_us_gemm, 0.0)
+    if role is Role.FWD and time_us_weight_q is not None:
+        qb = min(max(time_us - time_us_weight_q, 0.0), quant)
+        return quant - qb, qb
+    m, k, n = shape
+    a, b = m * k, k * n
+    qa = quant * a / (a + b) if a + b else 0.0
+    return qa, quant - qa
+
+
+def _fused_share(kernel: Kernel, role: Role, source: str) -> float:
+    if source == "weight":
+        return 1.0
+    if role is Role.WGRAD and kernel.scaling is not Scaling.TENSORWISE:
+        return 1.0  # column amaxes: the producer cannot finish them
+    return FUSED_SHARE.get(kernel.scaling, 1.0)
+
+
+def step_time_us(kernel: Kernel, role: Role, shape: Tuple[int, int, int], *,
+                 time_us: Optional[float], time_us_gemm: Optional[float],
+                 time_us_weight_q: Optional[float] = None,
+                 producers: Mapping[str, str] = {}, compiled: bool = False,
+                 inference: bool = False) -> Optional[float]:
+    """The step-aware time of ``kernel`` at one site-role (module docstring): the timed
+    call less what fusing each operand's quantization into its producer saves (never more
+    than the timed call; equal to it where nothing fuses), or None when the timings needed
+    are missing.
+
+    Args:
+        kernel: the FP8 kernel.
+        role, shape: the role and its GEMM's (M, K, N).
+        time_us, time_us_gemm, time_us_weight_q: the Probe's timings (see
+            :class:`~loka.probe.report.KernelResult`).
+        producers: the site's operand producers ('x', 'dy' -> kind).
+        compiled: the kernel was timed under ``torch.compile`` (its quantization is code
+            Inductor can fuse into a producer).
+        inference: serving: the weight is quantized once, not per step (forward only).
+    """
+    if time_us is None or time_us_gemm is None:
+        return None
+    if inference and (role is not Role.FWD or time_us_weight_q is None):
+        return None
+    qa, qb = split_quantization(role, shape, time_us, time_us_gemm, time_us_weight_q)
+    total = time_us_weight_q if inference else time_us
+    for q, source in zip((qa, qb), OPERAND_SOURCES[role]):
+        if compiled and producers.get(source) in FUSIBLE and not (inference and source == "weight"):
+            total -= q * (1.0 - _fused_share(kernel, role, source))
+    return total

@@ -1,0 +1,157 @@
+"""Where a site's quantized operands come from, read from the autograd graph while the
+Probe trains, so that the Probe can price a quantization by what the compiled step will
+pay for it.
+
+Under ``torch.compile``, the amax, scale and cast of an operand that Inductor's own code
+produces (an activation, a norm, arithmetic, the sum of two gradients) fuse into the kernel
+that makes it; an operand that comes out of another GEMM, an embedding lookup, a gather or
+the model's input needs a quantization pass of its own. Two operands matter per site:
+
+* ``x``, the Linear's input (the forward's a operand, the weight gradient's b operand): its
+  producer is the op that made it, the ``grad_fn`` of ``x`` seen through views;
+* ``dy``, the gradient of the Linear's output (the input gradient's a operand, the weight
+  gradient's a operand): the backward of whatever consumed the output ``y`` makes it. The
+  consumers are found by walking the autograd graph back from the model's outputs once,
+  at the end of the first statistics step's forward.
+
+Kinds (:data:`KINDS`): ``pointwise`` (Inductor generates and can fuse into the producer),
+``gemm`` (a matrix multiply, whose library kernel takes no fused epilogue), ``input`` (a
+leaf or a tensor without gradient: a pass of its own), ``output`` (``y`` is a model output:
+its gradient comes from the loss, outside the model), ``other`` (anything else: gathers,
+concatenations, embedding bags, custom functions; priced as a pass of its own).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, Iterable, List, Optional
+
+import torch
+import torch.utils._pytree as pytree
+
+__all__ = ["KINDS", "FUSIBLE", "producer_of", "op_name", "consumers_of_outputs",
+           "consumer_kind", "merge_kinds", "check_kinds"]
+
+KINDS = ("pointwise", "gemm", "input", "output", "other")
+FUSIBLE = ("pointwise",)
+"""kinds whose quantization Inductor can fuse into the producing kernel"""
+
+_VIEWS = frozenset({
+    "View", "UnsafeView", "Reshape", "ReshapeAlias", "Alias", "T", "Transpose", "Permute",
+    "Expand", "Squeeze", "Unsqueeze", "Select", "Slice", "AsStrided", "Unfold", "Flatten",
+    "Split", "SplitWithSizes", "Unbind", "Narrow", "Contiguous"})
+"""ops that only re-index a tensor (Inductor folds them into the kernel that reads it)"""
+
+_POINTWISE = frozenset({
+    "Relu", "Threshold", "Hardswish", "Hardsigmoid", "Hardtanh", "Gelu", "Silu", "Sigmoid",
+    "Tanh", "Mish", "Elu", "Selu", "Celu", "LeakyRelu", "Softplus", "Prelu", "Glu",
+    "Mul", "Div", "Add", "Sub", "Rsub", "Neg", "Exp", "Exp2", "Expm1", "Log", "Log1p",
+    "Log2", "Pow", "Rsqrt", "Sqrt", "Reciprocal", "Clamp", "ClampMin", "ClampMax", "Where",
+    "Abs", "Erf", "Sin", "Cos", "Maximum", "Minimum", "Lerp", "Addcmul", "Addcdiv",
+    "MaskedFill", "NativeDropout", "ToCopy", "Clone", "Copy", "Mean", "Sum", "Var", "Std",
+    "Amax", "Norm", "LinalgVectorNorm", "Softmax", "LogSoftmax", "NativeLayerNorm",
+    "NativeBatchNorm", "NativeGroupNorm", "FusedRmsNorm", "RmsNorm", "CudnnBatchNorm"})
+"""ops Inductor generates code for (elementwise, row reductions, normalizations)"""
+
+_GEMM = frozenset({"Mm", "Addmm", "Bmm", "Baddbmm", "Matmul", "Linear", "ScaledMm",
+                   "Addbmm", "Mv", "Dot", "Einsum", "_LinearFunction", "LinearFunction"})
+"""matrix multiplies, LoKA's own FP8 Linear's autograd function among them"""
+
+_SUFFIX = re.compile(r"Backward\d*$")
+
+
+def op_name(node) -> str:
+    """The forward op behind an autograd node: ``HardswishBackward0`` -> ``Hardswish``."""
+    return _SUFFIX.sub("", type(node).__name__ if not hasattr(node, "name") else
+                       node.name().rsplit("::", 1)[-1]).lstrip("_") or "?"
+
+
+def _kind(name: str) -> str:
+    if name in _GEMM or name.lstrip("_") in _GEMM:
+        return "gemm"
+    if name in _POINTWISE:
+        return "pointwise"
+    return "other"
+
+
+def _through_views(node):
+    """The first node under ``node`` that is not a view (its first differentiable input)."""
+    seen = 0
+    while node is not None and op_name(node) in _VIEWS and seen < 64:
+        nxt = [n for n, _ in node.next_functions if n is not None]
+        node = nxt[0] if nxt else None
+        seen += 1
+    return node
+
+
+def producer_of(t: torch.Tensor) -> str:
+    """The kind of op that produced ``t`` (module docstring)."""
+    node = _through_views(getattr(t, "grad_fn", None))
+    if node is None or op_name(node) == "AccumulateGrad":
+        return "input"
+    return _kind(op_name(node))
+
+
+def consumers_of_outputs(outputs) -> Dict[object, List[object]]:
+    """node -> the nodes that take its result, over the autograd graph of every tensor in
+    ``outputs`` (any nesting of tuples, lists and dicts)."""
+    roots = [t.grad_fn for t in pytree.tree_leaves(outputs)
+             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    consumers: Dict[object, List[object]] = {}
+    seen = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            consumers.setdefault(child, []).append(node)
+            if child not in seen:
+                stack.append(child)
+    consumers["__outputs__"] = roots
+    return consumers
+
+
+def consumer_kind(node, consumers: Dict[object, List[object]]) -> Optional[str]:
+    """The kind of op whose backward makes the gradient of the tensor ``node`` produced
+    (the module docstring's ``dy``), or None when ``node`` is not in the walked graph."""
+    outputs = set(consumers.get("__outputs__", ()))
+    kinds: List[str] = []
+
+    def visit(n, depth: int) -> None:
+        users = consumers.get(n, [])
+        if n in outputs:
+            kinds.append("output")
+        for user in users:
+            name = op_name(user)
+            if name in _VIEWS and depth < 64:
+                visit(user, depth + 1)
+            else:
+                kinds.append(_kind(name))
+
+    if node not in consumers and node not in outputs:
+        return None
+    visit(node, 0)
+    if not kinds:
+        return None
+    if len(kinds) > 1:
+        # gradients of several users are summed: Inductor's add kernel, fusible
+        return "pointwise"
+    return kinds[0]
+
+
+def merge_kinds(a: Optional[str], b: Optional[str]) -> Optional[str]:
+    """One site seen twice (two calls in a step): the operand needs a pass if either
+    call's does."""
+    if a is None or a == b:
+        return b if a is None else a
+    return a if a not in FUSIBLE else b
+
+
+def check_kinds(kinds: Iterable[str]) -> None:
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        raise ValueError(f"unknown producer kind(s) {bad}; expected one of {KINDS}")

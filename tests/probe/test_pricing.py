@@ -1,0 +1,201 @@
+"""The step-aware Probe: where each site's operands come from (read from the autograd graph
+of a user's model), the price of a quantization by its producer, and the step predicted
+from it, against scripted timings."""
+
+import pytest
+import torch
+from torch import nn
+
+import loka
+from loka.config import BASELINE, ProbeConfig, Role
+from loka.dispatch import Plan, RoleChoice, SitePlan, predict_step
+from loka.jsonio import ReportError
+from loka.kernels import get
+from loka.probe import measure
+from loka.probe.pricing import FUSED_SHARE, split_quantization, step_time_us
+from loka.probe.producers import consumer_kind, consumers_of_outputs, producer_of
+from loka.probe.report import KernelResult, ProbeReport, RoleReport, SiteReport
+from loka.timing import TimingResult
+
+ROWWISE, TENSORWISE = "cublas-rowwise", "cublas-tensorwise"
+
+
+class OwnNorm(nn.Module):
+    """A user's RMS norm (not a class LoKA knows)."""
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class UserModel(nn.Module):
+    """Embedding bag -> l0 -> Hard Swish -> l1 -> l2 (straight after l1, on a 3-D view)
+    -> own norm + residual -> l3 -> out (the model's output)."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(50, d, mode="sum")
+        self.l0, self.l1, self.l2, self.l3 = (nn.Linear(d, d) for _ in range(4))
+        self.norm = OwnNorm()
+
+    def forward(self, ids):
+        h = self.l1(nn.functional.hardswish(self.l0(self.emb(ids))))
+        y = self.l2(h.view(-1, 2, h.shape[-1]))
+        return self.l3(self.norm(y) + y).sum(-1)
+
+
+def _ids(n=16):
+    return torch.randint(0, 50, (n, 3), generator=torch.Generator().manual_seed(0))
+
+
+def test_producers_are_read_from_a_user_models_autograd_graph():
+    model = UserModel()
+    with loka.Probe(model, ProbeConfig(progress=False)) as probe:
+        model(_ids()).pow(2).mean().backward()
+    got = {name: site.producers for name, site in probe.sites.items()}
+    assert got == {
+        "l0": {"x": "other", "dy": "pointwise"},      # embedding bag; Hard Swish's backward
+        "l1": {"x": "pointwise", "dy": "gemm"},       # l2's input gradient, through a view
+        "l2": {"x": "gemm", "dy": "pointwise"},       # norm and residual: two users, summed
+        "l3": {"x": "pointwise", "dy": "pointwise"},  # the sum over the last dim
+    }
+    # the kinds travel in the report and survive its JSON
+    rep = probe.report()
+    assert rep.sites["l1"].producers == {"x": "pointwise", "dy": "gemm"}
+    again = ProbeReport.from_dict(rep.to_dict())
+    assert {n: s.producers for n, s in again.sites.items()} == got
+
+
+def test_a_model_output_and_plain_tensors_are_their_own_kinds():
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    assert producer_of(x) == "input"
+    assert producer_of(torch.randn(4, 8, requires_grad=True)) == "input"  # a leaf
+    y = lin(x)
+    consumers = consumers_of_outputs({"out": [y]})
+    assert consumer_kind(y.grad_fn, consumers) == "output"
+    assert consumer_kind(lin(x).grad_fn, consumers) is None  # not in the walked graph
+    # an applied FP8 Linear's output is a GEMM's
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    loka.apply(model, Plan.uniform(model, "emulated-rowwise-e4m3"))
+    with loka.Probe(model, ProbeConfig(progress=False)) as probe:
+        model(torch.randn(16, 32)).sum().backward()
+    assert probe.sites["1"].producers == {"x": "gemm", "dy": "output"}
+    assert probe.sites["0"].producers == {"x": "input", "dy": "gemm"}
+
+
+def test_bad_producer_kinds_in_a_report_are_refused():
+    d = SiteReport("s", 4, 4, 8, producers={"x": "pointwise"}).to_dict()
+    d["producers"] = {"x": "fused-somehow"}
+    with pytest.raises(ReportError, match="producers"):
+        SiteReport.from_dict(d)
+    d["producers"] = {"w": "gemm"}
+    with pytest.raises(ReportError, match="producers"):
+        SiteReport.from_dict(d)
+
+
+# -- pricing ---------------------------------------------------------------------------
+def _price(kernel, role, producers, compiled=True, inference=False, shape=(64, 32, 32)):
+    # whole call 16 us, GEMM alone 10 us, forward with the weight quantized 13 us
+    return step_time_us(get(kernel), role, shape, time_us=16.0, time_us_gemm=10.0,
+                        time_us_weight_q=13.0, producers=producers, compiled=compiled,
+                        inference=inference)
+
+
+def test_a_quantization_fused_into_its_producer_costs_the_share_it_keeps():
+    fused = {"x": "pointwise", "dy": "pointwise"}
+    # forward: a = x (3 us), b = the weight (3 us): only x's pass fuses
+    assert _price(ROWWISE, Role.FWD, fused) == pytest.approx(16 - 3 * (1 - 1 / 3))
+    assert _price(TENSORWISE, Role.FWD, fused) == pytest.approx(16 - 3 * (1 - 3 / 5))
+    # the same operand out of a GEMM, of the model input, or timed eagerly: the pass stays
+    for producers, compiled in (({"x": "gemm"}, True), ({"x": "input"}, True), (fused, False),
+                                ({}, True)):
+        assert _price(ROWWISE, Role.FWD, producers, compiled) == 16.0
+    # input gradient: a = dy, split by size against the weight (64x32 vs 32x32)
+    qa, qb = split_quantization(Role.DGRAD, (64, 32, 32), 16.0, 10.0)
+    assert (qa, qb) == pytest.approx((4.0, 2.0))
+    assert _price(ROWWISE, Role.DGRAD, fused) == pytest.approx(16 - 4 * (1 - 1 / 3))
+    # weight gradient: rowwise scales of dyᵀ and x run along the tokens: no fusion;
+    # tensorwise fuses both
+    assert _price(ROWWISE, Role.WGRAD, fused) == 16.0
+    assert _price(TENSORWISE, Role.WGRAD, fused) == pytest.approx(16 - 6 * (1 - 3 / 5))
+    # serving: the weight is quantized once; x's pass fuses
+    assert _price(ROWWISE, Role.FWD, fused, inference=True) == pytest.approx(13 - 3 * (2 / 3))
+    assert _price(ROWWISE, Role.DGRAD, fused, inference=True) is None
+    # missing timings, and a GEMM that timed slower than the whole call (noise): no credit
+    assert step_time_us(get(ROWWISE), Role.FWD, (8, 8, 8), time_us=5.0, time_us_gemm=None,
+                        producers=fused, compiled=True) is None
+    assert step_time_us(get(ROWWISE), Role.FWD, (8, 8, 8), time_us=5.0, time_us_gemm=6.0,
+                        producers=fused, compiled=True) == 5.0
+    assert set(FUSED_SHARE.values()) == {1 / 3, 3 / 5}
+
+
+def _scripted(monkeypatch, times):
+    """KernelTimer.time answers from ``times`` (kernel, weight_q, gemm_only) -> us, as a
+    compiled CUDA-graph timing would."""
+    def fake(self, kernel, role, shape, dev, dtype, weight_q=False, gemm_only=False):
+        method = "cuda-graph" if kernel == BASELINE else "cuda-graph+compiled"
+        return TimingResult(times[(kernel, weight_q, gemm_only)], method, 10)
+    monkeypatch.setattr(measure.KernelTimer, "time", fake)
+
+
+def test_the_step_aware_probe_flags_a_kernel_fast_where_its_quantization_fuses(monkeypatch):
+    """The same FP8 kernel, slower than bf16 as an isolated call (105 vs 100 us), is fast
+    behind an activation (its x pass fuses) and not behind another GEMM."""
+    _scripted(monkeypatch, {(BASELINE, False, False): 100.0,
+                            (ROWWISE, False, False): 105.0, (ROWWISE, True, False): 85.0,
+                            (ROWWISE, False, True): 60.0})
+
+    class Tower(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = (nn.Linear(32, 32) for _ in range(3))
+
+        def forward(self, x):
+            return self.c(self.b(torch.relu(self.a(x))))
+
+    model = Tower()
+    cfg = ProbeConfig(progress=False, roles=("fwd",), kernels=(BASELINE, ROWWISE),
+                      num_samples=2, naive_samples=2, bootstrap=20, timing=True,
+                      roofline_prune=False, time_unsafe=True, max_error=1.0)
+    rep = loka.probe(model, [torch.randn(64, 32)], lambda m, x: m(x).square().mean(),
+                     config=cfg)
+    behind_relu = rep.sites["b"].roles[Role.FWD].kernels[ROWWISE]
+    behind_gemm = rep.sites["c"].roles[Role.FWD].kernels[ROWWISE]
+    for kr in (behind_relu, behind_gemm):
+        assert kr.time_us == 105.0 and kr.time_us_gemm == 60.0 and kr.speedup < 1
+    # x's pass: 85 - 60 = 25 us, of which a fused rowwise cast keeps a third
+    assert behind_relu.step_us == pytest.approx(105 - 25 * 2 / 3)
+    assert behind_relu.step_speedup == pytest.approx(100 / behind_relu.step_us)
+    assert behind_relu.fast and behind_relu.step_speedup > cfg.min_speedup
+    assert behind_gemm.step_us == 105.0 and not behind_gemm.fast
+    # the report keeps the split (JSON round trip)
+    back = ProbeReport.from_dict(rep.to_dict()).sites["b"].roles[Role.FWD].kernels[ROWWISE]
+    assert (back.time_us_gemm, back.step_us) == (60.0, behind_relu.step_us)
+
+
+def _report(step_us):
+    kr = KernelResult(ROWWISE, time_us=80.0, speedup=1.25, timing="cuda-graph+compiled",
+                      time_us_weight_q=70.0, time_us_gemm=50.0, step_us=step_us)
+    sr = SiteReport("s", 32, 32, 64, producers={"x": "pointwise", "dy": "gemm"},
+                    roles={Role.FWD: RoleReport(Role.FWD, (64, 32, 32), 100.0, {ROWWISE: kr})})
+    return ProbeReport(sites={"s": sr})
+
+
+def test_the_predicted_step_uses_step_aware_times_and_keeps_the_isolated_one():
+    plan = Plan(sites={"s": SitePlan("s", 32, 32, 64, {
+        Role.FWD: RoleChoice(ROWWISE), Role.DGRAD: RoleChoice(BASELINE),
+        Role.WGRAD: RoleChoice(BASELINE)})}, device="cuda")
+    pred = predict_step(plan, _report(step_us=70.0), baseline_step_ms=1.0)
+    assert pred.step_aware == ["s:fwd"]
+    assert pred.predicted_step_ms == pytest.approx(1.0 - (100 - 70) / 1e3)
+    assert pred.isolated_step_ms == pytest.approx(1.0 - (100 - 80) / 1e3)
+    d = pred.to_dict()
+    assert d["isolated_speedup"] == pytest.approx(1 / pred.isolated_step_ms)
+    # no step-aware time: the isolated one
+    pred = predict_step(plan, _report(step_us=None), baseline_step_ms=1.0)
+    assert pred.step_aware == [] and pred.predicted_step_ms == pred.isolated_step_ms
+    # serving: the forward with the weight quantized once, x's pass fused (20 us, 1/3 kept)
+    pred = predict_step(plan, _report(step_us=None), baseline_step_ms=1.0, inference=True)
+    assert pred.step_aware == ["s:fwd"]
+    assert pred.predicted_step_ms == pytest.approx(1.0 - (100 - (70 - 20 * 2 / 3)) / 1e3)
+    assert pred.isolated_step_ms == pytest.approx(1.0 - (100 - 70) / 1e3)
