@@ -19,7 +19,8 @@ Selection rule for one (site, role):
    the target, on a GPU (``timing`` not 'none' or 'cpu-wallclock'), and the kernel is not
    emulated. CPU wall-clock and emulated timings say nothing about FP8 on a GPU.
 4. Among safe candidates with a decisive speedup ``>= min_speedup`` the fastest wins
-   (ties: lower error bound, then name).
+   (ties: lower error bound, then name). The speedup is :func:`kernel_speedup`'s: the
+   step-aware one in training where the report has it.
 5. No such candidate: with ``assume_fast=True`` a safe candidate without a decisive
    timing wins: a real kernel before any emulated one (emulated kernels are numerical
    references, never fast), then the lowest error bound, then the name; otherwise the
@@ -48,6 +49,18 @@ from ..probe.report import ProbeReport
 from .schema import Plan, RoleChoice, SitePlan
 
 _UNTRUSTED_TIMINGS = ("none", "cpu-wallclock")
+
+
+def kernel_speedup(kr, inference: bool = False) -> Optional[float]:
+    """The speedup a plan judges a kernel by: serving, the forward timed with its weight
+    quantized beforehand (``speedup_weight_q``); training, the step-aware speedup
+    (``step_speedup``: quantization priced by where each operand comes from,
+    :mod:`loka.probe.pricing`) where the report has one; else the isolated call's."""
+    if inference and kr.speedup_weight_q is not None:
+        return kr.speedup_weight_q
+    if not inference and kr.step_speedup is not None:
+        return kr.step_speedup
+    return kr.speedup
 
 
 def resolve_budget(config: DispatchConfig, site: str, role: Role | str) -> float:
@@ -183,9 +196,7 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
                 if stat.hi > budget:
                     other += 1
                     continue
-                speedup = kr.speedup
-                if inference and kr.speedup_weight_q is not None:
-                    speedup = kr.speedup_weight_q
+                speedup = kernel_speedup(kr, inference)
                 decisive = (same_device_type and not kern.is_emulated
                             and kr.timing.split("+")[0] not in _UNTRUSTED_TIMINGS
                             and speedup is not None and math.isfinite(speedup))
@@ -291,7 +302,7 @@ def audit(plan: Plan, report: "ProbeReport | str | os.PathLike") -> dict:
         if (kr is None or not same_device_type or kr.timing.split("+")[0] in _UNTRUSTED_TIMINGS
                 or kname not in registered or registered[kname].is_emulated):
             return math.nan
-        s = kr.speedup_weight_q if inference and kr.speedup_weight_q is not None else kr.speedup
+        s = kernel_speedup(kr, inference)
         return math.nan if s is None else float(s)
 
     def runs(site, role: Role, kname: str) -> bool:
@@ -486,8 +497,7 @@ def override(plan: Plan, *, replace: Optional[Mapping[str, str]] = None,
             stat = None if kr is None else kr.metric(str(out.budget.get("metric", "mere")))
             if stat is not None and stat.hi is not None and math.isfinite(stat.hi):
                 error, error_mean = stat.hi, stat.mean
-                speedup = kr.speedup_weight_q if (out.budget.get("inference") and
-                                                  kr.speedup_weight_q is not None) else kr.speedup
+                speedup = kernel_speedup(kr, bool(out.budget.get("inference")))
             if check_budget and (error is None or (budget is not None and error > budget)):
                 raise ValueError(f"{site} {role}: {kernel!r} " + (
                     "was not measured there by the report" if error is None else

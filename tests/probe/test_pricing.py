@@ -171,6 +171,16 @@ def test_the_step_aware_probe_flags_a_kernel_fast_where_its_quantization_fuses(m
     # the report keeps the split (JSON round trip)
     back = ProbeReport.from_dict(rep.to_dict()).sites["b"].roles[Role.FWD].kernels[ROWWISE]
     assert (back.time_us_gemm, back.step_us) == (60.0, behind_relu.step_us)
+    # the plan judges by the step-aware speedup (and its audit agrees); serving by the
+    # forward with the weight quantized once (100 / 85 at both sites)
+    plan = loka.plan(rep)
+    assert plan.sites["b"].roles[Role.FWD].kernel == ROWWISE
+    assert plan.sites["b"].roles[Role.FWD].speedup == pytest.approx(behind_relu.step_speedup)
+    assert plan.sites["c"].roles[Role.FWD].kernel == BASELINE
+    assert loka.dispatch.audit(plan, rep)["ok"]
+    serving = loka.plan(rep, inference=True)
+    assert {s: serving.sites[s].roles[Role.FWD].kernel for s in "bc"} == {"b": ROWWISE,
+                                                                          "c": ROWWISE}
 
 
 def _report(step_us):
