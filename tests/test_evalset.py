@@ -268,6 +268,10 @@ def test_eval_set_script_runs_on_the_cpu(tmp_path):
     assert pred["baseline_step_ms"] == bf16["step_ms"] and pred["saved_ms"] == 0
     assert len(pred["untimed"]) >= lk["fp8_sites"] and pred["measured_step_ms"] == lk["step_ms"]
     assert pred["prediction_error"] == pytest.approx(lk["step_ms"] / bf16["step_ms"] - 1)
+    assert pred["isolated_prediction_error"] == pred["prediction_error"]  # nothing timed
+    assert pred["step_aware"] == []
+    cells = [c["loka"] for c in doc["summary"] if c["loka"] is not None]
+    assert cells and cells[0]["prediction_error"] == pred["prediction_error"]
     assert bf16["prediction"] is None and "_plan" not in lk
     for f in doc["probes"][0]["files"].values():   # the Probe's report and plans load back
         assert Path(f).exists()

@@ -521,10 +521,16 @@ def summarize(rows: List[dict]) -> List[dict]:
         opt = next((r for r in ok if r["variant"] == "loka-optimize"), None)
 
         def cell(r):
-            return None if r is None else {"variant": r["variant"], "step_ms": r["step_ms"],
-                                           "gpu_ms": r.get("gpu_ms"),
-                                           "vs_bf16": (r.get("vs_bf16") or {}).get("step"),
-                                           "fp8_sites": r.get("fp8_sites")}
+            if r is None:
+                return None
+            c = {"variant": r["variant"], "step_ms": r["step_ms"], "gpu_ms": r.get("gpu_ms"),
+                 "vs_bf16": (r.get("vs_bf16") or {}).get("step"),
+                 "fp8_sites": r.get("fp8_sites")}
+            pred = r.get("prediction") or {}
+            if "prediction_error" in pred:  # measured / predicted - 1, both predictions
+                c["prediction_error"] = pred["prediction_error"]
+                c["isolated_prediction_error"] = pred["isolated_prediction_error"]
+            return c
         out.append({"model": k[0], "batch_size": k[1], "mode": k[2], "graphs": k[3],
                     "bf16": cell(bf16), "best_torchao": cell(best), "loka": cell(lk),
                     "loka_optimize": cell(opt)})

@@ -50,7 +50,7 @@ from ..kernels.roofline import autotune_limit, device_peaks, max_speedup
 from ..kernels.registry import Kernel, Library
 from ..numerics import mere_denominator
 from ..timing import TimingResult, time_fn
-from .pricing import step_time_us
+from .pricing import can_fuse, step_time_us
 from .report import ErrorStat, KernelResult, ProbeReport, RoleReport, SiteReport
 from .sampler import OperandSampler, error_rows, naive_pair, seed_for
 from .stats import SiteStats
@@ -492,7 +492,9 @@ class _Measurement:
                 kr.time_us_weight_q = tq.median_us
                 if base_us is not None and tq.median_us > 0:
                     kr.speedup_weight_q = base_us / tq.median_us
-        if k.is_fp8 and k.quantize_a is not None and k.quantize_b is not None:
+        # the GEMM alone splits the call's time, where a quantization could fuse in the step
+        if (k.is_fp8 and k.quantize_a is not None and k.quantize_b is not None
+                and can_fuse(k, role, producers, kr.timing.endswith("+compiled"))):
             with self.phase("timing", dev):
                 tg = self.timer.time(k.name, role, shape, dev, dtype, gemm_only=True)
             if isinstance(tg, TimingResult):

@@ -39,7 +39,7 @@ from ..config import Role
 from ..kernels.registry import Kernel, Scaling
 from .producers import FUSIBLE
 
-__all__ = ["FUSED_SHARE", "OPERAND_SOURCES", "split_quantization", "step_time_us"]
+__all__ = ["FUSED_SHARE", "OPERAND_SOURCES", "can_fuse", "split_quantization", "step_time_us"]
 
 FUSED_SHARE = {Scaling.ROWWISE: 1 / 3, Scaling.BLOCKWISE: 1 / 3, Scaling.TENSORWISE: 3 / 5}
 """share of a separate quantization pass's traffic left when it fuses into its producer"""
@@ -73,6 +73,16 @@ def _fused_share(kernel: Kernel, role: Role, source: str) -> float:
     return FUSED_SHARE.get(kernel.scaling, 1.0)
 
 
+def can_fuse(kernel: Kernel, role: Role, producers: Mapping[str, str], compiled: bool,
+             inference: bool = False) -> bool:
+    """Whether any operand's quantization at this site-role would fuse into its producer
+    in a compiled step (else the step pays the timed call, and the Probe need not split
+    it)."""
+    return compiled and any(
+        producers.get(source) in FUSIBLE and _fused_share(kernel, role, source) < 1.0
+        for source in OPERAND_SOURCES[role] if not (inference and source == "weight"))
+
+
 def step_time_us(kernel: Kernel, role: Role, shape: Tuple[int, int, int], *,
                  time_us: Optional[float], time_us_gemm: Optional[float],
                  time_us_weight_q: Optional[float] = None,
@@ -100,6 +110,6 @@ def step_time_us(kernel: Kernel, role: Role, shape: Tuple[int, int, int], *,
     qa, qb = split_quantization(role, shape, time_us, time_us_gemm, time_us_weight_q)
     total = time_us_weight_q if inference else time_us
     for q, source in zip((qa, qb), OPERAND_SOURCES[role]):
-        if compiled and producers.get(source) in FUSIBLE and not (inference and source == "weight"):
+        if can_fuse(kernel, role, {source: producers.get(source, "")}, compiled, inference):
             total -= q * (1.0 - _fused_share(kernel, role, source))
     return total

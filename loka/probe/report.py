@@ -123,12 +123,14 @@ class KernelResult:
     """why the Probe did not time this kernel here (over the error budget; a roofline
     bound below ``min_speedup``); None: timed, or timing off"""
     time_us_gemm: Optional[float] = None
-    """FP8 kernels: median time with both operands quantized beforehand (the GEMM alone;
+    """FP8 kernels timed compiled where an operand's quantization could fuse into its
+    producer: median time with both operands quantized beforehand (the GEMM alone;
     ``time_us`` less this is what quantizing the operands cost)"""
     step_us: Optional[float] = None
-    """what the compiled training step is predicted to pay for this kernel here: the GEMM,
-    plus each operand's quantization priced by where the operand comes from
-    (:mod:`loka.probe.pricing`); None where the report cannot split the time"""
+    """what the compiled training step is predicted to pay for this kernel here: the timed
+    call less what fusing operand quantizations into their producers saves
+    (:mod:`loka.probe.pricing`); None where nothing could fuse (the step pays
+    ``time_us``) or the split is missing"""
     step_speedup: Optional[float] = None
     """baseline time / ``step_us``"""
 
