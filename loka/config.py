@@ -172,6 +172,10 @@ class ProbeConfig:
     autotune_configs: Optional[int] = 4
     """while timing, LoKA's Triton kernels try at most this many autotuning configs per new
     shape (the largest tiles that fit it; the choice is kept for the process); None: all"""
+    autotune_from: Optional[str] = None
+    """a Probe report of an earlier run (best: on the same GPU type) whose Triton
+    autotuning choices (``meta['autotuned']``) are loaded before timing: shapes it tuned
+    are not tuned again (``meta['autotune_seeded']`` says how many were loaded)"""
 
     def __post_init__(self) -> None:
         if self.every_n_steps < 1:

@@ -47,7 +47,7 @@ SURFACE = {
                           "--rounds", "--seed", "--skip-bad-lines", "--steps", "-o", "<model>"],
     "plan": COMMON + ["--assign", "--assume-fast", "--kernels", "--max-error", "--metric",
                       "--min-speedup", "--out", "--replace", "--role-budget", "--site-budget", "-o", "<report>"],
-    "probe": COMMON + ["--batch-size", "--bootstrap", "--checkpoint", "--data", "--every-n-steps",
+    "probe": COMMON + ["--autotune-from", "--batch-size", "--bootstrap", "--checkpoint", "--data", "--every-n-steps",
                        "--kernels", "--lr", "--max-error", "--min-speedup", "--mods", "--tables",
                        "--module-filter", "--no-naive", "--no-timing", "--num-samples", "--out",
                        "--no-roofline", "--preset", "--roles", "--sample-rows", "--seed",
@@ -122,7 +122,7 @@ DEFAULTS = {
               "no_naive": False, "no_timing": False, "num_samples": 64, "out": "report.json",
               "preset": "tiny", "roles": None, "sample_rows": None, "seed": 0,
               "skip_bad_lines": False, "source": "learned", "steps": 20, "time_unsafe": False,
-              "no_roofline": False},
+              "no_roofline": False, "autotune_from": None},
     "quality": {"batch_size": None, "bootstrap": 0, "checkpoint": None, "confidence": 0.95,
                 "control": False, "cost_steps": None, "data": "synthetic", "eval_steps": None,
                 "logit_scale": 1.0, "lr": 0.001, "max_ne_change": None, "model": "wukong",
@@ -373,8 +373,10 @@ def test_the_probes_pruning_switches_reach_its_config():
     parse = cli.build_parser().parse_args
     default = cli_args.probe_config(parse(["probe", "wukong"]))
     assert default.time_unsafe is False and default.roofline_prune is True
-    cfg = cli_args.probe_config(parse(["probe", "wukong", "--time-unsafe", "--no-roofline"]))
+    cfg = cli_args.probe_config(parse(["probe", "wukong", "--time-unsafe", "--no-roofline",
+                                       "--autotune-from", "old.json"]))
     assert cfg.time_unsafe is True and cfg.roofline_prune is False
+    assert default.autotune_from is None and cfg.autotune_from == "old.json"
 
 
 @pytest.fixture(scope="module")

@@ -211,7 +211,8 @@ def probe_config(args) -> ProbeConfig:
             kernels=kernels, roles=roles, max_error=args.max_error, min_speedup=args.min_speedup,
             bootstrap=args.bootstrap, timing=not args.no_timing, seed=args.seed,
             module_filter=args.module_filter, time_unsafe=getattr(args, "time_unsafe", False),
-            roofline_prune=not getattr(args, "no_roofline", False))
+            roofline_prune=not getattr(args, "no_roofline", False),
+            autotune_from=getattr(args, "autotune_from", None))
     except ValueError as e:
         raise usage(str(e)) from None
 

@@ -319,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-roofline", action="store_true",
                    help="time every FP8 kernel, also those whose roofline bound cannot reach "
                         "--min-speedup on this GPU")
+    p.add_argument("--autotune-from", default=None, metavar="REPORT",
+                   help="load the Triton autotuning choices of an earlier report (same GPU "
+                        "type): shapes it tuned are not tuned again")
     _skip_bad_lines(p)
 
     p = add("plan", "choose a kernel per site and role under an accuracy budget")

@@ -45,6 +45,7 @@ from tqdm import tqdm
 
 from ..config import (BASELINE, GRAD_ROLES, REFERENCE_KERNEL, ProbeConfig, Role, config_to_dict,
                       role_shape)
+from ..jsonio import ReportError
 from ..kernels import ops, registry
 from ..kernels.roofline import autotune_limit, device_peaks, max_speedup
 from ..kernels.registry import Kernel, Library
@@ -526,6 +527,21 @@ def _autotune_choices() -> Dict[str, Dict[str, str]]:
     return common.autotune_choices()
 
 
+def _seed_autotune(path: str) -> Dict[str, object]:
+    """Load the Triton autotuning choices of the report at ``path`` (``autotune_from``)."""
+    report = ProbeReport.load(path)
+    choices = report.meta.get("autotuned", {})
+    try:
+        from ..kernels.triton import common
+    except ImportError as e:
+        return {"from": str(path), "seeded": 0, "skipped": [f"Triton is not available: {e}"]}
+    try:
+        seeded, skipped = common.seed_autotune(choices)
+    except ValueError as e:
+        raise ReportError(f"{path}: meta.autotuned: {e}") from None
+    return {"from": str(path), "seeded": seeded, "skipped": skipped}
+
+
 def measure_report(sites: Mapping[str, SiteStats], modules: Mapping[str, nn.Linear],
                    config: ProbeConfig, device: "torch.device | str | None" = None,
                    meta: Optional[Mapping[str, object]] = None) -> ProbeReport:
@@ -543,6 +559,7 @@ def measure_report(sites: Mapping[str, SiteStats], modules: Mapping[str, nn.Line
         ``meta['unobserved_sites']``.
     """
     start = time.perf_counter()
+    seeded = _seed_autotune(config.autotune_from) if config.autotune_from else None
     bar = tqdm(sites, desc="probe", unit="site", disable=not config.progress, dynamic_ncols=True)
     run = _Measurement(config, status=bar.set_postfix_str)
     reports: Dict[str, SiteReport] = {}
@@ -561,5 +578,7 @@ def measure_report(sites: Mapping[str, SiteStats], modules: Mapping[str, nn.Line
             "baseline": BASELINE, "unobserved_sites": unobserved,
             "report_s": time.perf_counter() - start, "phases_s": dict(run.phases),
             "not_timed": dict(run.not_timed), "autotuned": _autotune_choices()}
+    if seeded is not None:
+        meta["autotune_seeded"] = seeded
     return ProbeReport(sites=reports, device=str(used), device_name=_device_name(used),
                        torch_version=torch.__version__, config=config_to_dict(config), meta=meta)

@@ -128,3 +128,53 @@ def test_autotune_choices_lists_what_the_autotuners_chose():
     finally:
         tuner.cache.clear()
         tuner.cache.update(saved)
+
+
+def test_seeded_autotune_choices_are_what_a_later_run_launches(tmp_path):
+    """A report's ``meta['autotuned']`` loaded into the autotuners (``autotune_from``):
+    the recorded config is in the cache under the recorded key (no benchmark for that
+    shape), configs the autotuner does not offer and unknown kernels are skipped, and
+    malformed choices are refused."""
+    pytest.importorskip("triton")
+    from loka.kernels.triton import common, quantize
+
+    tuner = quantize.rowwise_quant_kernel
+    saved = dict(tuner.cache)
+    try:
+        tuner.cache.clear()
+        want = tuner.configs[-1]
+        choices = {"rowwise_quant_kernel": {"4096,256,torch.bfloat16": str(want),
+                                            "8,16,torch.float32": "BLOCK_R: 3, num_warps: 99"},
+                   "no_such_kernel": {"1": "x"}}
+        seeded, skipped = common.seed_autotune(choices)
+        assert seeded == 1 and len(skipped) == 2
+        assert tuner.cache[(4096, 256, "torch.bfloat16")] is want
+        assert common.autotune_choices() == {"rowwise_quant_kernel":
+                                             {"4096,256,torch.bfloat16": str(want)}}
+        assert common._key_part("True") is True and common._key_part("12") == 12
+        for bad in ([], {"rowwise_quant_kernel": ["x"]}, {"rowwise_quant_kernel": {"k": 3}}):
+            with pytest.raises(ValueError, match="autotune choices"):
+                common.seed_autotune(bad)
+        # through the Probe: a report's choices, then the count in the new report's meta
+        tuner.cache.clear()
+        old = ProbeReport(meta={"autotuned": {"rowwise_quant_kernel":
+                                              {"64,32,torch.float32": str(want)}}})
+        old.save(tmp_path / "old.json")
+        model = nn.Linear(32, 32)
+        rep = loka.probe(model, [torch.randn(64, 32)], lambda m, x: m(x).square().mean(),
+                         config=ProbeConfig(**{**TIMING, "timing": False},
+                                            kernels=(BASELINE, FP8),
+                                            autotune_from=str(tmp_path / "old.json")))
+        assert rep.meta["autotune_seeded"] == {"from": str(tmp_path / "old.json"),
+                                               "seeded": 1, "skipped": []}
+        assert tuner.cache[(64, 32, "torch.float32")] is want
+        bad = ProbeReport(meta={"autotuned": {"rowwise_quant_kernel": ["x"]}})
+        bad.save(tmp_path / "bad.json")
+        with pytest.raises(loka.jsonio.ReportError, match="bad.json: meta.autotuned"):
+            loka.probe(model, [torch.randn(64, 32)], lambda m, x: m(x).square().mean(),
+                       config=ProbeConfig(**{**TIMING, "timing": False},
+                                          kernels=(BASELINE, FP8),
+                                          autotune_from=str(tmp_path / "bad.json")))
+    finally:
+        tuner.cache.clear()
+        tuner.cache.update(saved)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -319,20 +319,72 @@ def scale_and_clamp(x, scale, FMT_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
     return round_to_fp8_grid(y, MANT_BITS, MIN_EXP)
 
 
-def autotune_choices() -> Dict[str, Dict[str, str]]:
-    """kernel name -> {autotuning key -> chosen config} of every LoKA Triton autotuner
-    that has tuned something in this process."""
+def _autotuners():
+    """(kernel name, Autotuner) of every LoKA Triton autotuner loaded in this process."""
     import sys
 
     from triton.runtime.autotuner import Autotuner
 
-    out: Dict[str, Dict[str, str]] = {}
     package = __name__.rsplit(".", 1)[0]
     for modname in ("quantize", "gemm_rowwise", "gemm_blockwise", "norm_act_quant",
                     "embedding_bag"):
         mod = sys.modules.get(f"{package}.{modname}")
         for attr, obj in (vars(mod).items() if mod is not None else ()):
-            cache = getattr(obj, "cache", None) if isinstance(obj, Autotuner) else None
-            if cache:
-                out[attr] = {",".join(map(str, key)): str(cfg) for key, cfg in cache.items()}
+            if isinstance(obj, Autotuner):
+                yield attr, obj
+
+
+def _key_part(text: str):
+    """One element of an autotuning key as :func:`autotune_choices` wrote it: an int, a
+    bool, or a string (a dtype's name)."""
+    if text in ("True", "False"):
+        return text == "True"
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def seed_autotune(choices: Mapping[str, Mapping[str, str]]) -> Tuple[int, List[str]]:
+    """Preload LoKA's Triton autotuners with the choices of an earlier run (a Probe
+    report's ``meta['autotuned']``, as :func:`autotune_choices` wrote them): a shape seen
+    before is then launched with its recorded config, with no benchmarking. Only configs
+    the autotuner itself offers are taken; choices made on another GPU are valid but may
+    not be the fastest here.
+
+    Returns:
+        (entries seeded, what was skipped and why).
+
+    Raises:
+        ValueError: ``choices`` is not a mapping of kernel name -> {key -> config}.
+    """
+    if not isinstance(choices, Mapping) or not all(
+            isinstance(v, Mapping) and all(isinstance(k, str) and isinstance(c, str)
+                                           for k, c in v.items())
+            for v in choices.values()):
+        raise ValueError("autotune choices must map a kernel name to {key: config} strings")
+    tuners = dict(_autotuners())
+    seeded, skipped = 0, []
+    for name, entries in choices.items():
+        tuner = tuners.get(name)
+        if tuner is None:
+            skipped.append(f"{name}: no such LoKA Triton autotuner loaded")
+            continue
+        offered = {str(cfg): cfg for cfg in tuner.configs}
+        for key, cfg in entries.items():
+            if cfg not in offered:
+                skipped.append(f"{name}[{key}]: config not offered: {cfg}")
+                continue
+            tuner.cache[tuple(_key_part(p) for p in key.split(","))] = offered[cfg]
+            seeded += 1
+    return seeded, skipped
+
+
+def autotune_choices() -> Dict[str, Dict[str, str]]:
+    """kernel name -> {autotuning key -> chosen config} of every LoKA Triton autotuner
+    that has tuned something in this process."""
+    out: Dict[str, Dict[str, str]] = {}
+    for attr, tuner in _autotuners():
+        if tuner.cache:
+            out[attr] = {",".join(map(str, key)): str(cfg) for key, cfg in tuner.cache.items()}
     return out
