@@ -21,7 +21,11 @@ dequantized FP8 weight, which the backward's dgrad uses. The weight gradient and
 reduce-scatter stay in high precision. Each shard is quantized once per optimizer step,
 not once per use: the quantized shard is kept until any optimizer steps (a global
 optimizer step hook counts the steps); weights changed otherwise (loaded in place, edited
-by hand) need :func:`weights_changed`. :func:`loka.distributed.load` calls it.
+by hand) need :func:`weights_changed`. :func:`loka.distributed.load` calls it. The
+step count is each process's own and decides which collectives the scales need, so every
+rank must step its optimizer together, as FSDP training does (with mixed precision, a
+grad scaler that agrees across ranks on skipping a step, such as FSDP's
+``ShardedGradScaler``).
 
 On one rank there is nothing to all-gather and rowwise weights are left as they are.
 
@@ -102,15 +106,28 @@ def _pad_rows(data: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([data, data.new_zeros((rows - data.shape[0], data.shape[1]))])
 
 
+def _holder(module, shard) -> object:
+    """Where the caches that decide a collective live: the Linear that owns the weight
+    (one per rank, and kept when FSDP re-pads a smaller shard and installs a new shard
+    object on that rank only: caches on the shard object would then differ between ranks,
+    and so would the collectives they skip); the shard itself without a module."""
+    return module if module is not None else shard
+
+
 def _gather_row_scales(entries, group, ranks: int) -> List[torch.Tensor]:
     """The scales of every row (all ranks', padded layout: ``ranks * padded``) of each
-    uneven rowwise shard in ``entries`` (``(shard, kernel, format, padded)``), in one
-    all-gather for those not yet gathered this generation. Every rank calls it with the
-    same entries in the same order (FSDP's all-gather order, or the model's)."""
-    local = [shard._local_rows(use, fmt, padded) for shard, use, fmt, padded in entries]
-    todo = [i for i, entry in enumerate(local) if entry[3] is None]
+    uneven rowwise shard in ``entries`` (``(shard, holder, kernel, format, padded)``), in
+    one all-gather for those whose holder has none for this generation. Every rank calls it
+    with the same entries in the same order (FSDP's all-gather order, or the model's), and
+    the holders' state is the same on every rank, so every rank gathers the same."""
+    key = lambda use, padded: (_GENERATION[0], None if use is None else use.name, padded)  # noqa: E731
+    held = [getattr(h, "_loka_row_scales", None) for _, h, _, _, _ in entries]
+    todo = [i for i, (entry, h) in enumerate(zip(entries, held))
+            if h is None or h[0] != key(entry[2], entry[4])]
     if todo:
-        mine = torch.cat([local[i][2] for i in todo])
+        local = [entries[i][0]._local_rows(entries[i][2], entries[i][3], entries[i][4])
+                 for i in todo]
+        mine = torch.cat([scales for _, _, scales in local])
         if ranks > 1:
             every = mine.new_empty(ranks * mine.numel())
             dist.all_gather_into_tensor(every, mine, group=group)
@@ -118,12 +135,13 @@ def _gather_row_scales(entries, group, ranks: int) -> List[torch.Tensor]:
         else:
             every = mine.view(1, -1)
         offset = 0
-        for i in todo:
-            shard, n = entries[i][0], local[i][2].numel()
-            full = every[:, offset:offset + n].reshape(-1).clone()
-            offset += n
-            shard._rows = local[i] = local[i][:3] + (full,)
-    return [entry[3] for entry in local]
+        for i, (_, _, scales) in zip(todo, local):
+            _, holder, use, _, padded = entries[i]
+            full = every[:, offset:offset + scales.numel()].reshape(-1).clone()
+            offset += scales.numel()
+            held[i] = (key(use, padded), full)
+            setattr(holder, "_loka_row_scales", held[i])
+    return [h[1] for h in held]
 
 
 class FP8GatherWeight(torch.Tensor):
@@ -146,9 +164,9 @@ class FP8GatherWeight(torch.Tensor):
         self._tensor = tensor
         self.scaling = scaling
         _watch_optimizers()
-        self._amax: Optional[Tuple[int, torch.Tensor]] = None  # (generation, all-reduced amax)
         self._cache: Optional[tuple] = None  # (key, all-gather inputs, metadata)
-        # uneven rows: (key, padded FP8 rows, padded local scales, all rows' scales or None)
+        # uneven rows: (key, padded FP8 rows, padded local scales); local work only (the
+        # all-reduced amax and the gathered row scales live on the module: _holder)
         self._rows: Optional[tuple] = None
 
     def __repr__(self) -> str:
@@ -179,19 +197,20 @@ class FP8GatherWeight(torch.Tensor):
         return FP8GatherWeight(inner["_tensor"], scaling)
 
     # -- FSDP2's all-gather extension ---------------------------------------------------
-    def _global_amax(self, w: torch.Tensor, mesh) -> torch.Tensor:
+    def _global_amax(self, w: torch.Tensor, mesh, holder) -> torch.Tensor:
         generation = _GENERATION[0]
-        if self._amax is not None and self._amax[0] == generation:
-            return self._amax[1]
+        held = getattr(holder, "_loka_amax", None)
+        if held is not None and held[0] == generation:
+            return held[1]
         amax = (w.abs().amax() if w.numel() else w.new_zeros(())).float().reshape(1)
         if mesh is not None and mesh.size() > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
-        self._amax = (generation, amax[0])
+        setattr(holder, "_loka_amax", (generation, amax[0]))
         return amax[0]
 
     def _local_rows(self, use: Optional[Kernel], fmt, padded: int) -> tuple:
         """Uneven rows, rowwise: this shard's FP8 rows and scales, zero-padded (scale 1) to
-        ``padded`` rows, once per generation; the entry of ``self._rows``."""
+        ``padded`` rows, once per generation: ``(key, rows, scales)``."""
         key = (_GENERATION[0], None if use is None else use.name, padded)
         if self._rows is not None and self._rows[0] == key:
             return self._rows
@@ -203,7 +222,7 @@ class FP8GatherWeight(torch.Tensor):
                  else quantize(w.t(), fmt, Granularity.ROWWISE, "b"))
             data = _bytes(q.data.t())
             scales[:w.shape[0]] = q.scale.reshape(-1).float()
-        self._rows = (key, _pad_rows(data, padded), scales, None)
+        self._rows = (key, _pad_rows(data, padded), scales)
         return self._rows
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
@@ -222,8 +241,9 @@ class FP8GatherWeight(torch.Tensor):
                 return self._cache[1], self._cache[2]
             if uneven:
                 group = mesh.get_group() if ranks > 1 else None
-                full = _gather_row_scales([(self, use, fmt, padded)], group, ranks)[0]
-                inputs = (self._rows[1],)
+                full = _gather_row_scales([(self, _holder(module, self), use, fmt, padded)],
+                                          group, ranks)[0]
+                inputs = (self._local_rows(use, fmt, padded)[1],)
                 meta = (module, use, fmt, full[:rows].reshape(rows, 1), rows)
             else:
                 q = (use.quantize_b(w.t()) if use is not None
@@ -231,7 +251,7 @@ class FP8GatherWeight(torch.Tensor):
                 inputs = (_bytes(q.data.t()), q.scale.reshape(-1, 1).float().contiguous())
                 meta = (module, use, fmt, None, rows)
         else:
-            amax = self._global_amax(w, mesh)
+            amax = self._global_amax(w, mesh, _holder(module, self))
             key = (_GENERATION[0], None if use is None else use.name, float(amax))
             if self._cache is not None and self._cache[0] == key:
                 return self._cache[1], self._cache[2]
@@ -331,40 +351,40 @@ def _fp8_local(param) -> Optional[FP8GatherWeight]:
 
 @torch.no_grad()
 def precompute_fp8_scales(model: nn.Module) -> int:
-    """Every scale the next all-gathers need, in at most one collective of each kind (call
-    it on every rank after ``optimizer.step()``): the all-reduced amax of every tensorwise
-    FP8-gathered weight (one all-reduce), and the row scales of every rowwise weight whose
-    rows do not split evenly over the ranks (one all-gather). The all-gathers of the next
-    step then need no collective of their own. Returns the number of weights."""
+    """Every scale the next all-gathers need, in at most one collective of each kind per
+    process group (call it on every rank after ``optimizer.step()``): the all-reduced amax
+    of every tensorwise FP8-gathered weight (one all-reduce), and the row scales of every
+    rowwise weight whose rows do not split evenly over the ranks (one all-gather). The
+    all-gathers of the next step then need no collective of their own. Returns the number
+    of weights."""
     root, _ = root_module(model)
-    shards: List[Tuple[FP8GatherWeight, object]] = []
-    uneven: List[tuple] = []
+    tensorwise: Dict[int, list] = {}  # id(group) -> [group, ranks, [(shard, module)]]
+    uneven: Dict[int, list] = {}  # id(group) -> [group, ranks, [entry]]
     for mod in root.modules():
         w = getattr(mod, "weight", None) if isinstance(mod, Linear) else None
         local = _fp8_local(w) if w is not None else None
         if local is None:
             continue
-        if local.scaling == "tensorwise":
-            shards.append((local, w))
-            continue
         group, ranks = _shard_group(w)
+        if local.scaling == "tensorwise":
+            tensorwise.setdefault(id(group), [group, ranks, []])[2].append((local, mod))
+            continue
         rows = w.shape[0]
         if ranks > 1 and rows % ranks:
             use = mod.kernels[0] if _matches(mod.kernels[0], "rowwise") else None
             fmt = get_format(use.formats[1] if use is not None else "e4m3")
-            uneven.append(((local, use, fmt, -(-rows // ranks)), group, ranks))
-    if uneven:
-        _gather_row_scales([e for e, _, _ in uneven], uneven[0][1], uneven[0][2])
-    if not shards:
-        return len(uneven)
-    amax = torch.stack([(s._tensor.abs().amax() if s._tensor.numel()
-                         else s._tensor.new_zeros(())).float() for s, _ in shards])
-    group, ranks = _shard_group(shards[0][1])
-    if ranks > 1:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    for (s, _), a in zip(shards, amax):
-        s._amax = (_GENERATION[0], a)
-    return len(shards) + len(uneven)
+            uneven.setdefault(id(group), [group, ranks, []])[2].append(
+                (local, mod, use, fmt, -(-rows // ranks)))
+    for group, ranks, entries in uneven.values():
+        _gather_row_scales(entries, group, ranks)
+    for group, ranks, shards in tensorwise.values():
+        amax = torch.stack([(s._tensor.abs().amax() if s._tensor.numel()
+                             else s._tensor.new_zeros(())).float() for s, _ in shards])
+        if ranks > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        for (_, mod), a in zip(shards, amax):
+            setattr(mod, "_loka_amax", (_GENERATION[0], a))
+    return sum(len(v[2]) for v in tensorwise.values()) + sum(len(v[2]) for v in uneven.values())
 
 
 def _shard_group(param) -> Tuple[object, int]:

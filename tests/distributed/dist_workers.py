@@ -391,6 +391,82 @@ def _uneven_run(kernel, scaling, x, steps=3):
     return res
 
 
+def _uneven_repadded(x):
+    """FSDP installs a new shard object on the ranks whose shard it re-pads (at its lazy
+    init, after ``load_state_dict``), not on the others: scales precomputed before the
+    first forward, and a forward after ``load_state_dict``, must still make every rank
+    run the same collectives and gather the kernel's own quantization."""
+    from torch.distributed.fsdp import fully_shard
+    res = {}
+    for scaling, kernel in (("rowwise", FP8), ("tensorwise", "emulated-tensorwise-e4m3")):
+        torch.manual_seed(4)
+        model = nn.Sequential(*[nn.Linear(k, n, bias=False) for k, n in UNEVEN])
+        loka.apply(model, Plan.uniform(model, kernel))
+        ld.fp8_all_gather(model, scaling)
+        seen = []
+        model[0].register_forward_hook(lambda m, a, o: seen.append(m.weight_q.scale.clone()))
+        for layer in model:
+            fully_shard(layer)
+        fully_shard(model)
+        ld.precompute_fp8_scales(model)  # before FSDP's lazy init re-pads rank 2's shards
+        mine = x[dist.get_rank() * 8:(dist.get_rank() + 1) * 8]
+        ok = []
+        for step in range(2):
+            want = get(kernel).quantize_b(model[0].weight.full_tensor().detach().t())
+            model(mine).sum().backward()
+            ok.append(bool(torch.equal(seen.pop(), want.scale)))
+            model.load_state_dict(model.state_dict())  # FSDP re-pads again
+        res[f"repadded_{scaling}"] = ok
+    return res
+
+
+def mixed_mesh_worker(rank, world, out):
+    """Two Linears sharded over different process groups (4 ranks: shard groups {0,1},
+    {2,3} and {0,2}, {1,3}): precomputed tensorwise scales reduce over each weight's own
+    group; the gathered weight is the kernel's quantization of that whole weight."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    kernel = "emulated-tensorwise-e4m3"
+    names = ("replicate", "shard")
+    a = DeviceMesh("cpu", torch.tensor([[0, 1], [2, 3]]), mesh_dim_names=names)
+    b = DeviceMesh("cpu", torch.tensor([[0, 2], [1, 3]]), mesh_dim_names=names)
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False))
+    with torch.no_grad():
+        model[1].weight[rank % 2] *= 50  # the two shard groups see different largest |w|
+    loka.apply(model, Plan.uniform(model, kernel))
+    ld.fp8_all_gather(model, "tensorwise", world_size=2)
+    fully_shard(model[0], mesh=a)
+    fully_shard(model[1], mesh=b)
+    fully_shard(model, mesh=a)  # a root without weights: the Linears reshard after use
+    seen = {}
+    def keep(i):
+        def hook(m, args, out):
+            seen.setdefault(i, m.weight_q.scale.clone())
+        return hook
+    for i in (0, 1):
+        model[i].register_forward_hook(keep(i))
+    want = [get(kernel).quantize_b(model[i].weight.full_tensor().detach().t()).scale
+            for i in (0, 1)]
+    ld.precompute_fp8_scales(model[0])
+    ld.precompute_fp8_scales(model[1])
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
+    model(x).sum().backward()
+    ok = [bool(torch.equal(seen[i], want[i])) for i in (0, 1)]
+    # both weights in one call: one all-reduce per group, each weight's own amax
+    seen.clear()
+    ld.weights_changed()
+    with _count_all_reduce() as reduces:
+        ld.precompute_fp8_scales(model)
+    with _count_all_reduce() as in_forward:
+        model(x)
+    reduces[0] += in_forward[0]  # the forward's all-gathers need none of their own
+    ok_together = [bool(torch.equal(seen[i], want[i])) for i in (0, 1)]
+    result = {"ok": ok, "ok_together": ok_together, "all_reduces": reduces[0]}
+    if rank == 0:
+        (Path(out) / "mixed.json").write_text(json.dumps(result))
+
+
 def uneven_worker(rank, world, out):
     """FP8 all-gather of weights whose rows do not split over 3 ranks (:data:`UNEVEN`), per
     scaling against the same plan sharded without it; the bf16 all-gather's bytes."""
@@ -410,6 +486,7 @@ def uneven_worker(rank, world, out):
             for k, v in hp["params"].items())
         res[f"plain_losses_{scaling}"] = plain["losses"]
         res.update({f"{k}_{scaling}": v for k, v in gathered.items()})
+    res.update(_uneven_repadded(x))
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(4)
     model = nn.Sequential(*[nn.Linear(k, n, bias=False) for k, n in UNEVEN])

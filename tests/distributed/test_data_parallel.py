@@ -142,6 +142,16 @@ def test_fp8_all_gather_of_rows_that_do_not_split_over_3_ranks(tmp_path):
     assert res["precompute_gathers_rowwise"] == 1 and res["precomputed_rowwise"] == 2
     assert res["precompute_gathers_tensorwise"] == 0 and res["precomputed_tensorwise"] == 3
     assert steady[1] <= 0.55 * res["bytes_bf16"]
+    # FSDP re-padding the smaller shards (new shard objects on rank 2 only) before and
+    # after the first forward keeps every rank's collectives and scales in step
+    assert res["repadded_rowwise"] == res["repadded_tensorwise"] == [True, True]
+
+
+@pytest.mark.slow
+def test_precomputed_scales_reduce_over_each_weights_own_process_group(tmp_path):
+    run_ranks(w.mixed_mesh_worker, 4, str(tmp_path))
+    res = json.loads((tmp_path / "mixed.json").read_text())
+    assert res == {"ok": [True, True], "ok_together": [True, True], "all_reduces": 2}
 
 
 @pytest.mark.slow

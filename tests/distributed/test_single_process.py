@@ -186,12 +186,19 @@ def test_uneven_shards_send_padded_rows_and_gather_their_row_scales_once(monkeyp
     monkeypatch.setattr(ld.fp8_gather.dist, "all_gather_into_tensor", fake_gather)
     rows = []
     for r, (a, b) in enumerate(bounds):
+        if r:  # each simulated rank owns the module here: the gathered scales are per step
+            ld.weights_changed()
         shard = ld.FP8GatherWeight(weight[a:b].clone(), "rowwise")
         (data,), meta = shard.fsdp_pre_all_gather(_Mesh(3), weight.shape, (64, 1), full, None)
         assert data.shape == (11, 64) and data.dtype == torch.uint8
         assert torch.equal(sent[-1], every[r])  # this rank's scales, padded with ones
         assert shard.fsdp_pre_all_gather(_Mesh(3), weight.shape, (64, 1), full, None)[0][0] \
             is data and len(sent) == r + 1  # once per generation
+        # a new shard object for the same module (FSDP re-pads a smaller shard on its
+        # rank only) finds the gathered scales on the module: no collective of its own
+        again = ld.FP8GatherWeight(weight[a:b].clone(), "rowwise")
+        (same,), _ = again.fsdp_pre_all_gather(_Mesh(3), weight.shape, (64, 1), full, None)
+        assert torch.equal(same, data) and len(sent) == r + 1
         rows.append(data)
     assert not rows[2][10:].any()  # the padding row is zeros
     deq, _ = shard.fsdp_post_all_gather((torch.cat(rows),), meta, torch.float32)
