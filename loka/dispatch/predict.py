@@ -2,11 +2,12 @@
 
 Each FP8 site-role of the plan saves ``baseline_us - kernel_us`` against the baseline
 GEMM; a step runs each site-role once, so the plan's step is predicted as the measured
-baseline step less those savings. ``kernel_us`` is the step-aware time where the report
-has one (:mod:`loka.probe.pricing`: the GEMM alone, plus each operand's quantization priced
+baseline step less those savings. In training, ``kernel_us`` is the step-aware time where
+the report has one (:mod:`loka.probe.pricing`: the GEMM alone, plus each operand's quantization priced
 by where the operand comes from, so a quantization Inductor fuses into the activation or
 norm that produced the operand costs the share it keeps), else the isolated time of the
-whole kernel call (quantization as passes of its own). Both predictions are returned:
+whole kernel call (quantization as passes of its own); serving takes the forward timed
+with its weight quantized once, as the serving plan does. Both predictions are returned:
 the evaluation harness (``loka bench --eval-set``) records them beside every measured LoKA
 row, so the gap of each is measured, not assumed.
 """
@@ -14,11 +15,9 @@ row, so the gap of each is measured, not assumed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from ..config import Role
-from ..kernels import get
-from ..probe.pricing import step_time_us
 from ..probe.report import ProbeReport
 from .schema import Plan
 
@@ -89,7 +88,7 @@ def predict_step(plan: Plan, report: ProbeReport, baseline_step_ms: float, *,
             if rr is None or rr.baseline_us is None or t is None:
                 untimed.append(key)
                 continue
-            step = _step_us(kr, choice.kernel, rr, sr.producers, inference)
+            step = None if inference else kr.step_us  # serving: the isolated forward
             if step is not None:
                 aware.append(key)
             per_role[key] = rr.baseline_us - (t if step is None else step)
@@ -103,17 +102,3 @@ def predict_step(plan: Plan, report: ProbeReport, baseline_step_ms: float, *,
                          "is not of this model")
     return StepPrediction(baseline_step_ms, predicted, saved_us / 1e3, per_role, untimed,
                           isolated, aware)
-
-
-def _step_us(kr, kernel: str, rr, producers, inference: bool) -> Optional[float]:
-    """The step-aware time of one FP8 site-role, or None where the report has none."""
-    if not inference:
-        return kr.step_us
-    try:
-        kern = get(kernel)
-    except KeyError:
-        return None
-    return step_time_us(kern, rr.role, rr.shape, time_us=kr.time_us,
-                        time_us_gemm=kr.time_us_gemm, time_us_weight_q=kr.time_us_weight_q,
-                        producers=producers, compiled=kr.timing.endswith("+compiled"),
-                        inference=True)

@@ -185,7 +185,7 @@ class SiteCollector:
         for h in self._site_handles:
             h.remove()
         self._site_handles = []
-        self._outputs = {}  # no autograd node outlives its step
+        self._outputs = {}  # nodes are held until the root's forward ends or the hooks go
 
     def _on_root_forward(self, module: nn.Module, args) -> None:
         if self._manual or not (module.training and torch.is_grad_enabled()):

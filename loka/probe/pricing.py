@@ -25,7 +25,8 @@ Rowwise scales of the weight gradient's operands run along the token dimension (
 column amax of x and dy), which a row-at-a-time producer cannot finish: those keep their
 pass. Weights keep theirs too (they come from the optimizer, not from the step's ops).
 Operands of other kinds (a GEMM's output, an embedding, the model's input) pay the pass
-as timed. Serving prices the forward with the weight quantized once, ahead of the steps.
+as timed. This prices training steps only: serving plans are judged by the forward timed
+with its weight quantized once (``time_us_weight_q``), as an isolated call.
 
 These shares are a model from byte counts, not a measurement: the evaluation harness
 records the prediction beside every measured step so that the gap is known.
@@ -73,21 +74,21 @@ def _fused_share(kernel: Kernel, role: Role, source: str) -> float:
     return FUSED_SHARE.get(kernel.scaling, 1.0)
 
 
-def can_fuse(kernel: Kernel, role: Role, producers: Mapping[str, str], compiled: bool,
-             inference: bool = False) -> bool:
+def can_fuse(kernel: Kernel, role: Role, producers: Mapping[str, str], compiled: bool
+             ) -> bool:
     """Whether any operand's quantization at this site-role would fuse into its producer
     in a compiled step (else the step pays the timed call, and the Probe need not split
     it)."""
     return compiled and any(
         producers.get(source) in FUSIBLE and _fused_share(kernel, role, source) < 1.0
-        for source in OPERAND_SOURCES[role] if not (inference and source == "weight"))
+        for source in OPERAND_SOURCES[role])
 
 
 def step_time_us(kernel: Kernel, role: Role, shape: Tuple[int, int, int], *,
                  time_us: Optional[float], time_us_gemm: Optional[float],
                  time_us_weight_q: Optional[float] = None,
-                 producers: Mapping[str, str] = {}, compiled: bool = False,
-                 inference: bool = False) -> Optional[float]:
+                 producers: Mapping[str, str] = {}, compiled: bool = False
+                 ) -> Optional[float]:
     """The step-aware time of ``kernel`` at one site-role (module docstring): the timed
     call less what fusing each operand's quantization into its producer saves (never more
     than the timed call; equal to it where nothing fuses), or None when the timings needed
@@ -101,15 +102,12 @@ def step_time_us(kernel: Kernel, role: Role, shape: Tuple[int, int, int], *,
         producers: the site's operand producers ('x', 'dy' -> kind).
         compiled: the kernel was timed under ``torch.compile`` (its quantization is code
             Inductor can fuse into a producer).
-        inference: serving: the weight is quantized once, not per step (forward only).
     """
     if time_us is None or time_us_gemm is None:
         return None
-    if inference and (role is not Role.FWD or time_us_weight_q is None):
-        return None
     qa, qb = split_quantization(role, shape, time_us, time_us_gemm, time_us_weight_q)
-    total = time_us_weight_q if inference else time_us
+    total = time_us
     for q, source in zip((qa, qb), OPERAND_SOURCES[role]):
-        if can_fuse(kernel, role, {source: producers.get(source, "")}, compiled, inference):
+        if can_fuse(kernel, role, {source: producers.get(source, "")}, compiled):
             total -= q * (1.0 - _fused_share(kernel, role, source))
     return total

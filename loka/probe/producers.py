@@ -37,10 +37,23 @@ FUSIBLE = ("pointwise",)
 """kinds whose quantization Inductor can fuse into the producing kernel"""
 
 _VIEWS = frozenset({
-    "View", "UnsafeView", "Reshape", "ReshapeAlias", "Alias", "T", "Transpose", "Permute",
-    "Expand", "Squeeze", "Unsqueeze", "Select", "Slice", "AsStrided", "Unfold", "Flatten",
-    "Split", "SplitWithSizes", "Unbind", "Narrow", "Contiguous"})
-"""ops that only re-index a tensor (Inductor folds them into the kernel that reads it)"""
+    "View", "UnsafeView", "ReshapeAlias", "Alias", "T", "Transpose", "Permute",
+    "Expand", "Squeeze", "Unsqueeze", "Select", "Slice", "AsStrided", "Unfold",
+    "Split", "SplitWithSizes", "Unbind",
+    # wrappers' identity functions on module inputs (FSDP2's post-backward registration)
+    "RegisterPostBackwardFunction"})
+"""ops that only re-index a tensor or pass it on (Inductor folds them into the kernel
+that reads it), seen through in both directions"""
+
+_PASS_GRAD = frozenset({"Add", "Sub", "Clone"})
+"""ops whose backward hands the incoming gradient on unchanged (to an operand of an add,
+the first of a subtraction, a clone's input): the gradient's producer is then whatever
+made the gradient of their output, so the walk for ``dy`` goes on through them"""
+
+_REDUCTIONS = frozenset({"Sum", "Mean", "Var", "Std", "Amax", "Norm", "LinalgVectorNorm"})
+"""reductions: as the producer of x (a pooled embedding) their loop runs over another
+dimension than a row amax, so the quantization is not priced as fused; as the consumer of
+y their backward is a broadcast, which Inductor generates"""
 
 _POINTWISE = frozenset({
     "Relu", "Threshold", "Hardswish", "Hardsigmoid", "Hardtanh", "Gelu", "Silu", "Sigmoid",
@@ -48,16 +61,17 @@ _POINTWISE = frozenset({
     "Mul", "Div", "Add", "Sub", "Rsub", "Neg", "Exp", "Exp2", "Expm1", "Log", "Log1p",
     "Log2", "Pow", "Rsqrt", "Sqrt", "Reciprocal", "Clamp", "ClampMin", "ClampMax", "Where",
     "Abs", "Erf", "Sin", "Cos", "Maximum", "Minimum", "Lerp", "Addcmul", "Addcdiv",
-    "MaskedFill", "NativeDropout", "ToCopy", "Clone", "Copy", "Mean", "Sum", "Var", "Std",
-    "Amax", "Norm", "LinalgVectorNorm", "Softmax", "LogSoftmax", "NativeLayerNorm",
-    "NativeBatchNorm", "NativeGroupNorm", "FusedRmsNorm", "RmsNorm", "CudnnBatchNorm"})
-"""ops Inductor generates code for (elementwise, row reductions, normalizations)"""
+    "MaskedFill", "NativeDropout", "FusedDropout", "ToCopy", "Clone", "Copy", "Softmax",
+    "LogSoftmax", "NativeLayerNorm", "NativeBatchNorm", "NativeBatchNormLegit",
+    "BatchNormWithUpdate", "NativeGroupNorm", "FusedRmsNorm", "CudnnBatchNorm"})
+"""ops Inductor generates code for (elementwise, row-wise normalizations)"""
 
-_GEMM = frozenset({"Mm", "Addmm", "Bmm", "Baddbmm", "Matmul", "Linear", "ScaledMm",
-                   "Addbmm", "Mv", "Dot", "Einsum", "_LinearFunction", "LinearFunction"})
-"""matrix multiplies, LoKA's own FP8 Linear's autograd function among them"""
+_GEMM = frozenset({"Mm", "Addmm", "Bmm", "Baddbmm", "Addbmm", "Mv", "Dot", "ScaledMm",
+                   "LinearFunction"})
+"""matrix multiplies (``F.linear`` and ``einsum`` reach autograd as these), LoKA's own FP8
+Linear's autograd function among them"""
 
-_SUFFIX = re.compile(r"Backward\d*$")
+_SUFFIX = re.compile(r"Backwards?\d*$")
 
 
 def op_name(node) -> str:
@@ -66,10 +80,12 @@ def op_name(node) -> str:
                        node.name().rsplit("::", 1)[-1]).lstrip("_") or "?"
 
 
-def _kind(name: str) -> str:
-    if name in _GEMM or name.lstrip("_") in _GEMM:
+def _kind(name: str, consumer: bool = False) -> str:
+    """The kind of the op ``name``: as a producer of x, or (``consumer``) as the op whose
+    backward makes the gradient of its input."""
+    if name in _GEMM:
         return "gemm"
-    if name in _POINTWISE:
+    if name in _POINTWISE or (consumer and name in _REDUCTIONS):
         return "pointwise"
     return "other"
 
@@ -127,10 +143,10 @@ def consumer_kind(node, consumers: Dict[object, List[object]]) -> Optional[str]:
             kinds.append("output")
         for user in users:
             name = op_name(user)
-            if name in _VIEWS and depth < 64:
+            if (name in _VIEWS or name in _PASS_GRAD) and depth < 64:
                 visit(user, depth + 1)
             else:
-                kinds.append(_kind(name))
+                kinds.append(_kind(name, consumer=True))
 
     if node not in consumers and node not in outputs:
         return None

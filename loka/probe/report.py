@@ -169,6 +169,14 @@ class KernelResult:
         times = {k: _non_negative(d, k, where) for k in
                  ("time_us", "speedup", "time_us_weight_q", "speedup_weight_q",
                   "time_us_gemm", "step_us", "step_speedup")}
+        for k in ("time_us_gemm", "step_us", "step_speedup"):
+            if times[k] is not None and not (math.isfinite(times[k]) and times[k] > 0):
+                raise ReportError(f"{field_path(where, k)}: expected a finite number > 0, "
+                                  f"got {times[k]!r}")
+        if times["step_us"] is not None and (times["time_us"] is None
+                                             or times["step_us"] > times["time_us"] * (1 + 1e-9)):
+            raise ReportError(f"{field_path(where, 'step_us')}: {times['step_us']!r} is not "
+                              f"at most the timed call's time_us ({times['time_us']!r})")
         return cls(kernel=name, time_us=times["time_us"], speedup=times["speedup"],
                    timing=field_str(d, "timing", where, "none"),
                    time_us_weight_q=times["time_us_weight_q"],

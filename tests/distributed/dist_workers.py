@@ -217,6 +217,33 @@ def fsdp_worker(rank, world, out):
         torch.save(tensors, out / "fsdp.pt")
 
 
+def producers_worker(rank, world, out):
+    """The Probe's operand producers on a ``fully_shard``-ed model equal the plain
+    model's (FSDP's identity functions on module inputs are seen through)."""
+    from torch.distributed.fsdp import fully_shard
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = (nn.Linear(32, 32) for _ in range(3))
+
+        def forward(self, x):
+            return self.c(self.b(torch.relu(self.a(x))))
+
+    got = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        model = Net()
+        if wrap:
+            for m in (model.a, model.b, model.c, model):
+                fully_shard(m)
+        with loka.Probe(model, ProbeConfig(progress=False)) as probe:
+            model(torch.randn(16, 32)).square().mean().backward()
+        got.append({n: s.producers for n, s in probe.sites.items()})
+    if rank == 0:
+        (Path(out) / "producers.json").write_text(json.dumps(got))
+
+
 def _per_linear_shards():
     """``fully_shard`` on each Linear itself (FSDP reshards it before the Probe's forward
     hook sees its weight; FSDP keys its state by the module object), apply before the first

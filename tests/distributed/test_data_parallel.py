@@ -154,6 +154,14 @@ def test_precomputed_scales_reduce_over_each_weights_own_process_group(tmp_path)
     assert res == {"ok": [True, True], "ok_together": [True, True], "all_reduces": 2}
 
 
+def test_the_probe_sees_the_same_operand_producers_through_fully_shard(tmp_path):
+    run_ranks(w.producers_worker, 1, str(tmp_path))
+    plain, sharded = json.loads((tmp_path / "producers.json").read_text())
+    assert plain == sharded == {"a": {"x": "input", "dy": "pointwise"},
+                                "b": {"x": "pointwise", "dy": "gemm"},
+                                "c": {"x": "gemm", "dy": "output"}}
+
+
 @pytest.mark.slow
 def test_tensorwise_fp8_all_gather_under_hsdp_precomputes_its_scales(tmp_path):
     run_ranks(w.hsdp_worker, 4, str(tmp_path))
