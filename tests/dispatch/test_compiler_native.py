@@ -149,3 +149,35 @@ def test_the_probes_producer_kinds_say_which_quantizations_inductor_fuses(kernel
     # (the GEMM case is not checked here: the CPU's Inductor decomposes _scaled_mm into a
     # GEMM and a scaling epilogue, into which it can fuse the next quantization; on a GPU
     # _scaled_mm is one cuBLAS call that scales inside, and the next input needs a pass)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available()
+                    or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs an FP8 GPU (bench/gpu_session.sh gputests runs it there)")
+@pytest.mark.parametrize("kernel", ["cublas-rowwise", "cublas-tensorwise"])
+def test_on_a_gpu_pointwise_fed_sites_fuse_and_gemm_fed_ones_take_a_pass(kernel):
+    """The step-aware Probe's premise on CUDA, where _scaled_mm is one cuBLAS call: the
+    quantization of an input a pointwise op made is inside that op's Triton kernel; that of
+    the graph input and of a GEMM's output is a kernel of its own."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Mixed().cuda().to(torch.bfloat16)
+    x = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
+    with loka.Probe(model, loka.ProbeConfig(progress=False)) as probe:
+        model(x).float().sum().backward()
+    kinds = {name: site.producers["x"] for name, site in probe.sites.items()}
+    assert kinds == {"a": "input", "b": "gemm", "c": "pointwise", "d": "pointwise"}
+    plan = Plan.uniform(model, kernel)
+    for sp in plan.sites.values():
+        for role in ROLES[1:]:
+            sp.roles[role] = RoleChoice(plan.baseline)
+    loka.apply(model, plan, inference=True)
+    from torch._inductor import config as inductor_config
+    # every op in each kernel's name (some torch versions cut names at a few ops)
+    with torch.no_grad(), inductor_config.patch(kernel_name_max_ops=1000):
+        _, codes = run_and_get_code(torch.compile(model.eval(), fullgraph=True), x)
+    names = sorted(set(re.findall(r"\btriton_\w+", "\n".join(codes))))
+    quantizing = [n for n in names if "amax" in n]
+    fused = [n for n in quantizing if "hardswish" in n or "rsqrt" in n]
+    assert len(fused) == 2, names
+    assert len(quantizing) - len(fused) == 2, names  # the input's and the GEMM output's
