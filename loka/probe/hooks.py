@@ -14,8 +14,8 @@ site's statistics, folds the weight into its EMA, and puts a hook on the output 
 that does the same for the output gradient in the backward pass. Nothing syncs with the
 host. On the next step the site hooks are removed, so off-steps cost one pre-hook call
 per forward of the whole model. On statistics steps where a site's output gradient's
-producer is not yet known, a forward hook on the root walks the step's autograd graph
-once from the model's outputs (host work that grows with the graph's size; see
+producer is not yet known (at most ``MAX_WALKS`` of them), a forward hook on the root walks
+the step's autograd graph once from the model's outputs (host work that grows with the graph's size; see
 :mod:`loka.probe.producers`). A statistics step's cost is GPU work that scales with
 ``max_rows_per_update`` (``bench/bench_probe.py`` measures it). Each site is updated at most
 once per step (a module called twice in a step, or recomputed by activation
@@ -79,6 +79,11 @@ class SiteCollector:
         ValueError: no Linear matches, or a bad filter.
     """
 
+    MAX_WALKS = 2
+    """statistics steps on which the step's autograd graph is walked for the producers of
+    output gradients: a site whose output does not reach the model's outputs stays
+    unknown after that, instead of costing a walk on every statistics step"""
+
     def __init__(self, model: nn.Module, config: ProbeConfig = ProbeConfig(),
                  check_config: Optional[Callable[[ProbeConfig], None]] = None) -> None:
         if not isinstance(model, nn.Module):
@@ -116,6 +121,8 @@ class SiteCollector:
         self._site_handles: List = []
         self._outputs: Dict[str, object] = {}
         """site -> its output's autograd node, this step, until the root's forward ends"""
+        self._walks = 0
+        """autograd graph walks so far (at most :attr:`MAX_WALKS`)"""
         self._last_update: Dict[str, int] = {n: -1 for n in self.sites}
         self.stats_steps: List[int] = []
         """indices of the steps on which statistics were taken"""
@@ -228,7 +235,8 @@ class SiteCollector:
         site.producers["x"] = merge_kinds(site.producers.get("x"), producer_of(x))
         if output.requires_grad:
             output.register_hook(functools.partial(self._on_grad, name, idx))
-            if "dy" not in site.producers and output.grad_fn is not None:
+            if ("dy" not in site.producers and output.grad_fn is not None
+                    and self._walks < self.MAX_WALKS):
                 self._outputs[name] = output.grad_fn
 
     def _on_root_output(self, module: nn.Module, args, output) -> None:
@@ -237,6 +245,7 @@ class SiteCollector:
         pending, self._outputs = self._outputs, {}
         if not pending:
             return
+        self._walks += 1
         consumers = consumers_of_outputs(output)
         for name, node in pending.items():
             kind = consumer_kind(node, consumers)

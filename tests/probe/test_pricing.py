@@ -12,6 +12,7 @@ from loka.dispatch import Plan, RoleChoice, SitePlan, predict_step
 from loka.jsonio import ReportError
 from loka.kernels import get
 from loka.probe import measure
+from loka.probe.hooks import SiteCollector
 from loka.probe.pricing import FUSED_SHARE, split_quantization, step_time_us
 from loka.probe.producers import consumer_kind, consumers_of_outputs, producer_of
 from loka.probe.report import KernelResult, ProbeReport, RoleReport, SiteReport
@@ -237,3 +238,24 @@ def test_the_predicted_step_uses_step_aware_times_and_keeps_the_isolated_one():
     pred = predict_step(plan, _report(step_us=70.0), baseline_step_ms=1.0, inference=True)
     assert pred.step_aware == []
     assert pred.predicted_step_ms == pred.isolated_step_ms == pytest.approx(1 - 30 / 1e3)
+
+
+def test_the_graph_is_walked_on_at_most_two_statistics_steps():
+    """A site whose output never reaches the model's outputs (a side branch whose result
+    is dropped) stays unknown instead of costing a walk on every statistics step."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.side = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            self.side(x)  # computed, never used
+            return self.a(x).sum(-1)
+
+    model = Net()
+    with loka.Probe(model, ProbeConfig(progress=False, every_n_steps=1)) as probe:
+        for _ in range(4):
+            model(torch.randn(8, 16)).sum().backward()
+    assert probe.sites["a"].producers == {"x": "input", "dy": "pointwise"}  # the sum's
+    assert "dy" not in probe.sites["side"].producers
+    assert probe._hooks._walks == SiteCollector.MAX_WALKS == 2  # noqa: SLF001
