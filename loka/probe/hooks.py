@@ -119,8 +119,8 @@ class SiteCollector:
         self._root_handle = None
         self._root_post_handle = None
         self._site_handles: List = []
-        self._outputs: Dict[str, object] = {}
-        """site -> its output's autograd node, this step, until the root's forward ends"""
+        self._outputs: Dict[str, List[object]] = {}
+        """site -> its outputs' autograd nodes, this step, until the root's forward ends"""
         self._walks = 0
         """autograd graph walks so far (at most :attr:`MAX_WALKS`)"""
         self._last_update: Dict[str, int] = {n: -1 for n in self.sites}
@@ -208,15 +208,22 @@ class SiteCollector:
         return gen
 
     def _on_forward(self, name: str, module: nn.Linear, args, kwargs, output) -> None:
-        if not (module.training and torch.is_grad_enabled()) or self._last_update[name] == self._step:
+        if not (module.training and torch.is_grad_enabled()):
             return
         x = args[0] if args else kwargs.get("input", kwargs.get("x"))
         if not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor):
             return
+        site = self.sites[name]
+        # producers from every call (a shared Linear may be fed differently each time)
+        site.producers["x"] = merge_kinds(site.producers.get("x"), producer_of(x))
+        if (output.requires_grad and output.grad_fn is not None
+                and "dy" not in site.producers and self._walks < self.MAX_WALKS):
+            self._outputs.setdefault(name, []).append(output.grad_fn)
+        if self._last_update[name] == self._step:
+            return
         self._last_update[name] = self._step
         if not self.stats_steps or self.stats_steps[-1] != self._step:
             self.stats_steps.append(self._step)
-        site = self.sites[name]
         with torch.no_grad():
             x2d = x.detach().reshape(-1, site.in_features)
             rows = x2d.shape[0]
@@ -232,12 +239,8 @@ class SiteCollector:
             site.weight.observe(full_weight(module.weight))
             if self.config.source == "captured":
                 site.captured_x = x2d[: self._capture_rows].clone()
-        site.producers["x"] = merge_kinds(site.producers.get("x"), producer_of(x))
         if output.requires_grad:
             output.register_hook(functools.partial(self._on_grad, name, idx))
-            if ("dy" not in site.producers and output.grad_fn is not None
-                    and self._walks < self.MAX_WALKS):
-                self._outputs[name] = output.grad_fn
 
     def _on_root_output(self, module: nn.Module, args, output) -> None:
         """Who consumes each site's output (the producer of its gradient): one walk of the
@@ -247,8 +250,11 @@ class SiteCollector:
             return
         self._walks += 1
         consumers = consumers_of_outputs(output)
-        for name, node in pending.items():
-            kind = consumer_kind(node, consumers)
+        for name, nodes in pending.items():
+            kind = None
+            for node in nodes:  # every call of the site this step
+                found = consumer_kind(node, consumers)
+                kind = merge_kinds(kind, found) if found is not None else kind
             if kind is not None:
                 self.sites[name].producers["dy"] = kind
 

@@ -259,3 +259,23 @@ def test_the_graph_is_walked_on_at_most_two_statistics_steps():
     assert probe.sites["a"].producers == {"x": "input", "dy": "pointwise"}  # the sum's
     assert "dy" not in probe.sites["side"].producers
     assert probe._hooks._walks == SiteCollector.MAX_WALKS == 2  # noqa: SLF001
+
+
+def test_a_linear_called_twice_needs_a_pass_if_either_call_does():
+    """One Linear applied after an activation and after another GEMM in the same step:
+    its x is priced as a pass; its output feeding a GEMM in one call makes dy a pass too."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre, self.shared, self.post = (nn.Linear(16, 16) for _ in range(3))
+
+        def forward(self, x):
+            first = self.shared(torch.relu(x))          # pointwise in, pointwise out
+            second = self.shared(self.pre(x))           # a GEMM in, a GEMM out
+            return torch.tanh(first).sum(-1) + self.post(second).sum(-1)
+
+    model = Net()
+    with loka.Probe(model, ProbeConfig(progress=False)) as probe:
+        model(torch.randn(8, 16, requires_grad=True)).sum().backward()
+    assert probe.sites["shared"].producers == {"x": "gemm", "dy": "gemm"}
+    assert probe.sites["shared"].act.updates == 1  # statistics: still the first call only
