@@ -14,8 +14,9 @@ site's statistics, folds the weight into its EMA, and puts a hook on the output 
 that does the same for the output gradient in the backward pass. Nothing syncs with the
 host. On the next step the site hooks are removed, so off-steps cost one pre-hook call
 per forward of the whole model. On statistics steps where a site's output gradient's
-producer is not yet known (at most ``MAX_WALKS`` of them), a forward hook on the root walks
-the step's autograd graph once from the model's outputs (host work that grows with the graph's size; see
+producer is not yet known (at most ``MAX_WALKS`` walks per site), a forward hook on the
+root walks the step's autograd graph once from the model's outputs; sites called outside
+the root's forward are not looked for (host work that grows with the graph's size; see
 :mod:`loka.probe.producers`). A statistics step's cost is GPU work that scales with
 ``max_rows_per_update`` (``bench/bench_probe.py`` measures it). Each site is updated at most
 once per step (a module called twice in a step, or recomputed by activation
@@ -80,9 +81,11 @@ class SiteCollector:
     """
 
     MAX_WALKS = 2
-    """statistics steps on which the step's autograd graph is walked for the producers of
-    output gradients: a site whose output does not reach the model's outputs stays
-    unknown after that, instead of costing a walk on every statistics step"""
+    """graph walks per site that look for its output gradient's producer: a site whose
+    output does not reach the model's outputs stays unknown after that, instead of costing
+    a walk on every statistics step"""
+    MAX_CALLS = 8
+    """calls per site and root forward whose output nodes are kept for the walk"""
 
     def __init__(self, model: nn.Module, config: ProbeConfig = ProbeConfig(),
                  check_config: Optional[Callable[[ProbeConfig], None]] = None) -> None:
@@ -121,8 +124,10 @@ class SiteCollector:
         self._site_handles: List = []
         self._outputs: Dict[str, List[object]] = {}
         """site -> its outputs' autograd nodes, this step, until the root's forward ends"""
-        self._walks = 0
-        """autograd graph walks so far (at most :attr:`MAX_WALKS`)"""
+        self._walks: Dict[str, int] = {n: 0 for n in self.sites}
+        """per site: graph walks that looked for its output gradient's producer"""
+        self._in_root = False
+        """inside the root module's forward (where output nodes are recorded)"""
         self._last_update: Dict[str, int] = {n: -1 for n in self.sites}
         self.stats_steps: List[int] = []
         """indices of the steps on which statistics were taken"""
@@ -193,8 +198,11 @@ class SiteCollector:
             h.remove()
         self._site_handles = []
         self._outputs = {}  # nodes are held until the root's forward ends or the hooks go
+        self._in_root = False
 
     def _on_root_forward(self, module: nn.Module, args) -> None:
+        # output nodes are recorded only inside the root's forward, and none outlives it
+        self._outputs, self._in_root = {}, True
         if self._manual or not (module.training and torch.is_grad_enabled()):
             return
         self._set_step(self._forwards)
@@ -216,9 +224,11 @@ class SiteCollector:
         site = self.sites[name]
         # producers from every call (a shared Linear may be fed differently each time)
         site.producers["x"] = merge_kinds(site.producers.get("x"), producer_of(x))
-        if (output.requires_grad and output.grad_fn is not None
-                and "dy" not in site.producers and self._walks < self.MAX_WALKS):
-            self._outputs.setdefault(name, []).append(output.grad_fn)
+        if (self._in_root and output.requires_grad and output.grad_fn is not None
+                and "dy" not in site.producers and self._walks[name] < self.MAX_WALKS):
+            nodes = self._outputs.setdefault(name, [])
+            if len(nodes) < self.MAX_CALLS:
+                nodes.append(output.grad_fn)
         if self._last_update[name] == self._step:
             return
         self._last_update[name] = self._step
@@ -245,12 +255,12 @@ class SiteCollector:
     def _on_root_output(self, module: nn.Module, args, output) -> None:
         """Who consumes each site's output (the producer of its gradient): one walk of the
         step's autograd graph, on the statistics steps where a site's is not yet known."""
-        pending, self._outputs = self._outputs, {}
+        pending, self._outputs, self._in_root = self._outputs, {}, False
         if not pending:
             return
-        self._walks += 1
         consumers = consumers_of_outputs(output)
         for name, nodes in pending.items():
+            self._walks[name] += 1
             kind = None
             for node in nodes:  # every call of the site this step
                 found = consumer_kind(node, consumers)

@@ -38,12 +38,18 @@ FUSIBLE = ("pointwise",)
 
 _VIEWS = frozenset({
     "View", "UnsafeView", "ReshapeAlias", "Alias", "T", "Transpose", "Permute",
-    "Expand", "Squeeze", "Unsqueeze", "Select", "Slice", "AsStrided", "Unfold",
-    "Split", "SplitWithSizes", "Unbind",
+    "Expand", "Squeeze", "Unsqueeze", "AsStrided",
     # wrappers' identity functions on module inputs (FSDP2's post-backward registration)
     "RegisterPostBackwardFunction"})
-"""ops that only re-index a tensor or pass it on (Inductor folds them into the kernel
-that reads it), seen through in both directions"""
+"""ops that only re-index a whole tensor or pass it on (Inductor folds them into the
+kernel that reads it), seen through in both directions"""
+
+_PIECES = frozenset({"Select", "Slice", "Unfold", "Split", "SplitWithSizes", "Unbind",
+                     "Narrow", "Chunk"})
+"""ops that take a part of a tensor: seen through to find what made x (a chunk of a
+GEMM's output is a GEMM's), but the gradient of the whole is assembled from its parts'
+gradients (a fused QKV projection's comes from attention and a concatenation), so as
+consumers of y they make ``other``"""
 
 _PASS_GRAD = frozenset({"Add", "Sub", "Clone"})
 """ops whose backward hands the incoming gradient on unchanged (to an operand of an add,
@@ -91,9 +97,11 @@ def _kind(name: str, consumer: bool = False) -> str:
 
 
 def _through_views(node):
-    """The first node under ``node`` that is not a view (its first differentiable input)."""
+    """The first node under ``node`` that is neither a view nor a part of a tensor (its
+    first differentiable input)."""
     seen = 0
-    while node is not None and op_name(node) in _VIEWS and seen < 64:
+    while node is not None and (op_name(node) in _VIEWS or op_name(node) in _PIECES) \
+            and seen < 64:
         nxt = [n for n, _ in node.next_functions if n is not None]
         node = nxt[0] if nxt else None
         seen += 1
@@ -136,21 +144,26 @@ def consumer_kind(node, consumers: Dict[object, List[object]]) -> Optional[str]:
     (the module docstring's ``dy``), or None when ``node`` is not in the walked graph."""
     outputs = set(consumers.get("__outputs__", ()))
     kinds: List[str] = []
-
-    def visit(n, depth: int) -> None:
-        users = consumers.get(n, [])
+    seen = {node}
+    stack = [node]
+    # each node once (pass-through ops can reach a node along several paths, and a walk
+    # along paths would grow with their number)
+    while stack and len(seen) < 10_000:
+        n = stack.pop()
         if n in outputs:
             kinds.append("output")
-        for user in users:
+        for user in consumers.get(n, []):
             name = op_name(user)
-            if (name in _VIEWS or name in _PASS_GRAD) and depth < 64:
-                visit(user, depth + 1)
+            if name in _VIEWS or name in _PASS_GRAD:
+                if user not in seen:
+                    seen.add(user)
+                    stack.append(user)
+            elif name in _PIECES:
+                kinds.append("other")
             else:
                 kinds.append(_kind(name, consumer=True))
-
     if node not in consumers and node not in outputs:
         return None
-    visit(node, 0)
     if not kinds:
         return None
     if len(kinds) > 1:

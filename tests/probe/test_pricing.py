@@ -258,7 +258,50 @@ def test_the_graph_is_walked_on_at_most_two_statistics_steps():
             model(torch.randn(8, 16)).sum().backward()
     assert probe.sites["a"].producers == {"x": "input", "dy": "pointwise"}  # the sum's
     assert "dy" not in probe.sites["side"].producers
-    assert probe._hooks._walks == SiteCollector.MAX_WALKS == 2  # noqa: SLF001
+    walks = probe._hooks._walks  # noqa: SLF001
+    assert walks == {"a": 1, "side": SiteCollector.MAX_WALKS} and SiteCollector.MAX_WALKS == 2
+
+
+def test_no_autograd_node_is_kept_when_the_root_forward_never_runs():
+    """Manual counting, the sites called through a submodule: nothing is recorded for the
+    walk (the gradient producers stay unknown), so nothing accumulates over the steps."""
+    model = nn.Sequential(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16)))
+    probe = loka.Probe(model, ProbeConfig(progress=False, every_n_steps=1))
+    with probe:
+        for _ in range(5):
+            model[0](torch.randn(8, 16)).sum().backward()
+            probe.step()
+            assert probe._hooks._outputs == {}  # noqa: SLF001
+    assert probe.sites["0.0"].producers == {"x": "input"}
+    assert probe.sites["0.2"].producers == {"x": "pointwise"}
+
+
+def test_the_gradient_walk_visits_each_node_once_and_parts_make_other():
+    """Diamonds of pass-through ops (h = h + h.T, sixteen deep) are walked in linear time;
+    a fused projection split into parts gets its gradient assembled from them (other)."""
+    lin = nn.Linear(16, 16)
+    y = lin(torch.randn(16, 16))
+    h = y
+    for _ in range(16):
+        h = h + h.t()
+    class Counted(dict):
+        reads = 0
+
+        def get(self, *args):
+            Counted.reads += 1
+            return super().get(*args)
+
+    consumers = Counted(consumers_of_outputs(h))
+    assert consumer_kind(y.grad_fn, consumers) == "output"
+    assert Counted.reads < 4 * len(consumers)  # once per node: paths are 2**16
+    qkv = nn.Linear(16, 48)
+    q, k, v = qkv(torch.randn(4, 8, 16)).split(16, dim=-1)
+    out = nn.functional.scaled_dot_product_attention(q, k, v)
+    assert consumer_kind(qkv(torch.randn(4, 8, 16)).grad_fn, consumers_of_outputs(out)) is None
+    node = q.grad_fn  # the split's node: y = qkv's output is its input
+    y_node = [n for n, _ in node.next_functions if n is not None][0]
+    assert consumer_kind(y_node, consumers_of_outputs(out)) == "other"
+    assert producer_of(q) == "gemm"  # a part of a GEMM's output is a GEMM's
 
 
 def test_a_linear_called_twice_needs_a_pass_if_either_call_does():
