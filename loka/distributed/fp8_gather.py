@@ -120,10 +120,13 @@ def _gather_row_scales(entries, group, ranks: int) -> List[torch.Tensor]:
     one all-gather for those whose holder has none for this generation. Every rank calls it
     with the same entries in the same order (FSDP's all-gather order, or the model's), and
     the holders' state is the same on every rank, so every rank gathers the same."""
-    key = lambda use, padded: (_GENERATION[0], None if use is None else use.name, padded)  # noqa: E731
+    def key(entry):  # moved weights (.to(), FSDP's _apply) are gathered again
+        shard, _, use, _, padded = entry
+        return (_GENERATION[0], None if use is None else use.name, padded,
+                str(shard._tensor.device))
     held = [getattr(h, "_loka_row_scales", None) for _, h, _, _, _ in entries]
     todo = [i for i, (entry, h) in enumerate(zip(entries, held))
-            if h is None or h[0] != key(entry[2], entry[4])]
+            if h is None or h[0] != key(entry)]
     if todo:
         local = [entries[i][0]._local_rows(entries[i][2], entries[i][3], entries[i][4])
                  for i in todo]
@@ -136,10 +139,10 @@ def _gather_row_scales(entries, group, ranks: int) -> List[torch.Tensor]:
             every = mine.view(1, -1)
         offset = 0
         for i, (_, _, scales) in zip(todo, local):
-            _, holder, use, _, padded = entries[i]
+            holder = entries[i][1]
             full = every[:, offset:offset + scales.numel()].reshape(-1).clone()
             offset += scales.numel()
-            held[i] = (key(use, padded), full)
+            held[i] = (key(entries[i]), full)
             setattr(holder, "_loka_row_scales", held[i])
     return [h[1] for h in held]
 
@@ -198,7 +201,7 @@ class FP8GatherWeight(torch.Tensor):
 
     # -- FSDP2's all-gather extension ---------------------------------------------------
     def _global_amax(self, w: torch.Tensor, mesh, holder) -> torch.Tensor:
-        generation = _GENERATION[0]
+        generation = (_GENERATION[0], str(w.device))
         held = getattr(holder, "_loka_amax", None)
         if held is not None and held[0] == generation:
             return held[1]
@@ -382,8 +385,8 @@ def precompute_fp8_scales(model: nn.Module) -> int:
                              else s._tensor.new_zeros(())).float() for s, _ in shards])
         if ranks > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-        for (_, mod), a in zip(shards, amax):
-            setattr(mod, "_loka_amax", (_GENERATION[0], a))
+        for (s, mod), a in zip(shards, amax):
+            setattr(mod, "_loka_amax", ((_GENERATION[0], str(s._tensor.device)), a))
     return sum(len(v[2]) for v in tensorwise.values()) + sum(len(v[2]) for v in uneven.values())
 
 
