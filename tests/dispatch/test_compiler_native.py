@@ -123,17 +123,15 @@ class Mixed(nn.Module):
         return self.d(self.norm(self.c(nn.functional.hardswish(self.b(self.a(x))))))
 
 
-@pytest.mark.parametrize("kernel", ["cublas-rowwise", "cublas-tensorwise"])
-def test_the_probes_producer_kinds_say_which_quantizations_inductor_fuses(kernel):
-    """What the step-aware Probe prices as fused is what Inductor fuses: the sites whose
-    input the Probe saw made by a pointwise op get their quantization inside that op's
-    kernel, one kernel per such site."""
+def _probed_and_served(kernel, device, dtype):
+    """:class:`Mixed`, probed for one training step (its producer kinds checked), then on
+    ``kernel`` for serving (FP8 forwards, weights quantized once); and its input."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = Mixed()
-    x = torch.randn(256, 128)
+    model = Mixed().to(device, dtype)
+    x = torch.randn(256, 128, device=device, dtype=dtype)
     with loka.Probe(model, loka.ProbeConfig(progress=False)) as probe:
-        model(x).sum().backward()
+        model(x).float().sum().backward()
     kinds = {name: site.producers["x"] for name, site in probe.sites.items()}
     assert kinds == {"a": "input", "b": "gemm", "c": "pointwise", "d": "pointwise"}
     plan = Plan.uniform(model, kernel)
@@ -141,10 +139,19 @@ def test_the_probes_producer_kinds_say_which_quantizations_inductor_fuses(kernel
         for role in ROLES[1:]:
             sp.roles[role] = RoleChoice(plan.baseline)
     loka.apply(model, plan, inference=True)
+    return model, x
+
+
+@pytest.mark.parametrize("kernel", ["cublas-rowwise", "cublas-tensorwise"])
+def test_the_probes_producer_kinds_say_which_quantizations_inductor_fuses(kernel):
+    """What the step-aware Probe prices as fused is what Inductor fuses: the sites whose
+    input the Probe saw made by a pointwise op get their quantization inside that op's
+    kernel, one kernel per such site."""
+    model, x = _probed_and_served(kernel, "cpu", torch.float32)
     names, _ = _kernels(model.eval(), x)
     quantizing = [n for n in names if "amax" in n]
     fused = [n for n in quantizing if "hardswish" in n or "rsqrt" in n]
-    assert len(fused) == sum(k == "pointwise" for k in kinds.values()), names
+    assert len(fused) == 2, names  # c's and d's (the Probe's pointwise-fed sites)
     assert any("hardswish" in n for n in fused) and any("rsqrt" in n for n in fused), names
     # (the GEMM case is not checked here: the CPU's Inductor decomposes _scaled_mm into a
     # GEMM and a scaling epilogue, into which it can fuse the next quantization; on a GPU
@@ -159,19 +166,7 @@ def test_on_a_gpu_pointwise_fed_sites_fuse_and_gemm_fed_ones_take_a_pass(kernel)
     """The step-aware Probe's premise on CUDA, where _scaled_mm is one cuBLAS call: the
     quantization of an input a pointwise op made is inside that op's Triton kernel; that of
     the graph input and of a GEMM's output is a kernel of its own."""
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = Mixed().cuda().to(torch.bfloat16)
-    x = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
-    with loka.Probe(model, loka.ProbeConfig(progress=False)) as probe:
-        model(x).float().sum().backward()
-    kinds = {name: site.producers["x"] for name, site in probe.sites.items()}
-    assert kinds == {"a": "input", "b": "gemm", "c": "pointwise", "d": "pointwise"}
-    plan = Plan.uniform(model, kernel)
-    for sp in plan.sites.values():
-        for role in ROLES[1:]:
-            sp.roles[role] = RoleChoice(plan.baseline)
-    loka.apply(model, plan, inference=True)
+    model, x = _probed_and_served(kernel, "cuda", torch.bfloat16)
     from torch._inductor import config as inductor_config
     # every op in each kernel's name (some torch versions cut names at a few ops)
     with torch.no_grad(), inductor_config.patch(kernel_name_max_ops=1000):
