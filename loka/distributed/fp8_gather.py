@@ -106,6 +106,13 @@ def _pad_rows(data: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([data, data.new_zeros((rows - data.shape[0], data.shape[1]))])
 
 
+def _quantize_rows(w: torch.Tensor, use: Optional[Kernel], fmt) -> QTensor:
+    """Rows of a weight shard (r, K) with one scale each: the forward kernel's own
+    ``quantize_b`` of Wᵀ, or LoKA's rowwise quantizer in ``fmt`` without one."""
+    return (use.quantize_b(w.t()) if use is not None
+            else quantize(w.t(), fmt, Granularity.ROWWISE, "b"))
+
+
 def _holder(module, shard) -> object:
     """Where the caches that decide a collective live: the Linear that owns the weight
     (one per rank, and kept when FSDP re-pads a smaller shard and installs a new shard
@@ -221,8 +228,7 @@ class FP8GatherWeight(torch.Tensor):
         scales = torch.ones(padded, dtype=torch.float32, device=w.device)
         data = w.new_zeros((0, w.shape[1]), dtype=torch.uint8)
         if w.shape[0]:
-            q = (use.quantize_b(w.t()) if use is not None
-                 else quantize(w.t(), fmt, Granularity.ROWWISE, "b"))
+            q = _quantize_rows(w, use, fmt)
             data = _bytes(q.data.t())
             scales[:w.shape[0]] = q.scale.reshape(-1).float()
         self._rows = (key, _pad_rows(data, padded), scales)
@@ -249,8 +255,7 @@ class FP8GatherWeight(torch.Tensor):
                 inputs = (self._local_rows(use, fmt, padded)[1],)
                 meta = (module, use, fmt, full[:rows].reshape(rows, 1), rows)
             else:
-                q = (use.quantize_b(w.t()) if use is not None
-                     else quantize(w.t(), fmt, Granularity.ROWWISE, "b"))
+                q = _quantize_rows(w, use, fmt)
                 inputs = (_bytes(q.data.t()), q.scale.reshape(-1, 1).float().contiguous())
                 meta = (module, use, fmt, None, rows)
         else:

@@ -152,7 +152,6 @@ class SiteCollector:
         if self._root_post_handle is not None:
             self._root_post_handle.remove()
             self._root_post_handle = None
-        self._outputs = {}
         self._hooks_off()
         self._attached = False
 

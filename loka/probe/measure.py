@@ -302,9 +302,8 @@ class KernelTimer:
             if weight_q or gemm_only:
                 with torch.no_grad():
                     b = kern.quantize_b(b)
-            if gemm_only:
-                with torch.no_grad():
-                    a = kern.quantize_a(a)
+                    if gemm_only:
+                        a = kern.quantize_a(a)
             timed = functools.partial(time_fn, device=dev, warmup=cfg.timing_warmup,
                                       iters=cfg.timing_iters, budget_ms=cfg.timing_budget_ms)
             with torch.no_grad(), autotune_limit(cfg.autotune_configs):

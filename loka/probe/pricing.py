@@ -74,14 +74,20 @@ def _fused_share(kernel: Kernel, role: Role, source: str) -> float:
     return FUSED_SHARE.get(kernel.scaling, 1.0)
 
 
+def _fuses(kernel: Kernel, role: Role, source: str, producers: Mapping[str, str],
+           compiled: bool) -> bool:
+    """Whether the quantization of the operand from ``source`` fuses into its producer."""
+    return (compiled and producers.get(source) in FUSIBLE
+            and _fused_share(kernel, role, source) < 1.0)
+
+
 def can_fuse(kernel: Kernel, role: Role, producers: Mapping[str, str], compiled: bool
              ) -> bool:
     """Whether any operand's quantization at this site-role would fuse into its producer
     in a compiled step (else the step pays the timed call, and the Probe need not split
     it)."""
-    return compiled and any(
-        producers.get(source) in FUSIBLE and _fused_share(kernel, role, source) < 1.0
-        for source in OPERAND_SOURCES[role])
+    return any(_fuses(kernel, role, source, producers, compiled)
+               for source in OPERAND_SOURCES[role])
 
 
 def step_time_us(kernel: Kernel, role: Role, shape: Tuple[int, int, int], *,
@@ -108,6 +114,6 @@ def step_time_us(kernel: Kernel, role: Role, shape: Tuple[int, int, int], *,
     qa, qb = split_quantization(role, shape, time_us, time_us_gemm, time_us_weight_q)
     total = time_us
     for q, source in zip((qa, qb), OPERAND_SOURCES[role]):
-        if can_fuse(kernel, role, {source: producers.get(source, "")}, compiled):
+        if _fuses(kernel, role, source, producers, compiled):
             total -= q * (1.0 - _fused_share(kernel, role, source))
     return total

@@ -24,13 +24,13 @@ concatenations, embedding bags, custom functions; priced as a pass of its own).
 from __future__ import annotations
 
 import re
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.utils._pytree as pytree
 
 __all__ = ["KINDS", "FUSIBLE", "producer_of", "op_name", "consumers_of_outputs",
-           "consumer_kind", "merge_kinds", "check_kinds"]
+           "consumer_kind", "merge_kinds"]
 
 KINDS = ("pointwise", "gemm", "input", "output", "other")
 FUSIBLE = ("pointwise",)
@@ -100,8 +100,7 @@ def _through_views(node):
     """The first node under ``node`` that is neither a view nor a part of a tensor (its
     first differentiable input)."""
     seen = 0
-    while node is not None and (op_name(node) in _VIEWS or op_name(node) in _PIECES) \
-            and seen < 64:
+    while node is not None and op_name(node) in _VIEWS | _PIECES and seen < 64:
         nxt = [n for n, _ in node.next_functions if n is not None]
         node = nxt[0] if nxt else None
         seen += 1
@@ -143,6 +142,8 @@ def consumer_kind(node, consumers: Dict[object, List[object]]) -> Optional[str]:
     """The kind of op whose backward makes the gradient of the tensor ``node`` produced
     (the module docstring's ``dy``), or None when ``node`` is not in the walked graph."""
     outputs = set(consumers.get("__outputs__", ()))
+    if node not in consumers and node not in outputs:
+        return None
     kinds: List[str] = []
     seen = {node}
     stack = [node]
@@ -162,8 +163,6 @@ def consumer_kind(node, consumers: Dict[object, List[object]]) -> Optional[str]:
                 kinds.append("other")
             else:
                 kinds.append(_kind(name, consumer=True))
-    if node not in consumers and node not in outputs:
-        return None
     if not kinds:
         return None
     if len(kinds) > 1:
@@ -178,9 +177,3 @@ def merge_kinds(a: Optional[str], b: Optional[str]) -> Optional[str]:
     if a is None or a == b:
         return b if a is None else a
     return a if a not in FUSIBLE else b
-
-
-def check_kinds(kinds: Iterable[str]) -> None:
-    bad = [k for k in kinds if k not in KINDS]
-    if bad:
-        raise ValueError(f"unknown producer kind(s) {bad}; expected one of {KINDS}")
