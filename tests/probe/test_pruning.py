@@ -178,3 +178,25 @@ def test_seeded_autotune_choices_are_what_a_later_run_launches(tmp_path):
     finally:
         tuner.cache.clear()
         tuner.cache.update(saved)
+
+
+def test_seeding_in_a_fresh_process_loads_the_kernels_it_seeds():
+    """On a fresh machine no Triton kernel module is loaded yet when the Probe starts:
+    seeding must load them, or every choice would be skipped."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    from loka.kernels.triton import quantize
+
+    cfg = str(quantize.rowwise_quant_kernel.configs[0])
+    code = ("import json, sys\n"
+            "from loka.kernels.triton import common\n"
+            "assert 'loka.kernels.triton.quantize' not in sys.modules\n"
+            "print(json.dumps(common.seed_autotune({'rowwise_quant_kernel': "
+            "{'64,32,torch.float32': sys.argv[1]}})))")
+    out = subprocess.run([sys.executable, "-c", code, cfg], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [1, []]

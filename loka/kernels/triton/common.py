@@ -319,16 +319,23 @@ def scale_and_clamp(x, scale, FMT_MAX: tl.constexpr, MANT_BITS: tl.constexpr,
     return round_to_fp8_grid(y, MANT_BITS, MIN_EXP)
 
 
-def _autotuners():
-    """(kernel name, Autotuner) of every LoKA Triton autotuner loaded in this process."""
+_KERNEL_MODULES = ("quantize", "gemm_rowwise", "gemm_blockwise", "norm_act_quant",
+                   "embedding_bag")
+"""the modules of this package that hold autotuned kernels"""
+
+
+def _autotuners(load: bool = False):
+    """(kernel name, Autotuner) of every LoKA Triton autotuner loaded in this process;
+    ``load``: import the kernel modules first (they load lazily, on a kernel's first use)."""
+    import importlib
     import sys
 
     from triton.runtime.autotuner import Autotuner
 
     package = __name__.rsplit(".", 1)[0]
-    for modname in ("quantize", "gemm_rowwise", "gemm_blockwise", "norm_act_quant",
-                    "embedding_bag"):
-        mod = sys.modules.get(f"{package}.{modname}")
+    for modname in _KERNEL_MODULES:
+        name = f"{package}.{modname}"
+        mod = importlib.import_module(name) if load else sys.modules.get(name)
         for attr, obj in (vars(mod).items() if mod is not None else ()):
             if isinstance(obj, Autotuner):
                 yield attr, obj
@@ -363,12 +370,12 @@ def seed_autotune(choices: Mapping[str, Mapping[str, str]]) -> Tuple[int, List[s
                                            for k, c in v.items())
             for v in choices.values()):
         raise ValueError("autotune choices must map a kernel name to {key: config} strings")
-    tuners = dict(_autotuners())
+    tuners = dict(_autotuners(load=True))  # a fresh process has loaded none of them
     seeded, skipped = 0, []
     for name, entries in choices.items():
         tuner = tuners.get(name)
         if tuner is None:
-            skipped.append(f"{name}: no such LoKA Triton autotuner loaded")
+            skipped.append(f"{name}: no such LoKA Triton autotuner")
             continue
         offered = {str(cfg): cfg for cfg in tuner.configs}
         for key, cfg in entries.items():
