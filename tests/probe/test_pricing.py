@@ -159,9 +159,9 @@ def test_a_quantization_fused_into_its_producer_costs_the_share_it_keeps():
 
 def _scripted(monkeypatch, times):
     """KernelTimer.time answers from ``times`` (kernel, weight_q, gemm_only) -> us, as a
-    compiled CUDA-graph timing would."""
+    CUDA-graph timing would: FP8 calls compiled, the baseline and the GEMM alone not."""
     def fake(self, kernel, role, shape, dev, dtype, weight_q=False, gemm_only=False):
-        method = "cuda-graph" if kernel == BASELINE else "cuda-graph+compiled"
+        method = "cuda-graph" if kernel == BASELINE or gemm_only else "cuda-graph+compiled"
         return TimingResult(times[(kernel, weight_q, gemm_only)], method, 10)
     monkeypatch.setattr(measure.KernelTimer, "time", fake)
 
@@ -211,6 +211,28 @@ def test_the_step_aware_probe_flags_a_kernel_fast_where_its_quantization_fuses(m
     serving = loka.plan(rep, inference=True)
     assert {s: serving.sites[s].roles[Role.FWD].kernel for s in "bc"} == {"b": ROWWISE,
                                                                           "c": ROWWISE}
+
+
+def test_the_gemm_alone_is_timed_without_a_compile_of_its_own():
+    """The call is compiled (its quantization is what Inductor fuses); the GEMM on operands
+    quantized beforehand is one library call, timed as it is: no graph is compiled for it."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    timer = measure.KernelTimer(ProbeConfig(timing_compile="on", timing_warmup=1,
+                                            timing_iters=3))
+    dev, shape = torch.device("cpu"), (64, 32, 48)
+    before = counters["stats"]["unique_graphs"]
+    call = timer.time(ROWWISE, Role.FWD, shape, dev, torch.bfloat16)
+    compiled = counters["stats"]["unique_graphs"] - before
+    gemm = timer.time(ROWWISE, Role.FWD, shape, dev, torch.bfloat16, gemm_only=True)
+    assert isinstance(call, TimingResult) and call.method.endswith("+compiled")
+    assert compiled >= 1
+    assert isinstance(gemm, TimingResult) and not gemm.method.endswith("+compiled")
+    assert counters["stats"]["unique_graphs"] - before == compiled
+    assert gemm.median_us > 0
+    # the cached answer: timed once per (kernel, role, shape, variant)
+    assert timer.time(ROWWISE, Role.FWD, shape, dev, torch.bfloat16, gemm_only=True) is gemm
 
 
 def _report(step_us):
