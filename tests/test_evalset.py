@@ -295,6 +295,7 @@ def test_eval_set_script_runs_on_the_cpu(tmp_path):
     ("triton_tem_fused_mm_0", "gemm_bf16"),
     ("rowwise_gemm_kernel", "gemm_fp8"),
     ("rowwise_quant_kernel", "quantization"),
+    ("rowwise_dual_kernel", "quantization"),            # both layouts of one operand
     ("triton_red_fused_abs_amax_0", "quantization"),
     ("triton_per_fused__scaled_mm__to_copy_abs_amax_clamp_clone_exp2_floor_log2_mul_"
      "reciprocal_t_transpose_view_0", "quantization"),                 # torchao, H200

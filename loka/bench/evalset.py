@@ -152,7 +152,8 @@ def kernel_class(name: str) -> str:
             # a pass of its own makes an FP8 operand; fused into a norm it is the norm's
             return "triton" if any(t in ops for t in _NORM_OPS) else "quantization"
         return "copies" if _COPY_OPS.fullmatch(ops) else "triton"
-    if any(t in n for t in ("amax", "quant", "float8", "cast_kernel", "cast_split")):
+    if any(t in n for t in ("amax", "quant", "float8", "cast_kernel", "cast_split",
+                            "rowwise_dual")):
         return "quantization"
     if _COPY_KERNEL.search(n):
         return "copies"

@@ -238,6 +238,20 @@ def compiled_call(kern: Kernel, dtype: torch.dtype) -> Callable:
     return call
 
 
+def gemm_layouts(a, b):
+    """FP8 operands ``a`` and ``b`` (:class:`~loka.numerics.scaling.QTensor`) laid out as
+    the library GEMMs of compiled kernels read them (``torch._scaled_mm``: a row-major, b
+    column-major), the same values. Inside a compiled call the quantization writes these
+    layouts as it casts; the GEMM timed alone on operands made beforehand must not pay a
+    layout copy of its own (an FP8 transpose outside the fused cast), or it takes longer
+    than the whole call."""
+    if a.data.dim() == 2 and not a.data.is_contiguous():
+        a = dataclasses.replace(a, data=a.data.contiguous())
+    if b.data.dim() == 2 and b.data.stride(0) != 1:
+        b = dataclasses.replace(b, data=b.data.t().contiguous().t())
+    return a, b
+
+
 def compiles_for_timing(kern: Kernel, dev: torch.device, mode: str) -> bool:
     """Whether the Probe times ``kern`` under ``torch.compile`` on ``dev``, for
     ``ProbeConfig.timing_compile`` ``mode`` ('on', 'off' or 'auto': on CUDA only)."""
@@ -303,7 +317,7 @@ class KernelTimer:
                 with torch.no_grad():
                     b = kern.quantize_b(b)
                     if gemm_only:
-                        a = kern.quantize_a(a)
+                        a, b = gemm_layouts(kern.quantize_a(a), b)
             timed = functools.partial(time_fn, device=dev, warmup=cfg.timing_warmup,
                                       iters=cfg.timing_iters, budget_ms=cfg.timing_budget_ms)
             with torch.no_grad(), autotune_limit(cfg.autotune_configs):

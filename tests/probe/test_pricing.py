@@ -235,6 +235,28 @@ def test_the_gemm_alone_is_timed_without_a_compile_of_its_own():
     assert timer.time(ROWWISE, Role.FWD, shape, dev, torch.bfloat16, gemm_only=True) is gemm
 
 
+@pytest.mark.parametrize("kernel", [ROWWISE, TENSORWISE])
+def test_the_gemm_alone_gets_its_operands_in_the_gemms_layouts(kernel):
+    """Operands quantized beforehand are laid out as the library GEMM reads them (a
+    row-major, b column-major), so that the GEMM timed alone pays no FP8 transpose that the
+    compiled call fuses into its cast; the values and the GEMM's result are unchanged."""
+    kern = get(kernel)
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(48, 64, generator=gen).t()        # (64, 48), column-major
+    b = torch.randn(32, 48, generator=gen)            # (32, 48) row-major: b (48, 32) below
+    qa, qb = kern.quantize_a(a), kern.quantize_b(b.t().contiguous())
+    assert not qa.data.is_contiguous() or qb.data.stride(0) != 1
+    la, lb = measure.gemm_layouts(qa, qb)
+    assert la.data.is_contiguous() and lb.data.stride(0) == 1
+    for before, after in ((qa, la), (qb, lb)):
+        assert torch.equal(before.data.float(), after.data.float())
+        assert torch.equal(before.scale, after.scale)
+    ref = a.double() @ b.t().double()
+    out, out_laid = kern(qa, qb, torch.float32), kern(la, lb, torch.float32)
+    assert torch.equal(out, out_laid)
+    assert float((out.double() - ref).norm() / ref.norm()) < 0.08
+
+
 def _report(step_us):
     kr = KernelResult(ROWWISE, time_us=80.0, speedup=1.25, timing="cuda-graph+compiled",
                       time_us_weight_q=70.0, time_us_gemm=50.0, step_us=step_us)
