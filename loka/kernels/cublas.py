@@ -6,6 +6,8 @@ it into the op that produces the operand; only the GEMM itself is a library call
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ..config import GRAD_ROLES, Role
@@ -40,7 +42,8 @@ def _scaled_mm(qa: QTensor, qb: QTensor, out_dtype: torch.dtype, fast_accum: boo
 
 
 def make_scaled_mm_kernel(name: str, recipe: Recipe, *, fast_accum: bool = False,
-                          roles=None, gemm_out_dtype=None, description: str = "") -> Kernel:
+                          roles=None, gemm_out_dtype=None, description: str = "",
+                          quantizes_as: Optional[str] = None) -> Kernel:
     """A ``torch._scaled_mm`` kernel. ``gemm_out_dtype`` forces the library's output
     dtype (rowwise and blockwise produce bf16 only); the result is cast to the caller's."""
     scaling = recipe.scaling
@@ -70,6 +73,7 @@ def make_scaled_mm_kernel(name: str, recipe: Recipe, *, fast_accum: bool = False
         roles=frozenset(roles) if roles else frozenset(Role), devices=("cpu", "cuda"),
         min_capability=(8, 9), vendor="any", align=align, requires=requires,
         quantize_a=recipe.quantize_a, quantize_b=recipe.quantize_b, fast_accum=fast_accum,
+        quantizes_as=quantizes_as,
         description=description or f"torch._scaled_mm {scaling} {recipe.a_format}x{recipe.b_format}"
                                    + (" fast-accum" if fast_accum else ""),
     )
@@ -85,5 +89,7 @@ for _name, _recipe, _fast, _roles, _out in (
     ("cublas-rowwise-e5m2", Recipe(RW, "e5m2", "e4m3"), False, GRAD_ROLES, torch.bfloat16),
     ("cublas-blockwise", Recipe(BW), False, None, torch.bfloat16),
 ):
+    # a fast-accumulation kernel quantizes as its twin without it does
     register(make_scaled_mm_kernel(_name, _recipe, fast_accum=_fast, roles=_roles,
-                                   gemm_out_dtype=_out))
+                                   gemm_out_dtype=_out,
+                                   quantizes_as=_name[:-len("-fastacc")] if _fast else None))

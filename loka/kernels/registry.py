@@ -106,6 +106,10 @@ class Kernel:
     """for an emulated kernel: the name of the real kernel whose numerics it reproduces"""
     fast_accum: bool = False
     """uses reduced-precision (fast) tensor-core accumulation"""
+    quantizes_as: Optional[str] = None
+    """the name of a kernel whose quantization of both operands is this one's, the same
+    PyTorch code (only the GEMM differs, e.g. in fast accumulation): the Probe derives this
+    kernel's compiled call from that one's and the two GEMMs, without a compile of its own"""
     description: str = ""
 
     def __post_init__(self) -> None:

@@ -289,9 +289,33 @@ class KernelTimer:
         is quantized before timing (inference); ``gemm_only``: both operands are."""
         key = (kernel, role, tuple(shape), dtype, str(dev), weight_q, gemm_only)
         if key not in self._results:
-            self._results[key] = self._measure(kernel, role, shape, dev, dtype, weight_q,
-                                               gemm_only)
+            derived = None if gemm_only else self._derive(kernel, role, shape, dev, dtype,
+                                                          weight_q)
+            self._results[key] = derived or self._measure(kernel, role, shape, dev, dtype,
+                                                          weight_q, gemm_only)
         return self._results[key]
+
+    def _derive(self, kernel, role, shape, dev, dtype, weight_q) -> Optional[TimingResult]:
+        """The compiled call of a kernel that quantizes as another one does
+        (``Kernel.quantizes_as``), from that kernel's compiled call, less its GEMM, plus
+        this kernel's GEMM (both timed alone, uncompiled: no compile for this kernel);
+        None where that kernel's call was not timed compiled or a time is missing."""
+        kern = registry.get(kernel)
+        twin = kern.quantizes_as
+        if not twin or not compiles_for_timing(kern, dev, self.config.timing_compile):
+            return None
+        call = self._results.get((twin, role, tuple(shape), dtype, str(dev), weight_q, False))
+        if not (isinstance(call, TimingResult) and call.method.endswith("+compiled")):
+            return None
+        gemm_twin = self.time(twin, role, shape, dev, dtype, gemm_only=True)
+        gemm = self.time(kernel, role, shape, dev, dtype, gemm_only=True)
+        if not (isinstance(gemm_twin, TimingResult) and isinstance(gemm, TimingResult)):
+            return None
+        us = call.median_us - gemm_twin.median_us + gemm.median_us
+        if not us > 0:
+            return None
+        return TimingResult(us, call.method, min(call.iters, gemm.iters),
+                            note=f"derived: {twin}'s compiled call with this kernel's GEMM")
 
     def _pair(self, role, shape, dev, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         key = (role, tuple(shape), dtype, str(dev))

@@ -257,6 +257,56 @@ def test_the_gemm_alone_gets_its_operands_in_the_gemms_layouts(kernel):
     assert float((out.double() - ref).norm() / ref.norm()) < 0.08
 
 
+def test_a_kernel_that_quantizes_as_another_is_derived_without_a_compile():
+    """A kernel whose quantization is another's (``Kernel.quantizes_as``; the fast-
+    accumulation twins) gets that kernel's compiled call less its GEMM plus its own GEMM,
+    with no graph compiled for it; timed first, it is measured as any kernel is."""
+    import dataclasses
+
+    from torch._dynamo.utils import counters
+
+    from loka.kernels import registry
+
+    twin = dataclasses.replace(get(ROWWISE), name="test-rowwise-twin", quantizes_as=ROWWISE)
+    registry.register(twin)
+    try:
+        torch._dynamo.reset()
+        dev, shape, dt = torch.device("cpu"), (64, 32, 48), torch.bfloat16
+        timer = measure.KernelTimer(ProbeConfig(timing_compile="on", timing_warmup=1,
+                                                timing_iters=3))
+        call = timer.time(ROWWISE, Role.FWD, shape, dev, dt)
+        before = counters["stats"]["unique_graphs"]
+        derived = timer.time(twin.name, Role.FWD, shape, dev, dt)
+        assert counters["stats"]["unique_graphs"] == before     # nothing compiled for it
+        gemm = timer.time(ROWWISE, Role.FWD, shape, dev, dt, gemm_only=True)
+        own = timer.time(twin.name, Role.FWD, shape, dev, dt, gemm_only=True)
+        assert derived.median_us == pytest.approx(call.median_us - gemm.median_us
+                                                  + own.median_us)
+        assert derived.method == call.method and derived.method.endswith("+compiled")
+        assert "derived" in derived.note
+        # the twin timed first: measured (compiled) as it is
+        fresh = measure.KernelTimer(ProbeConfig(timing_compile="on", timing_warmup=1,
+                                                timing_iters=3))
+        first = fresh.time(twin.name, Role.FWD, shape, dev, dt)
+        assert first.method.endswith("+compiled") and "derived" not in first.note
+    finally:
+        registry.unregister(twin.name)
+
+
+def test_fast_accumulation_twins_name_kernels_that_quantize_the_same():
+    """Every ``quantizes_as`` names a registered kernel of the same library, formats and
+    scaling, differing in fast accumulation (what the derivation assumes)."""
+    from loka.kernels import registry
+
+    twins = [k for k in registry.all_kernels() if k.quantizes_as]
+    assert {k.name for k in twins} >= {"cublas-rowwise-fastacc", "cublas-tensorwise-fastacc",
+                                       "torchao-tensorwise-fastacc"}
+    for k in twins:
+        t = get(k.quantizes_as)
+        assert (t.library, t.formats, t.scaling) == (k.library, k.formats, k.scaling)
+        assert t.fast_accum != k.fast_accum and t.quantizes_as is None
+
+
 def _report(step_us):
     kr = KernelResult(ROWWISE, time_us=80.0, speedup=1.25, timing="cuda-graph+compiled",
                       time_us_weight_q=70.0, time_us_gemm=50.0, step_us=step_us)
