@@ -14,6 +14,8 @@ import json
 import statistics
 import sys
 
+from loka.jsonio import atomic_write_text
+
 PAIRS = (("cublas-rowwise-fastacc", "cublas-rowwise"),
          ("cublas-tensorwise-fastacc", "cublas-tensorwise"),
          ("torchao-tensorwise-fastacc", "torchao-tensorwise"),
@@ -53,8 +55,7 @@ def main(argv=None) -> int:
         print(f"{kernel:28} from {r['from']:20} cases {r['cases']:3}  median |err| "
               f"{r['median_abs_rel_err']}  max {r['max_abs_rel_err']}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        atomic_write_text(args.out, json.dumps(result, indent=1))
     return 0
 
 

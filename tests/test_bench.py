@@ -1276,3 +1276,24 @@ def _bf16_plan(tmp_path):
     path = tmp_path / "none.plan.json"
     Plan.uniform(model, "bf16").save(path)
     return path
+
+
+def test_twin_derivation_against_a_reports_timings(tmp_path):
+    """bench/twin_derivation.py: the twin's call less its GEMM plus the kernel's GEMM,
+    against the kernel's own time; site-roles missing a time are left out."""
+    td = _load("twin_derivation")
+    k = {"cublas-rowwise": {"time_us": 100.0, "time_us_gemm": 60.0},
+         "cublas-rowwise-fastacc": {"time_us": 90.0, "time_us_gemm": 48.0}}
+    report = {"sites": {"a": {"roles": {"fwd": {"kernels": k},
+                                        "dgrad": {"kernels": {"cublas-rowwise": {
+                                            "time_us": 5.0, "time_us_gemm": None}}}}}}}
+    pairs = td.derive(report)
+    row = pairs["cublas-rowwise-fastacc"]
+    assert row["cases"] == 1 and row["rows"][0]["derived_us"] == 88.0
+    assert row["median_abs_rel_err"] == pytest.approx(2 / 90)
+    assert pairs["torchao-rowwise-fastacc"]["cases"] == 0
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(report))
+    assert td.main([str(path), "--out", str(tmp_path / "o.json")]) == 0
+    assert json.loads((tmp_path / "o.json").read_text())["pairs"]["cublas-rowwise-fastacc"][
+        "rows"][0]["derived_us"] == 88.0
