@@ -314,7 +314,8 @@ class KernelTimer:
         us = call.median_us - gemm_twin.median_us + gemm.median_us
         if not us > 0:
             return None
-        return TimingResult(us, call.method, min(call.iters, gemm.iters),
+        method = call.method[:-len("+compiled")] + "+derived+compiled"
+        return TimingResult(us, method, min(call.iters, gemm.iters),
                             note=f"derived: {twin}'s compiled call with this kernel's GEMM")
 
     def _pair(self, role, shape, dev, dtype) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -109,7 +109,9 @@ class KernelResult:
     """baseline time / this kernel's time"""
     timing: str = "none"
     """'cuda-graph', 'cuda-events', 'cpu-wallclock' or 'none'; '+compiled' is appended when
-    the call was timed under ``torch.compile`` (``ProbeConfig.timing_compile``)"""
+    the call was timed under ``torch.compile`` (``ProbeConfig.timing_compile``), and
+    '+derived+compiled' when it was derived from the compiled call of the kernel it
+    quantizes as (``Kernel.quantizes_as``)"""
     time_us_weight_q: Optional[float] = None
     """forward role only: median time with the weight (operand b) quantized beforehand,
     as in inference, where weights are quantized once"""
