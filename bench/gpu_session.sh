@@ -43,7 +43,7 @@ for s in "$@"; do
         --junitxml="$OUT/gputests.xml" ${GPUTEST_FILES:-tests/mods/test_fused.py \
         tests/kernels/test_triton_quantize.py tests/kernels/test_triton_gemm.py tests/kernels/test_fp8_kernels.py \
         tests/kernels/test_adapters.py tests/integrations/test_torchao.py \
-        tests/dispatch/test_compiler_native.py} ;;
+        tests/dispatch/test_compiler_native.py tests/test_timing.py} ;;
     kernels) stage kernels "${KERNELS_LIMIT:-240}" python3 bench/bench_kernels.py --out "$OUT/kernels.json" ${KERNEL_ARGS:-} ;;
     bench) stage bench "${BENCH_LIMIT:-420}" python3 bench/run_all.py --device cuda --out "$OUT/bench.json" ${BENCH_ARGS:-} ;;
     inline) stage inline "${INLINE_LIMIT:-150}" python3 bench/bench_inline.py --out "$OUT/inline.json" ${INLINE_ARGS:-} ;;

@@ -172,6 +172,11 @@ class ProbeConfig:
     autotune_configs: Optional[int] = 4
     """while timing, LoKA's Triton kernels try at most this many autotuning configs per new
     shape (the largest tiles that fit it; the choice is kept for the process); None: all"""
+    cold_cache: bool = False
+    """on CUDA, time every kernel (the baseline too) with the L2 cache evicted before each
+    call (``loka.timing.time_fn(flush_l2=True)``): operands come from memory, as in a step
+    where other work ran between their producer and the GEMM; False: the operands stay in
+    L2 between calls, which favours memory-bound quantization passes"""
     autotune_from: Optional[str] = None
     """a Probe report of an earlier run (best: on the same GPU type) whose Triton
     autotuning choices (``meta['autotuned']``) are loaded before timing: shapes it tuned

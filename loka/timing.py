@@ -7,7 +7,8 @@ GPU time. If capture fails (a host sync inside the call, an op that cannot be ca
 each call is timed by events instead (``'cuda-events'``, which includes launch gaps). On
 the CPU it is the wall-clock median of single calls (``'cpu-wallclock'``): useful for
 smoke tests, not for decisions about GPUs. Inputs stay in cache between calls (the same
-buffers every call), for the kernel and for its baseline alike.
+buffers every call), for the kernel and for its baseline alike, unless ``flush_l2`` evicts
+the L2 cache before each call.
 
 Whole steps (a training step, an inference forward) are timed by :func:`time_steps`: the
 median of per-step CUDA-event times after warm-up, or wall-clock medians on the CPU.
@@ -49,7 +50,7 @@ GRAPH_REPLAY_US = 200.0
 
 def time_fn(fn: Callable[[], object], device: "torch.device | str", *, warmup: int = 10,
             iters: int = 50, calls_per_graph: int = 10,
-            budget_ms: Optional[float] = None) -> TimingResult:
+            budget_ms: Optional[float] = None, flush_l2: bool = False) -> TimingResult:
     """Median time of ``fn()``.
 
     Args:
@@ -63,6 +64,10 @@ def time_fn(fn: Callable[[], object], device: "torch.device | str", *, warmup: i
             of its own) and ``iters`` (and the calls per graph, :func:`graph_calls`) are
             reduced so the timed part takes about this long, but never below
             :data:`MIN_ITERS` repetitions: slow calls are not timed 500 times.
+        flush_l2: on CUDA, evict the device's L2 cache before every call (a write of twice
+            its size, timed on its own and subtracted): the call reads its inputs from
+            memory, as a call inside a step often does, instead of from the cache the
+            previous call left warm; the note says so. Ignored on the CPU.
 
     Returns:
         TimingResult with the median per call.
@@ -73,6 +78,8 @@ def time_fn(fn: Callable[[], object], device: "torch.device | str", *, warmup: i
     device = torch.device(device)
     if device.type == "cuda":
         with torch.cuda.device(device):
+            if flush_l2:
+                return _time_cold(fn, warmup, iters, calls_per_graph, budget_ms)
             return _time_cuda(fn, warmup, iters, calls_per_graph, budget_ms)
     if device.type != "cpu":
         raise ValueError(f"time_fn supports cpu and cuda devices, not {device.type}")
@@ -172,6 +179,36 @@ def _time_cuda(fn, warmup: int, iters: int, per_graph: int, budget_ms) -> Timing
         iters = _fit(iters, budget_ms * 1e3, _events_median(fn, 2, 1))
     return TimingResult(_events_median(fn, iters, 1), "cuda-events", iters,
                         f"graph capture failed: {failure}")
+
+
+_FLUSH: Dict[int, torch.Tensor] = {}
+"""one eviction buffer per device (twice its L2 cache) for ``flush_l2`` timings"""
+
+
+def _flush_buffer() -> torch.Tensor:
+    dev = torch.cuda.current_device()
+    if dev not in _FLUSH:
+        l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or 64 << 20
+        _FLUSH[dev] = torch.empty(2 * l2, dtype=torch.uint8, device="cuda")
+    return _FLUSH[dev]
+
+
+def _time_cold(fn, warmup: int, iters: int, per_graph: int, budget_ms) -> TimingResult:
+    """:func:`_time_cuda` of ``flush; fn`` less that of ``flush`` alone, per call."""
+    buf = _flush_buffer()
+
+    def flush():
+        buf.zero_()
+
+    def flushed():
+        flush()
+        fn()
+    both = _time_cuda(flushed, warmup, iters, per_graph, budget_ms)
+    alone = _time_cuda(flush, warmup, both.iters, both.calls_per_graph or 1, None)
+    us = max(both.median_us - alone.median_us, 0.0)
+    note = (f"L2 flushed before each call ({alone.median_us:.1f} us per flush, subtracted)"
+            + (f"; {both.note}" if both.note else ""))
+    return TimingResult(us, both.method, both.iters, note, both.calls_per_graph)
 
 
 def synchronize(device: "torch.device | str") -> None:

@@ -90,3 +90,41 @@ def test_cuda_budget_sizes_the_graph_by_its_graphed_time():
 
     res = time_fn(slow_python_fast_kernel, "cuda", warmup=2, iters=20, budget_ms=5)
     assert res.method == "cuda-graph" and res.calls_per_graph == 10
+
+
+def test_flush_l2_is_ignored_on_the_cpu():
+    calls = []
+    res = time_fn(lambda: calls.append(1), "cpu", warmup=1, iters=3, flush_l2=True)
+    assert res.method == "cpu-wallclock" and len(calls) == 4 and not res.note
+
+
+def test_the_probe_times_with_a_cold_cache_when_asked(monkeypatch):
+    """``ProbeConfig(cold_cache=True)`` reaches every timing, the baseline's too."""
+    from loka.config import BASELINE, ProbeConfig, Role
+    from loka.probe import measure
+
+    seen = []
+
+    def fake(fn, device, **kw):
+        seen.append(kw["flush_l2"])
+        fn()
+        return TimingResult(1.0, "cpu-wallclock", 1)
+    monkeypatch.setattr(measure, "time_fn", fake)
+    for cold in (True, False):
+        timer = measure.KernelTimer(ProbeConfig(cold_cache=cold, timing_compile="off"))
+        for kernel in (BASELINE, "cublas-rowwise"):
+            assert timer.time(kernel, Role.FWD, (16, 32, 16), torch.device("cpu"),
+                              torch.float32).median_us == 1.0
+    assert seen == [True, True, False, False]
+
+
+@cuda
+def test_a_cold_cache_makes_a_memory_bound_call_read_from_memory():
+    """A copy of 8 MB fits the L2 of a large GPU: timed warm it reads the cache, timed cold
+    it reads memory, so it is not faster cold; the flush's own time is subtracted."""
+    a = torch.randn(2 << 20, device="cuda")
+    out = torch.empty_like(a)
+    warm = time_fn(lambda: out.copy_(a), "cuda", warmup=3, iters=20)
+    cold = time_fn(lambda: out.copy_(a), "cuda", warmup=3, iters=20, flush_l2=True)
+    assert cold.method == "cuda-graph" and "L2 flushed" in cold.note
+    assert 0 < warm.median_us and cold.median_us >= 0.9 * warm.median_us

@@ -344,7 +344,8 @@ class KernelTimer:
                     if gemm_only:
                         a, b = gemm_layouts(kern.quantize_a(a), b)
             timed = functools.partial(time_fn, device=dev, warmup=cfg.timing_warmup,
-                                      iters=cfg.timing_iters, budget_ms=cfg.timing_budget_ms)
+                                      iters=cfg.timing_iters, budget_ms=cfg.timing_budget_ms,
+                                      flush_l2=cfg.cold_cache)
             with torch.no_grad(), autotune_limit(cfg.autotune_configs):
                 # the GEMM alone is one library call on operands quantized beforehand:
                 # Inductor has nothing to fuse into it, so it is timed as it is (a compiled
