@@ -47,7 +47,7 @@ SURFACE = {
                           "--rounds", "--seed", "--skip-bad-lines", "--steps", "-o", "<model>"],
     "plan": COMMON + ["--assign", "--assume-fast", "--kernels", "--max-error", "--metric",
                       "--min-speedup", "--out", "--replace", "--role-budget", "--site-budget", "-o", "<report>"],
-    "probe": COMMON + ["--autotune-from", "--batch-size", "--bootstrap", "--checkpoint", "--data", "--every-n-steps",
+    "probe": COMMON + ["--autotune-from", "--batch-size", "--bootstrap", "--checkpoint", "--cold-cache", "--data", "--every-n-steps",
                        "--kernels", "--lr", "--max-error", "--min-speedup", "--mods", "--tables",
                        "--module-filter", "--no-naive", "--no-timing", "--num-samples", "--out",
                        "--no-roofline", "--preset", "--roles", "--sample-rows", "--seed",
@@ -373,9 +373,10 @@ def test_the_probes_pruning_switches_reach_its_config():
     parse = cli.build_parser().parse_args
     default = cli_args.probe_config(parse(["probe", "wukong"]))
     assert default.time_unsafe is False and default.roofline_prune is True
+    assert default.cold_cache is False
     cfg = cli_args.probe_config(parse(["probe", "wukong", "--time-unsafe", "--no-roofline",
-                                       "--autotune-from", "old.json"]))
-    assert cfg.time_unsafe is True and cfg.roofline_prune is False
+                                       "--autotune-from", "old.json", "--cold-cache"]))
+    assert cfg.time_unsafe is True and cfg.roofline_prune is False and cfg.cold_cache is True
     assert default.autotune_from is None and cfg.autotune_from == "old.json"
 
 

@@ -212,7 +212,8 @@ def probe_config(args) -> ProbeConfig:
             bootstrap=args.bootstrap, timing=not args.no_timing, seed=args.seed,
             module_filter=args.module_filter, time_unsafe=getattr(args, "time_unsafe", False),
             roofline_prune=not getattr(args, "no_roofline", False),
-            autotune_from=getattr(args, "autotune_from", None))
+            autotune_from=getattr(args, "autotune_from", None),
+            cold_cache=getattr(args, "cold_cache", False))
     except ValueError as e:
         raise usage(str(e)) from None
 

@@ -322,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--autotune-from", default=None, metavar="REPORT",
                    help="load the Triton autotuning choices of an earlier report (same GPU "
                         "type): shapes it tuned are not tuned again")
+    p.add_argument("--cold-cache", action="store_true",
+                   help="on CUDA, evict the L2 cache before every timed call (operands read "
+                        "from memory, not from the cache the previous call left warm)")
     _skip_bad_lines(p)
 
     p = add("plan", "choose a kernel per site and role under an accuracy budget")
