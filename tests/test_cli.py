@@ -122,7 +122,7 @@ DEFAULTS = {
               "no_naive": False, "no_timing": False, "num_samples": 64, "out": "report.json",
               "preset": "tiny", "roles": None, "sample_rows": None, "seed": 0,
               "skip_bad_lines": False, "source": "learned", "steps": 20, "time_unsafe": False,
-              "no_roofline": False, "autotune_from": None},
+              "no_roofline": False, "autotune_from": None, "cold_cache": False},
     "quality": {"batch_size": None, "bootstrap": 0, "checkpoint": None, "confidence": 0.95,
                 "control": False, "cost_steps": None, "data": "synthetic", "eval_steps": None,
                 "logit_scale": 1.0, "lr": 0.001, "max_ne_change": None, "model": "wukong",
