@@ -81,6 +81,7 @@ from ..jsonio import atomic_write_text, json_safe
 from ..probe import ProbeReport
 from ..probe import probe as probe_model
 from ..timing import synchronize
+from .profiling import QUANTIZE_KERNELS
 
 try:  # torchao is optional: its rows are skipped, with this reason, where it is missing
     import torchao
@@ -152,8 +153,8 @@ def kernel_class(name: str) -> str:
             # a pass of its own makes an FP8 operand; fused into a norm it is the norm's
             return "triton" if any(t in ops for t in _NORM_OPS) else "quantization"
         return "copies" if _COPY_OPS.fullmatch(ops) else "triton"
-    if any(t in n for t in ("amax", "quant", "float8", "cast_kernel", "cast_split",
-                            "rowwise_dual")):
+    if n.startswith(QUANTIZE_KERNELS) or any(
+            t in n for t in ("amax", "quant", "float8", "cast_kernel", "cast_split")):
         return "quantization"
     if _COPY_KERNEL.search(n):
         return "copies"

@@ -17,7 +17,7 @@ from .recipes import Recipe, check_gemm_operands
 from .registry import YES, Capability, Kernel, register
 
 
-def _col_major(t: torch.Tensor) -> torch.Tensor:
+def col_major(t: torch.Tensor) -> torch.Tensor:
     """``_scaled_mm`` wants its second operand column-major; a free view when it is."""
     return t if t.stride(0) == 1 else t.t().contiguous().t()
 
@@ -25,7 +25,7 @@ def _col_major(t: torch.Tensor) -> torch.Tensor:
 def _scaled_mm(qa: QTensor, qb: QTensor, out_dtype: torch.dtype, fast_accum: bool,
                scaling: Granularity) -> torch.Tensor:
     a = qa.data if qa.data.is_contiguous() else qa.data.contiguous()  # row-major A
-    b = _col_major(qb.data)
+    b = col_major(qb.data)
     if scaling is Granularity.BLOCKWISE:
         import torch.nn.functional as F
 

@@ -47,6 +47,7 @@ from ..config import (BASELINE, GRAD_ROLES, REFERENCE_KERNEL, ProbeConfig, Role,
                       role_shape)
 from ..jsonio import ReportError
 from ..kernels import ops, registry
+from ..kernels.cublas import col_major
 from ..kernels.roofline import autotune_limit, device_peaks, max_speedup
 from ..kernels.registry import Kernel, Library
 from ..numerics import mere_denominator
@@ -245,11 +246,8 @@ def gemm_layouts(a, b):
     layouts as it casts; the GEMM timed alone on operands made beforehand must not pay a
     layout copy of its own (an FP8 transpose outside the fused cast), or it takes longer
     than the whole call."""
-    if a.data.dim() == 2 and not a.data.is_contiguous():
-        a = dataclasses.replace(a, data=a.data.contiguous())
-    if b.data.dim() == 2 and b.data.stride(0) != 1:
-        b = dataclasses.replace(b, data=b.data.t().contiguous().t())
-    return a, b
+    return (dataclasses.replace(a, data=a.data.contiguous()),
+            dataclasses.replace(b, data=col_major(b.data)))
 
 
 def compiles_for_timing(kern: Kernel, dev: torch.device, mode: str) -> bool:
