@@ -78,6 +78,7 @@ from ..dispatch import optimize as optimize_plan
 from ..dispatch import plan as make_plan
 from ..dispatch import predict_step
 from ..jsonio import atomic_write_text, json_safe
+from . import stepcode
 from ..probe import ProbeReport
 from ..probe import probe as probe_model
 from ..timing import synchronize
@@ -405,6 +406,17 @@ def time_steps(step, device, warmup: int, steps: int) -> dict:
             "first_step_s": compile_s, "first_value": first_value}
 
 
+def code_summary(codes: List[str]) -> Optional[dict]:
+    """Launches, bytes and GEMM FLOPs of the compiled step, read from Inductor's CUDA code
+    (:mod:`loka.bench.stepcode`): beside the profile's times, what each class of kernel
+    moves. None when no code was captured or it cannot be read."""
+    try:
+        launches = [launch for code in codes for launch in stepcode.inventory(code)]
+    except ValueError:
+        return None
+    return dict(stepcode.summarize(launches), graphs=len(codes)) if codes else None
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).norm() / ref.norm().clamp(min=1e-12))
 
@@ -434,7 +446,9 @@ def run_row(case: Case, variant: str, mode: str, graphs: bool, args, device) -> 
         compiled = torch.compile(model, backend=args.backend,
                                  mode="reduce-overhead" if graphs else None)
         step = make_step(compiled, model, mode, case.batch, graphs, device, args.eval_set.loss_fn)
-        timing = time_steps(step, device, args.warmup, args.steps)
+        with stepcode.output_code() as codes:  # the first step compiles
+            timing = time_steps(step, device, args.warmup, args.steps)
+        row["inductor_code"] = code_summary(codes) if device.type == "cuda" else None
         row.update(step_ms=timing["step_ms"], step_ms_min=timing["step_ms_min"],
                    step_ms_max=timing["step_ms_max"], first_step_s=timing["first_step_s"],
                    samples_per_s=case.batch_size / (timing["step_ms"] / 1e3))

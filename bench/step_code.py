@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""What Inductor makes of a plan on a GPU: kernels, bytes and GEMM FLOPs of one compiled
+training step (or serving forward) of an evaluation-set model, from the CUDA code
+Inductor generates (``loka.bench.stepcode``). Runs on a machine without a GPU (the code
+is generated for a simulated H200 and nothing runs) or with one (the real compilation).
+
+Variants: ``bf16`` (no plan), the plan given with ``--plan``, and one variant per kernel
+of ``--families``: the plan's FP8 site-roles all moved to that kernel, so that the same
+sites and roles compare by how their operands are quantized.
+
+    python bench/step_code.py --model wukong --scale paper --batch-size 4096 \\
+        --plan bench/results/2026-12-05-h200-evalset/wukong.b4096.plan.train.json \\
+        --families cublas-rowwise-fastacc,cublas-tensorwise-fastacc,triton-rowwise-cublas-fastacc \\
+        --out step_code.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+from unittest import mock
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import loka  # noqa: E402
+from loka.bench.stepcode import cuda_step_code, inventory, summarize  # noqa: E402
+from loka.dispatch import Plan, RoleChoice  # noqa: E402
+from loka.jsonio import atomic_write_text  # noqa: E402
+import json  # noqa: E402
+
+
+def variant_plan(plan: Plan, kernel: str) -> Plan:
+    """``plan`` with every FP8 site-role on ``kernel`` (baseline roles stay)."""
+    out = copy.deepcopy(plan)
+    for site in out.sites.values():
+        for role, choice in site.roles.items():
+            if choice.kernel != plan.baseline:
+                site.roles[role] = RoleChoice(kernel)
+    return out
+
+
+def measure(model_cls, scale: str, batch_size: int, plan, mode: str, on_cuda: bool,
+            save_dir: str | None, tag: str) -> dict:
+    import bench.evalset as es
+    torch.manual_seed(0)
+    model = model_cls(scale).to(torch.bfloat16)
+    device = "cuda" if on_cuda else "cpu"
+    model = model.to(device)
+    if plan is not None:
+        # a CPU model takes CUDA kernels here: the code is generated for a CUDA device
+        with mock.patch("loka.dispatch.swap._device_problem", lambda *a: None):
+            loka.apply(model, plan, inference=(mode == "serve"))
+    if mode == "serve":
+        model.eval()
+    inputs, labels = model.make_batch(batch_size, device=device, dtype=torch.bfloat16, seed=0)
+    t0 = time.perf_counter()
+    codes = cuda_step_code(model, (inputs, labels) if mode == "train" else inputs,
+                           es.loss_fn if mode == "train" else None, train=(mode == "train"))
+    wall = time.perf_counter() - t0
+    if save_dir:
+        os.makedirs(save_dir, exist_ok=True)
+        for i, code in enumerate(codes):
+            with open(os.path.join(save_dir, f"{tag}.graph{i}.py"), "w") as f:
+                f.write(code)
+    launches = [launch for code in codes for launch in inventory(code)]
+    return dict(summarize(launches), graphs=len(codes), codegen_s=round(wall, 1))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="wukong", help="evaluation-set model (bench/evalset)")
+    ap.add_argument("--scale", default="paper", choices=("paper", "tiny"))
+    ap.add_argument("--batch-size", type=int, default=4096)
+    ap.add_argument("--mode", default="train", choices=("train", "serve"))
+    ap.add_argument("--plan", help="plan JSON (its FP8 sites and roles); none: bf16 only")
+    ap.add_argument("--families", default="",
+                    help="comma-separated kernels: one variant each, the plan's FP8 roles on it")
+    ap.add_argument("--save-code", help="directory for the generated code of every variant")
+    ap.add_argument("--out", help="JSON file for the results")
+    args = ap.parse_args(argv)
+    import bench.evalset as es
+    if args.model not in es.EVAL_MODELS:
+        ap.error(f"unknown model {args.model!r}; choose from {sorted(es.EVAL_MODELS)}")
+    if args.batch_size < 1:
+        ap.error("--batch-size must be positive")
+    families = [k for k in args.families.split(",") if k]
+    if families and not args.plan:
+        ap.error("--families needs --plan (its FP8 site-roles)")
+    plan = Plan.load(args.plan) if args.plan else None
+    for k in families:
+        loka.kernels.registry.get(k)  # an unknown kernel fails here, in one line
+    variants = [("bf16", None)]
+    if plan is not None:
+        variants.append(("plan", plan))
+        variants += [(k, variant_plan(plan, k)) for k in families]
+    on_cuda = torch.cuda.is_available()
+    rows = {}
+    for tag, p in variants:
+        print(f"[step_code] {tag} ...", file=sys.stderr, flush=True)
+        rows[tag] = measure(es.EVAL_MODELS[args.model], args.scale, args.batch_size, p,
+                            args.mode, on_cuda, args.save_code, tag)
+    base = rows["bf16"]
+    print(f"| variant | launches | non-GEMM MB | vs bf16 | GEMM MB | FP8 GFLOP | bf16 GFLOP |")
+    print("|---|---|---|---|---|---|---|")
+    for tag, r in rows.items():
+        gemm_mb = sum(v for k, v in r["mbytes"].items() if k.startswith("gemm"))
+        print(f"| {tag} | {r['total_launches']} | {r['non_gemm_mbytes']:.0f} | "
+              f"{r['non_gemm_mbytes'] - base['non_gemm_mbytes']:+.0f} | {gemm_mb:.0f} | "
+              f"{r['gemm_gflops'].get('gemm_fp8', 0):.0f} | {r['gemm_gflops'].get('gemm_bf16', 0):.0f} |")
+    if args.out:
+        meta = {"schema": "loka.step_code", "version": 1, "torch": torch.__version__,
+                "generated_for": "cuda" if on_cuda else "simulated H200 (no GPU)",
+                "argv": sys.argv[1:] if argv is None else list(argv), "model": args.model,
+                "scale": args.scale, "batch_size": args.batch_size, "mode": args.mode,
+                "plan": args.plan, "variants": rows}
+        atomic_write_text(args.out, json.dumps(meta, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

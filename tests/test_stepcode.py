@@ -1,0 +1,219 @@
+"""Inductor's CUDA code for a compiled step, generated on a machine without a GPU
+(loka.bench.stepcode), and the kernel inventory read from it: launches, bytes, FLOPs."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import loka
+from loka.bench.stepcode import Launch, cuda_step_code, inventory, summarize
+from loka.config import ROLES
+from loka.dispatch import Plan, RoleChoice
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="Inductor's CUDA code generation needs triton")
+
+WRAPPER = '''
+def triton_poi_fused_relu_0(in_out_ptr0, xnumel, XBLOCK : tl.constexpr):
+    pass
+def triton_red_fused_abs_amax_1(in_ptr0, out_ptr0, xnumel, r0_numel, XBLOCK : tl.constexpr):
+    pass
+class Runner:
+    def call(self, args):
+        primals_1, primals_2 = args
+        args.clear()
+        assert_size_stride(primals_1, (64, 32), (32, 1), 'input')
+        assert_size_stride(primals_2, (128, 32), (32, 1), 'input')
+        buf0 = empty_strided_cuda((128, 64), (64, 1), torch.bfloat16)
+        extern_kernels.mm(primals_2, reinterpret_tensor(primals_1, (32, 64), (1, 32), 0), out=buf0)
+        raw_stream0 = get_raw_stream(0)
+        triton_poi_fused_relu_0.run(buf0, 8192, stream=raw_stream0)
+        buf1 = empty_strided_cuda((128, 1), (1, 1), torch.float32)
+        triton_red_fused_abs_amax_1.run(buf0, buf1, 128, 64, stream=raw_stream0)
+        buf2 = buf0; del buf0  # reuse
+        buf3 = empty_strided_cuda((128, 64), (64, 1), torch.float8_e4m3fn)
+        buf4 = empty_strided_cuda((64, 64), (64, 1), torch.bfloat16)
+        extern_kernels._scaled_mm(reinterpret_tensor(buf3, (64, 64), (64, 1), 0), reinterpret_tensor(buf3, (64, 64), (1, 64), 0), buf1, buf1, out_dtype=torch.bfloat16, use_fast_accum=True, out=buf4)
+        rowwise_quant_kernel_2.run(buf2, buf3, buf1, 128, 64, 64, 1, stream=raw_stream0)
+        return (buf2, )
+def get_args():
+    primals_1 = rand_strided((64, 32), (32, 1), device='cuda:0', dtype=torch.bfloat16)
+    primals_2 = rand_strided((128, 32), (32, 1), device='cuda:0', dtype=torch.bfloat16)
+'''
+
+
+def test_inventory_counts_bytes_and_flops_of_each_launch():
+    launches = inventory(WRAPPER)
+    assert [(l.kind, l.name) for l in launches] == [
+        ("gemm_bf16", "mm"), ("inductor", "triton_poi_fused_relu_0"),
+        ("inductor", "triton_red_fused_abs_amax_1"), ("gemm_fp8", "_scaled_mm"),
+        ("quantize", "rowwise_quant_kernel_2")]
+    mm, relu, amax, fp8, quant = launches
+    assert mm.flops == 2 * 128 * 32 * 64
+    assert (mm.bytes_read, mm.bytes_written) == ((128 * 32 + 32 * 64) * 2, 128 * 64 * 2)
+    # in_out_ptr: read and written
+    assert (relu.bytes_read, relu.bytes_written) == (128 * 64 * 2, 128 * 64 * 2)
+    assert (amax.bytes_read, amax.bytes_written) == (128 * 64 * 2, 128 * 4)
+    assert fp8.flops == 2 * 64 * 64 * 64
+    # FP8 operands are one byte each, the float32 scales four, the bf16 output two
+    assert fp8.bytes_read == 2 * 64 * 64 + 2 * 128 * 4 and fp8.bytes_written == 64 * 64 * 2
+    # a reused buffer keeps its size under its new name
+    assert quant.bytes == 128 * 64 * 2 + 128 * 64 + 128 * 4
+    s = summarize(launches)
+    assert s["launches"] == {"gemm_bf16": 1, "inductor": 2, "gemm_fp8": 1, "quantize": 1}
+    assert s["total_launches"] == 5
+    assert s["non_gemm_mbytes"] == pytest.approx((relu.bytes + amax.bytes + quant.bytes) / 1e6,
+                                                 abs=0.05)
+    assert s["gemm_gflops"]["gemm_fp8"] == pytest.approx(2 * 64 ** 3 / 1e9, abs=1e-3)
+
+
+def test_inductors_own_byte_estimate_wins_for_its_kernels():
+    code = WRAPPER.replace(
+        "def triton_poi_fused_relu_0",
+        "inductor_meta={'kernel_name': 'triton_poi_fused_relu_0', 'kernel_num_gb': 1e-05}\n"
+        "def triton_poi_fused_relu_0")
+    relu = inventory(code)[1]
+    assert relu.bytes == pytest.approx(1e4)
+    assert relu.bytes_read == pytest.approx(relu.bytes_written)  # split as its arguments
+
+
+def test_code_without_a_call_function_is_refused():
+    with pytest.raises(ValueError, match="no call"):
+        inventory("def triton_poi_fused_0(in_ptr0):\n    pass\n")
+    assert inventory("def call(args):\n    return ()\n") == []
+
+
+class OwnNorm(nn.Module):
+    """A user's RMS norm (not a class LoKA knows)."""
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class Mixed(nn.Module):
+    """Linear a (the graph input) -> Linear b (a GEMM's output) -> Hard Swish -> Linear c
+    -> own norm -> Linear d."""
+
+    def __init__(self, width=128):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(width, width, bias=False) for _ in range(4))
+        self.norm = OwnNorm()
+
+    def forward(self, x):
+        return self.d(self.norm(self.c(nn.functional.hardswish(self.b(self.a(x))))))
+
+
+def _planned(kernel, serve):
+    torch.manual_seed(0)
+    model = Mixed().to(torch.bfloat16)
+    if kernel is not None:
+        plan = Plan.uniform(model, kernel)
+        if serve:
+            for sp in plan.sites.values():
+                for role in ROLES[1:]:
+                    sp.roles[role] = RoleChoice(plan.baseline)
+        loka.apply(model, plan, inference=serve)
+    return model.eval() if serve else model
+
+
+def _launches(codes):
+    return [launch for code in codes for launch in inventory(code)]
+
+
+@needs_triton
+def test_a_training_step_has_a_forward_and_a_backward_with_every_gemm_flop():
+    model = _planned(None, serve=False)
+    x = torch.randn(256, 128, dtype=torch.bfloat16)
+    codes = cuda_step_code(model, (x,))
+    assert len(codes) == 2 and all("empty_strided_cuda" in c for c in codes)
+    fwd, bwd = (_launches([c]) for c in codes)
+    gemm = 2 * 256 * 128 * 128
+    assert sum(l.flops for l in fwd) == 4 * gemm
+    # backward: four weight gradients, three input gradients (x needs none)
+    assert sum(l.flops for l in bwd) == 7 * gemm
+    assert model.a.weight.grad is None  # the model was copied: nothing ran on it
+
+
+@needs_triton
+def test_a_plan_moves_gemm_flops_to_fp8_and_adds_quantization_bytes():
+    x = torch.randn(256, 128, dtype=torch.bfloat16)
+    base = summarize(_launches(cuda_step_code(_planned(None, False), (x,))))
+    fp8 = summarize(_launches(cuda_step_code(_planned("cublas-rowwise", False), (x,))))
+    total = lambda s: sum(s["gemm_gflops"].values())  # noqa: E731
+    assert total(fp8) == pytest.approx(total(base))
+    assert fp8["gemm_gflops"]["gemm_fp8"] == pytest.approx(total(base))
+    assert fp8["launches"]["gemm_fp8"] == 11  # four forwards, four wgrads, three dgrads
+    assert fp8["non_gemm_mbytes"] > base["non_gemm_mbytes"]  # the quantization passes
+
+
+@needs_triton
+@pytest.mark.parametrize("kernel", ["cublas-rowwise", "cublas-tensorwise"])
+def test_on_the_simulated_gpu_pointwise_fed_sites_fuse_and_gemm_fed_ones_take_a_pass(kernel):
+    """The step-aware Probe's premise in the CUDA code (where _scaled_mm is one cuBLAS call
+    that scales inside; the CPU's Inductor decomposes it): the quantization of an input
+    a pointwise op made is inside that op's Triton kernel; that of the graph input and of a
+    GEMM's output is a kernel of its own. The same check runs on a real GPU in
+    tests/dispatch/test_compiler_native.py."""
+    from torch._inductor import config as inductor_config
+    model = _planned(kernel, serve=True)
+    with inductor_config.patch(kernel_name_max_ops=1000):
+        codes = cuda_step_code(model, (torch.randn(256, 128, dtype=torch.bfloat16),),
+                               train=False)
+    assert len(codes) == 1
+    launches = _launches(codes)
+    names = [l.name for l in launches]  # one launch each (identical kernels share a name)
+    # passes over a whole (256, 128) operand that find its amax (tensorwise: the first of
+    # two stages; the second reads a few partial maxima)
+    quantizing = [l.name for l in launches if "amax" in l.name and l.bytes >= 256 * 128 * 2]
+    fused = [n for n in quantizing if "hardswish" in n or "rsqrt" in n]
+    assert len(fused) == 2, names
+    assert any("hardswish" in n for n in fused) and any("rsqrt" in n for n in fused), names
+    # the activation and the norm are never kernels of their own: their outputs are made
+    # inside the quantization (tensorwise: inside both stages of its amax and in the cast)
+    producers_alone = [n for n in names if ("hardswish" in n or "rsqrt" in n)
+                       and "amax" not in n and "_scaled_mm" not in n and "_to_copy" not in n]
+    assert producers_alone == [], names
+    # the graph input's and the GEMM output's quantization: passes of their own
+    assert len(quantizing) - len(fused) == 2, names
+    assert len([l for l in launches if l.kind == "gemm_fp8"]) == 4
+
+
+def test_inputs_must_be_a_tuple():
+    with pytest.raises(TypeError, match="tuple"):
+        cuda_step_code(nn.Linear(4, 4), torch.randn(2, 4))
+
+
+def test_the_bench_script_refuses_bad_arguments_in_one_line(capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import importlib
+    script = importlib.import_module("bench.step_code")
+    for argv, needle in ((["--model", "nope"], "unknown model"),
+                         (["--batch-size", "0"], "--batch-size"),
+                         (["--families", "cublas-rowwise"], "needs --plan")):
+        with pytest.raises(SystemExit) as e:
+            script.main(argv)
+        assert e.value.code == 2
+        assert needle in capsys.readouterr().err
+    model = Mixed()
+    plan = Plan.uniform(model, "cublas-rowwise")
+    plan.sites["a"].roles["dgrad"] = RoleChoice(plan.baseline)
+    moved = script.variant_plan(plan, "cublas-tensorwise")
+    assert moved.sites["a"].roles["fwd"].kernel == "cublas-tensorwise"
+    assert moved.sites["a"].roles["dgrad"].kernel == plan.baseline  # baseline roles stay
+    assert plan.sites["a"].roles["fwd"].kernel == "cublas-rowwise"  # the input is unchanged
+
+
+def test_output_code_collects_what_a_real_compilation_generates():
+    from loka.bench.stepcode import output_code
+    from torch._inductor.graph import GraphLowering
+    torch._dynamo.reset()
+    before = GraphLowering.save_output_code
+    with output_code() as codes:
+        torch.compile(lambda x: torch.relu(x) * 2)(torch.randn(8, 8))
+    assert GraphLowering.save_output_code is before  # restored
+    assert len(codes) == 1 and "def call(" in codes[0]
+    assert inventory(codes[0]) == []  # C++ kernels only: no CUDA launches, no GEMM
