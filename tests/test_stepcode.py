@@ -71,14 +71,20 @@ def test_inventory_counts_bytes_and_flops_of_each_launch():
     assert s["gemm_gflops"]["gemm_fp8"] == pytest.approx(2 * 64 ** 3 / 1e9, abs=1e-3)
 
 
-def test_inductors_own_byte_estimate_wins_for_its_kernels():
+def test_an_inductor_kernel_moves_no_more_than_its_iteration_size_per_argument():
+    """A slice of a buffer spans nearly all of it: the kernel reads the slice only."""
     code = WRAPPER.replace(
-        "def triton_poi_fused_relu_0",
-        "inductor_meta={'kernel_name': 'triton_poi_fused_relu_0', 'kernel_num_gb': 1e-05}\n"
-        "def triton_poi_fused_relu_0")
-    relu = inventory(code)[1]
-    assert relu.bytes == pytest.approx(1e4)
-    assert relu.bytes_read == pytest.approx(relu.bytes_written)  # split as its arguments
+        "        return (buf2, )",
+        "        buf5 = empty_strided_cuda((128, 64), (64, 1), torch.bfloat16)\n"
+        "        buf6 = empty_strided_cuda((128, 32), (32, 1), torch.bfloat16)\n"
+        "        triton_poi_fused_slice_3.run(reinterpret_tensor(buf5, (128, 32), (64, 1), 0), "
+        "buf6, 4096, stream=raw_stream0)\n"
+        "        return (buf2, )").replace(
+        "class Runner:", "def triton_poi_fused_slice_3(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):\n"
+        "    pass\nclass Runner:")
+    sliced = inventory(code)[-1]
+    assert sliced.name == "triton_poi_fused_slice_3"
+    assert (sliced.bytes_read, sliced.bytes_written) == (128 * 32 * 2, 128 * 32 * 2)
 
 
 def test_code_without_a_call_function_is_refused():

@@ -5,9 +5,10 @@ Two parts:
 - :func:`inventory` parses Inductor's CUDA wrapper code (the ``call`` function of an
   ``output_code`` module) into one :class:`Launch` per kernel: Inductor's Triton kernels,
   user Triton kernels (LoKA's), and library calls (``mm``, ``bmm``, ``addmm``,
-  ``_scaled_mm``), each with the bytes it moves and, for GEMMs, its FLOPs. Bytes of
-  Inductor's kernels are Inductor's own estimate (``kernel_num_gb``: a sliced input counts
-  by its slice); elsewhere they are the sizes of the tensors passed.
+  ``_scaled_mm``), each with the bytes it moves and, for GEMMs, its FLOPs: the sizes of
+  the tensors passed, each capped, for Inductor's kernels, at the kernel's iteration size
+  (a sliced input moves its slice only; the estimate Inductor itself uses for
+  ``kernel_num_gb``, applied the same way to every kernel).
 - :func:`cuda_step_code` compiles one training step (forward and backward) or one
   serving forward and returns that code. With the model on a CUDA device it is the real
   compilation. Without a GPU it traces on the CPU and lowers each graph again for a
@@ -141,9 +142,6 @@ def inventory(code: str) -> List[Launch]:
     params: Dict[str, List[str]] = {}
     for m in re.finditer(r"^def (\w+)\(([^)]*)\):", code, re.M):
         params[m.group(1)] = [a.split(":")[0].strip() for a in m.group(2).split(",")]
-    num_bytes: Dict[str, float] = {}
-    for m in re.finditer(r"'kernel_name': '(\w+)'.*?'kernel_num_gb': ([0-9.e+-]+)", code):
-        num_bytes[m.group(1)] = float(m.group(2)) * 1e9
     # buffer name -> (shape, stride, element bytes or None when unknown)
     buffers: Dict[str, Tuple[List[int], List[int], Optional[int]]] = {}
     for m in re.finditer(r"(\w+) = rand_strided\(" + _TUPLE + ", " + _TUPLE
@@ -154,7 +152,8 @@ def inventory(code: str) -> List[Launch]:
         old = buffers.get(m.group(1))
         buffers[m.group(1)] = (_ints(m.group(2)), _ints(m.group(3)), old[2] if old else None)
 
-    def size_of(arg: str) -> Optional[Tuple[float, Tuple[int, ...]]]:
+    def size_of(arg: str) -> Optional[Tuple[int, int, Tuple[int, ...]]]:
+        """(elements, bytes per element, shape) of a tensor argument; None for others."""
         arg = arg.strip()
         if arg.startswith("out="):
             arg = arg[4:]
@@ -163,12 +162,11 @@ def inventory(code: str) -> List[Launch]:
         m = re.match(r"reinterpret_tensor\((\w+), " + _TUPLE + ", " + _TUPLE, arg)
         if m:
             base = buffers.get(m.group(1))
-            elem = (base[2] if base else None) or 2
             shape = _ints(m.group(2))
-            return _extent(shape, _ints(m.group(3))) * elem, tuple(shape)
+            return _extent(shape, _ints(m.group(3))), (base[2] if base else None) or 2, tuple(shape)
         if arg in buffers:
             shape, stride, elem = buffers[arg]
-            return _extent(shape, stride) * (elem or 2), tuple(shape)
+            return _extent(shape, stride), elem or 2, tuple(shape)
         return None
 
     launches: List[Launch] = []
@@ -193,13 +191,27 @@ def inventory(code: str) -> List[Launch]:
         if m:
             name, args = m.group(1), _split_args(m.group(2))
             names = params.get(name, [])
+            inductors = name.startswith("triton_")
+            # an Inductor kernel's launch ends with its iteration sizes (xnumel, r0_numel):
+            # an argument it reads or writes through a slice moves at most that many elements
+            numel = None
+            if inductors:
+                sizes = []
+                for a in reversed([a for a in args if "=" not in a]):
+                    if not re.fullmatch(r"\d+", a):
+                        break
+                    sizes.append(int(a))
+                numel = 1
+                for v in sizes:
+                    numel *= v
             read = written = 0.0
             shapes = []
             for i, a in enumerate(args):
                 got = size_of(a)
                 if got is None:
                     continue
-                nbytes, shape = got
+                elems, elem_bytes, shape = got
+                nbytes = float(min(elems, numel) if numel else elems) * elem_bytes
                 shapes.append(shape)
                 role = names[i] if i < len(names) else ""
                 if role.startswith("in_out_ptr"):
@@ -208,11 +220,7 @@ def inventory(code: str) -> List[Launch]:
                     written += nbytes
                 else:
                     read += nbytes
-            if name in num_bytes:  # Inductor's estimate, split as the arguments are
-                total = read + written
-                read, written = ((num_bytes[name] * read / total, num_bytes[name] * written / total)
-                                 if total else (num_bytes[name], 0.0))
-            if name.startswith("triton_"):
+            if inductors:
                 kind = "inductor"
             elif name.startswith(_QUANTIZE_PREFIXES):
                 kind = "quantize"
@@ -233,11 +241,11 @@ def inventory(code: str) -> List[Launch]:
                 got = size_of(a)
                 if got is None:
                     continue
-                shapes.append(list(got[1]))
+                shapes.append(list(got[2]))
                 if a.startswith("out="):
-                    written += got[0]
+                    written += got[0] * got[1]
                 else:
-                    read += got[0]
+                    read += got[0] * got[1]
             launches.append(Launch("gemm_fp8" if op == "_scaled_mm" else "gemm_bf16", op, read,
                                    written, _gemm_flops(op, shapes),
                                    tuple(tuple(x) for x in shapes)))
@@ -408,8 +416,7 @@ def _lower_for_cuda(gm: torch.fx.GraphModule, example_inputs, kwargs: dict, prop
     with fake_cuda(props) as got:
         Propagate(gm, mode=mode).propagate_dont_convert_inputs(*inputs)
         kwargs = dict(kwargs, cudagraphs=None)
-        # benchmark_kernel: Inductor writes each kernel's bytes (kernel_num_gb) into its code
-        with inductor_config.patch(benchmark_kernel=True, fx_graph_cache=False):
+        with inductor_config.patch(fx_graph_cache=False):
             compile_fx_inner(gm, inputs, **kwargs)
     codes.extend(got)
 

@@ -21,11 +21,11 @@ from .swap import (ApplyReport, Change, amax_from_report, applied_plan, apply, c
 from .guard import Guard, GuardEvent
 from .tighten import tighten_end_to_end
 from .tune import FUSIBLE_TWINS, search_speed, tune_speed
-from .optimize import OptimizeResult, optimize, step_timer
+from .optimize import OptimizeResult, optimize, plan_families, step_timer
 from .predict import StepPrediction, predict_step
 
 __all__ = ["Linear", "Plan", "SitePlan", "RoleChoice", "Fallback", "PlanMismatchError", "plan",
            "audit", "budget_problem", "plan_report_mismatches", "override", "tighten_end_to_end", "tune_speed", "search_speed",
-           "FUSIBLE_TWINS", "optimize", "OptimizeResult", "step_timer", "apply", "unapply",
+           "FUSIBLE_TWINS", "optimize", "OptimizeResult", "step_timer", "plan_families", "apply", "unapply",
            "check", "applied_plan", "skipped_sites", "ApplyReport", "Change", "amax_from_report", "Guard",
            "GuardEvent", "StepPrediction", "predict_step"]

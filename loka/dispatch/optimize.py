@@ -33,7 +33,24 @@ from .select import plan as make_plan
 from .swap import apply, restore_on_exit, root_module, unapply
 from .tune import FUSIBLE_TWINS, on_baseline, tune_speed
 
-__all__ = ["OptimizeResult", "optimize", "step_timer"]
+__all__ = ["OptimizeResult", "optimize", "step_timer", "plan_families"]
+
+MAX_FAMILIES = 3
+"""whole-plan alternatives :func:`optimize` times: the plan's most used FP8 kernels"""
+
+
+def plan_families(plan: Plan, limit: int = MAX_FAMILIES) -> List[str]:
+    """The FP8 kernels of ``plan``, most used site-roles first (ties by name), at most
+    ``limit``: each is tried as the one kernel of every FP8 role (``tune_speed``'s
+    ``families``) when the plan mixes several."""
+    count: dict = {}
+    for sp in plan.sites.values():
+        for choice in sp.roles.values():
+            if choice.kernel != plan.baseline:
+                count[choice.kernel] = count.get(choice.kernel, 0) + 1
+    if len(count) < 2:
+        return []  # one kernel already: nothing to make coherent
+    return sorted(count, key=lambda k: (-count[k], k))[:limit]
 
 
 @dataclass
@@ -194,7 +211,8 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
 
     say(f"timing whole steps (at most {max_trials})")
     tuned, log = tune_speed(start, model, time_step, inference=inference, twins=FUSIBLE_TWINS,
-                            report=report, max_trials=max_trials)
+                            report=report, max_trials=max_trials,
+                            families=plan_families(start, MAX_FAMILIES))
     result.trials = log
     predicted = isolated = None
     if tuned.fp8_sites():

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -92,7 +92,8 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
                min_gain: float = 1.0, max_trials: int = 16, inference: bool = False,
                twins: Optional[Mapping[str, str]] = None,
                report: "ProbeReport | None" = None,
-               per_role: bool = False) -> Tuple[Plan, List[dict]]:
+               per_role: bool = False,
+               families: Sequence[str] = ()) -> Tuple[Plan, List[dict]]:
     """Keep only the FP8 sites that pay inside the whole model.
 
     The Probe times each GEMM alone. Inside a compiled model a site also adds its
@@ -119,6 +120,14 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
             and must meet the budget (:func:`override`), so twins of other numerics
             (another library's quantizer) are allowed; without a report, twins must have
             the same numerics and carry the plan's errors over.
+        families: kernels each tried as a whole-plan alternative start: the plan with every
+            FP8 role of every site on that one kernel (timed once each; it takes the
+            report's errors, and a kernel outside the budget anywhere is not tried; without
+            a report none is). A plan whose roles mix kernel libraries makes every operand's layouts
+            in passes of their own (a Triton-quantized forward beside a cuBLAS weight
+            gradient shares nothing), where one library's rowwise kernels make both layouts
+            of x, W and dy in one call each (``bench/step_code.py`` counts the bytes); the
+            per-GEMM timings behind the plan cannot see that, the step can.
         per_role: a group with several FP8 roles moves one role at a time to the baseline
             (each a trial of its own), so a paying forward is not lost with a losing
             gradient GEMM; off, the whole group moves at once. With ``inference`` the
@@ -156,6 +165,23 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
             t = timer(twin, removed=None, twins=True)
             if t < best_time:
                 best, best_time = twin, t
+        # without a report no budget can be checked for another kernel's numerics
+        for kernel in dict.fromkeys(families if report is not None else ()):
+            if len(log) >= max_trials:
+                break
+            swap = {k: kernel for k in used if k not in (kernel, plan.baseline)}
+            if not swap:
+                continue  # the plan is on this kernel alone already
+            try:
+                start = override(plan, replace=swap, report=report)
+            except (ValueError, KeyError):  # outside the budget, or not for some role
+                continue
+            try:
+                t = timer(start, removed=None, family=kernel)
+            except _Inapplicable:
+                continue
+            if t < best_time:
+                best, best_time = start, t
         while len(log) < max_trials:
             candidates = []
             for group in _site_groups(best):

@@ -142,6 +142,62 @@ def test_tune_speed_twins_from_a_report_must_meet_the_budget(make_report):
     assert not any(e.get("twins") for e in log) and tuned.fp8_sites() == []
 
 
+def test_tune_speed_tries_each_family_as_the_one_kernel_of_a_mixed_plan(make_report):
+    """A plan whose sites mix kernels pays for every operand's quantization separately;
+    the step (here: a penalty for each extra kernel in use) decides whether one kernel
+    for all is faster. Families outside the budget anywhere are never tried."""
+    model = Tower()
+    shapes = {"fm0": (32, 64), "fm1": (32, 64), "top": (64, 32), "head": (32, 16)}
+    # alone, t-faster wins at fm and t-mid at top and head: the plan mixes the two
+    speeds = {"fm0": (1.2, 1.5), "fm1": (1.2, 1.5), "top": (1.5, 1.2), "head": (1.5, 1.2)}
+
+    def report(faster_error):
+        return make_report({n: (k, o, 8, {"fwd": {"t-mid": (0.1, speeds[n][0]),
+                                                  "t-faster": (faster_error, speeds[n][1])}})
+                            for n, (k, o) in shapes.items()})
+
+    plan = loka.plan(report(0.1), max_error=0.2)
+    assert {s: plan.config(s).fwd for s in plan.fp8_sites()} == {
+        "fm0": "t-faster", "fm1": "t-faster", "top": "t-mid", "head": "t-mid"}
+    assert loka.dispatch.plan_families(plan) == ["t-faster", "t-mid"]  # ties by name
+
+    def time_step(m):
+        used = {mod.config.fwd for mod in m.modules()
+                if isinstance(mod, loka.Linear) and mod.config.fwd != "bf16"}
+        n = sum(isinstance(mod, loka.Linear) and mod.config.fwd != "bf16" for mod in m.modules())
+        return 10.0 - 0.3 * n + 1.0 * max(0, len(used) - 1)  # mixing costs 1.0 per extra kernel
+
+    tuned, log = loka.dispatch.tune_speed(plan, model, time_step, report=report(0.1),
+                                          families=["t-faster", "t-mid"])
+    tried = [e["family"] for e in log if "family" in e]
+    assert tried == ["t-faster", "t-mid"]
+    assert log[1]["time"] == pytest.approx(10.0 - 1.2 + 1.0)  # the mixed plan
+    assert all(e["time"] == pytest.approx(10.0 - 1.2) for e in log if "family" in e)
+    assert len(tuned.fp8_sites()) == 4
+    assert len({tuned.config(s).fwd for s in tuned.fp8_sites()}) == 1  # one kernel for all
+    assert tuned.budget["speed_tuned"]["time"] == pytest.approx(8.8)
+    # t-faster over the budget everywhere: only t-mid is tried (it is in the plan, so the
+    # report measured it at every site)
+    plan2 = loka.plan(report(0.1), max_error=0.2)
+    _, log = loka.dispatch.tune_speed(plan2, model, time_step, report=report(0.25),
+                                      families=["t-faster", "t-mid"])
+    assert [e["family"] for e in log if "family" in e] == ["t-mid"]
+    # without a report no family is tried: their errors would be unknown
+    _, log = loka.dispatch.tune_speed(plan, model, time_step, families=["t-faster", "t-mid"])
+    assert not any("family" in e for e in log)
+
+
+def test_plan_families_needs_a_mix():
+    model = Tower()
+    assert loka.dispatch.plan_families(Plan.uniform(model, "t-mid")) == []
+    plan = Plan.uniform(model, "t-mid")
+    plan.sites["top"].roles[Role.FWD] = loka.dispatch.RoleChoice("t-faster")
+    plan.sites["head"].roles[Role.FWD] = loka.dispatch.RoleChoice("t-slow-exact")
+    # most used first, then by name; at most `limit`
+    assert loka.dispatch.plan_families(plan) == ["t-mid", "t-faster", "t-slow-exact"]
+    assert loka.dispatch.plan_families(plan, limit=1) == ["t-mid"]
+
+
 def test_tune_speed_per_role_keeps_a_paying_forward_of_a_losing_group():
     model = Tower()
     plan = Plan.uniform(model, "t-mid")  # every role of every site on FP8
@@ -259,3 +315,29 @@ def test_whole_step_helpers_are_exported_where_the_docs_name_them():
         a, b = get(kernel), get(twin)
         assert (a.formats, a.scaling, a.fast_accum) == (b.formats, b.scaling, b.fast_accum)
         assert a.library is Library.TRITON and b.library is Library.CUBLAS
+
+
+def test_optimize_tries_the_plans_kernels_as_families_and_keeps_the_faster_one(make_report):
+    """loka.optimize passes the mixed plan's kernels to tune_speed as families; the final
+    A/B rounds confirm the one-kernel plan against the baseline."""
+    import torch
+    model = Tower()
+    shapes = {"fm0": (32, 64), "fm1": (32, 64), "top": (64, 32), "head": (32, 16)}
+    speeds = {"fm0": (1.2, 1.5), "fm1": (1.2, 1.5), "top": (1.5, 1.2), "head": (1.5, 1.2)}
+    report = make_report({n: (k, o, 8, {"fwd": {"t-mid": (0.1, speeds[n][0]),
+                                                "t-faster": (0.1, speeds[n][1])}})
+                          for n, (k, o) in shapes.items()})
+
+    def time_step(m):
+        fp8 = [mod.config.fwd for mod in m.modules()
+               if isinstance(mod, loka.Linear) and mod.config.fwd != "bf16"]
+        return 10.0 - 0.3 * len(fp8) + 1.0 * max(0, len(set(fp8)) - 1)
+
+    batches = [torch.randn(8, 32) for _ in range(2)]
+    result = loka.optimize(model, batches, lambda m, b: m(b).pow(2).mean(), report=report,
+                           max_error=0.2, time_step=time_step, rounds=2)
+    assert {result.untuned.config(s).fwd for s in result.untuned.fp8_sites()} == {"t-mid", "t-faster"}
+    assert [e["family"] for e in result.trials if "family" in e] == ["t-faster", "t-mid"]
+    assert len(result.plan.fp8_sites()) == 4
+    assert len({result.plan.config(s).fwd for s in result.plan.fp8_sites()}) == 1
+    assert result.rounds == [{"baseline": 10.0, "plan": pytest.approx(8.8)}] * 2
