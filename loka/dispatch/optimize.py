@@ -35,22 +35,60 @@ from .tune import FUSIBLE_TWINS, on_baseline, tune_speed
 
 __all__ = ["OptimizeResult", "optimize", "step_timer", "plan_families"]
 
-MAX_FAMILIES = 3
-"""whole-plan alternatives :func:`optimize` times: the plan's most used FP8 kernels"""
+MAX_FAMILIES = 4
+"""whole-plan alternatives :func:`optimize` times at most (:func:`plan_families`)"""
 
 
-def plan_families(plan: Plan, limit: int = MAX_FAMILIES) -> List[str]:
-    """The FP8 kernels of ``plan``, most used site-roles first (ties by name), at most
-    ``limit``: each is tried as the one kernel of every FP8 role (``tune_speed``'s
-    ``families``) when the plan mixes several."""
+def plan_families(plan: Plan, report: Optional[ProbeReport] = None,
+                  limit: int = MAX_FAMILIES) -> List[str]:
+    """Kernels to try as the one kernel of every FP8 role of ``plan``
+    (``tune_speed``'s ``families``), at most ``limit``:
+
+    1. when the plan mixes kernels, its own, most used site-roles first (ties by name): a
+       role-by-role mix makes each operand's layouts separately;
+    2. with a ``report``, its tensorwise kernels with quantizers that it measured (errors
+       at least) at every FP8 site-role of the plan, fastest median speedup first: one
+       scale per tensor lets the forward's FP8 x and W serve the gradient GEMMs, the
+       fewest quantization bytes of any scaling in the evaluation-set Wukong's compiled
+       step (bench/BENCHMARKS.md, "Where a plan's bytes go").
+
+    The budget is checked when they are tried (:func:`~loka.dispatch.tune_speed`)."""
+    from ..kernels import registry
+    from ..kernels.registry import Scaling
+
     count: dict = {}
-    for sp in plan.sites.values():
-        for choice in sp.roles.values():
+    roles = []
+    for name, sp in plan.sites.items():
+        for role, choice in sp.roles.items():
             if choice.kernel != plan.baseline:
                 count[choice.kernel] = count.get(choice.kernel, 0) + 1
-    if len(count) < 2:
-        return []  # one kernel already: nothing to make coherent
-    return sorted(count, key=lambda k: (-count[k], k))[:limit]
+                roles.append((name, role))
+    out = sorted(count, key=lambda k: (-count[k], k)) if len(count) > 1 else []
+    if report is not None and roles:
+        sharing = []
+        first = report.sites.get(roles[0][0])
+        names = first.roles[roles[0][1]].kernels if first and roles[0][1] in first.roles else {}
+        for k in names:
+            if k in out or set(count) == {k}:
+                continue
+            try:
+                kern = registry.get(k)
+            except KeyError:
+                continue
+            if not (kern.is_fp8 and kern.scaling is Scaling.TENSORWISE
+                    and kern.quantize_a is not None):
+                continue
+            speeds = []
+            for site, role in roles:
+                sr = report.sites.get(site)
+                res = sr.roles[role].kernels.get(k) if sr and role in sr.roles else None
+                if res is None or res.error is not None or res.mere is None:
+                    break
+                speeds.append(res.speedup or 0.0)
+            else:
+                sharing.append((-statistics.median(speeds), k))
+        out += [k for _, k in sorted(sharing)]
+    return out[:limit]
 
 
 @dataclass
@@ -212,7 +250,7 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     say(f"timing whole steps (at most {max_trials})")
     tuned, log = tune_speed(start, model, time_step, inference=inference, twins=FUSIBLE_TWINS,
                             report=report, max_trials=max_trials,
-                            families=plan_families(start, MAX_FAMILIES))
+                            families=plan_families(start, report))
     result.trials = log
     predicted = isolated = None
     if tuned.fp8_sites():

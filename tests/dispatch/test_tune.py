@@ -198,6 +198,35 @@ def test_plan_families_needs_a_mix():
     assert loka.dispatch.plan_families(plan, limit=1) == ["t-mid"]
 
 
+def test_plan_families_add_the_reports_sharing_kernels_measured_everywhere(make_report):
+    """With a report: tensorwise kernels with quantizers (their FP8 x and W serve the
+    gradient GEMMs) measured at every FP8 site-role, fastest first; a kernel missing at one
+    site-role, a rowwise one, or the plan's only kernel is not proposed."""
+    shapes = {"fm0": (32, 64), "fm1": (32, 64), "top": (64, 32), "head": (32, 16)}
+    kernels = {"cublas-rowwise": (0.1, 1.5), "cublas-tensorwise": (0.1, 1.3),
+               "t-mid": (0.1, 1.1), "t-faster": (0.1, 1.4)}
+    sites = {}
+    for n, (k, o) in shapes.items():
+        fwd = dict(kernels)
+        if n == "head":
+            del fwd["t-faster"]  # not measured at one site-role: never everywhere
+        sites[n] = (k, o, 8, {"fwd": fwd})
+    report = make_report(sites)
+    plan = Plan.uniform(Tower(), "cublas-rowwise")
+    for sp in plan.sites.values():
+        for role in (Role.DGRAD, Role.WGRAD):
+            sp.roles[role] = loka.dispatch.RoleChoice(plan.baseline)
+    assert get("cublas-rowwise").scaling == "rowwise"
+    assert loka.dispatch.plan_families(plan, report) == ["cublas-tensorwise", "t-mid"]
+    assert loka.dispatch.plan_families(plan, report, limit=1) == ["cublas-tensorwise"]
+    # a plan already all on a sharing kernel: the others are still proposed, not itself
+    tw = Plan.uniform(Tower(), "cublas-tensorwise")
+    for sp in tw.sites.values():
+        for role in (Role.DGRAD, Role.WGRAD):
+            sp.roles[role] = loka.dispatch.RoleChoice(tw.baseline)
+    assert loka.dispatch.plan_families(tw, report) == ["t-mid"]
+
+
 def test_tune_speed_per_role_keeps_a_paying_forward_of_a_losing_group():
     model = Tower()
     plan = Plan.uniform(model, "t-mid")  # every role of every site on FP8
