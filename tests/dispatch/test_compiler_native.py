@@ -5,6 +5,7 @@ Python-level custom op, however many sites are on FP8. Kernels whose quantizatio
 plain PyTorch (``cublas-*``, their emulated twins) are the ones checked here; LoKA's Triton
 kernels are ``triton_op`` ops that Inductor traces into (tests/kernels/test_triton_traced.py)."""
 
+import importlib.util
 import re
 
 import pytest
@@ -176,3 +177,34 @@ def test_on_a_gpu_pointwise_fed_sites_fuse_and_gemm_fed_ones_take_a_pass(kernel)
     fused = [n for n in quantizing if "hardswish" in n or "rsqrt" in n]
     assert len(fused) == 2, names
     assert len(quantizing) - len(fused) == 2, names  # the input's and the GEMM output's
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="Inductor's CUDA code generation needs triton")
+@pytest.mark.parametrize("kernel", ["cublas-rowwise", "cublas-tensorwise"])
+def test_on_a_simulated_gpu_pointwise_fed_sites_fuse_and_gemm_fed_ones_take_a_pass(kernel):
+    """The test above without a GPU: Inductor's CUDA code for a simulated H200
+    (loka.bench.stepcode), where _scaled_mm is one cuBLAS call as on the GPU (the CPU's
+    Inductor decomposes it)."""
+    from torch._inductor import config as inductor_config
+    from loka.bench.stepcode import cuda_step_code, inventory
+    model, x = _probed_and_served(kernel, "cpu", torch.bfloat16)
+    with inductor_config.patch(kernel_name_max_ops=1000):
+        codes = cuda_step_code(model.eval(), (x,), train=False)
+    assert len(codes) == 1
+    launches = inventory(codes[0])
+    names = [l.name for l in launches]  # one launch each (identical kernels share a name)
+    # passes over a whole (256, 128) operand that find its amax (tensorwise: the first of
+    # two stages; the second reads a few partial maxima)
+    quantizing = [l.name for l in launches if "amax" in l.name and l.bytes >= 256 * 128 * 2]
+    fused = [n for n in quantizing if "hardswish" in n or "rsqrt" in n]
+    assert len(fused) == 2, names
+    assert any("hardswish" in n for n in fused) and any("rsqrt" in n for n in fused), names
+    # the activation and the norm are never kernels of their own: their outputs are made
+    # inside the quantization (tensorwise: inside both stages of its amax and in the cast)
+    producers_alone = [n for n in names if ("hardswish" in n or "rsqrt" in n)
+                       and "amax" not in n and "_scaled_mm" not in n and "_to_copy" not in n]
+    assert producers_alone == [], names
+    # the graph input's and the GEMM output's quantization: passes of their own
+    assert len(quantizing) - len(fused) == 2, names
+    assert len([l for l in launches if l.kind == "gemm_fp8"]) == 4
