@@ -436,3 +436,11 @@ def test_the_repositorys_eval_set_loads_as_a_package():
 
     es = load_eval_set(BENCH / "evalset")
     assert sorted(es.EVAL_MODELS) == NAMES and tuple(es.SCALES) == ("paper", "tiny")
+
+
+def test_the_code_inventory_of_a_row_is_a_diagnostic_that_never_fails_the_row():
+    from loka.bench.evalset import code_launches, kernel_rates
+    assert code_launches([]) is None
+    assert code_launches(["not wrapper code"]) is None
+    assert kernel_rates({"k": 1.0}, None) is None
+    assert kernel_rates({"k": 1.0}, ["not a launch"]) is None

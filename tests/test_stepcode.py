@@ -171,3 +171,25 @@ def test_output_code_collects_what_a_real_compilation_generates():
     assert GraphLowering.save_output_code is before  # restored
     assert len(codes) == 1 and "def call(" in codes[0]
     assert inventory(codes[0]) == []  # C++ kernels only: no CUDA launches, no GEMM
+
+
+def test_rates_join_a_profile_with_the_codes_bytes_by_kernel_name():
+    from loka.bench.stepcode import rates
+    launches = inventory(WRAPPER)
+    relu, amax = launches[1], launches[2]
+    profile = {"triton_poi_fused_relu_0": 0.002, "triton_red_fused_abs_amax_1": 0.004,
+               "nvjet_sm90_gemm": 0.010}  # cuBLAS: not in the code by that name
+    got = rates(profile, launches)
+    assert [r[0] for r in got["kernels"]] == ["triton_red_fused_abs_amax_1",
+                                              "triton_poi_fused_relu_0"]  # largest time first
+    name, kind, mb, ms, gbs = got["kernels"][1]
+    assert (kind, ms) == ("inductor", 0.002)
+    assert mb == pytest.approx(relu.bytes / 1e6, abs=1e-3)
+    assert gbs == pytest.approx(relu.bytes / 1e6 / 0.002, abs=0.1)  # MB per ms = GB per s
+    assert got["by_kind"]["inductor"]["mbytes"] == pytest.approx((relu.bytes + amax.bytes) / 1e6,
+                                                                 abs=0.1)
+    assert got["by_kind"]["inductor"]["ms"] == pytest.approx(0.006)
+    assert got["unmatched_ms"] == pytest.approx(0.010)
+    # a kernel timed at zero has no rate, and nothing is divided by zero
+    assert rates({"triton_poi_fused_relu_0": 0.0}, launches)["kernels"][0][4] is None
+    assert rates({}, launches) == {"kernels": [], "by_kind": {}, "unmatched_ms": 0.0}

@@ -184,6 +184,7 @@ def profile_gpu(step: Callable[[], object], steps: int) -> dict:
     return {"gpu_ms_per_step": sum(per_kernel.values()) / 1e3,
             "by_class_ms": {c: v / 1e3 for c, v in by_class.items()},
             "top_kernels_ms": [[k[:160], v / 1e3, kernel_class(k)] for k, v in ranked],
+            "kernels_ms": {k: v / 1e3 for k, v in per_kernel.items()},
             "profiled_steps": steps}
 
 
@@ -406,15 +407,26 @@ def time_steps(step, device, warmup: int, steps: int) -> dict:
             "first_step_s": compile_s, "first_value": first_value}
 
 
-def code_summary(codes: List[str]) -> Optional[dict]:
-    """Launches, bytes and GEMM FLOPs of the compiled step, read from Inductor's CUDA code
-    (:mod:`loka.bench.stepcode`): beside the profile's times, what each class of kernel
-    moves. None when no code was captured or it cannot be read."""
+def code_launches(codes: List[str]) -> Optional[List["stepcode.Launch"]]:
+    """The kernel launches of the compiled step, read from Inductor's CUDA code
+    (:mod:`loka.bench.stepcode`): what each kernel moves, beside the profile's times.
+    None when no code was captured or it cannot be read (a diagnostic: it never costs the
+    row its timings)."""
     try:
         launches = [launch for code in codes for launch in stepcode.inventory(code)]
-    except ValueError:
+    except Exception:  # noqa: BLE001 - another torch's wrapper code: no inventory
         return None
-    return dict(stepcode.summarize(launches), graphs=len(codes)) if codes else None
+    return launches if codes else None
+
+
+def kernel_rates(kernels_ms: Dict[str, float], launches) -> Optional[dict]:
+    """:func:`loka.bench.stepcode.rates`, or None without launches or where it fails."""
+    if not launches:
+        return None
+    try:
+        return stepcode.rates(kernels_ms, launches)
+    except Exception:  # noqa: BLE001 - a diagnostic never costs the row its timings
+        return None
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -448,7 +460,9 @@ def run_row(case: Case, variant: str, mode: str, graphs: bool, args, device) -> 
         step = make_step(compiled, model, mode, case.batch, graphs, device, args.eval_set.loss_fn)
         with stepcode.output_code() as codes:  # the first step compiles
             timing = time_steps(step, device, args.warmup, args.steps)
-        row["inductor_code"] = code_summary(codes) if device.type == "cuda" else None
+        launches = code_launches(codes) if device.type == "cuda" else None
+        row["inductor_code"] = (dict(stepcode.summarize(launches), graphs=len(codes))
+                                if launches else None)
         row.update(step_ms=timing["step_ms"], step_ms_min=timing["step_ms_min"],
                    step_ms_max=timing["step_ms_max"], first_step_s=timing["first_step_s"],
                    samples_per_s=case.batch_size / (timing["step_ms"] / 1e3))
@@ -458,10 +472,13 @@ def run_row(case: Case, variant: str, mode: str, graphs: bool, args, device) -> 
             prof = profile_gpu(step, args.profile_steps)
             row.update(gpu_ms=prof["gpu_ms_per_step"], profile_ms=prof["by_class_ms"],
                        top_kernels_ms=prof["top_kernels_ms"],
+                       # bytes (from the code) over time (from the profile), kernel by kernel
+                       kernel_rates=kernel_rates(prof["kernels_ms"], launches),
                        wall_over_gpu=row["step_ms"] / max(prof["gpu_ms_per_step"], 1e-9),
                        peak_mem_gib=torch.cuda.max_memory_allocated(device) / 2**30)
         else:
-            row.update(gpu_ms=None, profile_ms=None, top_kernels_ms=None, wall_over_gpu=None,
+            row.update(gpu_ms=None, profile_ms=None, top_kernels_ms=None, kernel_rates=None,
+                       wall_over_gpu=None,
                        peak_mem_gib=None)
     except Skip as e:
         row.update(status="skipped", reason=str(e))

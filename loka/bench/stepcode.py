@@ -41,8 +41,8 @@ from unittest import mock
 import torch
 from torch import nn
 
-__all__ = ["Launch", "H200", "inventory", "summarize", "output_code", "cuda_step_code",
-           "fake_cuda"]
+__all__ = ["Launch", "H200", "inventory", "summarize", "rates", "output_code",
+           "cuda_step_code", "fake_cuda"]
 
 H200 = types.SimpleNamespace(
     name="NVIDIA H200 (simulated)", major=9, minor=0, multi_processor_count=132,
@@ -264,6 +264,38 @@ def summarize(launches: Sequence[Launch]) -> dict:
     return {"launches": dict(count), "mbytes": {k: round(v, 1) for k, v in mbytes.items()},
             "gemm_gflops": {k: round(v, 1) for k, v in gflops.items() if k.startswith("gemm")},
             "total_launches": sum(count.values()), "non_gemm_mbytes": round(non_gemm, 1)}
+
+
+def rates(kernel_ms: Dict[str, float], launches: Sequence[Launch]) -> dict:
+    """How fast each kernel moved its bytes: ``kernel_ms`` (a profile's GPU milliseconds per
+    step by kernel name) joined by name with the launches of one step's code.
+
+    Returns ``{"kernels": [[name, kind, MB, ms, GB/s], ...]`` (largest time first; kernels
+    of the code the profile did not see, or the reverse, are left out), ``"by_kind":
+    {kind: {"mbytes", "ms", "gbs"}}`` over the joined kernels, and ``"unmatched_ms"``, the
+    profile's time in kernels the code does not name (cuBLAS, the optimizer)}``."""
+    per_name: Dict[str, List] = {}
+    for launch in launches:
+        entry = per_name.setdefault(launch.name, [launch.kind, 0.0])
+        entry[1] += launch.bytes / 1e6
+    rows, by_kind = [], {}
+    unmatched = 0.0
+    for name, ms in kernel_ms.items():
+        if name not in per_name:
+            unmatched += ms
+            continue
+        kind, mbytes = per_name[name]
+        gbs = mbytes / ms if ms > 0 else None  # MB per ms is GB per s
+        rows.append([name, kind, round(mbytes, 3), round(ms, 5),
+                     None if gbs is None else round(gbs, 1)])
+        agg = by_kind.setdefault(kind, {"mbytes": 0.0, "ms": 0.0})
+        agg["mbytes"] += mbytes
+        agg["ms"] += ms
+    for agg in by_kind.values():
+        agg["gbs"] = round(agg["mbytes"] / agg["ms"], 1) if agg["ms"] > 0 else None
+        agg["mbytes"], agg["ms"] = round(agg["mbytes"], 1), round(agg["ms"], 4)
+    rows.sort(key=lambda r: -r[3])
+    return {"kernels": rows, "by_kind": by_kind, "unmatched_ms": round(unmatched, 4)}
 
 
 @contextlib.contextmanager
