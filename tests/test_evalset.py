@@ -226,7 +226,7 @@ ROW_FIELDS = {"model", "scale", "batch_size", "mode", "variant", "graphs", "stat
               "compile_mode", "backend", "linears", "notes", "vs_bf16"}
 OK_FIELDS = {"fp8_sites", "output_rel_err_vs_bf16", "step_ms", "step_ms_min", "step_ms_max",
              "first_step_s", "samples_per_s", "gpu_ms", "profile_ms", "top_kernels_ms",
-             "wall_over_gpu", "peak_mem_gib", "loss_first_step"}
+             "wall_over_gpu", "peak_mem_gib", "loss_first_step", "inductor_code", "kernel_rates"}
 
 
 def test_eval_set_script_runs_on_the_cpu(tmp_path):
@@ -257,6 +257,7 @@ def test_eval_set_script_runs_on_the_cpu(tmp_path):
         assert r["status"] == "ok", r["reason"]
         assert OK_FIELDS <= set(r), OK_FIELDS - set(r)
         assert r["step_ms"] > 0 and r["linears"] == 11 and r["gpu_ms"] is None
+        assert r["inductor_code"] is None and r["kernel_rates"] is None  # GPU rows only
     assert bf16["fp8_sites"] == 0 and bf16["output_rel_err_vs_bf16"] < 1e-6
     assert lk["fp8_sites"] == len(lk["plan"]) > 0 and lk["probe_wall_s"] > 0
     assert 0 < lk["output_rel_err_vs_bf16"] < 0.15
@@ -440,6 +441,14 @@ def test_the_repositorys_eval_set_loads_as_a_package():
 
 def test_the_code_inventory_of_a_row_is_a_diagnostic_that_never_fails_the_row():
     from loka.bench.evalset import code_launches, kernel_rates
+    code = ("def triton_poi_fused_relu_0(in_out_ptr0, xnumel, XBLOCK : tl.constexpr):\n    pass\n"
+            "def call(args):\n"
+            "    buf0 = empty_strided_cuda((128, 64), (64, 1), torch.bfloat16)\n"
+            "    triton_poi_fused_relu_0.run(buf0, 8192, stream=raw_stream0)\n")
+    launches = code_launches([code])
+    assert [(l.name, l.bytes) for l in launches] == [("triton_poi_fused_relu_0", 2 * 8192 * 2)]
+    got = kernel_rates({"triton_poi_fused_relu_0": 0.01}, launches)
+    assert got["kernels"][0][4] == pytest.approx(2 * 8192 * 2 / 1e6 / 0.01, abs=0.1)
     assert code_launches([]) is None
     assert code_launches(["not wrapper code"]) is None
     assert kernel_rates({"k": 1.0}, None) is None

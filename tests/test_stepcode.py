@@ -21,6 +21,10 @@ def triton_poi_fused_relu_0(in_out_ptr0, xnumel, XBLOCK : tl.constexpr):
     pass
 def triton_red_fused_abs_amax_1(in_ptr0, out_ptr0, xnumel, r0_numel, XBLOCK : tl.constexpr):
     pass
+rowwise_quant_kernel_2 = async_compile.triton('rowwise_quant_kernel', """
+def rowwise_quant_kernel(x_ptr, q_ptr, scale_ptr, M, N, stride_m, stride_n):
+    pass
+""")
 class Runner:
     def call(self, args):
         primals_1, primals_2 = args
@@ -50,7 +54,7 @@ def test_inventory_counts_bytes_and_flops_of_each_launch():
     assert [(l.kind, l.name) for l in launches] == [
         ("gemm_bf16", "mm"), ("inductor", "triton_poi_fused_relu_0"),
         ("inductor", "triton_red_fused_abs_amax_1"), ("gemm_fp8", "_scaled_mm"),
-        ("quantize", "rowwise_quant_kernel_2")]
+        ("quantize", "rowwise_quant_kernel")]  # a user kernel: its own name, not the variable
     mm, relu, amax, fp8, quant = launches
     assert mm.flops == 2 * 128 * 32 * 64
     assert (mm.bytes_read, mm.bytes_written) == ((128 * 32 + 32 * 64) * 2, 128 * 64 * 2)
@@ -84,6 +88,22 @@ def test_an_inductor_kernel_moves_no_more_than_its_iteration_size_per_argument()
     sliced = inventory(code)[-1]
     assert sliced.name == "triton_poi_fused_slice_3"
     assert (sliced.bytes_read, sliced.bytes_written) == (128 * 32 * 2, 128 * 32 * 2)
+
+
+def test_kernels_without_iteration_sizes_and_unresolved_operands_are_counted_safely():
+    """A GEMM template (max-autotune) names no *numel: its arguments count whole, and it
+    is a GEMM. A library GEMM with an operand the parser cannot size gets no FLOPs
+    rather than a product of the wrong tensors."""
+    code = WRAPPER.replace(
+        "        return (buf2, )",
+        "        buf7 = empty_strided_cuda((64, 64), (64, 1), torch.bfloat16)\n"
+        "        triton_tem_fused_mm_5.run(buf4, buf4, buf7, stream=raw_stream0)\n"
+        "        extern_kernels.mm(unknown_0, buf4, out=buf7)\n"
+        "        return (buf2, )").replace(
+        "class Runner:", "def triton_tem_fused_mm_5(arg_A, arg_B, out_ptr0):\n    pass\nclass Runner:")
+    template, mm = inventory(code)[-2:]
+    assert template.kind == "gemm_bf16" and template.bytes == 3 * 64 * 64 * 2
+    assert mm.name == "mm" and mm.flops == 0.0 and mm.bytes == 2 * 64 * 64 * 2
 
 
 def test_code_without_a_call_function_is_refused():
@@ -178,11 +198,14 @@ def test_rates_join_a_profile_with_the_codes_bytes_by_kernel_name():
     launches = inventory(WRAPPER)
     relu, amax = launches[1], launches[2]
     profile = {"triton_poi_fused_relu_0": 0.002, "triton_red_fused_abs_amax_1": 0.004,
+               "rowwise_quant_kernel": 0.003,  # the profiler's name of a user kernel
                "nvjet_sm90_gemm": 0.010}  # cuBLAS: not in the code by that name
     got = rates(profile, launches)
     assert [r[0] for r in got["kernels"]] == ["triton_red_fused_abs_amax_1",
+                                              "rowwise_quant_kernel",
                                               "triton_poi_fused_relu_0"]  # largest time first
-    name, kind, mb, ms, gbs = got["kernels"][1]
+    assert got["by_kind"]["quantize"]["ms"] == pytest.approx(0.003)
+    name, kind, mb, ms, gbs = got["kernels"][2]
     assert (kind, ms) == ("inductor", 0.002)
     assert mb == pytest.approx(relu.bytes / 1e6, abs=1e-3)
     assert gbs == pytest.approx(relu.bytes / 1e6 / 0.002, abs=0.1)  # MB per ms = GB per s

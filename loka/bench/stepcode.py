@@ -25,6 +25,10 @@ Limits: the CPU route answers device queries for one Hopper GPU (:data:`H200`) a
 this machine's torch: a different torch release on the GPU machine may fuse differently.
 It patches private parts of ``torch.cuda``, ``torch._inductor`` and Triton for the
 duration of the call; kernels are never compiled to binaries.
+
+Length: reading the code and generating it without a GPU share one launch model (what a
+kernel is passed, what Inductor names it); apart, each half would restate the other's
+conventions, and every caller uses both.
 """
 
 from __future__ import annotations
@@ -55,8 +59,10 @@ H200 = types.SimpleNamespace(
 """The device properties the CPU route reports (an H200's, as torch reports them)"""
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1,
-                "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1, "int64": 8,
-                "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
+                "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+                "float8_e8m0fnu": 1, "complex64": 8, "complex128": 16, "int64": 8, "int32": 4,
+                "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1,
+                "bool": 1}
 _GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"}
 _QUANTIZE_PREFIXES = ("rowwise_quant_kernel", "rowwise_dual_kernel", "rowwise_amax_split_kernel",
                       "rowwise_cast_split_kernel", "tensor_amax_kernel", "tensor_cast_kernel",
@@ -113,7 +119,9 @@ def _split_args(text: str) -> List[str]:
     return out
 
 
-def _gemm_flops(op: str, shapes: List[List[int]]) -> float:
+def _gemm_flops(op: str, shapes: List[Optional[List[int]]]) -> float:
+    """2·M·K·N (times the batch) from the operands' shapes by position; 0 when an operand
+    was not resolved."""
     try:
         if op == "mm" or op == "_scaled_mm":
             (m, k), n = shapes[0], shapes[1][1]
@@ -124,7 +132,7 @@ def _gemm_flops(op: str, shapes: List[List[int]]) -> float:
         if op in ("bmm", "baddbmm"):
             a, b = (shapes[0], shapes[1]) if op == "bmm" else (shapes[1], shapes[2])
             return 2.0 * a[0] * a[1] * a[2] * b[2]
-    except (IndexError, ValueError):
+    except (IndexError, ValueError, TypeError):  # TypeError: an unresolved operand (None)
         pass
     return 0.0
 
@@ -142,6 +150,9 @@ def inventory(code: str) -> List[Launch]:
     params: Dict[str, List[str]] = {}
     for m in re.finditer(r"^def (\w+)\(([^)]*)\):", code, re.M):
         params[m.group(1)] = [a.split(":")[0].strip() for a in m.group(2).split(",")]
+    # the wrapper's variable for a kernel -> the kernel's own name (what a profiler shows):
+    # user kernels get a suffix (rowwise_dual_kernel_0 = async_compile.triton('rowwise_dual_kernel', ...))
+    compiled = dict(re.findall(r"^(\w+) = async_compile\.triton\('(\w+)'", code, re.M))
     # buffer name -> (shape, stride, element bytes or None when unknown)
     buffers: Dict[str, Tuple[List[int], List[int], Optional[int]]] = {}
     for m in re.finditer(r"(\w+) = rand_strided\(" + _TUPLE + ", " + _TUPLE
@@ -189,21 +200,19 @@ def inventory(code: str) -> List[Launch]:
             continue
         m = re.match(r"(\w+)\.run\((.*)\)$", s)
         if m:
-            name, args = m.group(1), _split_args(m.group(2))
+            name, args = compiled.get(m.group(1), m.group(1)), _split_args(m.group(2))
             names = params.get(name, [])
-            inductors = name.startswith("triton_")
-            # an Inductor kernel's launch ends with its iteration sizes (xnumel, r0_numel):
-            # an argument it reads or writes through a slice moves at most that many elements
+            inductors = name.startswith(("triton_poi", "triton_red", "triton_per"))
+            # an Inductor kernel iterates over its *numel parameters' product: an argument it
+            # reads or writes through a slice moves at most that many elements
             numel = None
             if inductors:
-                sizes = []
-                for a in reversed([a for a in args if "=" not in a]):
-                    if not re.fullmatch(r"\d+", a):
-                        break
-                    sizes.append(int(a))
-                numel = 1
-                for v in sizes:
-                    numel *= v
+                sizes = [int(a) for p, a in zip(names, args)
+                         if p.endswith("numel") and re.fullmatch(r"\d+", a)]
+                if sizes:
+                    numel = 1
+                    for v in sizes:
+                        numel *= v
             read = written = 0.0
             shapes = []
             for i, a in enumerate(args):
@@ -211,7 +220,7 @@ def inventory(code: str) -> List[Launch]:
                 if got is None:
                     continue
                 elems, elem_bytes, shape = got
-                nbytes = float(min(elems, numel) if numel else elems) * elem_bytes
+                nbytes = float(min(elems, numel) if numel is not None else elems) * elem_bytes
                 shapes.append(shape)
                 role = names[i] if i < len(names) else ""
                 if role.startswith("in_out_ptr"):
@@ -222,6 +231,8 @@ def inventory(code: str) -> List[Launch]:
                     read += nbytes
             if inductors:
                 kind = "inductor"
+            elif name.startswith("triton_tem"):  # Inductor's GEMM templates (max-autotune)
+                kind = "gemm_fp8" if "scaled_mm" in name else "gemm_bf16"
             elif name.startswith(_QUANTIZE_PREFIXES):
                 kind = "quantize"
             elif "gemm" in name:
@@ -234,21 +245,21 @@ def inventory(code: str) -> List[Launch]:
         if m and m.group(1) in _GEMMS:
             op, args = m.group(1), _split_args(m.group(2))
             read = written = 0.0
-            shapes = []
+            shapes: List[Optional[List[int]]] = []  # by position: None where not resolved
             for a in args:
                 if "=" in a and not a.startswith("out="):
                     continue  # keyword scalars: alpha, out_dtype, use_fast_accum
                 got = size_of(a)
+                shapes.append(None if got is None else list(got[2]))
                 if got is None:
                     continue
-                shapes.append(list(got[2]))
                 if a.startswith("out="):
                     written += got[0] * got[1]
                 else:
                     read += got[0] * got[1]
             launches.append(Launch("gemm_fp8" if op == "_scaled_mm" else "gemm_bf16", op, read,
                                    written, _gemm_flops(op, shapes),
-                                   tuple(tuple(x) for x in shapes)))
+                                   tuple(tuple(x) for x in shapes if x is not None)))
     return launches
 
 
@@ -273,7 +284,7 @@ def rates(kernel_ms: Dict[str, float], launches: Sequence[Launch]) -> dict:
     Returns ``{"kernels": [[name, kind, MB, ms, GB/s], ...]`` (largest time first; kernels
     of the code the profile did not see, or the reverse, are left out), ``"by_kind":
     {kind: {"mbytes", "ms", "gbs"}}`` over the joined kernels, and ``"unmatched_ms"``, the
-    profile's time in kernels the code does not name (cuBLAS, the optimizer)}``."""
+    profile's time in kernels the code does not name (cuBLAS, the optimizer)."""
     per_name: Dict[str, List] = {}
     for launch in launches:
         entry = per_name.setdefault(launch.name, [launch.kind, 0.0])
@@ -397,6 +408,7 @@ def fake_cuda(props=H200) -> Iterator[List[str]]:
     patches.append(mock.patch.object(CudaInterface.Worker, "get_device_properties",
                                      staticmethod(lambda *a, **k: props)))
     started = []
+    _clear_device_caches()  # answers cached for another device, or another props
     try:
         for p in patches:
             p.start()
@@ -405,6 +417,18 @@ def fake_cuda(props=H200) -> Iterator[List[str]]:
     finally:
         for p in reversed(started):
             p.stop()
+        _clear_device_caches()  # nothing of the simulated device stays behind
+
+
+def _clear_device_caches() -> None:
+    """Inductor caches device facts per device index (its properties, whether it is a
+    big GPU); the simulated device must neither reuse nor leave them."""
+    from torch._inductor import utils as inductor_utils
+    from torch._inductor.runtime.hints import DeviceProperties
+    for fn in (getattr(DeviceProperties.create, "cache_clear", None),
+               getattr(inductor_utils.is_big_gpu, "cache_clear", None)):
+        if fn is not None:
+            fn()
 
 
 def _retarget(obj):

@@ -24,11 +24,14 @@ import torch
 from torch import nn
 
 from ..config import ProbeConfig
+from ..kernels import registry
+from ..kernels.registry import Scaling
 from ..probe import probe
 from ..probe.report import ProbeReport
 from ..timing import time_steps
 from .predict import predict_step
 from .schema import Plan
+from .select import kernel_speedup, override
 from .select import plan as make_plan
 from .swap import apply, restore_on_exit, root_module, unapply
 from .tune import FUSIBLE_TWINS, on_baseline, tune_speed
@@ -40,22 +43,25 @@ MAX_FAMILIES = 4
 
 
 def plan_families(plan: Plan, report: Optional[ProbeReport] = None,
-                  limit: int = MAX_FAMILIES) -> List[str]:
+                  limit: int = MAX_FAMILIES, *,
+                  allowed_kernels: Optional[Sequence[str]] = None,
+                  inference: bool = False) -> List[str]:
     """Kernels to try as the one kernel of every FP8 role of ``plan``
     (``tune_speed``'s ``families``), at most ``limit``:
 
     1. when the plan mixes kernels, its own, most used site-roles first (ties by name): a
        role-by-role mix makes each operand's layouts separately;
-    2. with a ``report``, its tensorwise kernels with quantizers that it measured (errors
-       at least) at every FP8 site-role of the plan, fastest median speedup first: one
-       scale per tensor lets the forward's FP8 x and W serve the gradient GEMMs, the
-       fewest quantization bytes of any scaling in the evaluation-set Wukong's compiled
-       step (bench/BENCHMARKS.md, "Where a plan's bytes go").
+    2. with a ``report``, its tensorwise kernels with quantizers that it measured at every
+       FP8 site-role of the plan within the plan's budgets, fastest median speedup first
+       (:func:`~loka.dispatch.select.kernel_speedup`): one scale per tensor lets the
+       forward's FP8 x and W serve the gradient GEMMs, the fewest quantization bytes of
+       any scaling in the evaluation-set Wukong's compiled step (bench/BENCHMARKS.md,
+       "Where a plan's bytes go"). One slot is kept for the fastest of them.
 
-    The budget is checked when they are tried (:func:`~loka.dispatch.tune_speed`)."""
-    from ..kernels import registry
-    from ..kernels.registry import Scaling
-
+    Kernels that quantize alike (a kernel and its fast-accumulation twin,
+    ``Kernel.quantizes_as``) count once: the first of them. ``allowed_kernels`` (as
+    :func:`loka.plan`'s) limits both."""
+    allowed = None if allowed_kernels is None else set(allowed_kernels)
     count: dict = {}
     roles = []
     for name, sp in plan.sites.items():
@@ -63,13 +69,29 @@ def plan_families(plan: Plan, report: Optional[ProbeReport] = None,
             if choice.kernel != plan.baseline:
                 count[choice.kernel] = count.get(choice.kernel, 0) + 1
                 roles.append((name, role))
-    out = sorted(count, key=lambda k: (-count[k], k)) if len(count) > 1 else []
+
+    def kind(k: str) -> str:  # kernels that quantize alike (a fast-accumulation twin)
+        try:
+            return registry.get(k).quantizes_as or k
+        except KeyError:
+            return k
+
+    def dedupe(names: List[str]) -> List[str]:
+        seen, out = set(), []
+        for k in names:
+            if kind(k) not in seen:
+                seen.add(kind(k))
+                out.append(k)
+        return out
+
+    own = sorted(count, key=lambda k: (-count[k], k)) if len(count) > 1 else []
+    own = dedupe([k for k in own if allowed is None or k in allowed])
+    sharing = []
     if report is not None and roles:
-        sharing = []
         first = report.sites.get(roles[0][0])
         names = first.roles[roles[0][1]].kernels if first and roles[0][1] in first.roles else {}
         for k in names:
-            if k in out or set(count) == {k}:
+            if k in own or set(count) == {k} or (allowed is not None and k not in allowed):
                 continue
             try:
                 kern = registry.get(k)
@@ -84,11 +106,18 @@ def plan_families(plan: Plan, report: Optional[ProbeReport] = None,
                 res = sr.roles[role].kernels.get(k) if sr and role in sr.roles else None
                 if res is None or res.error is not None or res.mere is None:
                     break
-                speeds.append(res.speedup or 0.0)
+                speeds.append(kernel_speedup(res, inference) or 0.0)
             else:
+                try:  # within every site-role's budget
+                    override(plan, replace={old: k for old in count if old != k}, report=report)
+                except (ValueError, KeyError):
+                    continue
                 sharing.append((-statistics.median(speeds), k))
-        out += [k for _, k in sorted(sharing)]
-    return out[:limit]
+        sharing = dedupe([k for _, k in sorted(sharing)])
+    if limit < 1:
+        return []
+    keep = limit - 1 if sharing else limit  # one slot for the fastest sharing kernel
+    return (own[:keep] + sharing)[:limit]
 
 
 @dataclass
@@ -250,7 +279,9 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     say(f"timing whole steps (at most {max_trials})")
     tuned, log = tune_speed(start, model, time_step, inference=inference, twins=FUSIBLE_TWINS,
                             report=report, max_trials=max_trials,
-                            families=plan_families(start, report))
+                            families=plan_families(start, report,
+                                                   allowed_kernels=allowed_kernels,
+                                                   inference=inference))
     result.trials = log
     predicted = isolated = None
     if tuned.fp8_sites():

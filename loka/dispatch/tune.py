@@ -48,6 +48,14 @@ activation, a norm), which the Probe's standalone timing cannot see.
 :func:`tune_speed` tries them."""
 
 
+def _same_kernels(p: Plan, q: Plan) -> bool:
+    """Whether two plans put every site-role on the same kernel (a trial of one is a
+    trial of the other)."""
+    return p.sites.keys() == q.sites.keys() and all(
+        p.sites[s].kernel(r, p.baseline) == q.sites[s].kernel(r, q.baseline)
+        for s in p.sites for r in ROLES)
+
+
 def on_baseline(p: Plan, sites: Iterable[str], why: str, roles: Iterable[Role] = ROLES) -> Plan:
     """A copy of ``p`` with ``roles`` (default all) of ``sites`` on the baseline, for
     reason ``why``."""
@@ -137,7 +145,8 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
     Returns:
         (tuned plan, log): one dict per trial with ``sites`` (FP8 sites of the trial),
         ``removed`` (the group tried, if any), ``role`` (the role moved, None for the
-        whole group) and ``time``.
+        whole group) and ``time``; the twins' trial has ``twins: True``, a family's
+        ``family`` (its kernel).
     """
     if not (min_gain > 0 and math.isfinite(min_gain)):
         raise ValueError(f"min_gain must be a finite positive number, got {min_gain!r}")
@@ -176,6 +185,8 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
                 start = override(plan, replace=swap, report=report)
             except (ValueError, KeyError):  # outside the budget, or not for some role
                 continue
+            if any(_same_kernels(start, q) for q in (plan, twin) if q is not None):
+                continue  # timed already (e.g. the family of a plan's twins)
             try:
                 t = timer(start, removed=None, family=kernel)
             except _Inapplicable:

@@ -370,3 +370,71 @@ def test_optimize_tries_the_plans_kernels_as_families_and_keeps_the_faster_one(m
     assert len(result.plan.fp8_sites()) == 4
     assert len({result.plan.config(s).fwd for s in result.plan.fp8_sites()}) == 1
     assert result.rounds == [{"baseline": 10.0, "plan": pytest.approx(8.8)}] * 2
+
+
+def test_plan_families_keep_a_slot_for_sharing_and_respect_allowed_kernels_and_budgets(make_report):
+    """A mix of four kernels fills at most three slots, the fourth goes to the fastest
+    tensorwise kernel in the budget; allowed_kernels limits both kinds; a kernel and its
+    fast-accumulation twin count once."""
+    shapes = {"fm0": (32, 64), "fm1": (32, 64), "top": (64, 32), "head": (32, 16)}
+    own = ["t-mid", "t-faster", "t-slow-exact", "t-fast-coarse"]
+    kernels = {k: (0.1, 1.2) for k in own}
+    kernels.update({"cublas-tensorwise": (0.1, 1.3), "cublas-tensorwise-fastacc": (0.1, 1.4),
+                    "cublas-rowwise": (0.1, 1.5)})
+    report = make_report({n: (k, o, 8, {"fwd": dict(kernels)}) for n, (k, o) in shapes.items()})
+    plan = Plan.uniform(Tower(), "t-mid")
+    for sp, k in zip(plan.sites.values(), own):
+        sp.roles[Role.FWD] = loka.dispatch.RoleChoice(k, budget=0.2)
+        for role in (Role.DGRAD, Role.WGRAD):
+            sp.roles[role] = loka.dispatch.RoleChoice(plan.baseline)
+    fams = loka.dispatch.plan_families(plan, report)
+    assert len(fams) == 4 and fams[-1] == "cublas-tensorwise-fastacc", fams
+    assert "cublas-tensorwise" not in fams  # its fast-accumulation twin stands for it
+    assert set(fams[:3]) <= set(own)
+    got = loka.dispatch.plan_families(plan, report, allowed_kernels=["t-mid", "t-faster",
+                                                                     "cublas-tensorwise"])
+    assert got == ["t-faster", "t-mid", "cublas-tensorwise"]
+    # over the budget at one site-role: not proposed
+    tight = make_report({n: (k, o, 8, {"fwd": dict(kernels, **(
+        {"cublas-tensorwise-fastacc": (0.3, 1.4), "cublas-tensorwise": (0.3, 1.3)}
+        if n == "top" else {}))}) for n, (k, o) in shapes.items()})
+    assert not any(k.startswith("cublas-tensorwise")
+                   for k in loka.dispatch.plan_families(plan, tight))
+
+
+def test_optimize_never_returns_a_kernel_outside_allowed_kernels(make_report):
+    import torch
+    shapes = {"fm0": (32, 64), "fm1": (32, 64), "top": (64, 32), "head": (32, 16)}
+    report = make_report({n: (k, o, 8, {"fwd": {"t-mid": (0.1, 1.2), "t-faster": (0.1, 1.5)}})
+                          for n, (k, o) in shapes.items()})
+
+    def time_step(m):  # t-faster would win anywhere
+        return 10.0 - sum(0.1 if mod.config.fwd == "t-mid" else 0.5 for mod in m.modules()
+                          if isinstance(mod, loka.Linear) and mod.config.fwd != "bf16")
+
+    result = loka.optimize(Tower(), [torch.randn(8, 32)], lambda m, b: m(b).pow(2).mean(),
+                           report=report, max_error=0.2, time_step=time_step, rounds=1,
+                           allowed_kernels=["t-mid"])
+    assert {result.plan.config(s).fwd for s in result.plan.fp8_sites()} == {"t-mid"}
+    assert not any("family" in e for e in result.trials)
+
+
+def test_a_family_that_equals_the_plan_or_its_twins_is_not_timed_again(make_report):
+    model = Tower()
+    shapes = {"fm0": (32, 64), "fm1": (32, 64), "top": (64, 32), "head": (32, 16)}
+    report = make_report({n: (k, o, 8, {"fwd": {"t-mid": (0.1, 1.2), "t-faster": (0.1, 1.5)}})
+                          for n, (k, o) in shapes.items()})
+    plan = loka.plan(report, max_error=0.2)  # all on t-faster (the faster)
+    plan = loka.dispatch.override(plan, assign={"fm0:fwd": "t-mid", "fm1:fwd": "t-mid",
+                                                "head:fwd": "t-mid"}, report=report)
+    assert {plan.config(s).fwd for s in plan.fp8_sites()} == {"t-mid", "t-faster"}
+    # the twins (t-mid -> t-faster) give the t-faster family's plan: timed once, as twins
+    _, log = loka.dispatch.tune_speed(plan, model, lambda m: 10.0, report=report,
+                                      twins={"t-mid": "t-faster"},
+                                      families=["t-faster", "t-mid"], max_trials=8)
+    assert [e.get("twins", False) for e in log[:3]] == [False, False, True]
+    assert [e["family"] for e in log if "family" in e] == ["t-mid"]
+    # max_trials stops the families too
+    _, log = loka.dispatch.tune_speed(plan, model, lambda m: 10.0, report=report,
+                                      families=["t-faster", "t-mid"], max_trials=3)
+    assert len(log) == 3 and [e["family"] for e in log if "family" in e] == ["t-faster"]
