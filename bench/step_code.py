@@ -6,7 +6,10 @@ is generated for a simulated H200 and nothing runs) or with one (the real compil
 
 Variants: ``bf16`` (no plan), the plan given with ``--plan``, and one variant per kernel
 of ``--families``: the plan's FP8 site-roles all moved to that kernel, so that the same
-sites and roles compare by how their operands are quantized.
+sites and roles compare by how their operands are quantized. A variant that fails is
+recorded with its error and the others go on. Without a GPU, serving plans whose weights
+a Triton kernel quantizes cannot be applied (the weight is quantized when the plan is
+applied, by a kernel that needs the GPU).
 
     python bench/step_code.py --model wukong --scale paper --batch-size 4096 \\
         --plan bench/results/2026-12-05-h200-evalset/wukong.b4096.plan.train.json \\
@@ -51,6 +54,12 @@ def measure(model_cls, scale: str, batch_size: int, plan, mode: str, on_cuda: bo
     model = model_cls(scale).to(torch.bfloat16)
     device = "cuda" if on_cuda else "cpu"
     model = model.to(device)
+    if plan is not None and mode == "serve" and not on_cuda:
+        triton = sorted({c.kernel for sp in plan.sites.values() for c in sp.roles.values()
+                         if c.kernel.startswith("triton-")})
+        if triton:
+            raise RuntimeError(f"serving plans quantize weights when applied; {', '.join(triton)} "
+                               "quantize with Triton, which needs the GPU")
     if plan is not None:
         # a CPU model takes CUDA kernels here: the code is generated for a CUDA device
         with mock.patch("loka.dispatch.swap._device_problem", lambda *a: None):
@@ -102,12 +111,19 @@ def main(argv=None) -> int:
     rows = {}
     for tag, p in variants:
         print(f"[step_code] {tag} ...", file=sys.stderr, flush=True)
-        rows[tag] = measure(es.EVAL_MODELS[args.model], args.scale, args.batch_size, p,
-                            args.mode, on_cuda, args.save_code, tag)
+        try:
+            rows[tag] = measure(es.EVAL_MODELS[args.model], args.scale, args.batch_size, p,
+                                args.mode, on_cuda, args.save_code, tag)
+        except Exception as e:  # noqa: BLE001 - one variant's failure keeps the others
+            rows[tag] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+            print(f"[step_code] {tag} failed: {rows[tag]['error']}", file=sys.stderr)
     base = rows["bf16"]
     print(f"| variant | launches | non-GEMM MB | vs bf16 | GEMM MB | FP8 GFLOP | bf16 GFLOP |")
     print("|---|---|---|---|---|---|---|")
     for tag, r in rows.items():
+        if "error" in r or "error" in base:
+            print(f"| {tag} | failed: {r.get('error', 'the bf16 row failed')} | | | | | |")
+            continue
         gemm_mb = sum(v for k, v in r["mbytes"].items() if k.startswith("gemm"))
         print(f"| {tag} | {r['total_launches']} | {r['non_gemm_mbytes']:.0f} | "
               f"{r['non_gemm_mbytes'] - base['non_gemm_mbytes']:+.0f} | {gemm_mb:.0f} | "

@@ -216,3 +216,13 @@ def test_rates_join_a_profile_with_the_codes_bytes_by_kernel_name():
     # a kernel timed at zero has no rate, and nothing is divided by zero
     assert rates({"triton_poi_fused_relu_0": 0.0}, launches)["kernels"][0][4] is None
     assert rates({}, launches) == {"kernels": [], "by_kind": {}, "unmatched_ms": 0.0}
+
+
+def test_the_bench_script_says_why_a_triton_serving_plan_needs_the_gpu():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import importlib
+    script = importlib.import_module("bench.step_code")
+    es = importlib.import_module("bench.evalset")
+    plan = Plan.uniform(es.EVAL_MODELS["wukong"]("tiny"), "triton-rowwise-cublas-fastacc")
+    with pytest.raises(RuntimeError, match="needs the GPU"):
+        script.measure(es.EVAL_MODELS["wukong"], "tiny", 64, plan, "serve", False, None, "x")
