@@ -223,6 +223,9 @@ def test_the_bench_script_says_why_a_triton_serving_plan_needs_the_gpu():
     import importlib
     script = importlib.import_module("bench.step_code")
     es = importlib.import_module("bench.evalset")
-    plan = Plan.uniform(es.EVAL_MODELS["wukong"]("tiny"), "triton-rowwise-cublas-fastacc")
+    root = Path(__file__).resolve().parents[1]
+    plan = Plan.load(root / "bench/results/2026-12-05-h200-evalset/wukong.b4096.plan.serve.json")
+    assert any(c.kernel.startswith("triton-") for sp in plan.sites.values()
+               for c in sp.roles.values())
     with pytest.raises(RuntimeError, match="needs the GPU"):
         script.measure(es.EVAL_MODELS["wukong"], "tiny", 64, plan, "serve", False, None, "x")
