@@ -129,13 +129,14 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
             (another library's quantizer) are allowed; without a report, twins must have
             the same numerics and carry the plan's errors over.
         families: kernels each tried as a whole-plan alternative start: the plan with every
-            FP8 role of every site on that one kernel (timed once each; it takes the
-            report's errors, and a kernel outside the budget anywhere is not tried; without
-            a report none is). A plan whose roles mix kernel libraries makes every operand's layouts
-            in passes of their own (a Triton-quantized forward beside a cuBLAS weight
-            gradient shares nothing), where one library's rowwise kernels make both layouts
-            of x, W and dy in one call each (``bench/step_code.py`` counts the bytes); the
-            per-GEMM timings behind the plan cannot see that, the step can.
+            FP8 role of every site on that one kernel (timed once each, unless it repeats
+            the plan or its twins; it takes the report's errors, and a kernel outside the
+            budget anywhere is not tried; without a report none is). A plan whose roles
+            mix kernel libraries makes every operand's layouts in passes of their own (a
+            Triton-quantized forward beside a cuBLAS weight gradient shares nothing); one
+            kernel for all lets operands be shared or made in one call
+            (``bench/step_code.py`` counts the bytes). The per-GEMM timings behind the plan
+            cannot see that; the step can.
         per_role: a group with several FP8 roles moves one role at a time to the baseline
             (each a trial of its own), so a paying forward is not lost with a losing
             gradient GEMM; off, the whole group moves at once. With ``inference`` the
