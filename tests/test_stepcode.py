@@ -2,6 +2,7 @@
 (loka.bench.stepcode), and the kernel inventory read from it: launches, bytes, FLOPs."""
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -229,3 +230,32 @@ def test_the_bench_script_says_why_a_triton_serving_plan_needs_the_gpu():
                for c in sp.roles.values())
     with pytest.raises(RuntimeError, match="needs the GPU"):
         script.measure(es.EVAL_MODELS["wukong"], "tiny", 64, plan, "serve", False, None, "x")
+
+
+@needs_triton
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="under the interpreter LoKA's Triton ops are opaque custom ops")
+@pytest.mark.parametrize("depth", [1, 2])
+def test_lokas_triton_kernels_launch_from_the_cuda_code_with_no_python_op(depth):
+    """Compiler-native on the GPU path too: a step planned on LoKA's Triton kernels calls
+    them from Inductor's CUDA code (no torch.ops.loka call), and its launches grow with
+    the sites by kernels, not by Python-level ops."""
+    from unittest import mock
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(128, 128, bias=False), nn.ReLU()]
+    model = nn.Sequential(*layers).to(torch.bfloat16)
+    # a GPU's plan on a CPU model (Plan.uniform drops kernels this machine cannot run)
+    plan = loka.dispatch.override(Plan.uniform(model, "cublas-rowwise"),
+                                  replace={"cublas-rowwise": "triton-rowwise-fastacc"})
+    with mock.patch("loka.dispatch.swap._device_problem", lambda *a: None):
+        loka.apply(model, plan)
+    codes = cuda_step_code(model, (torch.randn(256, 128, dtype=torch.bfloat16),))
+    code = "\n".join(codes)
+    assert "torch.ops.loka" not in code
+    launches = _launches(codes)
+    gemms = [l for l in launches if l.name == "rowwise_gemm_kernel"]
+    assert len(gemms) == 3 * depth - 1  # every role but the first layer's input gradient
+    assert all(l.kind == "gemm_fp8" for l in gemms)
+    assert any(l.kind == "quantize" for l in launches)
