@@ -78,10 +78,10 @@ from ..dispatch import optimize as optimize_plan
 from ..dispatch import plan as make_plan
 from ..dispatch import predict_step
 from ..jsonio import atomic_write_text, json_safe
-from . import stepcode
 from ..probe import ProbeReport
 from ..probe import probe as probe_model
 from ..timing import synchronize
+from . import stepcode
 from .profiling import QUANTIZE_KERNELS
 
 try:  # torchao is optional: its rows are skipped, with this reason, where it is missing

@@ -45,6 +45,8 @@ from unittest import mock
 import torch
 from torch import nn
 
+from .profiling import QUANTIZE_KERNELS
+
 __all__ = ["Launch", "H200", "inventory", "summarize", "rates", "output_code",
            "cuda_step_code", "fake_cuda"]
 
@@ -64,9 +66,6 @@ _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8
                 "int16": 2, "int8": 1, "uint64": 8, "uint32": 4, "uint16": 2, "uint8": 1,
                 "bool": 1}
 _GEMMS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm"}
-_QUANTIZE_PREFIXES = ("rowwise_quant_kernel", "rowwise_dual_kernel", "rowwise_amax_split_kernel",
-                      "rowwise_cast_split_kernel", "tensor_amax_kernel", "tensor_cast_kernel",
-                      "block_quant_kernel", "norm_act_quant_kernel")
 _TUPLE = r"\(([^()]*)\)"
 
 
@@ -233,7 +232,7 @@ def inventory(code: str) -> List[Launch]:
                 kind = "inductor"
             elif name.startswith("triton_tem"):  # Inductor's GEMM templates (max-autotune)
                 kind = "gemm_fp8" if "scaled_mm" in name else "gemm_bf16"
-            elif name.startswith(_QUANTIZE_PREFIXES):
+            elif name.startswith(QUANTIZE_KERNELS):
                 kind = "quantize"
             elif "gemm" in name:
                 kind = "gemm_fp8"
@@ -458,19 +457,8 @@ def _lower_for_cuda(gm: torch.fx.GraphModule, example_inputs, kwargs: dict, prop
         inputs = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
                   if isinstance(t, torch.Tensor) else t for t in example_inputs]
 
-    class Propagate(FakeTensorProp):
-        def run_node(self, n):
-            if "inductor_force_stride_order" in str(n.target):
-                src = self.env[n.args[0]]
-                with mode:
-                    val = torch.empty_strided(src.shape, n.args[1], dtype=src.dtype,
-                                              device=src.device)
-                n.meta["val"] = val
-                return val
-            return super().run_node(n)
-
-    with fake_cuda(props) as got:
-        Propagate(gm, mode=mode).propagate_dont_convert_inputs(*inputs)
+    with fake_cuda(props) as got:  # (its prims patch keeps the propagation on the host)
+        FakeTensorProp(gm, mode=mode).propagate_dont_convert_inputs(*inputs)
         kwargs = dict(kwargs, cudagraphs=None)
         with inductor_config.patch(fx_graph_cache=False):
             compile_fx_inner(gm, inputs, **kwargs)
