@@ -56,7 +56,7 @@ for s in "$@"; do
     distributed) stage distributed "${DIST_LIMIT:-300}" torchrun --nproc_per_node "${DIST_GPUS:-1}" \
         bench/distributed/run.py --preset paper --mods paper --out "$OUT/distributed.json" ${DIST_ARGS:-} ;;
     stepcode) stage stepcode "${STEPCODE_LIMIT:-240}" python3 bench/step_code.py --out "$OUT/step_code.json" \
-        ${STEPCODE_ARGS:---model wukong --scale paper --batch-size 4096 --plan bench/results/2026-12-05-h200-evalset/wukong.b4096.plan.train.json --families cublas-rowwise-fastacc,cublas-tensorwise-fastacc,triton-rowwise-cublas-fastacc} ;;
+        ${STEPCODE_ARGS:---model wukong --scale paper --batch-size 4096 --plan bench/results/2026-12-05-h200-evalset/wukong.b4096.plan.train.json --families cublas-rowwise-fastacc,cublas-tensorwise-fastacc,triton-rowwise-cublas-fastacc --delayed} ;;
     *) echo "unknown stage $s" | tee -a "$LOG" ;;
   esac
 done

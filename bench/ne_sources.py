@@ -7,7 +7,8 @@ paired check does?
 FP8 configuration, every arm paired with the same baseline (``loka.quality.PairedArms``:
 same weights, batches, RNG, evaluation examples). The arms split the NE by its sources:
 forward only, input gradient (dgrad) only, weight gradient (wgrad) only; e4m3 against e5m2
-for the gradients; rowwise against tensorwise against blockwise scaling; every Linear
+for the gradients; rowwise against tensorwise against blockwise scaling; dynamic against
+delayed tensorwise scales (``Plan.delayed_scaling``); every Linear
 against all but the last Linear (and all but the last block). Each arm gives the paired
 relative NE change (mean over seeds, its interval over examples and over seeds) and its
 second-order NE cost (``loka.quality.second_order_cost``), the lower-noise view. Fast
@@ -71,7 +72,11 @@ ARMS = {  # name -> (fwd, dgrad, wgrad) on every Linear that fits
     "tensorwise e4m3, every role": (TW, TW, TW),
     "tensorwise, e5m2 gradients": (TW, TW5, TW5),
     "blockwise e4m3, every role": (BW, BW, BW),
+    "tensorwise e4m3, every role, delayed": (TW, TW, TW),
+    "tensorwise, e5m2 gradients, delayed": (TW, TW5, TW5),
 }
+DELAYED_DECAY = 0.9
+"""the decay of the delayed arms (loka.numerics.delayed.DEFAULT_DECAY)"""
 EXCEPT = {  # name -> which Linears stay on the baseline, with rowwise e4m3 elsewhere
     "rowwise e4m3, all but the last Linear": "last",
     "rowwise e4m3, all but the last block": "block",
@@ -114,7 +119,7 @@ def terms(name, preset, args, device):
     return build, train_data, eval_data
 
 
-def source_plans(model, device) -> tuple:
+def source_plans(model, device, only=()) -> tuple:
     """``({arm: plan}, {what could not be measured: why})`` of the sources study."""
     names = linears(model)
     last = names[-1]
@@ -128,13 +133,18 @@ def source_plans(model, device) -> tuple:
             "--device cuda for the *-fastacc arms")
     plans = {arm: Plan.uniform(model, LinearConfig(*cfg), device=device)
              for arm, cfg in todo.items()}
+    for arm, p in plans.items():
+        if arm.endswith(", delayed"):
+            p.delayed_scaling = DELAYED_DECAY
     for arm, which in EXCEPT.items():
         keep = (lambda s: s != last) if which == "last" else (lambda s: not s.startswith(block))
         p = Plan.uniform(model, LinearConfig(RW, RW, RW), device=device)
         plans[arm] = without(p, [(s, r) for s, r in fp8_site_roles(p) if not keep(s)],
                              f"{arm}: on the baseline")
     for arm in list(plans):
-        if not fp8_site_roles(plans[arm]):
+        if only and arm not in only:
+            del plans[arm]
+        elif not fp8_site_roles(plans[arm]):
             missing[arm] = "no Linear of this model fits the kernel's alignment"
             del plans[arm]
     return plans, missing
@@ -145,7 +155,7 @@ def low_noise(name, preset, args, device, out) -> None:
     after ``--cost-steps`` steps (the NE budget's cost), and the serving change: each seed's
     trained baseline served with the arm's forward kernels (``steps=0`` from its weights)."""
     build, train_data, eval_data = terms(name, preset, args, device)
-    plans, _ = source_plans(build(0), device)
+    plans, _ = source_plans(build(0), device, args.arms)
     short = PairedArms(build, train_data, eval_data, steps=args.cost_steps, seeds=args.seeds,
                        lr=args.lr, device=device)
     full = PairedArms(build, train_data, eval_data, steps=args.steps, seeds=args.seeds,
@@ -176,7 +186,7 @@ def sources(name, preset, args, device) -> dict:
     arms = PairedArms(build, train_data, eval_data, steps=args.steps, seeds=args.seeds,
                       lr=args.lr, device=device)
     names = linears(model)
-    plans, missing = source_plans(model, device)
+    plans, missing = source_plans(model, device, args.arms)
     out = {"linears": names, "arms": {}, "not_measured": missing,
            "site_roles_total": 3 * len(names)}
     for arm, p in plans.items():
@@ -304,8 +314,15 @@ def main(argv=None) -> int:
     p.add_argument("--plan-kernel", default=RW,
                    help="--mode budget: the FP8 kernel the Probe measures and the plan uses "
                         "(cublas-rowwise on a GPU)")
+    p.add_argument("--arm", action="append", default=[], dest="arms",
+                   help="--mode sources: only this arm (repeatable; default all)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    known = set(ARMS) | set(EXCEPT) | set(GPU_ARMS)
+    args.arms = tuple(args.arms)
+    unknown = [a for a in args.arms if a not in known]
+    if unknown:
+        p.error(f"--arm: unknown arm(s) {unknown}; choose from {sorted(known)}")
     args.seeds = tuple(int(s) for s in args.seeds.split(","))
     args.cost_seeds = tuple(int(s) for s in args.cost_seeds.split(","))
     device = torch.device(args.device)

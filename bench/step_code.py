@@ -6,7 +6,11 @@ is generated for a simulated H200 and nothing runs) or with one (the real compil
 
 Variants: ``bf16`` (no plan), the plan given with ``--plan``, and one variant per kernel
 of ``--families``: the plan's FP8 site-roles all moved to that kernel, so that the same
-sites and roles compare by how their operands are quantized. A variant that fails is
+sites and roles compare by how their operands are quantized. ``--delayed`` adds, for the
+plan and each family, a twin with delayed tensorwise scaling (``loka.apply(...,
+delayed_scaling=True)``; only roles that scale tensorwise change). ``--inductor-config
+KEY=VALUE`` (repeatable) sets ``torch._inductor.config`` options for every variant (how
+Inductor's own choices move the bytes, bf16's included). A variant that fails is
 recorded with its error and the others go on. Without a GPU, serving plans whose weights
 a Triton kernel quantizes cannot be applied (the weight is quantized when the plan is
 applied, by a kernel that needs the GPU).
@@ -29,9 +33,10 @@ from unittest import mock
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from torch._inductor import config as inductor_config  # noqa: E402
 
 import loka  # noqa: E402
-from loka.bench.stepcode import cuda_step_code, inventory, summarize  # noqa: E402
+from loka.bench.stepcode import cuda_step_code, inductor_options, inventory, summarize  # noqa: E402
 from loka.dispatch import Plan, RoleChoice  # noqa: E402
 from loka.jsonio import atomic_write_text  # noqa: E402
 import json  # noqa: E402
@@ -48,7 +53,7 @@ def variant_plan(plan: Plan, kernel: str) -> Plan:
 
 
 def measure(model_cls, scale: str, batch_size: int, plan, mode: str, on_cuda: bool,
-            save_dir: str | None, tag: str) -> dict:
+            save_dir: str | None, tag: str, delayed: bool = False) -> dict:
     import bench.evalset as es
     torch.manual_seed(0)
     model = model_cls(scale).to(torch.bfloat16)
@@ -63,10 +68,16 @@ def measure(model_cls, scale: str, batch_size: int, plan, mode: str, on_cuda: bo
     if plan is not None:
         # a CPU model takes CUDA kernels here: the code is generated for a CUDA device
         with mock.patch("loka.dispatch.swap._device_problem", lambda *a: None):
-            loka.apply(model, plan, inference=(mode == "serve"))
+            loka.apply(model, plan, inference=(mode == "serve"), delayed_scaling=delayed)
     if mode == "serve":
         model.eval()
     inputs, labels = model.make_batch(batch_size, device=device, dtype=torch.bfloat16, seed=0)
+    if delayed and mode == "train":
+        # the first training call seeds the estimates (dynamic scaling); the step measured
+        # is the one after it, with the estimates' scales
+        for mod in model.modules():
+            if getattr(mod, "delayed_decay", None) is not None:
+                mod.seed_delayed(1.0, 1.0, 1.0)
     t0 = time.perf_counter()
     codes = cuda_step_code(model, (inputs, labels) if mode == "train" else inputs,
                            es.loss_fn if mode == "train" else None, train=(mode == "train"))
@@ -89,6 +100,11 @@ def main(argv=None) -> int:
     ap.add_argument("--plan", help="plan JSON (its FP8 sites and roles); none: bf16 only")
     ap.add_argument("--families", default="",
                     help="comma-separated kernels: one variant each, the plan's FP8 roles on it")
+    ap.add_argument("--delayed", action="store_true",
+                    help="add a delayed-scaling twin of the plan and of each family")
+    ap.add_argument("--inductor-config", action="append", default=[], metavar="KEY=VALUE",
+                    help="a torch._inductor.config option for every variant (repeatable; "
+                         "VALUE is read as JSON, e.g. realize_reads_threshold=3)")
     ap.add_argument("--save-code", help="directory for the generated code of every variant")
     ap.add_argument("--out", help="JSON file for the results")
     args = ap.parse_args(argv)
@@ -98,22 +114,32 @@ def main(argv=None) -> int:
     if args.batch_size < 1:
         ap.error("--batch-size must be positive")
     families = [k for k in args.families.split(",") if k]
+    try:
+        inductor = inductor_options(args.inductor_config)
+    except ValueError as e:
+        ap.error(f"--inductor-config {e}")
     if families and not args.plan:
         ap.error("--families needs --plan (its FP8 site-roles)")
     plan = Plan.load(args.plan) if args.plan else None
     for k in families:
         loka.kernels.registry.get(k)  # an unknown kernel fails here, in one line
-    variants = [("bf16", None)]
+    if args.delayed and args.mode != "train":
+        ap.error("--delayed is for training (serving takes static scales)")
+    variants = [("bf16", None, False)]
     if plan is not None:
-        variants.append(("plan", plan))
-        variants += [(k, variant_plan(plan, k)) for k in families]
+        planned = [("plan", plan)] + [(k, variant_plan(plan, k)) for k in families]
+        for tag, p in planned:
+            variants.append((tag, p, False))
+            if args.delayed:
+                variants.append((tag + "+delayed", p, True))
     on_cuda = torch.cuda.is_available()
     rows = {}
-    for tag, p in variants:
+    for tag, p, delayed in variants:
         print(f"[step_code] {tag} ...", file=sys.stderr, flush=True)
         try:
-            rows[tag] = measure(es.EVAL_MODELS[args.model], args.scale, args.batch_size, p,
-                                args.mode, on_cuda, args.save_code, tag)
+            with inductor_config.patch(inductor):
+                rows[tag] = measure(es.EVAL_MODELS[args.model], args.scale, args.batch_size,
+                                    p, args.mode, on_cuda, args.save_code, tag, delayed)
         except Exception as e:  # noqa: BLE001 - one variant's failure keeps the others
             rows[tag] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
             print(f"[step_code] {tag} failed: {rows[tag]['error']}", file=sys.stderr)
@@ -133,7 +159,7 @@ def main(argv=None) -> int:
                 "generated_for": "cuda" if on_cuda else "simulated H200 (no GPU)",
                 "argv": sys.argv[1:] if argv is None else list(argv), "model": args.model,
                 "scale": args.scale, "batch_size": args.batch_size, "mode": args.mode,
-                "plan": args.plan, "variants": rows}
+                "plan": args.plan, "inductor_config": inductor, "variants": rows}
         atomic_write_text(args.out, json.dumps(meta, indent=1) + "\n")
     return 0
 

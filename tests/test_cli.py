@@ -45,7 +45,7 @@ SURFACE = {
                           "--kernels", "--max-error", "--max-trials", "--min-speedup", "--mods", "--tables",
                           "--no-compile", "--num-samples", "--out", "--preset", "--report",
                           "--rounds", "--seed", "--skip-bad-lines", "--steps", "-o", "<model>"],
-    "plan": COMMON + ["--assign", "--assume-fast", "--kernels", "--max-error", "--metric",
+    "plan": COMMON + ["--assign", "--assume-fast", "--delayed-scaling", "--kernels", "--max-error", "--metric",
                       "--min-speedup", "--out", "--replace", "--role-budget", "--site-budget", "-o", "<report>"],
     "probe": COMMON + ["--autotune-from", "--batch-size", "--bootstrap", "--checkpoint", "--cold-cache", "--data", "--every-n-steps",
                        "--kernels", "--lr", "--max-error", "--min-speedup", "--mods", "--tables",
@@ -113,7 +113,7 @@ DEFAULTS = {
                  "min_speedup": 1.05, "model": "MODEL", "mods": "none", "tables": "torch", "no_compile": False,
                  "num_samples": 16, "out": "plan.json", "preset": "tiny", "report": None,
                  "rounds": 3, "seed": 0, "skip_bad_lines": False, "steps": 8},
-    "plan": {"assign": [], "assume_fast": False, "kernels": None, "max_error": 0.2,
+    "plan": {"assign": [], "assume_fast": False, "delayed_scaling": None, "kernels": None, "max_error": 0.2,
              "metric": "mere", "min_speedup": 1.05, "out": "plan.json", "replace": [],
              "report": "REPORT", "role_budget": None, "site_budget": None},
     "probe": {"batch_size": None, "bootstrap": 1000, "checkpoint": None, "data": "synthetic",
@@ -257,6 +257,10 @@ def _expect_error(code, err, want_code, *needles):
      ["loka plan: argument --max-error: expected a finite number >= 0", "loka plan --help"]),
     (["plan", "{d}/empty-report.json", "--min-speedup", "0"], 2, ["use --assume-fast"]),
     (["plan", "{d}/empty-report.json", "--metric", "vibes"], 2, ["invalid choice: 'vibes'"]),
+    (["plan", "{d}/empty-report.json", "--delayed-scaling", "1.5"], 2,
+     ["--delayed-scaling: expected a decay in (0, 1], got 1.5"]),
+    (["plan", "{d}/empty-report.json", "--delayed-scaling", "soon"], 2,
+     ["--delayed-scaling: expected a number, got 'soon'"]),
     (["bench", "--device", "cpu", "--batch-sizes", "64,big"], 2, ["--batch-sizes takes integers"]),
     (["bench", "--device", "cpu", "--batch-sizes", "0"], 2, ["batch sizes must be positive"]),
     (["bench", "--device", "cpu", "--eval-set", "{d}/nowhere"], 2, ["not an evaluation set"]),
@@ -406,6 +410,19 @@ def test_probe_and_plan_files(workflow):
     assert plan.budget["role_budgets"] == {"wgrad": 0.5} and plan.budget["assume_fast"] is True
     kernels = {sp.kernel(r) for sp in plan.sites.values() for r in ("fwd", "dgrad", "wgrad")}
     assert "emulated-rowwise-e4m3" in kernels  # FP8 where the budget allows, on error only
+
+
+def test_plan_with_delayed_scaling_writes_it_and_says_so(workflow, tmp_path, capsys):
+    out = tmp_path / "delayed.json"
+    code = cli.main(["plan", str(workflow / "report.json"), "-o", str(out), "--assume-fast",
+                     "--kernels", "emulated-rowwise-e4m3", "--delayed-scaling"])
+    assert code == 0
+    assert "delayed tensorwise scaling, decay 0.9" in capsys.readouterr().out
+    assert Plan.load(out).delayed_scaling == 0.9
+    code = cli.main(["plan", str(workflow / "report.json"), "-o", str(out), "--assume-fast",
+                     "--kernels", "emulated-rowwise-e4m3", "--delayed-scaling", "0.5"])
+    assert code == 0 and Plan.load(out).delayed_scaling == 0.5
+    assert Plan.load(workflow / "plan.json").delayed_scaling is None
 
 
 def test_a_reference_model_with_torchrec_tables_is_probed_and_its_plan_applies(workflow,

@@ -246,7 +246,7 @@ def test_eval_set_script_runs_on_the_cpu(tmp_path):
     assert env["timings_meaningful"] is False and "GPU" in env["note"]
     rows = {r["variant"]: r for r in doc["rows"]}
     assert list(rows) == ["bf16", "torchao-tensorwise", "torchao-rowwise",
-                          "torchao-rowwise_with_gw_hp", "loka", "loka-optimize"]
+                          "torchao-rowwise_with_gw_hp", "loka", "loka-optimize", "loka-delayed"]
     for r in doc["rows"]:
         assert ROW_FIELDS <= set(r), ROW_FIELDS - set(r)
         assert (r["model"], r["batch_size"], r["mode"], r["graphs"]) == ("wukong", 64, "train", False)
@@ -285,6 +285,12 @@ def test_eval_set_script_runs_on_the_cpu(tmp_path):
     assert opt["plan"] == lk["plan"] and opt["untuned_fp8_sites"] == lk["fp8_sites"]
     assert any("not timed" in n for n in opt["notes"])
     assert summary["loka_optimize"]["step_ms"] == opt["step_ms"]
+    # the same report planned on its tensorwise kernels, trained with delayed scales
+    dl = rows["loka-delayed"]
+    assert dl["status"] == "ok", dl["reason"]
+    assert dl["delayed_scaling"] == 0.9 and 0 < dl["fp8_sites"] == len(dl["plan"])
+    assert any("delayed scaling (decay 0.9)" in n for n in dl["apply_notes"])
+    assert 0 < dl["output_rel_err_vs_bf16"] < 0.15
 
 
 @pytest.mark.parametrize("kernel, cls", [
@@ -403,7 +409,8 @@ def test_loka_bench_runs_a_users_eval_set_by_path(tmp_path, capsys):
     out = tmp_path / "run.json"
     code = cli_main(["bench", "--eval-set", str(path), "--device", "cpu", "--batch-sizes", "64",
                      "--steps", "1", "--warmup", "1", "--out", str(out), "--eval-args",
-                     "--modes serve --variants bf16,loka --backend aot_eager --no-save-plans"])
+                     "--modes serve --variants bf16,loka --backend aot_eager --no-save-plans "
+                     "--inductor-config realize_reads_threshold=3"])
     assert code == 0
     doc = json.loads(out.read_text())
     rows = {r["variant"]: r for r in doc["rows"]}
@@ -411,7 +418,20 @@ def test_loka_bench_runs_a_users_eval_set_by_path(tmp_path, capsys):
     assert rows["bf16"]["linears"] == 2 and rows["bf16"]["fp8_sites"] == 0
     assert rows["loka"]["fp8_sites"] >= 1 and 0 < rows["loka"]["output_rel_err_vs_bf16"] < 0.2
     assert doc["env"]["eval_set"] == str(path)
+    assert doc["env"]["inductor_config"] == {"realize_reads_threshold": 3}
     assert "wrote " + str(out) in capsys.readouterr().out
+    from torch._inductor import config as inductor_config
+    assert inductor_config.realize_reads_threshold == 4  # patched for the run only
+
+
+def test_a_bad_inductor_option_is_refused_in_one_line(tmp_path, capsys):
+    from loka.bench.evalset import parse_args
+
+    for item, needle in (("nope=1", "KEY an option"), ("realize_reads_threshold=x", "JSON")):
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--inductor-config", item, "--out", str(tmp_path / "x.json")],
+                       BENCH / "evalset")
+        assert e.value.code == 2 and needle in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("body, message", [

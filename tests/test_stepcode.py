@@ -169,7 +169,12 @@ def test_the_bench_script_refuses_bad_arguments_in_one_line(capsys):
     script = importlib.import_module("bench.step_code")
     for argv, needle in ((["--model", "nope"], "unknown model"),
                          (["--batch-size", "0"], "--batch-size"),
-                         (["--families", "cublas-rowwise"], "needs --plan")):
+                         (["--families", "cublas-rowwise"], "needs --plan"),
+                         (["--delayed", "--mode", "serve"], "--delayed is for training"),
+                         (["--inductor-config", "nope=1"], "KEY an option"),
+                         (["--inductor-config", "realize_reads_threshold"], "KEY=VALUE"),
+                         (["--inductor-config", "realize_reads_threshold=three"],
+                          "VALUE must be JSON")):
         with pytest.raises(SystemExit) as e:
             script.main(argv)
         assert e.value.code == 2

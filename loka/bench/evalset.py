@@ -23,7 +23,11 @@ only in what its Linears run:
 - ``loka``: ``loka.probe(model, batches, loss_fn)`` -> ``loka.plan(report)`` (serving:
   ``loka.plan(report, inference=True)``) -> ``loka.apply(model, plan)`` (serving:
   ``inference=True``), then the same compile. The Probe runs once per model and batch size
-  and both plans come from its report.
+  and both plans come from its report;
+- ``loka-delayed`` (training): ``loka.plan(report, allowed_kernels=<the tensorwise kernels
+  the report measured>)`` with ``plan.delayed_scaling`` set (``loka plan --kernels ...
+  --delayed-scaling``): the same report, every FP8 role on a tensorwise kernel whose casts
+  use scales from earlier steps.
 
 Each row: median step time (a full training step: forward, BCE loss, backward, fused
 AdamW; or a serving forward), GPU time per step and its split by kernel class
@@ -66,6 +70,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 from torch.autograd import DeviceType
+from torch._inductor import config as inductor_config
 from torch.profiler import ProfilerActivity, profile
 
 import importlib.metadata
@@ -77,7 +82,10 @@ from ..dispatch import apply as apply_plan
 from ..dispatch import optimize as optimize_plan
 from ..dispatch import plan as make_plan
 from ..dispatch import predict_step
+from ..dispatch.linear import delayable
 from ..jsonio import atomic_write_text, json_safe
+from ..kernels import registry
+from ..numerics.delayed import DEFAULT_DECAY
 from ..probe import ProbeReport
 from ..probe import probe as probe_model
 from ..timing import synchronize
@@ -105,7 +113,7 @@ TORCHAO_TRAIN_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 TORCHAO_SERVE_RECIPES = ("tensorwise", "rowwise")
 VARIANTS = {
     "train": ("bf16",) + tuple(f"torchao-{r}" for r in TORCHAO_TRAIN_RECIPES)
-    + ("loka", "loka-optimize"),
+    + ("loka", "loka-optimize", "loka-delayed"),
     "serve": ("bf16",) + tuple(f"torchao-{r}" for r in TORCHAO_SERVE_RECIPES)
     + ("loka", "loka-optimize"),
 }
@@ -316,6 +324,19 @@ def probe_case(case: Case, args, device, out_stem: Optional[str]) -> dict:
             {m: len(fp8_sites(p)) for m, p in case.plans.items()}}
 
 
+def delayed_plan(report: ProbeReport, **plan_kwargs):
+    """The ``loka-delayed`` row's plan: ``loka.plan`` on the report's tensorwise kernels that
+    delayed scaling serves (PyTorch quantizers), with ``delayed_scaling`` at its default."""
+    known = {k.name: k for k in registry.all_kernels()}
+    allowed = [k for k in report.kernel_names() if k in known and delayable(known[k])]
+    if not allowed:
+        raise Skip("the report measured no tensorwise kernel that delayed scaling serves")
+    plan = make_plan(report, allowed_kernels=allowed,
+                     **{k: v for k, v in plan_kwargs.items() if k != "allowed_kernels"})
+    plan.delayed_scaling = DEFAULT_DECAY
+    return plan
+
+
 def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch.device,
             graphs: bool = False, args=None) -> Tuple[int, List[str], dict]:
     """Turn the bf16 model into ``variant`` in place: (FP8 sites, notes, extra row fields)."""
@@ -335,6 +356,16 @@ def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch
         extra = {"probe_wall_s": case.probe_s, "plan": chosen, "_plan": plan,
                  "apply_notes": list(getattr(applied, "notes", []) or []),
                  "probe_files": case.probe_files}
+        return len(chosen), [], extra
+    if variant == "loka-delayed":
+        if case.report is None:
+            raise Skip(f"no report: the Probe failed ({case.probe_error})" if case.probe_error
+                       else "no report: the time budget was spent before the Probe")
+        plan = delayed_plan(case.report, **(getattr(args, "plan_kwargs", None) or {}))
+        applied = apply_plan(model, plan)
+        chosen = fp8_sites(plan)
+        extra = {"plan": chosen, "_plan": plan, "delayed_scaling": plan.delayed_scaling,
+                 "apply_notes": list(getattr(applied, "notes", []) or [])}
         return len(chosen), [], extra
     if variant == "loka-optimize":
         if case.report is None:
@@ -596,6 +627,7 @@ def environment(device: torch.device, args) -> dict:
            "note": None if cuda else ("CPU run: it checks the pipeline end to end; its timings say "
                                       "nothing about FP8 on a GPU, and no GPU profile is taken"),
            "dtype": str(args.dtype).replace("torch.", ""), "backend": args.backend,
+           "inductor_config": dict(getattr(args, "inductor_config", None) or {}),
            "probe_config": dataclasses.asdict(args.probe_config), "probe_batches": args.probe_batches,
            "plan_kwargs": args.plan_kwargs, "optimizer": "AdamW(lr=1e-4, fused on CUDA)",
            "kernel_classes": list(KERNEL_CLASSES),
@@ -693,6 +725,9 @@ def parse_args(argv, eval_set: "str | os.PathLike | types.ModuleType"):
     ap.add_argument("--profile-steps", type=int, default=3, help="steps under torch.profiler (CUDA)")
     ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph rows")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend of every row")
+    ap.add_argument("--inductor-config", action="append", default=[], metavar="KEY=VALUE",
+                    help="a torch._inductor.config option for every row (repeatable; VALUE is "
+                         "JSON, e.g. realize_reads_threshold=3)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
                     help="default: bfloat16 on CUDA, float32 on the CPU")
@@ -713,6 +748,10 @@ def parse_args(argv, eval_set: "str | os.PathLike | types.ModuleType"):
                     help="do not write the Probe's report and plans beside --out")
     ap.add_argument("--out", required=True, help="JSON file, rewritten after every row")
     args = ap.parse_args(argv)
+    try:
+        args.inductor_config = stepcode.inductor_options(args.inductor_config)
+    except ValueError as e:
+        ap.error(f"--inductor-config {e}")
     device = torch.device(args.device)
     args.models = [m for m in args.models.split(",") if m]
     args.eval_set = es
@@ -733,7 +772,8 @@ def parse_args(argv, eval_set: "str | os.PathLike | types.ModuleType"):
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     cpu = device.type != "cuda"
     probe_fields = (json.loads(args.probe_config) if args.probe_config else
-                    {"kernels": ["bf16", "emulated-rowwise-e4m3"], "num_samples": 4,
+                    {"kernels": ["bf16", "emulated-rowwise-e4m3", "emulated-tensorwise-e4m3"],
+                     "num_samples": 4,
                      "timing": False, "compare_naive": False, "bootstrap": 100} if cpu else {})
     if "kernels" in probe_fields and probe_fields["kernels"] is not None:
         probe_fields["kernels"] = tuple(probe_fields["kernels"])
@@ -747,6 +787,11 @@ def main(argv, eval_set: "str | os.PathLike | types.ModuleType") -> int:
     """Run the evaluation set at ``eval_set`` with the options in ``argv`` (see
     :func:`parse_args`); returns the exit status."""
     args, device = parse_args(argv, eval_set)
+    with inductor_config.patch(args.inductor_config):
+        return _run(args, device)
+
+
+def _run(args, device) -> int:
     start = time.perf_counter()
     env = environment(device, args)
     out_stem = None if args.no_save_plans else os.path.splitext(args.out)[0]

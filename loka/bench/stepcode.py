@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import json
 import re
 import types
 from collections import Counter
@@ -260,6 +261,24 @@ def inventory(code: str) -> List[Launch]:
                                    written, _gemm_flops(op, shapes),
                                    tuple(tuple(x) for x in shapes if x is not None)))
     return launches
+
+
+def inductor_options(items: Sequence[str]) -> Dict[str, object]:
+    """``["KEY=VALUE", ...]`` -> ``{KEY: value}`` for ``torch._inductor.config.patch``:
+    each KEY an option of ``torch._inductor.config``, each VALUE JSON (``3``, ``true``);
+    ValueError naming the item otherwise."""
+    from torch._inductor import config as inductor_config
+    out: Dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not hasattr(inductor_config, key):
+            raise ValueError(f"{item!r}: expected KEY=VALUE with KEY an option of "
+                             "torch._inductor.config")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            raise ValueError(f"{item!r}: VALUE must be JSON (a number, true, ...)") from None
+    return out
 
 
 def summarize(launches: Sequence[Launch]) -> dict:

@@ -160,6 +160,17 @@ def speedup(text: str) -> float:
     return value
 
 
+def decay(text: str) -> float:
+    """An argparse ``type``: a delayed-scaling decay, a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a decay in (0, 1], got {text}")
+    return value
+
+
 def unknown_kernels(names: Sequence[str]) -> List[str]:
     """The names in ``names`` no registered kernel has, in order."""
     known = {k.name for k in registry.all_kernels()}

@@ -517,6 +517,7 @@ def cmd_plan(args) -> int:
             plan = override(plan, replace=replace, assign=assign, report=report)
         except ValueError as e:
             raise usage(str(e)) from None
+    plan.delayed_scaling = args.delayed_scaling
     plan.save(args.out)
     print(plan.summary())
     print(f"wrote {args.out}; check it against the model: loka apply --check {args.out} "

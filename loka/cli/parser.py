@@ -12,7 +12,8 @@ from importlib import metadata
 
 from .. import bench
 from ..demo import DemoConfig
-from .args import EXIT_USAGE, budget, positive, speedup
+from ..numerics.delayed import DEFAULT_DECAY
+from .args import EXIT_USAGE, budget, decay, positive, speedup
 
 __all__ = ["PROG", "EPILOGS", "build_parser", "version"]
 
@@ -350,6 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--assign", action="append", metavar="SITE_GLOB:ROLE=KERNEL", default=[],
                    help="then put these roles on KERNEL (ROLE fwd, dgrad, wgrad or *; "
                         "repeatable; the budget is checked as for --replace)")
+    p.add_argument("--delayed-scaling", nargs="?", type=decay, const=DEFAULT_DECAY,
+                   default=None, metavar="DECAY",
+                   help="train with delayed tensorwise scales (operands every FP8 role of "
+                        f"which scales tensorwise; decay in (0, 1], default {DEFAULT_DECAY})")
 
     p = add("optimize", "probe, plan and keep only what makes the whole step faster")
     _model_args(p, positional=True)

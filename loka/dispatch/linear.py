@@ -33,6 +33,14 @@ fullgraph=True)`` traces it and a training step can be captured in a CUDA graph.
 Traceable kernels run inline (Inductor fuses their quantization into the producer);
 opaque ones (see :mod:`loka.kernels.ops`) run as the custom op ``loka::gemm``.
 
+Delayed scaling (:meth:`Linear.set_delayed_scaling`, training): x, W and dy, where every
+FP8 role that reads the operand quantizes it tensorwise with PyTorch ops, are cast with a
+scale estimated at earlier steps (:mod:`loka.numerics.delayed`), so no amax pass has to
+finish before the cast: under ``torch.compile`` the cast fuses into the kernel that made
+the tensor and the next estimate comes from the FP8 result in that same kernel. The first
+training call quantizes dynamically and seeds the estimates; each estimate is a float32
+buffer that ``state_dict`` does not save.
+
 Inference: :meth:`Linear.quantize_weight` stores Wᵀ in FP8 once; :meth:`drop_weight`
 then frees the high-precision weight (the state_dict then holds ``weight_fp8`` and
 ``weight_scale`` in place of ``weight``); :meth:`set_input_amax` switches the forward's
@@ -56,6 +64,7 @@ from ..kernels import ops, registry
 from ..kernels.registry import Kernel, Scaling
 from ..numerics import (AMAX_EPS, Granularity, QTensor, get_format, operand_block, quantize,
                         round_scale_to_power_of_two)
+from ..numerics.delayed import DEFAULT_DECAY, next_amax, quantize_delayed, seed_amax
 
 
 
@@ -113,6 +122,41 @@ def _dual(first: Kernel, f_operand: int, second: Kernel, s_operand: int, rows: i
     return first.quantize_dual
 
 
+def delayable(kernel: Kernel) -> bool:
+    """An FP8 kernel that quantizes tensorwise with PyTorch ops and takes a QTensor as is."""
+    return kernel.scaling is Scaling.TENSORWISE and kernel.quantize_a is not None
+
+
+def delayed_formats(kernels: Tuple[Kernel, Kernel, Kernel]) -> Tuple[Optional[str], ...]:
+    """The FP8 format in which delayed scaling quantizes each of x, W and dy under
+    ``kernels`` (fwd, dgrad, wgrad), or None where it does not: an operand is delayed when
+    some FP8 role reads it and every FP8 role that reads it is :func:`delayable`, in one
+    format (x: fwd a, wgrad b; W: fwd b, dgrad b; dy: dgrad a, wgrad a)."""
+    kf, kd, kw = kernels
+
+    def fmt(uses):
+        fp8 = [(k, i) for k, i in uses if k.name != BASELINE]
+        if not fp8 or not all(delayable(k) for k, _ in fp8):
+            return None
+        names = {k.formats[i] for k, i in fp8}
+        return names.pop() if len(names) == 1 else None
+
+    return fmt([(kf, 0), (kw, 1)]), fmt([(kf, 1), (kd, 1)]), fmt([(kd, 0), (kw, 0)])
+
+
+def _delayed_cast(t: torch.Tensor, est: torch.Tensor, fmt: str, ready: bool,
+                  decay: float) -> QTensor:
+    """Tensorwise FP8 ``t`` and the estimate ``est`` updated in place: with the estimate's
+    scale once it is seeded (``ready``), else dynamically, seeding it."""
+    if ready:
+        q = quantize_delayed(t, est, fmt)
+        est.copy_(next_amax(est, q, decay))
+    else:
+        q = quantize(t, fmt, Granularity.TENSORWISE, "a")
+        est.copy_(seed_amax(q).reshape(est.shape))
+    return q
+
+
 def _as_b(q_t: QTensor) -> QTensor:
     """The rowwise ``a`` operand of tᵀ (C, R) as the ``b`` operand t (R, C) a GEMM reads
     K-major: the same FP8 storage and scales, viewed as ``quantize_b(t)`` returns them."""
@@ -127,7 +171,7 @@ class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, x_q, weight, bias, kernels: Tuple[Kernel, Kernel, Kernel],
                 weight_q: Optional[QTensor], grad_flags: Optional[torch.Tensor] = None,
-                grad: bool = True):
+                grad: bool = True, delayed: Optional[tuple] = None):
         kf, kd, kw = kernels
         out_dtype = x2d.dtype
         ctx.kernels = (kd, kw)
@@ -135,18 +179,34 @@ class _LinearFunction(torch.autograd.Function):
         ctx.out_dtype = out_dtype
         ctx.check_grads = grad_flags is not None
         ctx.x_q = ctx.w_q = ctx.w_b = None
+        ctx.delayed = None
+        xq_d = wq_d = None
+        if delayed is not None and grad:  # (formats, estimates, ready, decay): training only
+            (fx, fw, fg), (ex, ew, eg), ready, decay = delayed
+            ctx.delayed = (fg, eg, ready, decay)
+            if fx is not None and x_q is None and (kf.name != BASELINE or (
+                    ctx.needs_input_grad[2] and not ctx.check_grads)):
+                xq_d = _delayed_cast(x2d, ex, fx, ready, decay)
+            if fw is not None and weight_q is None and (kf.name != BASELINE or ctx.needs_input_grad[0]):
+                wq_d = _delayed_cast(weight, ew, fw, ready, decay)
+            if xq_d is not None and kw.name != BASELINE and not ctx.check_grads:
+                ctx.x_q = xq_d  # the wgrad kernel's b, as made in the forward
+            if wq_d is not None and kd.name != BASELINE:
+                ctx.w_q = wq_d.t()  # the dgrad kernel takes its transpose, W
         if kf.name == BASELINE:
             y = F.linear(x2d, weight, bias)
         else:
-            a = x_q if x_q is not None else x2d
-            b = weight_q if weight_q is not None else weight.t()
-            share_w, share_x = _shares(kf, 1, kd, 1), _shares(kf, 0, kw, 1)
+            a = xq_d if xq_d is not None else x_q if x_q is not None else x2d
+            b = (wq_d.t() if wq_d is not None else weight_q if weight_q is not None
+                 else weight.t())
+            share_w = wq_d is None and _shares(kf, 1, kd, 1)
+            share_x = xq_d is None and _shares(kf, 0, kw, 1)
             # (``grad``: the caller's grad mode; a forward without it needs no gradient layout)
             dual_x = (_dual(kf, 0, kw, 1, x2d.shape[0])
-                      if grad and ctx.needs_input_grad[2] and x_q is None
+                      if grad and ctx.needs_input_grad[2] and x_q is None and xq_d is None
                       and not ctx.check_grads and kw.name != BASELINE else None)
             dual_w = (_dual(kf, 1, kd, 1, 0)
-                      if grad and ctx.needs_input_grad[0] and weight_q is None
+                      if grad and ctx.needs_input_grad[0] and weight_q is None and wq_d is None
                       and weight.is_contiguous() and kd.name != BASELINE
                       and not ctx.check_grads else None)
             if dual_x is not None:
@@ -194,7 +254,12 @@ class _LinearFunction(torch.autograd.Function):
         dy_q = dy_t = None
         dual_dy = (_dual(kd, 0, kw, 0, dy.shape[0])
                    if ctx.needs_input_grad[0] and ctx.needs_input_grad[2] else None)
-        if dual_dy is not None:
+        fg = ctx.delayed[0] if ctx.delayed is not None else None
+        if fg is not None and ((kd.name != BASELINE and ctx.needs_input_grad[0])
+                               or (kw.name != BASELINE and ctx.needs_input_grad[2])):
+            _, eg, ready, decay = ctx.delayed
+            dy_q = _delayed_cast(dy, eg, fg, ready, decay)  # one FP8 dy for both GEMMs
+        elif dual_dy is not None:
             dy_q, dy_t = dual_dy(dy)  # dy for dgrad, dyᵀ for wgrad: two reads, no transpose
         elif _shares(kd, 0, kw, 0):
             dy_q = kd.quantize_a(dy)  # one FP8 copy of dy for both gradient GEMMs
@@ -231,7 +296,7 @@ class _LinearFunction(torch.autograd.Function):
             wgrad_bad = (no if dw is None else
                          dy_ok & torch.isfinite(x2d).all() & ~torch.isfinite(dw).all())
             d_flags = torch.stack([dgrad_bad, wgrad_bad]).float()
-        return dx, None, dw, db, None, None, d_flags, None
+        return dx, None, dw, db, None, None, d_flags, None, None
 
 
 class SiteMonitor:
@@ -280,7 +345,9 @@ class SiteMonitor:
 
 
 # attributes loka.Linear adds to an nn.Linear (dropped again by to_linear)
-_OWN_ATTRS = ("config", "_kernels", "_all_baseline", "weight_q", "input_amax", "monitor")
+_OWN_ATTRS = ("config", "_kernels", "_all_baseline", "weight_q", "input_amax", "monitor",
+              "delayed_decay", "_delayed_formats", "_delayed_ready")
+_DELAYED_BUFFERS = ("delayed_amax_x", "delayed_amax_w", "delayed_amax_dy")
 
 
 def _sharded(module: nn.Module) -> bool:
@@ -343,6 +410,7 @@ class Linear(nn.Linear):
         self.weight_q: Optional[QTensor] = None
         self.input_amax: Optional[torch.Tensor] = None
         self.monitor: Optional[SiteMonitor] = None
+        self.delayed_decay: Optional[float] = None
         self.set_config(config)
 
     # -- configuration -------------------------------------------------------------
@@ -374,6 +442,45 @@ class Linear(nn.Linear):
         self._all_baseline = all(k.name == BASELINE for k in kernels)
         self.weight_q = None
         self.input_amax = None
+        if self.__dict__.get("delayed_decay") is not None:  # new kernels: estimates start over
+            self.set_delayed_scaling(self.delayed_decay)
+
+    def set_delayed_scaling(self, decay: Optional[float] = DEFAULT_DECAY) -> Tuple[str, ...]:
+        """Quantize x, W and dy with delayed tensorwise scales in training (module
+        docstring); ``decay`` in (0, 1] is how fast an estimate above what is seen shrinks
+        per step. None: dynamic scaling again. The estimates start over (the next training
+        call seeds them). Returns the operands scaled this way: those every FP8 role of
+        which quantizes tensorwise with PyTorch ops (:func:`delayed_formats`)."""
+        for name in _DELAYED_BUFFERS:
+            self._buffers.pop(name, None)
+        self._delayed_formats = (None, None, None)
+        self._delayed_ready = False
+        if decay is None:
+            self.delayed_decay = None
+            return ()
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
+            raise ValueError(f"decay must be a number in (0, 1], got {decay!r}")
+        self.delayed_decay = float(decay)
+        self._delayed_formats = delayed_formats(self._kernels)
+        device = self.weight.device if self.weight is not None else None
+        for name in _DELAYED_BUFFERS:
+            self.register_buffer(name, torch.zeros((), dtype=torch.float32, device=device),
+                                 persistent=False)
+        return tuple(op for op, f in zip(("x", "w", "dy"), self._delayed_formats) if f)
+
+    def seed_delayed(self, x: float, w: float, dy: float) -> None:
+        """Set the delayed scaling estimates (the amax of x, W and dy) so that the next
+        training call uses them instead of seeding them dynamically (e.g. when resuming:
+        the estimates are not in the ``state_dict``)."""
+        if self.delayed_decay is None:
+            raise ValueError("delayed scaling is off: set_delayed_scaling() first")
+        for name, value in zip(_DELAYED_BUFFERS, (x, w, dy)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not 0 < value < float("inf"):
+                raise ValueError(f"{name[len('delayed_amax_'):]} amax must be finite and "
+                                 f"positive, got {value!r}")
+            self._buffers[name].fill_(float(value))
+        self._delayed_ready = True
 
     @property
     def kernels(self) -> Tuple[Kernel, Kernel, Kernel]:
@@ -395,7 +502,7 @@ class Linear(nn.Linear):
         leaving ``linear`` as it is."""
         new = cls.__new__(cls)
         _rehome(new, linear)
-        new.weight_q = new.input_amax = new.monitor = None
+        new.weight_q = new.input_amax = new.monitor = new.delayed_decay = None
         new.set_config(config)
 
     @classmethod
@@ -414,6 +521,7 @@ class Linear(nn.Linear):
         new.weight_q = None
         new.input_amax = None
         new.monitor = None
+        new.delayed_decay = None
         new.set_config(config)
         return new
 
@@ -431,6 +539,8 @@ class Linear(nn.Linear):
             _rehome(lin, self)
         for key in _OWN_ATTRS:
             lin.__dict__.pop(key, None)
+        for name in _DELAYED_BUFFERS:
+            lin._buffers.pop(name, None)
         return lin
 
     # -- inference -----------------------------------------------------------------
@@ -482,8 +592,13 @@ class Linear(nn.Linear):
 
     def _apply(self, fn, recurse=True):
         # the FP8 weight and the static scale are plain attributes, not buffers (a dtype
-        # cast must not touch them): follow the parameters' device only
+        # cast must not touch them): follow the parameters' device only; the delayed
+        # scaling estimates stay float32 whatever dtype the module is cast to
         super()._apply(fn, recurse)
+        for name in _DELAYED_BUFFERS:
+            est = self._buffers.get(name)
+            if est is not None and est.dtype != torch.float32:
+                self._buffers[name] = est.float()
         held = [t for t in (self.weight_q, self.input_amax) if t is not None]
         if held:
             device = fn(torch.empty(0, device=held[0].device)).device
@@ -536,13 +651,23 @@ class Linear(nn.Linear):
             x_q = self._quantize_input(x2d)
         mon = self.monitor
         armed = mon is not None and mon.armed  # a Python flag: compiled graphs guard on it
+        grad = torch.is_grad_enabled()
+        delayed = None
+        if self.delayed_decay is not None and grad and any(self._delayed_formats):
+            ready = self._delayed_ready  # a Python flag: compiled code recompiles once on it
+            delayed = (self._delayed_formats, tuple(self._buffers[n] for n in _DELAYED_BUFFERS),
+                       ready, self.delayed_decay)
+            if not ready:
+                self._delayed_ready = True
         y = _LinearFunction.apply(x2d, x_q, self.weight, self.bias, self._kernels,
-                                  self.weight_q, mon.grad_flags if armed else None,
-                                  torch.is_grad_enabled())
+                                  self.weight_q, mon.grad_flags if armed else None, grad,
+                                  delayed)
         if armed:
             mon.record(x2d, y, self.input_amax, (self.weight, self.bias))
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         c = self.config
-        return (super().extra_repr() + f", fwd={c.fwd}, dgrad={c.dgrad}, wgrad={c.wgrad}")
+        extra = f", delayed_scaling={self.delayed_decay}" if self.delayed_decay is not None else ""
+        return (super().extra_repr() + f", fwd={c.fwd}, dgrad={c.dgrad}, wgrad={c.wgrad}"
+                + extra)

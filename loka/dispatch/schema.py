@@ -15,7 +15,12 @@ The JSON layout (schema ``loka.plan``, version :data:`SCHEMA_VERSION`)::
      "sites": {fqn: {"name", "in_features", "out_features", "tokens",
                      "roles": {"fwd"|"dgrad"|"wgrad": {"kernel", "error", "error_mean",
                                "speedup", "budget", "reason", ["ne_cost"]}}}},
-     "fallbacks": [{"site", "step", "reason", "previous": {"fwd", "dgrad", "wgrad"}}]}
+     "fallbacks": [{"site", "step", "reason", "previous": {"fwd", "dgrad", "wgrad"}}],
+     ["delayed_scaling": decay]}
+
+``delayed_scaling`` (absent: dynamic scaling) asks ``loka.apply`` to train with delayed
+tensorwise scales (:meth:`~loka.dispatch.linear.Linear.set_delayed_scaling`) with that
+decay in (0, 1].
 """
 
 from __future__ import annotations
@@ -164,6 +169,14 @@ class Plan:
     notes: List[str] = field(default_factory=list)
     fallbacks: List[Fallback] = field(default_factory=list)
     created: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat())
+    delayed_scaling: Optional[float] = None
+    """training with delayed tensorwise scales at this decay (None: dynamic scaling)"""
+
+    def __post_init__(self) -> None:
+        d = self.delayed_scaling
+        if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float))
+                              or not 0 < d <= 1):
+            raise ValueError(f"delayed_scaling must be a decay in (0, 1] or None, got {d!r}")
 
     @property
     def baseline(self) -> str:
@@ -273,6 +286,8 @@ class Plan:
                 how += f"speedup >= {self.budget.get('min_speedup')}"
         if self.source.get("dtype") not in (None, "bfloat16"):  # what the baseline ran
             how += f"; baseline {self.baseline} ran {str(self.source['dtype']).replace('float', 'fp')}"
+        if self.delayed_scaling is not None:
+            how += f"; delayed tensorwise scaling, decay {self.delayed_scaling:g}"
         lines = [f"plan for {self.device}: {len(self.fp8_sites())}/{len(self.sites)} sites "
                  f"with FP8 ({how})", fmt(header), "-" * len(fmt(header))]
         lines += [fmt(row) for row in rows]
@@ -284,11 +299,14 @@ class Plan:
 
     # -- JSON ------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {"schema": SCHEMA, "version": SCHEMA_VERSION, "created": self.created,
-                "device": self.device, "budget": json_safe(self.budget),
-                "source": json_safe(self.source), "notes": list(self.notes),
-                "sites": {k: v.to_dict() for k, v in self.sites.items()},
-                "fallbacks": [f.to_dict() for f in self.fallbacks]}
+        out = {"schema": SCHEMA, "version": SCHEMA_VERSION, "created": self.created,
+               "device": self.device, "budget": json_safe(self.budget),
+               "source": json_safe(self.source), "notes": list(self.notes),
+               "sites": {k: v.to_dict() for k, v in self.sites.items()},
+               "fallbacks": [f.to_dict() for f in self.fallbacks]}
+        if self.delayed_scaling is not None:
+            out["delayed_scaling"] = self.delayed_scaling
+        return out
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Plan":
@@ -304,10 +322,14 @@ class Plan:
             fallbacks = [Fallback.from_dict(f, f"fallbacks[{i}]") if isinstance(f, Mapping) else
                          _not_object(f"fallbacks[{i}]", f)
                          for i, f in enumerate(field_list(d, "fallbacks", "", []))]
+            delayed = field_number(d, "delayed_scaling", "")
+            if delayed is not None and not 0 < delayed <= 1:
+                raise ReportError(f"delayed_scaling: expected a decay in (0, 1], got {delayed!r}")
             return cls(sites=sites, device=field_device(d, "device", ""), budget=_budget(d),
                        source=dict(field_mapping(d, "source", "", {})),
                        notes=list(field_list(d, "notes", "", [], item=str)),
-                       fallbacks=fallbacks, created=field_str(d, "created", "", ""))
+                       fallbacks=fallbacks, created=field_str(d, "created", "", ""),
+                       delayed_scaling=delayed)
         except ReportError:
             raise
         except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError,

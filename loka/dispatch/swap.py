@@ -21,6 +21,12 @@ and reused by every call. ``drop_weights=True`` then frees the high-precision we
 (per row for rowwise kernels) unless ``static_scales`` gives a per-site input amax
 (see :func:`amax_from_report`). Weights must not change afterwards: apply again to
 requantize.
+
+Training with delayed scaling (the plan's ``delayed_scaling``, or ``apply``'s, which
+overrides it): every swapped Linear quantizes the operands that its FP8 roles all scale
+tensorwise with a scale estimated at earlier steps
+(:meth:`~loka.dispatch.linear.Linear.set_delayed_scaling`); the report's notes say how
+many sites and operands that is.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from torch import nn
 
 from ..config import LinearConfig
 from ..kernels import registry
+from ..numerics.delayed import DEFAULT_DECAY
 from ..probe.hooks import canonical_name
 from .linear import Linear
 from .schema import Plan, PlanMismatchError
@@ -239,7 +246,8 @@ def check(model: nn.Module, plan: Plan, inference: bool = False,
 
 def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = True,
           drop_weights: bool = False,
-          static_scales: Optional[Mapping[str, "float | torch.Tensor"]] = None) -> ApplyReport:
+          static_scales: Optional[Mapping[str, "float | torch.Tensor"]] = None,
+          delayed_scaling: "bool | float | None" = None) -> ApplyReport:
     """Apply ``plan`` to ``model`` in place (see the module docstring).
 
     Args:
@@ -250,6 +258,9 @@ def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = 
         drop_weights: with ``inference``, free the high-precision weights.
         static_scales: with ``inference``, site -> input amax for static activation scales
             (sites not listed stay dynamic).
+        delayed_scaling: training only: True (default decay) or a decay in (0, 1] turns on
+            delayed tensorwise scaling (module docstring), False turns it off; None: as the
+            plan says (ignored with ``inference``).
 
     Returns:
         An :class:`ApplyReport`. Applying again first undoes the previous apply.
@@ -257,6 +268,9 @@ def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = 
     root, compiled = root_module(model)
     if (drop_weights or static_scales) and not inference:
         raise ValueError("drop_weights and static_scales need inference=True")
+    decay = _delayed_decay(delayed_scaling)
+    if decay is not None and inference:
+        raise ValueError("delayed_scaling is for training; serving takes static_scales")
     for site, amax in (static_scales or {}).items():
         if site not in plan.sites:
             raise KeyError(f"static_scales names sites not in the plan: {site}")
@@ -266,6 +280,8 @@ def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = 
                              f"got {value.tolist()}")
     # validate everything before touching the model, so that a bad plan changes nothing
     changes, _ = _plan_changes(root, plan, inference, strict)
+    if delayed_scaling is None and not inference:
+        decay = plan.delayed_scaling
     paths = site_paths(root)
     for c in changes:
         if c.action != "keep":
@@ -308,14 +324,36 @@ def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = 
         if drop_weights:
             report.notes.append("high-precision weights dropped: state_dict keys changed "
                                 "(weight -> weight_fp8, weight_scale); unapply is not possible")
+    if decay is not None:
+        delayed = {}
+        for site, rec in records.items():
+            ops = root.get_submodule(rec["path"]).set_delayed_scaling(decay)
+            if ops:
+                delayed[site] = ops
+        report.notes.append(f"delayed scaling (decay {decay:g}) on {len(delayed)} of "
+                            f"{len(records)} site(s), {sum(map(len, delayed.values()))} "
+                            "operand(s); the others scale dynamically")
     if compiled:
         report.notes.append("compiled model: changes were made on model._orig_mod; it "
                             "recompiles on its next call")
     state = _state(root, create=True)
     state.update(sites=records, plan=plan, skipped=dict(skipped),
                  options={"inference": inference, "strict": strict, "drop_weights": drop_weights,
-                          "static_scales": dict(static_scales or {})})
+                          "static_scales": dict(static_scales or {}),
+                          "delayed_scaling": delayed_scaling})
     return report
+
+
+def _delayed_decay(option) -> Optional[float]:
+    """``apply``'s ``delayed_scaling``: False or None -> None, True -> the default
+    decay, a number in (0, 1] -> itself."""
+    if option is False or option is None:
+        return None
+    if option is True:
+        return DEFAULT_DECAY
+    if isinstance(option, (int, float)) and 0 < option <= 1:
+        return float(option)
+    raise ValueError(f"delayed_scaling must be True, False or a decay in (0, 1], got {option!r}")
 
 
 def unapply(model: nn.Module) -> List[str]:

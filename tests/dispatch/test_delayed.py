@@ -1,0 +1,317 @@
+"""Delayed tensorwise scaling in loka.Linear and loka.apply: the first training call is the
+dynamic one, later calls quantize with the estimates of earlier calls, and the compiled
+step (Inductor's code for a simulated H200) has no amax pass before a cast."""
+
+import copy
+import importlib.util
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import loka
+from loka.config import LinearConfig
+from loka.dispatch import Linear, Plan
+from loka.dispatch.linear import delayed_formats
+from loka.kernels import get
+from loka.numerics import E4M3, E5M2, dequantize, sqnr
+from loka.numerics.delayed import HEADROOM, quantize_delayed
+
+TW = "cublas-tensorwise"
+ALL_TW = LinearConfig(TW, TW, TW)
+BUFS = ("delayed_amax_x", "delayed_amax_w", "delayed_amax_dy")
+
+
+def _pair(config=ALL_TW, k=64, n=48, decay=0.9):
+    torch.manual_seed(0)
+    ref = Linear(k, n, config=config)
+    lin = Linear(k, n, config=config)
+    lin.load_state_dict(ref.state_dict())
+    ops = lin.set_delayed_scaling(decay)
+    return ref, lin, ops
+
+
+def _step(lin, x, g):
+    x = x.clone().requires_grad_()
+    y = lin(x)
+    y.backward(g)
+    dw = lin.weight.grad.clone()
+    lin.weight.grad = None
+    lin.bias.grad = None
+    return y.detach(), x.grad, dw
+
+
+def _est(lin):
+    return [float(lin._buffers[n]) for n in BUFS]
+
+
+@pytest.mark.parametrize("kernel", [TW, "emulated-tensorwise-e4m3"])
+def test_the_first_training_call_is_the_dynamic_one_and_seeds_the_estimates(kernel):
+    ref, lin, ops = _pair(LinearConfig(kernel, kernel, kernel))
+    assert ops == ("x", "w", "dy")
+    x, g = torch.randn(32, 64) * 3, torch.randn(32, 48) * 0.01
+    for a, b in zip(_step(ref, x, g), _step(lin, x, g)):
+        assert torch.equal(a, b)
+    assert _est(lin) == pytest.approx([x.abs().max().item(), lin.weight.abs().max().item(),
+                                       g.abs().max().item()], rel=1e-6)
+
+
+def test_later_calls_quantize_with_the_estimates_against_a_float64_reference():
+    _, lin, _ = _pair()
+    torch.manual_seed(1)
+    x0, g0 = torch.randn(32, 64), torch.randn(32, 48)
+    _step(lin, x0, g0)
+    ex, ew, eg = (lin._buffers[n].clone() for n in BUFS)
+    x, g = torch.randn(32, 64) * 1.5, torch.randn(32, 48) * 1.5
+    y, dx, dw = _step(lin, x, g)
+    # the same GEMMs in float64 on the FP8 operands made with the step-1 estimates
+    qx, qw, qg = (dequantize(quantize_delayed(t, e, E4M3), torch.float64)
+                  for t, e in ((x, ex), (lin.weight.detach(), ew), (g, eg)))
+    y_ref = qx @ qw.t() + lin.bias.detach().double()
+    for got, want in ((y, y_ref), (dx, qg @ qw), (dw, qg.t() @ qx)):
+        err = (got.double() - want).abs().max().item()
+        assert err <= 1e-5 * want.abs().max().item() + 1e-6, err
+    # and the FP8 error against the unquantized float64 product is FP8's, not worse
+    exact = x.double() @ lin.weight.detach().double().t() + lin.bias.detach().double()
+    assert sqnr(y.double(), exact) > 25.0
+    # the estimates moved to this call's amax
+    assert _est(lin)[0] == pytest.approx(x.abs().max().item(), rel=2 ** -4)
+    assert _est(lin)[2] == pytest.approx(g.abs().max().item(), rel=2 ** -4)
+
+
+def test_a_jump_saturates_one_call_and_the_estimate_catches_up():
+    _, lin, _ = _pair()
+    g = torch.randn(16, 48)
+    _step(lin, torch.randn(16, 64), g)
+    big = torch.randn(16, 64) * 40  # far beyond HEADROOM x the estimate
+    y, _, _ = _step(lin, big, g)
+    fit = []
+    for _ in range(8):  # grows x4 per saturated call, then decays x0.9 to the amax
+        _step(lin, big, g)
+        fit.append(HEADROOM * _est(lin)[0] >= big.abs().max().item())
+    assert fit[-1] and _est(lin)[0] == pytest.approx(big.abs().max().item(), rel=2 ** -4)
+    ref = Linear(64, 48, config=ALL_TW)
+    ref.load_state_dict(lin.state_dict())
+    exact = _step(ref, big, g)[0]  # dynamic scaling of the same call
+    assert sqnr(_step(lin, big, g)[0], exact) > 25.0  # once caught up, as good as dynamic
+    assert sqnr(y, exact) < sqnr(_step(lin, big, g)[0], exact)  # the saturated call was worse
+
+
+def test_non_finite_input_gives_non_finite_output_and_keeps_the_estimates():
+    _, lin, _ = _pair()
+    g = torch.randn(8, 48)
+    _step(lin, torch.randn(8, 64), g)
+    before = _est(lin)
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(8, 64)
+        x[3, 5] = bad
+        y, _, _ = _step(lin, x, g)
+        assert not bool(torch.isfinite(y[3]).all()) and bool(torch.isfinite(y[:3]).all())
+        assert _est(lin)[0] == before[0]
+
+
+def test_which_operands_each_plan_of_kernels_delays():
+    B = loka.config.BASELINE
+    k = lambda name: get(name)
+    assert delayed_formats((k(TW), k(TW), k(TW))) == ("e4m3", "e4m3", "e4m3")
+    # a rowwise reader of an operand keeps it dynamic; baseline roles read nothing in FP8
+    assert delayed_formats((k(TW), k(B), k("cublas-rowwise"))) == (None, "e4m3", None)
+    assert delayed_formats((k(TW), k(B), k(B))) == ("e4m3", "e4m3", None)
+    # e5m2 gradients: dy in e5m2, x and W in e4m3
+    e5 = k("cublas-tensorwise-e5m2")
+    assert delayed_formats((k(TW), e5, e5)) == ("e4m3", "e4m3", "e5m2")
+    assert delayed_formats((k(B), k(B), k(B))) == (None, None, None)
+    _, lin, ops = _pair(LinearConfig("cublas-rowwise", "cublas-rowwise", "cublas-rowwise"))
+    assert ops == ()  # nothing to delay: the Linear is the dynamic one, bit for bit
+    ref = Linear(64, 48, config=LinearConfig("cublas-rowwise", "cublas-rowwise", "cublas-rowwise"))
+    ref.load_state_dict(lin.state_dict())
+    x, g = torch.randn(8, 64), torch.randn(8, 48)
+    for _ in range(2):
+        for a, b in zip(_step(ref, x, g), _step(lin, x, g)):
+            assert torch.equal(a, b)
+
+
+def test_e5m2_gradients_are_delayed_in_e5m2():
+    cfg = LinearConfig(TW, "cublas-tensorwise-e5m2", "cublas-tensorwise-e5m2")
+    _, lin, ops = _pair(cfg)
+    assert ops == ("x", "w", "dy")
+    g = torch.randn(8, 48) * 1e-3
+    for _ in range(3):
+        _step(lin, torch.randn(8, 64), g)
+    assert _est(lin)[2] == pytest.approx(g.abs().max().item(), rel=2 ** -2)
+
+
+def test_state_off_switch_evaluation_and_bad_values():
+    ref, lin, _ = _pair()
+    assert list(lin.state_dict()) == ["weight", "bias"]  # the estimates are not saved
+    lin.to(torch.bfloat16)
+    assert all(lin._buffers[n].dtype == torch.float32 for n in BUFS)
+    lin.float()
+    ref.load_state_dict(lin.state_dict())  # the bf16 round trip rounded the weights
+    x, g = torch.randn(8, 64), torch.randn(8, 48)
+    _step(lin, x, g)
+    before = _est(lin)
+    with torch.no_grad():  # evaluation: dynamic scaling, estimates untouched
+        assert torch.equal(lin(x * 9), ref(x * 9))
+    assert _est(lin) == before
+    assert lin.set_delayed_scaling(None) == ()
+    assert not any(n in lin._buffers for n in BUFS)
+    for a, b in zip(_step(ref, x * 5, g), _step(lin, x * 5, g)):
+        assert torch.equal(a, b)
+    for bad in (0.0, 1.5, -1, True, "0.9"):
+        with pytest.raises(ValueError, match="decay"):
+            lin.set_delayed_scaling(bad)
+    with pytest.raises(ValueError, match="set_delayed_scaling"):
+        lin.seed_delayed(1.0, 1.0, 1.0)
+    lin.set_delayed_scaling(0.5)
+    with pytest.raises(ValueError, match="finite and positive"):
+        lin.seed_delayed(1.0, float("nan"), 1.0)
+    lin.seed_delayed(2.0, 3.0, 4.0)
+    assert _est(lin) == [2.0, 3.0, 4.0]
+    plain = lin.to_linear()
+    assert type(plain) is nn.Linear and not any(n in dict(plain.named_buffers()) for n in BUFS)
+
+
+def test_seeded_estimates_skip_the_dynamic_first_call():
+    _, lin, _ = _pair()
+    lin.seed_delayed(1.0, 1.0, 1.0)
+    x = torch.randn(8, 64) * 0.1
+    y, _, _ = _step(lin, x, torch.randn(8, 48))
+    qx = dequantize(quantize_delayed(x, torch.tensor(1.0), E4M3), torch.float64)
+    qw = dequantize(quantize_delayed(lin.weight.detach(), torch.tensor(1.0), E4M3), torch.float64)
+    want = qx @ qw.t() + lin.bias.detach().double()
+    assert (y.double() - want).abs().max().item() < 1e-5
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 128), nn.Linear(128, 32)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _planned(delayed):
+    torch.manual_seed(0)
+    net = Net()
+    report = loka.apply(net, Plan.uniform(net, TW), delayed_scaling=delayed)
+    return net, report
+
+
+def test_apply_turns_it_on_and_says_so():
+    net, report = _planned(True)
+    assert any("delayed scaling (decay 0.9) on 2 of 2 site(s), 6 operand(s)" in n
+               for n in report.notes)
+    assert net.a.delayed_decay == 0.9
+    net2, _ = _planned(0.5)
+    assert net2.b.delayed_decay == 0.5
+    with pytest.raises(ValueError, match="for training"):
+        loka.apply(Net(), Plan.uniform(Net(), TW), inference=True, delayed_scaling=True)
+    for bad in (2.0, 0, "yes"):
+        with pytest.raises(ValueError, match="delayed_scaling"):
+            loka.apply(Net(), Plan.uniform(Net(), TW), delayed_scaling=bad)
+    loka.unapply(net)
+    assert type(net.a) is nn.Linear
+
+
+def test_the_plan_carries_delayed_scaling_and_apply_can_override_it(tmp_path):
+    torch.manual_seed(0)
+    net = Net()
+    plan = Plan.uniform(net, TW)
+    assert plan.delayed_scaling is None and "delayed_scaling" not in plan.to_dict()
+    plan.delayed_scaling = 0.8
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = Plan.load(path)
+    assert loaded.delayed_scaling == 0.8 and loaded.copy().delayed_scaling == 0.8
+    assert "decay 0.8" in loaded.summary()
+    loka.apply(net, loaded)
+    assert net.a.delayed_decay == net.b.delayed_decay == 0.8
+    loka.apply(net, loaded, delayed_scaling=False)  # the caller's word wins
+    assert net.a.delayed_decay is None
+    loka.apply(net, loaded, delayed_scaling=0.3)
+    assert net.a.delayed_decay == 0.3
+    loka.apply(net, loaded, inference=True)  # a training option: serving ignores it
+    assert net.a.delayed_decay is None
+    loka.unapply(net)
+    for bad in (1.5, 0, -0.1, "0.5", True):
+        d = loaded.to_dict()
+        d["delayed_scaling"] = bad
+        path.write_text(json.dumps(d))
+        with pytest.raises(loka.jsonio.ReportError, match="delayed_scaling"):
+            Plan.load(path)
+    with pytest.raises(ValueError, match="delayed_scaling"):
+        Plan(delayed_scaling=2.0)
+
+
+def test_compiled_steps_equal_eager_ones_with_one_recompile():
+    import torch._dynamo.utils as dynamo_utils
+    torch._dynamo.reset()
+    net, _ = _planned(True)
+    eager = copy.deepcopy(net)
+    compiled = torch.compile(net, fullgraph=True)
+    dynamo_utils.counters.clear()
+    for step in range(4):
+        x = torch.randn(32, 64) * (1 + step)
+        lc = compiled(x).square().mean()
+        lc.backward()
+        le = eager(x).square().mean()
+        le.backward()
+        assert torch.equal(lc.detach(), le.detach())
+        assert torch.equal(net.a.weight.grad, eager.a.weight.grad)
+        assert _est(net.b) == _est(eager.b)
+        net.zero_grad()
+        eager.zero_grad()
+    # the first call (dynamic, seeding) and the delayed ones: two graphs, no more
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 2
+    torch._dynamo.reset()
+
+
+class Tower(nn.Module):
+    """x -> Linear -> own norm -> Linear -> Hard Swish -> Linear (user classes, no LoKA)."""
+
+    def __init__(self, width=256):
+        super().__init__()
+        self.l1, self.l2, self.l3 = (nn.Linear(width, width, bias=False) for _ in range(3))
+
+    def forward(self, x):
+        h = self.l1(x)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.l3(nn.functional.hardswish(self.l2(h)))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="Inductor's CUDA code generation needs triton")
+def test_on_a_simulated_gpu_no_amax_pass_precedes_a_delayed_cast():
+    """Dynamic tensorwise: each quantized operand is read once for its amax and again by its
+    cast. Delayed: the cast needs no amax first, so no launch reads an operand without
+    writing its FP8 copy, and the step moves fewer bytes in fewer launches."""
+    from loka.bench.stepcode import cuda_step_code, inventory
+    width, rows = 256, 512
+    whole = rows * width * 2  # one bf16 operand
+
+    def launches(delayed):
+        torch.manual_seed(0)
+        model = Tower(width).to(torch.bfloat16)
+        loka.apply(model, Plan.uniform(model, TW), delayed_scaling=delayed)
+        if delayed:
+            for mod in (model.l1, model.l2, model.l3):
+                mod.seed_delayed(1.0, 1.0, 1.0)
+        x = torch.randn(rows, width, dtype=torch.bfloat16)
+        codes = cuda_step_code(model, (x,), train=True)
+        return [launch for code in codes for launch in inventory(code)]
+
+    dynamic, delayed = launches(False), launches(True)
+
+    def amax_only(ls):  # reads at least a whole operand and writes almost nothing
+        return [l.name for l in ls if l.kind == "inductor" and l.bytes_read >= whole / 2
+                and l.bytes_written < l.bytes_read / 16]
+
+    assert len(amax_only(dynamic)) >= 3, [l.name for l in dynamic]
+    assert amax_only(delayed) == [], [l.name for l in delayed]
+    assert sum(l.kind == "gemm_fp8" for l in delayed) == 8  # 3 x 3, less l1's dgrad (x: no grad)
+    non_gemm = lambda ls: sum(l.bytes for l in ls if not l.kind.startswith("gemm"))
+    assert non_gemm(delayed) < non_gemm(dynamic)
+    assert len(delayed) < len(dynamic)
