@@ -28,7 +28,8 @@ second-order cost and their paired change; then ``loka.quality.ne_budget`` on th
     OMP_NUM_THREADS=1 PYTHONPATH=. python bench/ne_sources.py --mode budget \\
         --models wukong:tiny --steps 300 --eval-batches 128 \\
         --out bench/results/ne_budget_cpu.json
-    # on a GPU (the fast-accumulation arms run there; paper scale):
+    # on a GPU (the fast-accumulation arms run there; paper scale); --arm (repeatable)
+    # runs only the arms named, e.g. the tensorwise ones with and without delayed scales:
     PYTHONPATH=. python bench/ne_sources.py --mode sources --device cuda \\
         --models wukong:paper --batch-size 4096 --steps 2000 --out ne_sources_h200.json
     PYTHONPATH=. python bench/ne_sources.py --mode budget --device cuda \\
@@ -86,6 +87,8 @@ GPU_ARMS = {
     "cublas rowwise fastacc, every role": ("cublas-rowwise-fastacc",) * 3,
     "cublas rowwise fastacc fwd, exact accumulation gradients":
         ("cublas-rowwise-fastacc", "cublas-rowwise", "cublas-rowwise"),
+    "cublas tensorwise fastacc, every role": ("cublas-tensorwise-fastacc",) * 3,
+    "cublas tensorwise fastacc, every role, delayed": ("cublas-tensorwise-fastacc",) * 3,
 }
 
 

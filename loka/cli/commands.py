@@ -461,6 +461,8 @@ def cmd_probe(args) -> int:
 
 
 def cmd_optimize(args) -> int:
+    if args.delayed_scaling is not None and args.inference:
+        raise usage("--delayed-scaling is for training; it does not go with --inference")
     device = resolve_device(args)
     kernels = parse_kernels(args.kernels)
     model, desc, mods, batch_size, stream = _model_and_stream(args, device)
@@ -478,7 +480,8 @@ def cmd_optimize(args) -> int:
                       max_error=args.max_error, min_speedup=args.min_speedup,
                       compile=not args.no_compile, compile_mode=args.compile_mode,
                       rounds=args.rounds, max_trials=args.max_trials,
-                      progress=lambda line: print(f"  {line}"))
+                      progress=lambda line: print(f"  {line}"),
+                      delayed_scaling=args.delayed_scaling)
     result.plan.save(args.out)
     if args.report:
         result.report.meta.update(model=desc, data=args.data, mods=dataclasses.asdict(mods),

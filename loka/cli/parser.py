@@ -382,6 +382,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="final A/B rounds the plan must win, each of them")
     p.add_argument("--max-trials", type=positive(int, "--max-trials", 2), default=16,
                    help="at most this many whole-step timings while tuning")
+    p.add_argument("--delayed-scaling", nargs="?", type=decay, const=DEFAULT_DECAY,
+                   default=None, metavar="DECAY",
+                   help="time and write plans trained with delayed tensorwise scales "
+                        f"(decay in (0, 1], default {DEFAULT_DECAY}; training only)")
     _skip_bad_lines(p)
 
     p = add("audit", "check a plan against its Probe report: budgets kept, fastest chosen")

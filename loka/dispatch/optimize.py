@@ -204,7 +204,8 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
              compile: bool = True, compile_mode: Optional[str] = None,
              max_trials: int = 16, rounds: int = 3, steps: int = 10, warmup: int = 3,
              progress: Optional[Callable[[str], None]] = None,
-             refine: Optional[Callable[[Plan], Plan]] = None) -> OptimizeResult:
+             refine: Optional[Callable[[Plan], Plan]] = None,
+             delayed_scaling: Optional[float] = None) -> OptimizeResult:
     """Probe ``model`` on ``batches``, plan, and keep only what makes its step faster.
 
     Args:
@@ -230,6 +231,8 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
         refine: ``refine(plan) -> plan``, applied to the report's plan before any
             whole-step timing (which then only moves more sites back): e.g. an NE budget,
             ``lambda p: loka.quality.ne_budget(p, ...).plan``.
+        delayed_scaling: train the plans timed, and the one returned, with delayed
+            tensorwise scales at this decay (``Plan.delayed_scaling``; training only).
 
     Returns:
         An :class:`OptimizeResult`; ``result.plan.budget["optimize"]`` records the rounds,
@@ -240,6 +243,12 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     """
     if rounds < 1:
         raise ValueError(f"optimize needs rounds >= 1, got {rounds}")
+    if delayed_scaling is not None:
+        if inference:
+            raise ValueError("delayed_scaling is for training; serving takes static scales")
+        if isinstance(delayed_scaling, bool) or not isinstance(delayed_scaling, (int, float)) \
+                or not 0 < delayed_scaling <= 1:
+            raise ValueError(f"delayed_scaling must be a decay in (0, 1], got {delayed_scaling!r}")
     say = progress or (lambda _line: None)
     batches = list(batches)
     if not batches:
@@ -263,6 +272,9 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
         if not isinstance(start, Plan):
             raise TypeError(f"refine must return a Plan, got {type(start).__name__}")
         say(f"refined: {len(start.fp8_sites())} FP8 site(s)")
+    if delayed_scaling is not None:
+        start = start.copy()
+        start.delayed_scaling = float(delayed_scaling)
     result = OptimizeResult(plan=start.copy(), report=report, untuned=untuned, timed=timed)
     if not timed:
         result.plan.notes.append("optimize: not timed (no GPU and no time_step): the plan is "

@@ -132,3 +132,27 @@ def test_a_given_report_is_used_and_the_probe_not_run_again():
                      report=first.report)
     assert calls == [] and again.report is first.report
     assert again.untuned.to_dict()["sites"] == first.untuned.to_dict()["sites"]
+
+
+def test_delayed_scaling_is_carried_by_every_plan_timed_and_the_one_returned():
+    model = _model()
+    seen = []
+
+    def time_step(m):
+        delayed = [x.delayed_decay for x in m.modules() if isinstance(x, Linear)]
+        seen.append(delayed)
+        return 10.0 - 1.0 * _fp8_sites(m)
+    result = optimize(model, _batches(), _loss, config=_config(), time_step=time_step,
+                      rounds=2, delayed_scaling=0.8)
+    assert result.plan.delayed_scaling == 0.8 and result.plan.fp8_sites()
+    timed_with_fp8 = [d for d in seen if d]
+    assert timed_with_fp8 and all(v == 0.8 for d in timed_with_fp8 for v in d)
+    assert result.untuned.delayed_scaling is None  # the report's plan, as loka.plan made it
+    untimed = optimize(_model(), _batches(), _loss, config=_config(), delayed_scaling=0.9)
+    assert untimed.plan.delayed_scaling == 0.9
+    with pytest.raises(ValueError, match="for training"):
+        optimize(_model(), _batches(), _loss, config=_config(), inference=True,
+                 delayed_scaling=0.9)
+    for bad in (0.0, 1.5, True):
+        with pytest.raises(ValueError, match="decay"):
+            optimize(_model(), _batches(), _loss, config=_config(), delayed_scaling=bad)
