@@ -41,11 +41,11 @@ SURFACE = {
                           "--mods", "--tables", "--out", "--plan", "--preset", "--seed", "--skip-bad-lines",
                           "-o"],
     "kernels": COMMON + ["--json"],
-    "optimize": COMMON + ["--batch-size", "--checkpoint", "--compile-mode", "--data", "--delayed-scaling", "--inference",
+    "optimize": COMMON + ["--batch-size", "--checkpoint", "--compile-mode", "--data", "--delayed-decay", "--delayed-scaling", "--inference",
                           "--kernels", "--max-error", "--max-trials", "--min-speedup", "--mods", "--tables",
                           "--no-compile", "--num-samples", "--out", "--preset", "--report",
                           "--rounds", "--seed", "--skip-bad-lines", "--steps", "-o", "<model>"],
-    "plan": COMMON + ["--assign", "--assume-fast", "--delayed-scaling", "--kernels", "--max-error", "--metric",
+    "plan": COMMON + ["--assign", "--assume-fast", "--delayed-decay", "--delayed-scaling", "--kernels", "--max-error", "--metric",
                       "--min-speedup", "--out", "--replace", "--role-budget", "--site-budget", "-o", "<report>"],
     "probe": COMMON + ["--autotune-from", "--batch-size", "--bootstrap", "--checkpoint", "--cold-cache", "--data", "--every-n-steps",
                        "--kernels", "--lr", "--max-error", "--min-speedup", "--mods", "--tables",
@@ -109,12 +109,12 @@ DEFAULTS = {
                  "seed": 0, "skip_bad_lines": False},
     "kernels": {"json": False},
     "optimize": {"batch_size": None, "checkpoint": None, "compile_mode": None, "data": "synthetic",
-                 "delayed_scaling": None,
+                 "delayed_decay": 0.9, "delayed_scaling": False,
                  "inference": False, "kernels": None, "max_error": 0.2, "max_trials": 16,
                  "min_speedup": 1.05, "model": "MODEL", "mods": "none", "tables": "torch", "no_compile": False,
                  "num_samples": 16, "out": "plan.json", "preset": "tiny", "report": None,
                  "rounds": 3, "seed": 0, "skip_bad_lines": False, "steps": 8},
-    "plan": {"assign": [], "assume_fast": False, "delayed_scaling": None, "kernels": None, "max_error": 0.2,
+    "plan": {"assign": [], "assume_fast": False, "delayed_decay": 0.9, "delayed_scaling": False, "kernels": None, "max_error": 0.2,
              "metric": "mere", "min_speedup": 1.05, "out": "plan.json", "replace": [],
              "report": "REPORT", "role_budget": None, "site_budget": None},
     "probe": {"batch_size": None, "bootstrap": 1000, "checkpoint": None, "data": "synthetic",
@@ -260,10 +260,10 @@ def _expect_error(code, err, want_code, *needles):
     (["plan", "{d}/empty-report.json", "--metric", "vibes"], 2, ["invalid choice: 'vibes'"]),
     (["optimize", "wukong", "--inference", "--delayed-scaling"], 2,
      ["--delayed-scaling is for training"]),
-    (["plan", "{d}/empty-report.json", "--delayed-scaling", "1.5"], 2,
-     ["--delayed-scaling: expected a decay in (0, 1], got 1.5"]),
-    (["plan", "{d}/empty-report.json", "--delayed-scaling", "soon"], 2,
-     ["--delayed-scaling: expected a number, got 'soon'"]),
+    (["plan", "{d}/empty-report.json", "--delayed-decay", "1.5"], 2,
+     ["--delayed-decay: expected a decay in (0, 1], got 1.5"]),
+    (["plan", "{d}/empty-report.json", "--delayed-decay", "soon"], 2,
+     ["--delayed-decay: expected a number, got 'soon'"]),
     (["bench", "--device", "cpu", "--batch-sizes", "64,big"], 2, ["--batch-sizes takes integers"]),
     (["bench", "--device", "cpu", "--batch-sizes", "0"], 2, ["batch sizes must be positive"]),
     (["bench", "--device", "cpu", "--eval-set", "{d}/nowhere"], 2, ["not an evaluation set"]),
@@ -422,8 +422,9 @@ def test_plan_with_delayed_scaling_writes_it_and_says_so(workflow, tmp_path, cap
     assert code == 0
     assert "delayed tensorwise scaling, decay 0.9" in capsys.readouterr().out
     assert Plan.load(out).delayed_scaling == 0.9
-    code = cli.main(["plan", str(workflow / "report.json"), "-o", str(out), "--assume-fast",
-                     "--kernels", "emulated-rowwise-e4m3", "--delayed-scaling", "0.5"])
+    code = cli.main(["plan", "--delayed-scaling", str(workflow / "report.json"), "-o", str(out),
+                     "--assume-fast", "--kernels", "emulated-rowwise-e4m3", "--delayed-decay",
+                     "0.5"])
     assert code == 0 and Plan.load(out).delayed_scaling == 0.5
     assert Plan.load(workflow / "plan.json").delayed_scaling is None
 

@@ -461,7 +461,7 @@ def cmd_probe(args) -> int:
 
 
 def cmd_optimize(args) -> int:
-    if args.delayed_scaling is not None and args.inference:
+    if args.delayed_scaling and args.inference:
         raise usage("--delayed-scaling is for training; it does not go with --inference")
     device = resolve_device(args)
     kernels = parse_kernels(args.kernels)
@@ -481,7 +481,7 @@ def cmd_optimize(args) -> int:
                       compile=not args.no_compile, compile_mode=args.compile_mode,
                       rounds=args.rounds, max_trials=args.max_trials,
                       progress=lambda line: print(f"  {line}"),
-                      delayed_scaling=args.delayed_scaling)
+                      delayed_scaling=args.delayed_decay if args.delayed_scaling else None)
     result.plan.save(args.out)
     if args.report:
         result.report.meta.update(model=desc, data=args.data, mods=dataclasses.asdict(mods),
@@ -520,7 +520,7 @@ def cmd_plan(args) -> int:
             plan = override(plan, replace=replace, assign=assign, report=report)
         except ValueError as e:
             raise usage(str(e)) from None
-    plan.delayed_scaling = args.delayed_scaling
+    plan.delayed_scaling = args.delayed_decay if args.delayed_scaling else None
     plan.save(args.out)
     print(plan.summary())
     print(f"wrote {args.out}; check it against the model: loka apply --check {args.out} "

@@ -351,10 +351,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--assign", action="append", metavar="SITE_GLOB:ROLE=KERNEL", default=[],
                    help="then put these roles on KERNEL (ROLE fwd, dgrad, wgrad or *; "
                         "repeatable; the budget is checked as for --replace)")
-    p.add_argument("--delayed-scaling", nargs="?", type=decay, const=DEFAULT_DECAY,
-                   default=None, metavar="DECAY",
-                   help="train with delayed tensorwise scales (operands every FP8 role of "
-                        f"which scales tensorwise; decay in (0, 1], default {DEFAULT_DECAY})")
+    p.add_argument("--delayed-scaling", action="store_true",
+                   help="train with delayed tensorwise scales (the operands every FP8 role of "
+                        "which scales tensorwise with PyTorch ops)")
+    p.add_argument("--delayed-decay", type=decay, default=DEFAULT_DECAY, metavar="DECAY",
+                   help="with --delayed-scaling: how fast an estimate above the amax seen "
+                        "shrinks per call, in (0, 1] (default %(default)s)")
 
     p = add("optimize", "probe, plan and keep only what makes the whole step faster")
     _model_args(p, positional=True)
@@ -382,10 +384,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="final A/B rounds the plan must win, each of them")
     p.add_argument("--max-trials", type=positive(int, "--max-trials", 2), default=16,
                    help="at most this many whole-step timings while tuning")
-    p.add_argument("--delayed-scaling", nargs="?", type=decay, const=DEFAULT_DECAY,
-                   default=None, metavar="DECAY",
+    p.add_argument("--delayed-scaling", action="store_true",
                    help="time and write plans trained with delayed tensorwise scales "
-                        f"(decay in (0, 1], default {DEFAULT_DECAY}; training only)")
+                        "(training only)")
+    p.add_argument("--delayed-decay", type=decay, default=DEFAULT_DECAY, metavar="DECAY",
+                   help="with --delayed-scaling: the decay, in (0, 1] (default %(default)s)")
     _skip_bad_lines(p)
 
     p = add("audit", "check a plan against its Probe report: budgets kept, fastest chosen")

@@ -35,11 +35,13 @@ opaque ones (see :mod:`loka.kernels.ops`) run as the custom op ``loka::gemm``.
 
 Delayed scaling (:meth:`Linear.set_delayed_scaling`, training): x, W and dy, where every
 FP8 role that reads the operand quantizes it tensorwise with PyTorch ops, are cast with a
-scale estimated at earlier steps (:mod:`loka.numerics.delayed`), so no amax pass has to
+scale estimated at earlier calls (:mod:`loka.numerics.delayed`), so no amax pass has to
 finish before the cast: under ``torch.compile`` the cast fuses into the kernel that made
-the tensor and the next estimate comes from the FP8 result in that same kernel. The first
-training call quantizes dynamically and seeds the estimates; each estimate is a float32
-buffer that ``state_dict`` does not save.
+the tensor and the next estimate comes from the FP8 result in that same kernel. It acts
+in training mode with gradients recorded; the first such call quantizes dynamically and
+seeds the estimates (x and W from the tensors themselves, whatever the roles run; dy in
+that call's backward). Each operand's state is a float32 buffer that ``state_dict`` does
+not save.
 
 Inference: :meth:`Linear.quantize_weight` stores Wᵀ in FP8 once; :meth:`drop_weight`
 then frees the high-precision weight (the state_dict then holds ``weight_fp8`` and
@@ -61,10 +63,11 @@ from torch import nn
 
 from ..config import BASELINE, LinearConfig, Role, role_shape
 from ..kernels import ops, registry
-from ..kernels.registry import Kernel, Scaling
+from ..kernels.registry import Kernel, Library, Scaling
 from ..numerics import (AMAX_EPS, Granularity, QTensor, get_format, operand_block, quantize,
                         round_scale_to_power_of_two)
-from ..numerics.delayed import DEFAULT_DECAY, next_amax, quantize_delayed, seed_amax
+from ..numerics.delayed import (DEFAULT_DECAY, STREAK_GROWTH, new_state, next_state,
+                               quantize_delayed, seed_state)
 
 
 
@@ -122,9 +125,16 @@ def _dual(first: Kernel, f_operand: int, second: Kernel, s_operand: int, rows: i
     return first.quantize_dual
 
 
+DELAYABLE_LIBRARIES = (Library.CUBLAS, Library.TORCHAO, Library.EMULATED)
+"""libraries whose tensorwise kernels quantize with PyTorch ops and take any tensorwise
+QTensor of their format as is (LoKA's Triton and FBGEMM kernels quantize in their own
+kernels)"""
+
+
 def delayable(kernel: Kernel) -> bool:
-    """An FP8 kernel that quantizes tensorwise with PyTorch ops and takes a QTensor as is."""
-    return kernel.scaling is Scaling.TENSORWISE and kernel.quantize_a is not None
+    """A tensorwise FP8 kernel of :data:`DELAYABLE_LIBRARIES`."""
+    return (kernel.scaling is Scaling.TENSORWISE and kernel.quantize_a is not None
+            and kernel.library in DELAYABLE_LIBRARIES)
 
 
 def delayed_formats(kernels: Tuple[Kernel, Kernel, Kernel]) -> Tuple[Optional[str], ...]:
@@ -144,16 +154,19 @@ def delayed_formats(kernels: Tuple[Kernel, Kernel, Kernel]) -> Tuple[Optional[st
     return fmt([(kf, 0), (kw, 1)]), fmt([(kf, 1), (kd, 1)]), fmt([(kd, 0), (kw, 0)])
 
 
-def _delayed_cast(t: torch.Tensor, est: torch.Tensor, fmt: str, ready: bool,
-                  decay: float) -> QTensor:
-    """Tensorwise FP8 ``t`` and the estimate ``est`` updated in place: with the estimate's
-    scale once it is seeded (``ready``), else dynamically, seeding it."""
+def _delayed_cast(t: torch.Tensor, state: Tuple[torch.Tensor, torch.Tensor], fmt: str,
+                  ready: bool, decay: float) -> QTensor:
+    """Tensorwise FP8 ``t``, its operand's ``(est, streak)`` state updated in place: with
+    the estimate's scale once seeded (``ready``), else dynamically, seeding it."""
+    est, streak = state
     if ready:
         q = quantize_delayed(t, est, fmt)
-        est.copy_(next_amax(est, q, decay))
+        new_est, new_streak = next_state(est, streak, q, decay)
     else:
         q = quantize(t, fmt, Granularity.TENSORWISE, "a")
-        est.copy_(seed_amax(q).reshape(est.shape))
+        new_est, new_streak = seed_state(est, streak, q)
+    est.copy_(new_est)
+    streak.copy_(new_streak)
     return q
 
 
@@ -184,11 +197,18 @@ class _LinearFunction(torch.autograd.Function):
         if delayed is not None and grad:  # (formats, estimates, ready, decay): training only
             (fx, fw, fg), (ex, ew, eg), ready, decay = delayed
             ctx.delayed = (fg, eg, ready, decay)
-            if fx is not None and x_q is None and (kf.name != BASELINE or (
-                    ctx.needs_input_grad[2] and not ctx.check_grads)):
+            x_used = fx is not None and x_q is None and (kf.name != BASELINE or (
+                ctx.needs_input_grad[2] and not ctx.check_grads))
+            w_used = fw is not None and weight_q is None and (kf.name != BASELINE
+                                                              or ctx.needs_input_grad[0])
+            if x_used:
                 xq_d = _delayed_cast(x2d, ex, fx, ready, decay)
-            if fw is not None and weight_q is None and (kf.name != BASELINE or ctx.needs_input_grad[0]):
+            elif fx is not None and not ready:  # seed it all the same (the next call casts)
+                _delayed_cast(x2d.detach(), ex, fx, False, decay)
+            if w_used:
                 wq_d = _delayed_cast(weight, ew, fw, ready, decay)
+            elif fw is not None and not ready:
+                _delayed_cast(weight.detach(), ew, fw, False, decay)
             if xq_d is not None and kw.name != BASELINE and not ctx.check_grads:
                 ctx.x_q = xq_d  # the wgrad kernel's b, as made in the forward
             if wq_d is not None and kd.name != BASELINE:
@@ -347,7 +367,10 @@ class SiteMonitor:
 # attributes loka.Linear adds to an nn.Linear (dropped again by to_linear)
 _OWN_ATTRS = ("config", "_kernels", "_all_baseline", "weight_q", "input_amax", "monitor",
               "delayed_decay", "_delayed_formats", "_delayed_ready")
-_DELAYED_BUFFERS = ("delayed_amax_x", "delayed_amax_w", "delayed_amax_dy")
+_DELAYED_OPERANDS = ("x", "w", "dy")
+_DELAYED_BUFFERS = tuple(f"delayed_{kind}_{op}" for op in _DELAYED_OPERANDS
+                         for kind in ("amax", "streak"))
+"""per operand: its amax estimate and the growth of its next saturated call"""
 
 
 def _sharded(module: nn.Module) -> bool:
@@ -412,6 +435,7 @@ class Linear(nn.Linear):
         self.monitor: Optional[SiteMonitor] = None
         self.delayed_decay: Optional[float] = None
         self.set_config(config)
+        self.set_delayed_scaling(None)
 
     # -- configuration -------------------------------------------------------------
     def set_config(self, config: LinearConfig) -> None:
@@ -448,9 +472,12 @@ class Linear(nn.Linear):
     def set_delayed_scaling(self, decay: Optional[float] = DEFAULT_DECAY) -> Tuple[str, ...]:
         """Quantize x, W and dy with delayed tensorwise scales in training (module
         docstring); ``decay`` in (0, 1] is how fast an estimate above what is seen shrinks
-        per step. None: dynamic scaling again. The estimates start over (the next training
-        call seeds them). Returns the operands scaled this way: those every FP8 role of
-        which quantizes tensorwise with PyTorch ops (:func:`delayed_formats`)."""
+        per training call. None: dynamic scaling again. The estimates start over (the next
+        training call seeds them). Returns the operands scaled this way: those every FP8
+        role of which quantizes tensorwise with PyTorch ops (:func:`delayed_formats`)."""
+        if decay is not None and (isinstance(decay, bool) or not isinstance(decay, (int, float))
+                                  or not 0 < decay <= 1):
+            raise ValueError(f"decay must be a number in (0, 1], got {decay!r}")
         for name in _DELAYED_BUFFERS:
             self._buffers.pop(name, None)
         self._delayed_formats = (None, None, None)
@@ -458,29 +485,37 @@ class Linear(nn.Linear):
         if decay is None:
             self.delayed_decay = None
             return ()
-        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay <= 1:
-            raise ValueError(f"decay must be a number in (0, 1], got {decay!r}")
         self.delayed_decay = float(decay)
         self._delayed_formats = delayed_formats(self._kernels)
         device = self.weight.device if self.weight is not None else None
-        for name in _DELAYED_BUFFERS:
-            self.register_buffer(name, torch.zeros((), dtype=torch.float32, device=device),
-                                 persistent=False)
+        for op in _DELAYED_OPERANDS:
+            est, streak = new_state(device)
+            self.register_buffer(f"delayed_amax_{op}", est, persistent=False)
+            self.register_buffer(f"delayed_streak_{op}", streak, persistent=False)
         return tuple(op for op, f in zip(("x", "w", "dy"), self._delayed_formats) if f)
 
     def seed_delayed(self, x: float, w: float, dy: float) -> None:
         """Set the delayed scaling estimates (the amax of x, W and dy) so that the next
         training call uses them instead of seeding them dynamically (e.g. when resuming:
-        the estimates are not in the ``state_dict``)."""
+        the estimates are not in the ``state_dict``; ``delayed_state()`` reads them)."""
         if self.delayed_decay is None:
             raise ValueError("delayed scaling is off: set_delayed_scaling() first")
-        for name, value in zip(_DELAYED_BUFFERS, (x, w, dy)):
+        values = dict(zip(_DELAYED_OPERANDS, (x, w, dy)))
+        for op, value in values.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not 0 < value < float("inf"):
-                raise ValueError(f"{name[len('delayed_amax_'):]} amax must be finite and "
-                                 f"positive, got {value!r}")
-            self._buffers[name].fill_(float(value))
+                raise ValueError(f"{op} amax must be finite and positive, got {value!r}")
+        for op, value in values.items():
+            self._buffers[f"delayed_amax_{op}"].fill_(float(value))
+            self._buffers[f"delayed_streak_{op}"].fill_(STREAK_GROWTH)
         self._delayed_ready = True
+
+    def delayed_state(self) -> Optional[dict]:
+        """``{"x", "w", "dy"}`` -> amax estimate (floats, a host synchronization), or None
+        with delayed scaling off; ``seed_delayed(**state)`` sets them back."""
+        if self.delayed_decay is None:
+            return None
+        return {op: float(self._buffers[f"delayed_amax_{op}"]) for op in _DELAYED_OPERANDS}
 
     @property
     def kernels(self) -> Tuple[Kernel, Kernel, Kernel]:
@@ -523,6 +558,7 @@ class Linear(nn.Linear):
         new.monitor = None
         new.delayed_decay = None
         new.set_config(config)
+        new.set_delayed_scaling(None)  # a loka.Linear wrapped again starts with it off
         return new
 
     def to_linear(self) -> nn.Linear:
@@ -594,11 +630,12 @@ class Linear(nn.Linear):
         # the FP8 weight and the static scale are plain attributes, not buffers (a dtype
         # cast must not touch them): follow the parameters' device only; the delayed
         # scaling estimates stay float32 whatever dtype the module is cast to
+        states = {n: self._buffers[n] for n in _DELAYED_BUFFERS if n in self._buffers}
         super()._apply(fn, recurse)
-        for name in _DELAYED_BUFFERS:
-            est = self._buffers.get(name)
-            if est is not None and est.dtype != torch.float32:
-                self._buffers[name] = est.float()
+        for name, before in states.items():
+            after = self._buffers[name]
+            if after.dtype != torch.float32:  # the values as they were, on the new device
+                self._buffers[name] = before.to(after.device)
         held = [t for t in (self.weight_q, self.input_amax) if t is not None]
         if held:
             device = fn(torch.empty(0, device=held[0].device)).device
@@ -653,10 +690,12 @@ class Linear(nn.Linear):
         armed = mon is not None and mon.armed  # a Python flag: compiled graphs guard on it
         grad = torch.is_grad_enabled()
         delayed = None
-        if self.delayed_decay is not None and grad and any(self._delayed_formats):
+        if (self.delayed_decay is not None and grad and self.training
+                and any(self._delayed_formats)):
             ready = self._delayed_ready  # a Python flag: compiled code recompiles once on it
-            delayed = (self._delayed_formats, tuple(self._buffers[n] for n in _DELAYED_BUFFERS),
-                       ready, self.delayed_decay)
+            states = tuple((self._buffers[f"delayed_amax_{op}"],
+                            self._buffers[f"delayed_streak_{op}"]) for op in _DELAYED_OPERANDS)
+            delayed = (self._delayed_formats, states, ready, self.delayed_decay)
             if not ready:
                 self._delayed_ready = True
         y = _LinearFunction.apply(x2d, x_q, self.weight, self.bias, self._kernels,

@@ -173,6 +173,9 @@ class Plan:
     """training with delayed tensorwise scales at this decay (None: dynamic scaling)"""
 
     def __post_init__(self) -> None:
+        self._check_delayed()
+
+    def _check_delayed(self) -> None:
         d = self.delayed_scaling
         if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float))
                               or not 0 < d <= 1):
@@ -299,6 +302,7 @@ class Plan:
 
     # -- JSON ------------------------------------------------------------------------
     def to_dict(self) -> dict:
+        self._check_delayed()  # a field set after construction is checked before it is written
         out = {"schema": SCHEMA, "version": SCHEMA_VERSION, "created": self.created,
                "device": self.device, "budget": json_safe(self.budget),
                "source": json_safe(self.source), "notes": list(self.notes),

@@ -271,6 +271,12 @@ def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = 
     decay = _delayed_decay(delayed_scaling)
     if decay is not None and inference:
         raise ValueError("delayed_scaling is for training; serving takes static_scales")
+    planned_decay = getattr(plan, "delayed_scaling", None)
+    if planned_decay is not None and (isinstance(planned_decay, bool)
+                                      or not isinstance(planned_decay, (int, float))
+                                      or not 0 < planned_decay <= 1):
+        raise ValueError(f"plan.delayed_scaling must be a decay in (0, 1] or None, got "
+                         f"{planned_decay!r}")
     for site, amax in (static_scales or {}).items():
         if site not in plan.sites:
             raise KeyError(f"static_scales names sites not in the plan: {site}")
@@ -281,7 +287,7 @@ def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = 
     # validate everything before touching the model, so that a bad plan changes nothing
     changes, _ = _plan_changes(root, plan, inference, strict)
     if delayed_scaling is None and not inference:
-        decay = plan.delayed_scaling
+        decay = planned_decay
     paths = site_paths(root)
     for c in changes:
         if c.action != "keep":
@@ -324,20 +330,33 @@ def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = 
         if drop_weights:
             report.notes.append("high-precision weights dropped: state_dict keys changed "
                                 "(weight -> weight_fp8, weight_scale); unapply is not possible")
-    if decay is not None:
-        delayed = {}
-        for site, rec in records.items():
-            ops = root.get_submodule(rec["path"]).set_delayed_scaling(decay)
+    previous_delayed: Dict[str, Optional[float]] = {}
+    if not inference:  # every planned loka.Linear trains as the plan (or the caller) says
+        delayed, planned = {}, 0
+        for c in changes:
+            if c.after is None:
+                continue
+            path = paths[canonical_name(c.site)]
+            mod = root.get_submodule(path)
+            planned += 1
+            if not (c.site in records and records[c.site]["created"]):
+                previous_delayed[path] = mod.delayed_decay  # restored by unapply
+            if mod.delayed_decay != decay or c.action != "keep":
+                ops = mod.set_delayed_scaling(decay)
+            else:
+                ops = tuple(op for op, f in zip(("x", "w", "dy"), mod._delayed_formats) if f)
             if ops:
-                delayed[site] = ops
-        report.notes.append(f"delayed scaling (decay {decay:g}) on {len(delayed)} of "
-                            f"{len(records)} site(s), {sum(map(len, delayed.values()))} "
-                            "operand(s); the others scale dynamically")
+                delayed[c.site] = ops
+        if decay is not None:
+            report.notes.append(f"delayed scaling (decay {decay:g}) on {len(delayed)} of "
+                                f"{planned} site(s), {sum(map(len, delayed.values()))} "
+                                "operand(s); the others scale dynamically")
     if compiled:
         report.notes.append("compiled model: changes were made on model._orig_mod; it "
                             "recompiles on its next call")
     state = _state(root, create=True)
     state.update(sites=records, plan=plan, skipped=dict(skipped),
+                 previous_delayed=previous_delayed,
                  options={"inference": inference, "strict": strict, "drop_weights": drop_weights,
                           "static_scales": dict(static_scales or {}),
                           "delayed_scaling": delayed_scaling})
@@ -380,6 +399,8 @@ def unapply(model: nn.Module) -> List[str]:
         else:
             mod.set_config(rec["previous"])
         restored.append(site)
+    for path, decay in (_state(root).get("previous_delayed") or {}).items():
+        root.get_submodule(path).set_delayed_scaling(decay)
     root.__dict__.pop(_STATE_ATTR, None)
     return restored
 

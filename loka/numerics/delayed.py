@@ -1,29 +1,40 @@
-"""Delayed tensorwise scaling: a tensor's scale comes from the amax seen at earlier steps.
+"""Delayed tensorwise scaling: a tensor's scale comes from the amax seen at earlier calls.
 
 Dynamic tensorwise scaling needs the amax of the whole tensor before the first element
 can be cast, so under ``torch.compile`` the tensor is read (or its producer recomputed)
 twice: once by the amax reduction, once by the cast. With a scale known in advance the
 cast is a pointwise op that Inductor fuses into the kernel that produced the tensor, and
-the amax that the next step needs is taken from the FP8 result inside that same kernel.
+the amax the next call needs is taken from the FP8 result inside that same kernel.
 
-The estimate ``est`` of a tensor's amax is one float32 scalar per operand:
+Each operand keeps a float32 state ``(est, streak)``: ``est`` estimates its amax,
+``streak`` is the factor the next saturated call multiplies it by.
 
-- scale: ``s = HEADROOM * est / fmt.max``; values up to ``HEADROOM`` times the estimate
-  fit without saturation, at the price of ``log2(HEADROOM)`` binades at the bottom of the
+- scale: ``s = HEADROOM * est / fmt.max``: values up to ``HEADROOM`` times the estimate fit
+  without saturating, at the price of ``log2(HEADROOM)`` binades at the bottom of the
   format's range;
-- after the cast, ``seen = max|q| * s`` (the tensor's amax to within FP8 rounding); when
-  ``max|q|`` reaches ``fmt.max`` the tensor saturated and the estimate grows to
-  ``GROWTH * fmt.max * s``; otherwise it becomes ``max(seen, decay * est)``, so a
-  shrinking tensor's scale follows it down geometrically;
-- a non-finite observation (a NaN or Inf in the tensor) leaves the estimate unchanged,
-  and the cast turns each non-finite input into NaN, so a non-finite input still gives a
-  non-finite GEMM output (saturation would hide it otherwise).
+- after the cast, ``seen = max|q| * s`` (the amax to within FP8 rounding), from the FP8
+  values themselves: an amax of the high-precision values would be a second reader of
+  the producer, which Inductor does not fuse with the cast;
+- saturated (``max|q| == fmt.max``: some value beyond ``HEADROOM * est`` was clipped): the
+  true amax is not known, so the estimate is multiplied by ``streak``, which grows
+  ``STREAK_GROWTH``-fold per consecutive saturated call (4, 16, 64, ... up to
+  ``MAX_STREAK``): a 10x jump saturates two calls, an estimate 1e12 times too small six;
+- otherwise ``est = max(seen, min(decay * est, OVERSHOOT * seen))``: a shrinking tensor's
+  scale follows it down geometrically, and never stays more than ``OVERSHOOT`` times above
+  what was seen (after a growth that overshot, one call brings it back); an all-zero
+  tensor (``seen == 0``) only decays the estimate;
+- NaN or Inf in the tensor leave the state as it was, and the cast turns each of them
+  into NaN, so a non-finite input still gives a non-finite GEMM output (saturation would
+  hide it otherwise).
 
-A Linear starts with no estimate: its first training call quantizes dynamically and
-seeds ``est`` from that call's amax (:func:`seed_amax`).
+A new state is ``(1, STREAK_GROWTH)``; a Linear's first training call quantizes
+dynamically and seeds ``est`` with that call's amax (:func:`seed_state`), unless the amax is
+zero or not finite.
 """
 
 from __future__ import annotations
+
+from typing import Tuple
 
 import torch
 
@@ -32,10 +43,22 @@ from .scaling import AMAX_EPS, Granularity, QTensor, is_fp8_dtype, saturate_floa
 
 HEADROOM = 2.0
 """the scale leaves this factor above the estimated amax before values saturate"""
-GROWTH = 2.0
-"""after a saturated step the estimate becomes this multiple of the largest value that fit"""
 DEFAULT_DECAY = 0.9
-"""per-step factor by which an estimate above what is seen shrinks toward it"""
+"""per-call factor by which an estimate above what is seen shrinks toward it"""
+STREAK_GROWTH = 4.0
+"""the first saturated call multiplies the estimate by this, each further one by this
+much more than the last"""
+MAX_STREAK = 4.0 ** 6
+"""the largest single growth (12 binades: a value the growth overshot by stays inside the
+FP8 range, so the next call sees it)"""
+OVERSHOOT = 4.0
+"""after a call that did not saturate, the estimate is at most this multiple of its amax"""
+
+
+def new_state(device=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A fresh ``(est, streak)`` state: two float32 scalars (shape ())."""
+    return (torch.ones((), dtype=torch.float32, device=device),
+            torch.full((), STREAK_GROWTH, dtype=torch.float32, device=device))
 
 
 def delayed_scale(est: torch.Tensor, fmt: "FP8Format | str") -> torch.Tensor:
@@ -61,22 +84,35 @@ def quantize_delayed(x: torch.Tensor, est: torch.Tensor, fmt: "FP8Format | str")
                    Granularity.TENSORWISE)
 
 
-def next_amax(est: torch.Tensor, q: QTensor, decay: float) -> torch.Tensor:
-    """The estimate after observing ``q`` (a :func:`quantize_delayed` result made with
-    ``est``); same shape and dtype as ``est``. No host synchronization."""
+def next_state(est: torch.Tensor, streak: torch.Tensor, q: QTensor,
+               decay: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The ``(est, streak)`` state after observing ``q``, a :func:`quantize_delayed` result
+    made with ``est`` (module docstring); scalars of the inputs' shape and dtype. No host
+    synchronization: scalar functions of the cast's amax reduction, so that Inductor
+    computes (and stores) them in that reduction's last kernel."""
     if q.data.numel() == 0:
-        return est
+        return est, streak
+    e, k = est.float(), streak.float()
     qmax = q.data.float().abs().amax()
-    s = q.scale.reshape(())
-    limit = q.fmt.max
-    new = torch.where(qmax >= limit, GROWTH * limit * s,
-                      torch.maximum(qmax * s, decay * est.reshape(()).float()))
-    new = torch.where(torch.isfinite(new), new, est.reshape(()).float())
-    return new.reshape(est.shape).to(est.dtype)
+    seen = qmax * q.scale.reshape(())
+    saturated = qmax >= q.fmt.max
+    fits = torch.where(seen > 0, torch.maximum(seen, torch.minimum(decay * e, OVERSHOOT * seen)),
+                       decay * e)
+    new_e = torch.where(saturated, e * k, fits)
+    new_k = torch.where(saturated, (k * STREAK_GROWTH).clamp(max=MAX_STREAK),
+                        torch.full_like(k, STREAK_GROWTH))
+    ok = torch.isfinite(qmax) & torch.isfinite(new_e)
+    return (torch.where(ok, new_e, e).to(est.dtype).reshape(est.shape),
+            torch.where(ok, new_k, k).to(streak.dtype).reshape(streak.shape))
 
 
-def seed_amax(q: QTensor) -> torch.Tensor:
-    """The amax a dynamically quantized tensorwise ``q`` was scaled by (shape ()); a
-    non-finite one (the tensor held NaN or Inf) seeds nothing: 0, no estimate yet."""
+def seed_state(est: torch.Tensor, streak: torch.Tensor,
+               q: QTensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The state after a dynamically quantized tensorwise ``q``: its amax as the estimate,
+    a fresh streak; the state unchanged where that amax is not finite or is zero (an
+    all-zero tensor says nothing about the next one)."""
     amax = q.scale.float().reshape(()) * q.fmt.max
-    return torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
+    good = torch.isfinite(amax) & (amax > 1.5 * AMAX_EPS)
+    return (torch.where(good, amax, est.float()).to(est.dtype).reshape(est.shape),
+            torch.where(good, torch.full_like(amax, STREAK_GROWTH),
+                        streak.float()).to(streak.dtype).reshape(streak.shape))

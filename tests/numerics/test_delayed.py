@@ -1,12 +1,33 @@
 """Delayed tensorwise scaling (loka.numerics.delayed): the cast with a scale estimated at
-earlier steps, and how the estimate follows the tensor."""
+earlier calls, and how the ``(est, streak)`` state follows the tensor."""
+
+import math
 
 import pytest
 import torch
 
-from loka.numerics import E4M3, E5M2, dequantize, quantize
-from loka.numerics.delayed import (DEFAULT_DECAY, GROWTH, HEADROOM, delayed_scale, next_amax,
-                                   quantize_delayed, seed_amax)
+from loka.numerics import AMAX_EPS, E4M3, E5M2, dequantize, quantize
+from loka.numerics.delayed import (DEFAULT_DECAY, HEADROOM, MAX_STREAK, OVERSHOOT, STREAK_GROWTH,
+                                   delayed_scale, new_state, next_state, quantize_delayed,
+                                   seed_state)
+
+
+def _state(est, streak=STREAK_GROWTH):
+    return torch.tensor(float(est)), torch.tensor(float(streak))
+
+
+def _values(state):
+    return [t.item() for t in state]
+
+
+def _calls(values, state, n, decay=DEFAULT_DECAY, fmt=E4M3):
+    """``n`` calls on the same tensor; the estimates after each."""
+    out = []
+    for _ in range(n):
+        q = quantize_delayed(values, state[0], fmt)
+        state = next_state(*state, q, decay)
+        out.append(state[0].item())
+    return out, state
 
 
 @pytest.mark.parametrize("fmt", [E4M3, E5M2])
@@ -14,8 +35,7 @@ from loka.numerics.delayed import (DEFAULT_DECAY, GROWTH, HEADROOM, delayed_scal
 def test_the_cast_is_a_static_tensorwise_quantization_with_the_estimates_scale(fmt, dtype):
     torch.manual_seed(0)
     x = (torch.randn(48, 80) * 3).to(dtype)
-    est = torch.tensor(5.0)
-    q = quantize_delayed(x, est, fmt)
+    q = quantize_delayed(x, torch.tensor(5.0), fmt)
     s = HEADROOM * 5.0 / fmt.max
     ref = quantize(x, fmt, "tensorwise", "a", scale=torch.tensor(s))
     assert q.scale.shape == (1, 1) and float(q.scale) == pytest.approx(s, rel=1e-7)
@@ -41,62 +61,83 @@ def test_values_within_the_headroom_round_to_fp8_and_beyond_it_saturate(fmt):
     assert bool((deq[~inside].sign() == x64[~inside].sign()).all())
 
 
-def test_non_finite_values_stay_non_finite_and_leave_the_estimate_alone():
+def test_non_finite_values_stay_non_finite_and_leave_the_state_alone():
     x = torch.tensor([[1.0, float("nan"), -2.0], [float("inf"), 0.5, float("-inf")]])
-    est = torch.tensor(2.0)
-    q = quantize_delayed(x, est, E4M3)
+    state = _state(2.0, 16.0)
+    q = quantize_delayed(x, state[0], E4M3)
     deq = q.dequantize()
     assert bool(torch.isnan(deq[0, 1])) and bool(torch.isnan(deq[1, 0])) and bool(torch.isnan(deq[1, 2]))
     assert deq[0, 0].item() == 1.0 and deq[0, 2].item() == -2.0 and deq[1, 1].item() == 0.5
-    new = next_amax(est, q, DEFAULT_DECAY)
-    assert new.item() == 2.0 and new.dtype == torch.float32 and new.shape == ()
+    new = next_state(*state, q, DEFAULT_DECAY)
+    assert _values(new) == [2.0, 16.0] and all(t.dtype == torch.float32 for t in new)
 
 
 def test_the_estimate_tracks_a_steady_tensor_to_within_fp8_rounding():
     torch.manual_seed(1)
-    est = torch.tensor(1.0)
-    for _ in range(5):
-        x = torch.randn(64, 64).clamp(-2, 2) * 7
-        x[0, 0] = 20.0  # amax 20: saturates twice, then fits
-        q = quantize_delayed(x, est, E4M3)
-        est = next_amax(est, q, 1.0 if _ == 0 else DEFAULT_DECAY)
-    assert est.item() == pytest.approx(20.0, rel=2.0 ** -(E4M3.mantissa_bits + 1))
+    x = torch.randn(64, 64).clamp(-2, 2) * 7
+    x[0, 0] = 20.0  # amax 20
+    ests, state = _calls(x, _state(20.0), 5)
+    for e in ests:
+        assert e == pytest.approx(20.0, rel=2.0 ** -(E4M3.mantissa_bits + 1))
+    assert state[1].item() == STREAK_GROWTH  # no saturation, no streak
 
 
-def test_a_saturated_tensor_grows_the_estimate_and_a_shrinking_one_decays_it():
-    est = torch.tensor(1.0)
-    x = torch.full((4, 4), 100.0)  # 50x the headroom of the estimate
-    q = quantize_delayed(x, est, E4M3)
-    grown = next_amax(est, q, DEFAULT_DECAY)
-    assert grown.item() == pytest.approx(GROWTH * HEADROOM * 1.0)  # the largest that fit, doubled
-    seen = []
-    for _ in range(6):  # grows geometrically until the tensor fits
-        q = quantize_delayed(x, grown, E4M3)
-        grown = next_amax(grown, q, DEFAULT_DECAY)
-        seen.append(grown.item())
-    assert seen[-1] == pytest.approx(100.0, rel=2.0 ** -4)
-    small = torch.full((4, 4), 1.0)
-    q = quantize_delayed(small, grown, E4M3)
-    assert next_amax(grown, q, 0.5).item() == pytest.approx(grown.item() * 0.5)
+def test_growth_per_saturated_call_compounds_and_one_call_undoes_an_overshoot():
+    x = torch.full((4, 4), 100.0)
+    # from an estimate of 1: x4 (saturated, 4 < 50), x16 (64 fits 100 with the headroom)
+    ests, state = _calls(x, _state(1.0), 4)
+    assert ests[0] == pytest.approx(4.0) and ests[1] == pytest.approx(64.0)
+    assert ests[2] == pytest.approx(100.0, rel=2 ** -4) and state[1].item() == STREAK_GROWTH
+    # an estimate 1e12 too small (the smallest there is) recovers within seven calls
+    ests, _ = _calls(x, _state(AMAX_EPS), 8)
+    first_fit = next(i for i, e in enumerate(ests) if HEADROOM * e >= 100.0)
+    assert first_fit <= 6, ests
+    assert 100.0 <= ests[first_fit + 1] <= OVERSHOOT * 100.0 * (1 + 2 ** -4)
+    # the streak stops growing at MAX_STREAK (its overshoot stays inside the FP8 range)
+    streak = _state(AMAX_EPS, MAX_STREAK)
+    _, after = _calls(x, streak, 1)
+    assert after[1].item() == MAX_STREAK
+    # after an overshoot, one call brings the estimate to at most OVERSHOOT x the amax
+    ests, _ = _calls(x, _state(1e5), 2)
+    assert ests[0] == pytest.approx(OVERSHOOT * 100.0, rel=2 ** -4)
 
 
-def test_the_first_call_seeds_the_estimate_from_a_dynamic_quantization():
+def test_a_shrinking_tensor_decays_the_estimate_and_an_all_zero_one_only_decays_it():
+    small = torch.full((4, 4), 90.0)
+    ests, _ = _calls(small, _state(100.0), 1, decay=0.5)
+    assert ests[0] == pytest.approx(90.0, rel=2 ** -4)  # max(seen, 0.5 * 100)
+    ests, _ = _calls(torch.full((4, 4), 30.0), _state(100.0), 1, decay=0.9)
+    assert ests[0] == pytest.approx(90.0)  # min(0.9 * 100, 4 * 30) = 90 > 30
+    ests, state = _calls(torch.zeros(4, 4), _state(8.0), 2, decay=0.5)
+    assert ests == [4.0, 2.0] and state[1].item() == STREAK_GROWTH
+
+
+def test_the_first_call_seeds_from_a_dynamic_quantization_unless_it_says_nothing():
     x = torch.randn(32, 16) * 3
     q = quantize(x, E4M3, "tensorwise", "a")
-    assert seed_amax(q).item() == pytest.approx(x.abs().max().item(), rel=1e-6)
-    bad = quantize(torch.tensor([[1.0, float("inf")]]), E4M3, "tensorwise", "a")
-    assert seed_amax(bad).item() == 0.0  # no estimate from a non-finite tensor
+    seeded = seed_state(*_state(1.0, 64.0), q)
+    assert seeded[0].item() == pytest.approx(x.abs().max().item(), rel=1e-6)
+    assert seeded[1].item() == STREAK_GROWTH
+    for bad in (torch.tensor([[1.0, float("inf")]]), torch.zeros(3, 3)):
+        q = quantize(bad, E4M3, "tensorwise", "a")
+        assert _values(seed_state(*_state(7.0), q)) == [7.0, STREAK_GROWTH]
+    fresh = new_state()
+    assert _values(fresh) == [1.0, STREAK_GROWTH]
+    assert all(t.dtype == torch.float32 and t.shape == () for t in fresh)
 
 
 def test_empty_and_bad_input():
     q = quantize_delayed(torch.empty(0, 8), torch.tensor(3.0), E4M3)
     assert q.data.shape == (0, 8) and q.data.dtype == E4M3.dtype
-    assert next_amax(torch.tensor(3.0), q, DEFAULT_DECAY).item() == 3.0
+    assert _values(next_state(*_state(3.0), q, DEFAULT_DECAY)) == [3.0, STREAK_GROWTH]
     with pytest.raises(ValueError, match="2-D"):
         quantize_delayed(torch.ones(2, 3, 4), torch.tensor(1.0), E4M3)
     with pytest.raises(TypeError, match="float32/bf16/fp16"):
         quantize_delayed(torch.ones(2, 3, dtype=torch.int32), torch.tensor(1.0), E4M3)
     with pytest.raises(TypeError, match="float32/bf16/fp16"):
         quantize_delayed(torch.ones(2, 3).to(torch.float8_e4m3fn), torch.tensor(1.0), E4M3)
-    # a zero estimate (none yet) gives the smallest scale, never a zero one
+    # a zero estimate gives the smallest scale, never a zero one (no NaN from 0/0)
     assert delayed_scale(torch.tensor(0.0), E4M3).item() > 0
+    q = quantize_delayed(torch.zeros(2, 2), torch.tensor(0.0), E4M3)
+    assert not bool(torch.isnan(q.data.float()).any())
+    assert math.isfinite(float(next_state(*_state(0.0), q, DEFAULT_DECAY)[0]))
