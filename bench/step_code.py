@@ -98,6 +98,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=4096)
     ap.add_argument("--mode", default="train", choices=("train", "serve"))
     ap.add_argument("--plan", help="plan JSON (its FP8 sites and roles); none: bf16 only")
+    ap.add_argument("--uniform", metavar="KERNEL",
+                    help="instead of --plan: Plan.uniform of the model on KERNEL (every Linear "
+                         "it fits, each role where it can serve it on this machine)")
     ap.add_argument("--families", default="",
                     help="comma-separated kernels: one variant each, the plan's FP8 roles on it")
     ap.add_argument("--delayed", action="store_true",
@@ -118,9 +121,18 @@ def main(argv=None) -> int:
         inductor = inductor_options(args.inductor_config)
     except ValueError as e:
         ap.error(f"--inductor-config {e}")
-    if families and not args.plan:
-        ap.error("--families needs --plan (its FP8 site-roles)")
-    plan = Plan.load(args.plan) if args.plan else None
+    if args.plan and args.uniform:
+        ap.error("give --plan or --uniform, not both")
+    if families and not (args.plan or args.uniform):
+        ap.error("--families needs --plan or --uniform (its FP8 site-roles)")
+    if args.uniform:
+        try:
+            loka.kernels.registry.get(args.uniform)
+        except KeyError as e:
+            ap.error(f"--uniform: {e.args[0]}")
+        plan = Plan.uniform(es.EVAL_MODELS[args.model](args.scale), args.uniform, device="cpu")
+    else:
+        plan = Plan.load(args.plan) if args.plan else None
     for k in families:
         loka.kernels.registry.get(k)  # an unknown kernel fails here, in one line
     if args.delayed and args.mode != "train":
@@ -159,7 +171,8 @@ def main(argv=None) -> int:
                 "generated_for": "cuda" if on_cuda else "simulated H200 (no GPU)",
                 "argv": sys.argv[1:] if argv is None else list(argv), "model": args.model,
                 "scale": args.scale, "batch_size": args.batch_size, "mode": args.mode,
-                "plan": args.plan, "inductor_config": inductor, "variants": rows}
+                "plan": args.plan or (f"uniform:{args.uniform}" if args.uniform else None),
+                "inductor_config": inductor, "variants": rows}
         atomic_write_text(args.out, json.dumps(meta, indent=1) + "\n")
     return 0
 

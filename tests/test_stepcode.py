@@ -169,7 +169,9 @@ def test_the_bench_script_refuses_bad_arguments_in_one_line(capsys):
     script = importlib.import_module("bench.step_code")
     for argv, needle in ((["--model", "nope"], "unknown model"),
                          (["--batch-size", "0"], "--batch-size"),
-                         (["--families", "cublas-rowwise"], "needs --plan"),
+                         (["--families", "cublas-rowwise"], "needs --plan or --uniform"),
+                         (["--plan", "p.json", "--uniform", "cublas-tensorwise"], "not both"),
+                         (["--uniform", "warp-drive"], "--uniform: no kernel named"),
                          (["--delayed", "--mode", "serve"], "--delayed is for training"),
                          (["--inductor-config", "nope=1"], "KEY an option"),
                          (["--inductor-config", "realize_reads_threshold"], "KEY=VALUE"),

@@ -22,9 +22,18 @@ def col_major(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(0) == 1 else t.t().contiguous().t()
 
 
+def row_major(t: torch.Tensor) -> torch.Tensor:
+    """``_scaled_mm`` wants its first operand row-major with its row stride equal to its
+    width, also for one row (``is_contiguous`` accepts any stride along a size-1 dimension,
+    e.g. the transpose of an (M, 1) column); a free view when it is."""
+    if t.stride(-1) == 1 and t.stride(0) == max(t.shape[1], 1):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def _scaled_mm(qa: QTensor, qb: QTensor, out_dtype: torch.dtype, fast_accum: bool,
                scaling: Granularity) -> torch.Tensor:
-    a = qa.data if qa.data.is_contiguous() else qa.data.contiguous()  # row-major A
+    a = row_major(qa.data)
     b = col_major(qb.data)
     if scaling is Granularity.BLOCKWISE:
         import torch.nn.functional as F

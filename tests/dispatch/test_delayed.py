@@ -134,6 +134,45 @@ def test_which_operands_each_plan_of_kernels_delays():
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("kernel", [TW, "torchao-tensorwise", "emulated-tensorwise-e4m3"])
+def test_a_one_output_linear_takes_its_one_row_weight_gradient_operand(kernel):
+    """out_features = 1: the weight gradient's a operand, dyᵀ, has one row; the transpose
+    of the FP8 dy is a (1, M) view whose row stride is 1, which _scaled_mm refuses unless
+    it is laid out again."""
+    if kernel.startswith("torchao"):
+        pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    cfg = LinearConfig(loka.config.BASELINE, loka.config.BASELINE, kernel)
+    lin = Linear(64, 1, config=cfg)
+    lin.set_delayed_scaling(0.9)
+    x, g = torch.randn(32, 64), torch.randn(32, 1)
+    torch._dynamo.reset()
+    compiled = torch.compile(lin, fullgraph=True)  # the layout check is the compiled one's
+    for _ in range(3):
+        (compiled(x) * g).sum().backward()
+        dw = lin.weight.grad.clone()
+        lin.weight.grad = lin.bias.grad = None
+    torch._dynamo.reset()
+    exact = g.double().t() @ x.double()
+    assert sqnr(dw.double(), exact) > 25.0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="Inductor's CUDA code generation needs triton")
+def test_on_a_simulated_gpu_a_one_row_weight_gradient_operand_is_laid_out_row_major():
+    """The CUDA _scaled_mm (its meta function, which Inductor traces) refuses an a operand
+    whose row stride is not its width; the transpose of an (M, 1) FP8 dy is such a view."""
+    from loka.bench.stepcode import cuda_step_code, inventory
+    torch.manual_seed(0)
+    lin = Linear(64, 1, config=LinearConfig(loka.config.BASELINE, loka.config.BASELINE, TW),
+                 dtype=torch.bfloat16)
+    lin.set_delayed_scaling(0.9)
+    lin.seed_delayed(1.0, 1.0, 1.0)
+    codes = cuda_step_code(lin, (torch.randn(256, 64, dtype=torch.bfloat16),), train=True)
+    launches = [launch for code in codes for launch in inventory(code)]
+    assert sum(l.kind == "gemm_fp8" for l in launches) == 1  # the weight gradient
+
+
 def test_e5m2_gradients_are_delayed_in_e5m2():
     cfg = LinearConfig(TW, "cublas-tensorwise-e5m2", "cublas-tensorwise-e5m2")
     _, lin, ops = _pair(cfg)

@@ -33,6 +33,7 @@ from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig
 from ...config import Role
 from ...numerics import E4M3, Granularity, QTensor, saturate_float64
 from .. import capabilities as caps
+from ..cublas import row_major
 from ..recipes import check_gemm_operands
 from ..registry import YES, Capability, Kernel, register
 
@@ -86,8 +87,7 @@ def make_torchao_kernel(name: str, granularity: Granularity, *, fast_accum: bool
         check_gemm_operands(a, b, out_dtype)
         a_data, a_scale = _operand(a, granularity, "a", pow2)
         b_data, b_scale = _operand(b, granularity, "b", pow2)
-        if not a_data.is_contiguous():  # preprocess_addmm's layouts: a row-major, b column-major
-            a_data = a_data.contiguous()
+        a_data = row_major(a_data)  # preprocess_addmm's layouts: a row-major, b column-major
         if b_data.stride(0) > b_data.stride(1) and b_data.stride(1) == 1:
             b_data = b_data.t().contiguous().t()
         lib_dtype = out_dtype if out_dtype in _AO_OUT else torch.float32
