@@ -19,7 +19,7 @@ import json
 import math
 import os
 import sys
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -33,6 +33,7 @@ from ..dispatch import Plan, PlanMismatchError, apply, audit, check, optimize, o
 from ..dispatch import plan as make_plan
 from ..jsonio import atomic_write_text, json_safe
 from ..kernels import capabilities, registry
+from ..numerics.delayed import DEFAULT_DECAY
 from ..probe import probe
 from ..probe.report import ProbeReport
 from ..quality import ne_budget, paired_check
@@ -460,9 +461,19 @@ def cmd_probe(args) -> int:
     return EXIT_OK
 
 
-def cmd_optimize(args) -> int:
-    if args.delayed_scaling and args.inference:
+def delayed_option(args) -> Optional[float]:
+    """``--delayed-scaling`` / ``--delayed-decay`` as a plan's ``delayed_scaling``."""
+    if args.delayed_decay is not None and not args.delayed_scaling:
+        raise usage("--delayed-decay needs --delayed-scaling")
+    if not args.delayed_scaling:
+        return None
+    if getattr(args, "inference", False):
         raise usage("--delayed-scaling is for training; it does not go with --inference")
+    return DEFAULT_DECAY if args.delayed_decay is None else args.delayed_decay
+
+
+def cmd_optimize(args) -> int:
+    delayed_option(args)  # refuse bad combinations before any work
     device = resolve_device(args)
     kernels = parse_kernels(args.kernels)
     model, desc, mods, batch_size, stream = _model_and_stream(args, device)
@@ -481,7 +492,7 @@ def cmd_optimize(args) -> int:
                       compile=not args.no_compile, compile_mode=args.compile_mode,
                       rounds=args.rounds, max_trials=args.max_trials,
                       progress=lambda line: print(f"  {line}"),
-                      delayed_scaling=args.delayed_decay if args.delayed_scaling else None)
+                      delayed_scaling=delayed_option(args))
     result.plan.save(args.out)
     if args.report:
         result.report.meta.update(model=desc, data=args.data, mods=dataclasses.asdict(mods),
@@ -520,7 +531,7 @@ def cmd_plan(args) -> int:
             plan = override(plan, replace=replace, assign=assign, report=report)
         except ValueError as e:
             raise usage(str(e)) from None
-    plan.delayed_scaling = args.delayed_decay if args.delayed_scaling else None
+    plan.delayed_scaling = delayed_option(args)
     plan.save(args.out)
     print(plan.summary())
     print(f"wrote {args.out}; check it against the model: loka apply --check {args.out} "

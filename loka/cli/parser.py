@@ -354,9 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delayed-scaling", action="store_true",
                    help="train with delayed tensorwise scales (the operands every FP8 role of "
                         "which scales tensorwise with PyTorch ops)")
-    p.add_argument("--delayed-decay", type=decay, default=DEFAULT_DECAY, metavar="DECAY",
+    p.add_argument("--delayed-decay", type=decay, default=None, metavar="DECAY",
                    help="with --delayed-scaling: how fast an estimate above the amax seen "
-                        "shrinks per call, in (0, 1] (default %(default)s)")
+                        f"shrinks per call, in (0, 1] (default {DEFAULT_DECAY})")
 
     p = add("optimize", "probe, plan and keep only what makes the whole step faster")
     _model_args(p, positional=True)
@@ -387,8 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delayed-scaling", action="store_true",
                    help="time and write plans trained with delayed tensorwise scales "
                         "(training only)")
-    p.add_argument("--delayed-decay", type=decay, default=DEFAULT_DECAY, metavar="DECAY",
-                   help="with --delayed-scaling: the decay, in (0, 1] (default %(default)s)")
+    p.add_argument("--delayed-decay", type=decay, default=None, metavar="DECAY",
+                   help=f"with --delayed-scaling: the decay, in (0, 1] (default {DEFAULT_DECAY})")
     _skip_bad_lines(p)
 
     p = add("audit", "check a plan against its Probe report: budgets kept, fastest chosen")

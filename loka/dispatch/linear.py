@@ -634,7 +634,11 @@ class Linear(nn.Linear):
         super()._apply(fn, recurse)
         for name, before in states.items():
             after = self._buffers[name]
-            if after.dtype != torch.float32:  # the values as they were, on the new device
+            if before.is_meta and not after.is_meta:  # to_empty: no values to keep
+                fresh = dict(zip(("amax", "streak"), new_state(after.device)))
+                self._buffers[name] = fresh[name.split("_")[1]]
+                self._delayed_ready = False
+            elif after.dtype != torch.float32:  # the values as they were, on the new device
                 self._buffers[name] = before.to(after.device)
         held = [t for t in (self.weight_q, self.input_amax) if t is not None]
         if held:

@@ -23,8 +23,8 @@ and reused by every call. ``drop_weights=True`` then frees the high-precision we
 requantize.
 
 Training with delayed scaling (the plan's ``delayed_scaling``, or ``apply``'s, which
-overrides it): every swapped Linear quantizes the operands that its FP8 roles all scale
-tensorwise with a scale estimated at earlier steps
+overrides it): every loka.Linear of the plan quantizes the operands that its FP8 roles all
+scale tensorwise with a scale estimated at earlier calls
 (:meth:`~loka.dispatch.linear.Linear.set_delayed_scaling`); the report's notes say how
 many sites and operands that is.
 """
@@ -293,7 +293,7 @@ def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = 
         if c.action != "keep":
             # raises for bad kernels
             Linear.validate(root.get_submodule(paths[canonical_name(c.site)]), c.after)
-    if _state(root).get("sites"):
+    if _state(root).get("plan") is not None:
         unapply(root)
     changes, skipped = _plan_changes(root, plan, inference, strict)
     aliases = _aliases(root)
@@ -332,12 +332,15 @@ def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = 
                                 "(weight -> weight_fp8, weight_scale); unapply is not possible")
     previous_delayed: Dict[str, Optional[float]] = {}
     if not inference:  # every planned loka.Linear trains as the plan (or the caller) says
-        delayed, planned = {}, 0
+        delayed, planned, done = {}, 0, set()
         for c in changes:
             if c.after is None:
                 continue
             path = paths[canonical_name(c.site)]
             mod = root.get_submodule(path)
+            if id(mod) in done:  # one module under two sites: set once
+                continue
+            done.add(id(mod))
             planned += 1
             if not (c.site in records and records[c.site]["created"]):
                 previous_delayed[path] = mod.delayed_decay  # restored by unapply
@@ -400,7 +403,9 @@ def unapply(model: nn.Module) -> List[str]:
             mod.set_config(rec["previous"])
         restored.append(site)
     for path, decay in (_state(root).get("previous_delayed") or {}).items():
-        root.get_submodule(path).set_delayed_scaling(decay)
+        mod = root.get_submodule(path)
+        if mod.delayed_decay != decay:  # unchanged: its estimates stay as they are
+            mod.set_delayed_scaling(decay)
     root.__dict__.pop(_STATE_ATTR, None)
     return restored
 

@@ -19,17 +19,21 @@ Each operand keeps a float32 state ``(est, streak)``: ``est`` estimates its amax
   true amax is not known, so the estimate is multiplied by ``streak``, which grows
   ``STREAK_GROWTH``-fold per consecutive saturated call (4, 16, 64, ... up to
   ``MAX_STREAK``): a 10x jump saturates two calls, an estimate 1e12 times too small six;
-- otherwise ``est = max(seen, min(decay * est, OVERSHOOT * seen))``: a shrinking tensor's
-  scale follows it down geometrically, and never stays more than ``OVERSHOOT`` times above
-  what was seen (after a growth that overshot, one call brings it back); an all-zero
-  tensor (``seen == 0``) only decays the estimate;
+- otherwise ``est = max(seen, decay * est)``: a shrinking tensor's scale follows it down
+  geometrically, and an operand whose amax alternates (a Linear shared by two inputs)
+  keeps the larger; right after a growth, which may have overshot, the estimate is also
+  brought to at most ``OVERSHOOT`` times what was seen;
+- a tensor whose FP8 values are all zero (``seen == 0``: all-zero, or every value below the
+  format's smallest step) only decays the estimate; the estimate stays within
+  ``[AMAX_EPS, MAX_ESTIMATE]``;
 - NaN or Inf in the tensor leave the state as it was, and the cast turns each of them
   into NaN, so a non-finite input still gives a non-finite GEMM output (saturation would
   hide it otherwise).
 
-A new state is ``(1, STREAK_GROWTH)``; a Linear's first training call quantizes
-dynamically and seeds ``est`` with that call's amax (:func:`seed_state`), unless the amax is
-zero or not finite.
+Saturation is visible in the FP8 values and underflow is not, so an estimate too small is
+found quickly and one too large only by decay: a new state starts low,
+``(AMAX_EPS, STREAK_GROWTH)``. A Linear's first training call quantizes dynamically and seeds
+``est`` with that call's amax (:func:`seed_state`), unless the amax is zero or not finite.
 """
 
 from __future__ import annotations
@@ -51,13 +55,17 @@ much more than the last"""
 MAX_STREAK = 4.0 ** 6
 """the largest single growth (12 binades: a value the growth overshot by stays inside the
 FP8 range, so the next call sees it)"""
-OVERSHOOT = 4.0
-"""after a call that did not saturate, the estimate is at most this multiple of its amax"""
+OVERSHOOT = 64.0
+"""after a growth, the next call that fits brings the estimate to at most this multiple of
+the amax it saw (a Linear whose amax alternates between values more than
+``HEADROOM * OVERSHOOT`` apart clips its larger calls)"""
+MAX_ESTIMATE = float(torch.finfo(torch.float32).max) / MAX_STREAK
+"""the largest estimate (its next growth stays finite)"""
 
 
 def new_state(device=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """A fresh ``(est, streak)`` state: two float32 scalars (shape ())."""
-    return (torch.ones((), dtype=torch.float32, device=device),
+    return (torch.full((), AMAX_EPS, dtype=torch.float32, device=device),
             torch.full((), STREAK_GROWTH, dtype=torch.float32, device=device))
 
 
@@ -96,9 +104,9 @@ def next_state(est: torch.Tensor, streak: torch.Tensor, q: QTensor,
     qmax = q.data.float().abs().amax()
     seen = qmax * q.scale.reshape(())
     saturated = qmax >= q.fmt.max
-    fits = torch.where(seen > 0, torch.maximum(seen, torch.minimum(decay * e, OVERSHOOT * seen)),
-                       decay * e)
-    new_e = torch.where(saturated, e * k, fits)
+    kept = torch.where(k > STREAK_GROWTH, torch.minimum(decay * e, OVERSHOOT * seen), decay * e)
+    fits = torch.where(seen > 0, torch.maximum(seen, kept), decay * e)
+    new_e = torch.where(saturated, e * k, fits).clamp(AMAX_EPS, MAX_ESTIMATE)
     new_k = torch.where(saturated, (k * STREAK_GROWTH).clamp(max=MAX_STREAK),
                         torch.full_like(k, STREAK_GROWTH))
     ok = torch.isfinite(qmax) & torch.isfinite(new_e)
@@ -113,6 +121,7 @@ def seed_state(est: torch.Tensor, streak: torch.Tensor,
     all-zero tensor says nothing about the next one)."""
     amax = q.scale.float().reshape(()) * q.fmt.max
     good = torch.isfinite(amax) & (amax > 1.5 * AMAX_EPS)
-    return (torch.where(good, amax, est.float()).to(est.dtype).reshape(est.shape),
+    return (torch.where(good, amax.clamp(max=MAX_ESTIMATE), est.float()).to(est.dtype)
+            .reshape(est.shape),
             torch.where(good, torch.full_like(amax, STREAK_GROWTH),
                         streak.float()).to(streak.dtype).reshape(streak.shape))

@@ -253,9 +253,10 @@ def _close(a, b, db=20.0):
 @pytest.mark.parametrize("case", ["guard first", "forward without backward",
                                   "non-finite first", "all-zero first", "two forwards"])
 def test_no_first_call_leaves_an_operand_without_a_usable_estimate(case):
-    """Whatever the first training call is, the later calls' outputs and gradients stay
-    within FP8 error of dynamic scaling from the second call on (the first saturated call
-    of an operand seen for the first time excepted: at most two calls)."""
+    """Whatever the first training call is, the later calls' outputs and gradients come
+    within FP8 error of dynamic scaling: from the second call where x and W were seeded
+    (the Guard's step, two forwards), within seven where dy was not (no backward, or a dy
+    that said nothing: it grows from the smallest estimate, saturation being visible)."""
     from loka.dispatch.linear import SiteMonitor
     cfg = LinearConfig(loka.config.BASELINE, TW, TW)  # bf16 forward, FP8 gradients
     ref, lin = _dynamic_pair(cfg)
@@ -279,10 +280,11 @@ def test_no_first_call_leaves_an_operand_without_a_usable_estimate(case):
         ((lin(xa) + lin(xa)) * g).sum().backward()
         lin.weight.grad = lin.bias.grad = None
     worst = []
-    for step in range(4):
+    for step in range(10):
         got, want = _step(lin, x, g), _step(ref, x, g)
         worst.append(min(sqnr(a.double(), b.double()) for a, b in zip(got[1:], want[1:])))
-    assert all(w > 20.0 for w in worst[2:]), worst
+    settled = 2 if case in ("guard first", "two forwards") else 7
+    assert all(w > 20.0 for w in worst[settled:]), worst
     assert all(math.isfinite(e) and e > 0 for e in _est(lin))
 
 
@@ -307,6 +309,48 @@ def test_apply_and_unapply_manage_delayed_scaling_on_linears_already_planned():
     loka.apply(net, plan, delayed_scaling=0.5)
     loka.unapply(net)
     assert net.a.delayed_decay == 0.7
+
+
+def test_repeated_applies_aliases_and_unapply_restore_each_linears_own_setting():
+    torch.manual_seed(0)
+    net = Net()
+    net.a = Linear.from_linear(net.a, ALL_TW)
+    net.b = Linear.from_linear(net.b, ALL_TW)
+    plan = Plan.uniform(net, TW)  # every site "keep": the Linears are on its kernels already
+    loka.apply(net, plan, delayed_scaling=0.9)
+    loka.apply(net, plan, delayed_scaling=0.5)  # the second apply undoes the first first
+    loka.unapply(net)
+    assert net.a.delayed_decay is None and net.b.delayed_decay is None
+    # unchanged by apply: its estimates are left as they were by apply and unapply
+    net.a.set_delayed_scaling(0.5)
+    net.a.seed_delayed(3.0, 4.0, 5.0)
+    loka.apply(net, plan, delayed_scaling=0.5)
+    loka.unapply(net)
+    assert net.a.delayed_decay == 0.5 and net.a.delayed_state() == {"x": 3.0, "w": 4.0, "dy": 5.0}
+
+
+def test_a_linear_under_two_names_is_set_once_and_restored():
+    torch.manual_seed(0)
+    net = Net()
+    net.a = Linear.from_linear(net.a, ALL_TW)
+    net.c = net.a  # the same module at two paths
+    d = Plan.uniform(net, TW).to_dict()  # Plan.uniform names a shared module once; a
+    d["sites"]["c"] = dict(d["sites"]["a"], name="c")  # hand-made plan may name both
+    plan = Plan.from_dict(d)
+    report = loka.apply(net, plan, delayed_scaling=0.9)
+    assert net.c.delayed_decay == 0.9
+    assert any("on 2 of 2 site(s)" in n for n in report.notes)  # a (= c) and b
+    loka.unapply(net)
+    assert net.a.delayed_decay is None and net.c is net.a
+
+
+def test_to_empty_from_the_meta_device_starts_the_state_afresh():
+    with torch.device("meta"):
+        lin = Linear(64, 48, config=ALL_TW)
+    lin.set_delayed_scaling(0.9)
+    lin.to_empty(device="cpu")
+    assert lin._delayed_ready is False
+    assert all(v == pytest.approx(1e-12) for v in lin.delayed_state().values())
 
 
 def test_a_bad_delayed_scaling_set_on_a_plan_is_refused_before_anything_changes(tmp_path):

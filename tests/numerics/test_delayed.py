@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from loka.numerics import AMAX_EPS, E4M3, E5M2, dequantize, quantize
-from loka.numerics.delayed import (DEFAULT_DECAY, HEADROOM, MAX_STREAK, OVERSHOOT, STREAK_GROWTH,
-                                   delayed_scale, new_state, next_state, quantize_delayed,
-                                   seed_state)
+from loka.numerics.delayed import (DEFAULT_DECAY, HEADROOM, MAX_ESTIMATE, MAX_STREAK, OVERSHOOT,
+                                   STREAK_GROWTH, delayed_scale, new_state, next_state,
+                                   quantize_delayed, seed_state)
 
 
 def _state(est, streak=STREAK_GROWTH):
@@ -82,24 +82,41 @@ def test_the_estimate_tracks_a_steady_tensor_to_within_fp8_rounding():
     assert state[1].item() == STREAK_GROWTH  # no saturation, no streak
 
 
-def test_growth_per_saturated_call_compounds_and_one_call_undoes_an_overshoot():
+def test_growth_per_saturated_call_compounds_and_the_next_fit_trims_an_overshoot():
     x = torch.full((4, 4), 100.0)
     # from an estimate of 1: x4 (saturated, 4 < 50), x16 (64 fits 100 with the headroom)
     ests, state = _calls(x, _state(1.0), 4)
     assert ests[0] == pytest.approx(4.0) and ests[1] == pytest.approx(64.0)
     assert ests[2] == pytest.approx(100.0, rel=2 ** -4) and state[1].item() == STREAK_GROWTH
-    # an estimate 1e12 too small (the smallest there is) recovers within seven calls
-    ests, _ = _calls(x, _state(AMAX_EPS), 8)
+    # the smallest estimate (a new state's) finds the range within six saturated calls
+    ests, _ = _calls(x, new_state(), 8)
     first_fit = next(i for i, e in enumerate(ests) if HEADROOM * e >= 100.0)
     assert first_fit <= 6, ests
     assert 100.0 <= ests[first_fit + 1] <= OVERSHOOT * 100.0 * (1 + 2 ** -4)
     # the streak stops growing at MAX_STREAK (its overshoot stays inside the FP8 range)
-    streak = _state(AMAX_EPS, MAX_STREAK)
-    _, after = _calls(x, streak, 1)
+    _, after = _calls(x, _state(AMAX_EPS, MAX_STREAK), 1)
     assert after[1].item() == MAX_STREAK
-    # after an overshoot, one call brings the estimate to at most OVERSHOOT x the amax
-    ests, _ = _calls(x, _state(1e5), 2)
+    # right after a growth, an estimate far above the amax is brought to OVERSHOOT x it
+    _, grown = _calls(x, _state(1.0), 1)  # saturated: the streak is up
+    over = (torch.tensor(1e6), grown[1])
+    ests, _ = _calls(x, over, 1)
     assert ests[0] == pytest.approx(OVERSHOOT * 100.0, rel=2 ** -4)
+
+
+@pytest.mark.parametrize("ratio", [10.0, 50.0, 100.0])
+def test_an_operand_whose_amax_alternates_stops_clipping(ratio):
+    """A Linear used by two inputs of different sizes: after a few calls the estimate
+    covers the larger and no call saturates (the estimate decays between the large ones
+    by one factor of ``decay`` only)."""
+    small, big = torch.full((4, 4), 1.0), torch.full((4, 4), ratio)
+    state = _state(1.0)
+    saturated = []
+    for i in range(40):
+        t = big if i % 2 else small
+        q = quantize_delayed(t, state[0], E4M3)
+        saturated.append(bool(q.data.float().abs().max() >= E4M3.max))
+        state = next_state(*state, q, DEFAULT_DECAY)
+    assert not any(saturated[10:]), saturated
 
 
 def test_a_shrinking_tensor_decays_the_estimate_and_an_all_zero_one_only_decays_it():
@@ -107,9 +124,23 @@ def test_a_shrinking_tensor_decays_the_estimate_and_an_all_zero_one_only_decays_
     ests, _ = _calls(small, _state(100.0), 1, decay=0.5)
     assert ests[0] == pytest.approx(90.0, rel=2 ** -4)  # max(seen, 0.5 * 100)
     ests, _ = _calls(torch.full((4, 4), 30.0), _state(100.0), 1, decay=0.9)
-    assert ests[0] == pytest.approx(90.0)  # min(0.9 * 100, 4 * 30) = 90 > 30
+    assert ests[0] == pytest.approx(90.0)  # no growth before: only the decay
     ests, state = _calls(torch.zeros(4, 4), _state(8.0), 2, decay=0.5)
     assert ests == [4.0, 2.0] and state[1].item() == STREAK_GROWTH
+
+
+@pytest.mark.parametrize("decay", [0.1, 0.9, 1.0])
+def test_the_estimate_never_reaches_zero_or_infinity(decay):
+    """A long all-zero stretch decays the estimate only down to AMAX_EPS, from where tiny
+    gradients are found by growth (seven calls at most); growth stops short of overflow."""
+    _, state = _calls(torch.zeros(4, 4), _state(1.0), 300, decay=decay)
+    assert state[0].item() >= AMAX_EPS * (1 - 1e-6) and math.isfinite(state[0].item())
+    tiny = torch.full((4, 4), 1e-6)
+    ests, _ = _calls(tiny, state, 8, decay=decay)
+    assert any(HEADROOM * e >= 1e-6 for e in ests[:7]), ests
+    huge = torch.full((2, 2), 3e38)
+    ests, state = _calls(huge, _state(MAX_ESTIMATE / 2, MAX_STREAK), 3)
+    assert all(math.isfinite(e) for e in ests) and max(ests) <= MAX_ESTIMATE
 
 
 def test_the_first_call_seeds_from_a_dynamic_quantization_unless_it_says_nothing():
@@ -122,7 +153,7 @@ def test_the_first_call_seeds_from_a_dynamic_quantization_unless_it_says_nothing
         q = quantize(bad, E4M3, "tensorwise", "a")
         assert _values(seed_state(*_state(7.0), q)) == [7.0, STREAK_GROWTH]
     fresh = new_state()
-    assert _values(fresh) == [1.0, STREAK_GROWTH]
+    assert _values(fresh) == [pytest.approx(AMAX_EPS), STREAK_GROWTH]
     assert all(t.dtype == torch.float32 and t.shape == () for t in fresh)
 
 
