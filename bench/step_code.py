@@ -166,6 +166,10 @@ def main(argv=None) -> int:
         print(f"| {tag} | {r['total_launches']} | {r['non_gemm_mbytes']:.0f} | "
               f"{r['non_gemm_mbytes'] - base['non_gemm_mbytes']:+.0f} | {gemm_mb:.0f} | "
               f"{r['gemm_gflops'].get('gemm_fp8', 0):.0f} | {r['gemm_gflops'].get('gemm_bf16', 0):.0f} |")
+    for tag, r in rows.items():
+        if r.get("serial_mbytes"):
+            print(f"warning: {tag}: {r['serial_mbytes']:.0f} MB go through reductions that one "
+                  "program does alone (few bytes, slow kernels)", file=sys.stderr)
     if args.out:
         meta = {"schema": "loka.step_code", "version": 1, "torch": torch.__version__,
                 "generated_for": "cuda" if on_cuda else "simulated H200 (no GPU)",

@@ -266,3 +266,24 @@ def test_lokas_triton_kernels_launch_from_the_cuda_code_with_no_python_op(depth)
     assert len(gemms) == 3 * depth - 1  # every role but the first layer's input gradient
     assert all(l.kind == "gemm_fp8" for l in gemms)
     assert any(l.kind == "quantize" for l in launches)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="Inductor's CUDA code generation needs triton")
+def test_a_reduction_one_program_does_alone_is_flagged_whatever_its_bytes():
+    """With split reductions off, Inductor fuses a whole-tensor amax and the cast that
+    needs it into one kernel of one program: fewer bytes, one multiprocessor. The summary
+    says so (``serial_mbytes``), so such a variant is not read as faster."""
+    from torch._inductor import config as inductor_config
+
+    class Scale(nn.Module):
+        def forward(self, x):
+            return (x / x.abs().amax()).to(torch.float8_e4m3fn)
+
+    x = torch.randn(2048, 1024, dtype=torch.bfloat16)
+    split = summarize(_launches(cuda_step_code(Scale(), (x,), train=False)))
+    with inductor_config.patch(split_reductions=False):
+        alone = summarize(_launches(cuda_step_code(Scale(), (x,), train=False)))
+    assert split["serial_mbytes"] == 0
+    assert alone["serial_mbytes"] >= 2048 * 1024 * 2 / 1e6
+    assert alone["non_gemm_mbytes"] <= split["non_gemm_mbytes"]  # the trap: fewer bytes

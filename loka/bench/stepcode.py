@@ -85,6 +85,9 @@ class Launch:
     bytes_written: float
     flops: float = 0.0
     shapes: Tuple[Tuple[int, ...], ...] = ()
+    programs: Optional[int] = None
+    """an Inductor reduction's independent reductions (its ``xnumel``): 1 means one
+    program reduces everything, on one multiprocessor, whatever its byte count"""
 
     @property
     def bytes(self) -> float:
@@ -205,7 +208,10 @@ def inventory(code: str) -> List[Launch]:
             inductors = name.startswith(("triton_poi", "triton_red", "triton_per"))
             # an Inductor kernel iterates over its *numel parameters' product: an argument it
             # reads or writes through a slice moves at most that many elements
-            numel = None
+            numel = programs = None
+            if name.startswith(("triton_red", "triton_per")):
+                programs = next((int(a) for p, a in zip(names, args)
+                                 if p == "xnumel" and re.fullmatch(r"\d+", a)), None)
             if inductors:
                 sizes = [int(a) for p, a in zip(names, args)
                          if p.endswith("numel") and re.fullmatch(r"\d+", a)]
@@ -239,7 +245,7 @@ def inventory(code: str) -> List[Launch]:
                 kind = "gemm_fp8"
             else:
                 kind = "other"
-            launches.append(Launch(kind, name, read, written, 0.0, tuple(shapes)))
+            launches.append(Launch(kind, name, read, written, 0.0, tuple(shapes), programs))
             continue
         m = re.match(r"extern_kernels\.(\w+)\((.*)\)$", s)
         if m and m.group(1) in _GEMMS:
@@ -281,18 +287,29 @@ def inductor_options(items: Sequence[str]) -> Dict[str, object]:
     return out
 
 
+SERIAL_BYTES = 2 ** 20
+"""a one-program reduction moving more than this is flagged (``serial_mbytes``)"""
+
+
 def summarize(launches: Sequence[Launch]) -> dict:
     """Launches, bytes (MB) and GEMM GFLOPs by kind, and the totals: what a plan adds to
-    or removes from a step, compared side by side with another's summary."""
+    or removes from a step, compared side by side with another's summary.
+    ``serial_mbytes``: bytes of reductions one program does alone (``Launch.programs`` 1,
+    over :data:`SERIAL_BYTES`): few bytes can still be a slow kernel, so a variant whose
+    bytes fall by serializing a reduction is not faster."""
     count, mbytes, gflops = Counter(), Counter(), Counter()
+    serial = 0.0
     for launch in launches:
         count[launch.kind] += 1
         mbytes[launch.kind] += launch.bytes / 1e6
         gflops[launch.kind] += launch.flops / 1e9
+        if launch.programs == 1 and launch.bytes > SERIAL_BYTES:
+            serial += launch.bytes / 1e6
     non_gemm = sum(v for k, v in mbytes.items() if not k.startswith("gemm"))
     return {"launches": dict(count), "mbytes": {k: round(v, 1) for k, v in mbytes.items()},
             "gemm_gflops": {k: round(v, 1) for k, v in gflops.items() if k.startswith("gemm")},
-            "total_launches": sum(count.values()), "non_gemm_mbytes": round(non_gemm, 1)}
+            "total_launches": sum(count.values()), "non_gemm_mbytes": round(non_gemm, 1),
+            "serial_mbytes": round(serial, 1)}
 
 
 def rates(kernel_ms: Dict[str, float], launches: Sequence[Launch]) -> dict:
