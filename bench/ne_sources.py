@@ -54,6 +54,7 @@ from loka.config import BASELINE, ROLES, LinearConfig, ProbeConfig, Role
 from loka.data import SyntheticCTR
 from loka.dispatch import Plan, plan as make_plan
 from loka.jsonio import atomic_write_text, json_safe
+from loka.numerics.delayed import DEFAULT_DECAY
 from loka.probe import probe
 from loka.quality import (PairedArms, QualityResult, fp8_site_roles, ne_budget,
                           site_role_costs, without)
@@ -76,8 +77,6 @@ ARMS = {  # name -> (fwd, dgrad, wgrad) on every Linear that fits
     "tensorwise e4m3, every role, delayed": (TW, TW, TW),
     "tensorwise, e5m2 gradients, delayed": (TW, TW5, TW5),
 }
-DELAYED_DECAY = 0.9
-"""the decay of the delayed arms (loka.numerics.delayed.DEFAULT_DECAY)"""
 EXCEPT = {  # name -> which Linears stay on the baseline, with rowwise e4m3 elsewhere
     "rowwise e4m3, all but the last Linear": "last",
     "rowwise e4m3, all but the last block": "block",
@@ -138,7 +137,7 @@ def source_plans(model, device, only=()) -> tuple:
              for arm, cfg in todo.items()}
     for arm, p in plans.items():
         if arm.endswith(", delayed"):
-            p.delayed_scaling = DELAYED_DECAY
+            p.delayed_scaling = DEFAULT_DECAY
     for arm, which in EXCEPT.items():
         keep = (lambda s: s != last) if which == "last" else (lambda s: not s.startswith(block))
         p = Plan.uniform(model, LinearConfig(RW, RW, RW), device=device)

@@ -324,6 +324,14 @@ def probe_case(case: Case, args, device, out_stem: Optional[str]) -> dict:
             {m: len(fp8_sites(p)) for m, p in case.plans.items()}}
 
 
+def _case_report(case: Case) -> ProbeReport:
+    """The case's Probe report; Skip, saying why, where there is none."""
+    if case.report is None:
+        raise Skip(f"no report: the Probe failed ({case.probe_error})" if case.probe_error
+                   else "no report: the time budget was spent before the Probe")
+    return case.report
+
+
 def delayed_plan(report: ProbeReport, **plan_kwargs):
     """The ``loka-delayed`` row's plan: ``loka.plan`` on the report's tensorwise kernels that
     delayed scaling serves (PyTorch quantizers), with ``delayed_scaling`` at its default."""
@@ -358,24 +366,19 @@ def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch
                  "probe_files": case.probe_files}
         return len(chosen), [], extra
     if variant == "loka-delayed":
-        if case.report is None:
-            raise Skip(f"no report: the Probe failed ({case.probe_error})" if case.probe_error
-                       else "no report: the time budget was spent before the Probe")
-        plan = delayed_plan(case.report, **(getattr(args, "plan_kwargs", None) or {}))
+        plan = delayed_plan(_case_report(case), **(getattr(args, "plan_kwargs", None) or {}))
         applied = apply_plan(model, plan)
         chosen = fp8_sites(plan)
         extra = {"plan": chosen, "_plan": plan, "delayed_scaling": plan.delayed_scaling,
                  "apply_notes": list(getattr(applied, "notes", []) or [])}
         return len(chosen), [], extra
     if variant == "loka-optimize":
-        if case.report is None:
-            raise Skip(f"no report: the Probe failed ({case.probe_error})" if case.probe_error
-                       else "no report: the time budget was spent before the Probe")
+        report = _case_report(case)
         # loka.optimize on the Probe's report: whole compiled steps (compiled as this row is)
         # decide which FP8 sites stay; it keeps a plan only if it wins every A/B round
         result = optimize_plan(
             model, [case.batch], args.eval_set.loss_fn, inference=(mode == "serve"),
-            report=case.report,
+            report=report,
             forward=lambda m, batch: m(*batch[0]),
             compile_mode="reduce-overhead" if graphs else None,
             max_trials=getattr(args, "optimize_trials", 8),

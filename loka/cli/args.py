@@ -19,6 +19,7 @@ import torch
 from ..config import ROLES, ModsConfig, ProbeConfig, Role
 from ..demo import DemoConfig
 from ..kernels import registry
+from ..numerics.delayed import check_decay
 
 __all__ = ["EXIT_OK", "EXIT_FAILURE", "EXIT_USAGE", "CliError", "usage", "resolve_device",
            "parse_mods", "parse_pairs", "parse_budgets", "positive", "budget", "speedup",
@@ -166,9 +167,10 @@ def decay(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a decay in (0, 1], got {text}")
-    return value
+    try:
+        return check_decay(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a decay in (0, 1], got {text}") from None
 
 
 def unknown_kernels(names: Sequence[str]) -> List[str]:

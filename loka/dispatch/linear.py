@@ -66,8 +66,8 @@ from ..kernels import ops, registry
 from ..kernels.registry import Kernel, Library, Scaling
 from ..numerics import (AMAX_EPS, Granularity, QTensor, get_format, operand_block, quantize,
                         round_scale_to_power_of_two)
-from ..numerics.delayed import (DEFAULT_DECAY, STREAK_GROWTH, new_state, next_state,
-                               quantize_delayed, seed_state)
+from ..numerics.delayed import (DEFAULT_DECAY, STREAK_GROWTH, check_decay, new_state,
+                               next_state, quantize_delayed, seed_state)
 
 
 
@@ -475,9 +475,8 @@ class Linear(nn.Linear):
         per training call. None: dynamic scaling again. The estimates start over (the next
         training call seeds them). Returns the operands scaled this way: those every FP8
         role of which quantizes tensorwise with PyTorch ops (:func:`delayed_formats`)."""
-        if decay is not None and (isinstance(decay, bool) or not isinstance(decay, (int, float))
-                                  or not 0 < decay <= 1):
-            raise ValueError(f"decay must be a number in (0, 1], got {decay!r}")
+        if decay is not None:
+            decay = check_decay(decay, "set_delayed_scaling(decay)")
         for name in _DELAYED_BUFFERS:
             self._buffers.pop(name, None)
         self._delayed_formats = (None, None, None)
@@ -485,14 +484,20 @@ class Linear(nn.Linear):
         if decay is None:
             self.delayed_decay = None
             return ()
-        self.delayed_decay = float(decay)
+        self.delayed_decay = decay
         self._delayed_formats = delayed_formats(self._kernels)
         device = self.weight.device if self.weight is not None else None
         for op in _DELAYED_OPERANDS:
             est, streak = new_state(device)
             self.register_buffer(f"delayed_amax_{op}", est, persistent=False)
             self.register_buffer(f"delayed_streak_{op}", streak, persistent=False)
-        return tuple(op for op, f in zip(("x", "w", "dy"), self._delayed_formats) if f)
+        return self.delayed_operands
+
+    @property
+    def delayed_operands(self) -> Tuple[str, ...]:
+        """The operands (of "x", "w", "dy") delayed scaling casts under the current kernels;
+        empty with it off."""
+        return tuple(op for op, f in zip(_DELAYED_OPERANDS, self._delayed_formats) if f)
 
     def seed_delayed(self, x: float, w: float, dy: float) -> None:
         """Set the delayed scaling estimates (the amax of x, W and dy) so that the next

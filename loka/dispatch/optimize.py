@@ -26,6 +26,7 @@ from torch import nn
 from ..config import ProbeConfig
 from ..kernels import registry
 from ..kernels.registry import Scaling
+from ..numerics.delayed import check_decay
 from ..probe import probe
 from ..probe.report import ProbeReport
 from ..timing import time_steps
@@ -246,9 +247,7 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     if delayed_scaling is not None:
         if inference:
             raise ValueError("delayed_scaling is for training; serving takes static scales")
-        if isinstance(delayed_scaling, bool) or not isinstance(delayed_scaling, (int, float)) \
-                or not 0 < delayed_scaling <= 1:
-            raise ValueError(f"delayed_scaling must be a decay in (0, 1], got {delayed_scaling!r}")
+        delayed_scaling = check_decay(delayed_scaling, "delayed_scaling")
     say = progress or (lambda _line: None)
     batches = list(batches)
     if not batches:

@@ -41,6 +41,7 @@ from ..jsonio import (ReportError, atomic_write_text, encode_number, field_bool,
                       field_int, field_list, field_mapping, field_number, field_path, field_str,
                       json_safe, read_json, require_fields)
 from ..kernels import registry
+from ..numerics.delayed import check_decay
 
 SCHEMA = "loka.plan"
 SCHEMA_VERSION = 1
@@ -176,10 +177,8 @@ class Plan:
         self._check_delayed()
 
     def _check_delayed(self) -> None:
-        d = self.delayed_scaling
-        if d is not None and (isinstance(d, bool) or not isinstance(d, (int, float))
-                              or not 0 < d <= 1):
-            raise ValueError(f"delayed_scaling must be a decay in (0, 1] or None, got {d!r}")
+        if self.delayed_scaling is not None:
+            check_decay(self.delayed_scaling, "delayed_scaling")
 
     @property
     def baseline(self) -> str:
@@ -327,8 +326,11 @@ class Plan:
                          _not_object(f"fallbacks[{i}]", f)
                          for i, f in enumerate(field_list(d, "fallbacks", "", []))]
             delayed = field_number(d, "delayed_scaling", "")
-            if delayed is not None and not 0 < delayed <= 1:
-                raise ReportError(f"delayed_scaling: expected a decay in (0, 1], got {delayed!r}")
+            if delayed is not None:
+                try:
+                    delayed = check_decay(delayed, "delayed_scaling")
+                except ValueError as e:
+                    raise ReportError(str(e)) from None
             return cls(sites=sites, device=field_device(d, "device", ""), budget=_budget(d),
                        source=dict(field_mapping(d, "source", "", {})),
                        notes=list(field_list(d, "notes", "", [], item=str)),

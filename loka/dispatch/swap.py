@@ -40,7 +40,7 @@ from torch import nn
 
 from ..config import LinearConfig
 from ..kernels import registry
-from ..numerics.delayed import DEFAULT_DECAY
+from ..numerics.delayed import DEFAULT_DECAY, check_decay
 from ..probe.hooks import canonical_name
 from .linear import Linear
 from .schema import Plan, PlanMismatchError
@@ -272,11 +272,8 @@ def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = 
     if decay is not None and inference:
         raise ValueError("delayed_scaling is for training; serving takes static_scales")
     planned_decay = getattr(plan, "delayed_scaling", None)
-    if planned_decay is not None and (isinstance(planned_decay, bool)
-                                      or not isinstance(planned_decay, (int, float))
-                                      or not 0 < planned_decay <= 1):
-        raise ValueError(f"plan.delayed_scaling must be a decay in (0, 1] or None, got "
-                         f"{planned_decay!r}")
+    if planned_decay is not None:
+        planned_decay = check_decay(planned_decay, "plan.delayed_scaling")
     for site, amax in (static_scales or {}).items():
         if site not in plan.sites:
             raise KeyError(f"static_scales names sites not in the plan: {site}")
@@ -345,9 +342,8 @@ def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = 
             if not (c.site in records and records[c.site]["created"]):
                 previous_delayed[path] = mod.delayed_decay  # restored by unapply
             if mod.delayed_decay != decay or c.action != "keep":
-                ops = mod.set_delayed_scaling(decay)
-            else:
-                ops = tuple(op for op, f in zip(("x", "w", "dy"), mod._delayed_formats) if f)
+                mod.set_delayed_scaling(decay)
+            ops = mod.delayed_operands
             if ops:
                 delayed[c.site] = ops
         if decay is not None:
@@ -373,9 +369,7 @@ def _delayed_decay(option) -> Optional[float]:
         return None
     if option is True:
         return DEFAULT_DECAY
-    if isinstance(option, (int, float)) and 0 < option <= 1:
-        return float(option)
-    raise ValueError(f"delayed_scaling must be True, False or a decay in (0, 1], got {option!r}")
+    return check_decay(option, "delayed_scaling (True, False or a decay)")
 
 
 def unapply(model: nn.Module) -> List[str]:

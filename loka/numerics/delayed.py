@@ -63,6 +63,14 @@ MAX_ESTIMATE = float(torch.finfo(torch.float32).max) / MAX_STREAK
 """the largest estimate (its next growth stays finite)"""
 
 
+def check_decay(value, name: str = "decay") -> float:
+    """``value`` as a decay, a number in (0, 1] (not a bool); ValueError naming ``name``
+    otherwise. The one check of every entry point that takes a decay."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{name} must be a decay in (0, 1], got {value!r}")
+    return float(value)
+
+
 def new_state(device=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """A fresh ``(est, streak)`` state: two float32 scalars (shape ())."""
     return (torch.full((), AMAX_EPS, dtype=torch.float32, device=device),
