@@ -36,7 +36,9 @@ import torch  # noqa: E402
 from torch._inductor import config as inductor_config  # noqa: E402
 
 import loka  # noqa: E402
-from loka.bench.stepcode import cuda_step_code, inductor_options, inventory, summarize  # noqa: E402
+from loka.bench import evalset as lev  # noqa: E402
+from loka.bench.stepcode import (cuda_step_code, inductor_options, inventory, output_code,  # noqa: E402
+                                 summarize)
 from loka.dispatch import Plan, RoleChoice  # noqa: E402
 from loka.jsonio import atomic_write_text  # noqa: E402
 import json  # noqa: E402
@@ -53,7 +55,7 @@ def variant_plan(plan: Plan, kernel: str) -> Plan:
 
 
 def measure(model_cls, scale: str, batch_size: int, plan, mode: str, on_cuda: bool,
-            save_dir: str | None, tag: str, delayed: bool = False) -> dict:
+            save_dir: str | None, tag: str, delayed: bool = False, steps: int = 0) -> dict:
     import bench.evalset as es
     torch.manual_seed(0)
     model = model_cls(scale).to(torch.bfloat16)
@@ -74,13 +76,22 @@ def measure(model_cls, scale: str, batch_size: int, plan, mode: str, on_cuda: bo
     inputs, labels = model.make_batch(batch_size, device=device, dtype=torch.bfloat16, seed=0)
     if delayed and mode == "train":
         # the first training call seeds the estimates (dynamic scaling); the step measured
-        # is the one after it, with the estimates' scales
-        for mod in model.modules():
-            if getattr(mod, "delayed_decay", None) is not None:
-                mod.seed_delayed(1.0, 1.0, 1.0)
+        # is the one after it, with the estimates' scales. On a GPU that first call is an
+        # eager step, as a user's would be; without one, nothing can run: fixed seeds
+        if on_cuda:
+            es.loss_fn(model, (inputs, labels)).backward()
+            model.zero_grad(set_to_none=True)
+        else:
+            for mod in model.modules():
+                if getattr(mod, "delayed_decay", None) is not None:
+                    mod.seed_delayed(1.0, 1.0, 1.0)
+    timing = {}
     t0 = time.perf_counter()
-    codes = cuda_step_code(model, (inputs, labels) if mode == "train" else inputs,
-                           es.loss_fn if mode == "train" else None, train=(mode == "train"))
+    if on_cuda and steps > 0:
+        codes, timing = time_variant(model, inputs, labels, mode, steps)
+    else:
+        codes = cuda_step_code(model, (inputs, labels) if mode == "train" else inputs,
+                               es.loss_fn if mode == "train" else None, train=(mode == "train"))
     wall = time.perf_counter() - t0
     if save_dir:
         os.makedirs(save_dir, exist_ok=True)
@@ -88,7 +99,32 @@ def measure(model_cls, scale: str, batch_size: int, plan, mode: str, on_cuda: bo
             with open(os.path.join(save_dir, f"{tag}.graph{i}.py"), "w") as f:
                 f.write(code)
     launches = [launch for code in codes for launch in inventory(code)]
-    return dict(summarize(launches), graphs=len(codes), codegen_s=round(wall, 1))
+    row = dict(summarize(launches), graphs=len(codes), codegen_s=round(wall, 1))
+    if timing:
+        kernels_ms = timing.pop("kernels_ms")
+        row.update(timing, kernel_rates=lev.kernel_rates(kernels_ms, launches))
+    return row
+
+
+def time_variant(model, inputs, labels, mode: str, steps: int):
+    """On a GPU: compile ``model`` as the evaluation set does (training: BCE loss, backward,
+    fused AdamW), keep Inductor's code of the first step, then the median wall time of
+    ``steps`` steps after 5 warm-up steps and the profiled GPU time of 3 more."""
+    import bench.evalset as es
+    device = next(model.parameters()).device
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    step = lev.make_step(compiled, model, mode, (inputs, labels), False, device, es.loss_fn)
+    with output_code() as codes:
+        t = lev.time_steps(step, device, warmup=5, steps=steps)
+    prof = lev.profile_gpu(step, 3)
+    timing = {"step_ms": t["step_ms"], "step_ms_min": t["step_ms_min"],
+              "step_ms_max": t["step_ms_max"], "first_step_s": t["first_step_s"],
+              "gpu_ms": prof["gpu_ms_per_step"], "profile_ms": prof["by_class_ms"],
+              "top_kernels_ms": prof["top_kernels_ms"], "kernels_ms": prof["kernels_ms"],
+              "wall_over_gpu": t["step_ms"] / max(prof["gpu_ms_per_step"], 1e-9)}
+    torch._dynamo.reset()
+    return list(codes), timing
 
 
 def main(argv=None) -> int:
@@ -108,6 +144,9 @@ def main(argv=None) -> int:
     ap.add_argument("--inductor-config", action="append", default=[], metavar="KEY=VALUE",
                     help="a torch._inductor.config option for every variant (repeatable; "
                          "VALUE is read as JSON, e.g. realize_reads_threshold=3)")
+    ap.add_argument("--steps", type=int, default=20,
+                    help="on a GPU: time each variant's compiled step (median of STEPS after 5 "
+                         "warm-up steps, GPU time profiled over 3); 0: code only")
     ap.add_argument("--save-code", help="directory for the generated code of every variant")
     ap.add_argument("--out", help="JSON file for the results")
     args = ap.parse_args(argv)
@@ -116,6 +155,8 @@ def main(argv=None) -> int:
         ap.error(f"unknown model {args.model!r}; choose from {sorted(es.EVAL_MODELS)}")
     if args.batch_size < 1:
         ap.error("--batch-size must be positive")
+    if args.steps < 0:
+        ap.error("--steps must be >= 0")
     families = [k for k in args.families.split(",") if k]
     try:
         inductor = inductor_options(args.inductor_config)
@@ -130,7 +171,8 @@ def main(argv=None) -> int:
             loka.kernels.registry.get(args.uniform)
         except KeyError as e:
             ap.error(f"--uniform: {e.args[0]}")
-        plan = Plan.uniform(es.EVAL_MODELS[args.model](args.scale), args.uniform, device="cpu")
+        plan = Plan.uniform(es.EVAL_MODELS[args.model](args.scale), args.uniform,
+                            device="cuda" if torch.cuda.is_available() else "cpu")
     else:
         plan = Plan.load(args.plan) if args.plan else None
     for k in families:
@@ -151,21 +193,29 @@ def main(argv=None) -> int:
         try:
             with inductor_config.patch(inductor):
                 rows[tag] = measure(es.EVAL_MODELS[args.model], args.scale, args.batch_size,
-                                    p, args.mode, on_cuda, args.save_code, tag, delayed)
+                                    p, args.mode, on_cuda, args.save_code, tag, delayed,
+                                    args.steps)
         except Exception as e:  # noqa: BLE001 - one variant's failure keeps the others
             rows[tag] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
             print(f"[step_code] {tag} failed: {rows[tag]['error']}", file=sys.stderr)
     base = rows["bf16"]
-    print(f"| variant | launches | non-GEMM MB | vs bf16 | GEMM MB | FP8 GFLOP | bf16 GFLOP |")
-    print("|---|---|---|---|---|---|---|")
+    timed = any("step_ms" in r for r in rows.values())
+    head = "| variant | launches | non-GEMM MB | vs bf16 | GEMM MB | FP8 GFLOP | bf16 GFLOP |"
+    print(head + (" wall ms | GPU ms | bf16 wall / wall |" if timed else ""))
+    print("|---" * (7 + 3 * timed) + "|")
     for tag, r in rows.items():
         if "error" in r or "error" in base:
-            print(f"| {tag} | failed: {r.get('error', 'the bf16 row failed')} | | | | | |")
+            print(f"| {tag} | failed: {r.get('error', 'the bf16 row failed')} |" + " |" * (6 + 3 * timed))
             continue
         gemm_mb = sum(v for k, v in r["mbytes"].items() if k.startswith("gemm"))
-        print(f"| {tag} | {r['total_launches']} | {r['non_gemm_mbytes']:.0f} | "
-              f"{r['non_gemm_mbytes'] - base['non_gemm_mbytes']:+.0f} | {gemm_mb:.0f} | "
-              f"{r['gemm_gflops'].get('gemm_fp8', 0):.0f} | {r['gemm_gflops'].get('gemm_bf16', 0):.0f} |")
+        line = (f"| {tag} | {r['total_launches']} | {r['non_gemm_mbytes']:.0f} | "
+                f"{r['non_gemm_mbytes'] - base['non_gemm_mbytes']:+.0f} | {gemm_mb:.0f} | "
+                f"{r['gemm_gflops'].get('gemm_fp8', 0):.0f} | {r['gemm_gflops'].get('gemm_bf16', 0):.0f} |")
+        if timed and "step_ms" in r and "step_ms" in base:
+            line += f" {r['step_ms']:.3f} | {r['gpu_ms']:.3f} | {base['step_ms'] / r['step_ms']:.3f} |"
+        elif timed:
+            line += " | | |"
+        print(line)
     for tag, r in rows.items():
         if r.get("serial_mbytes"):
             print(f"warning: {tag}: {r['serial_mbytes']:.0f} MB go through reductions that one "

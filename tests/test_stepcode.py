@@ -169,6 +169,7 @@ def test_the_bench_script_refuses_bad_arguments_in_one_line(capsys):
     script = importlib.import_module("bench.step_code")
     for argv, needle in ((["--model", "nope"], "unknown model"),
                          (["--batch-size", "0"], "--batch-size"),
+                         (["--steps", "-1"], "--steps must be >= 0"),
                          (["--families", "cublas-rowwise"], "needs --plan or --uniform"),
                          (["--plan", "p.json", "--uniform", "cublas-tensorwise"], "not both"),
                          (["--uniform", "warp-drive"], "--uniform: no kernel named"),
@@ -187,6 +188,35 @@ def test_the_bench_script_refuses_bad_arguments_in_one_line(capsys):
     assert moved.sites["0"].roles["fwd"].kernel == "cublas-tensorwise"
     assert moved.sites["0"].roles["dgrad"].kernel == plan.baseline  # baseline roles stay
     assert plan.sites["0"].roles["fwd"].kernel == "cublas-rowwise"  # the input is unchanged
+
+
+def test_the_bench_script_times_a_compiled_step_and_keeps_its_code(monkeypatch):
+    """``time_variant`` (the GPU path of bench/step_code.py) on this CPU, the profiler
+    stubbed: it trains the compiled model (the weights move), keeps the code of the first
+    compilation only, and reports the median of the steps it was asked for."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import importlib
+    script = importlib.import_module("bench.step_code")
+    es = importlib.import_module("bench.evalset")
+    calls = []
+
+    def fake_profile(step, steps):
+        calls.append(steps)
+        return {"gpu_ms_per_step": 2.0, "by_class_ms": {"gemm": 1.0}, "top_kernels_ms": [],
+                "kernels_ms": {"k": 2.0}, "profiled_steps": steps}
+    monkeypatch.setattr(script.lev, "profile_gpu", fake_profile)
+    torch.manual_seed(0)
+    model = es.EVAL_MODELS["wukong"]("tiny")
+    inputs, labels = model.make_batch(16, seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    codes, timing = script.time_variant(model, inputs, labels, "train", steps=3)
+    assert len(codes) == 2  # one forward and one backward graph: compiled once
+    assert all("def call(" in c for c in codes)
+    assert calls == [3]
+    assert timing["step_ms_min"] <= timing["step_ms"] <= timing["step_ms_max"]
+    assert timing["gpu_ms"] == 2.0 and timing["wall_over_gpu"] == pytest.approx(timing["step_ms"] / 2.0)
+    moved = [not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters())]
+    assert all(moved)  # 1 + 4 warm-up + 3 timed AdamW steps changed every weight
 
 
 def test_output_code_collects_what_a_real_compilation_generates():
