@@ -188,6 +188,17 @@ def main(argv=None) -> int:
                 variants.append((tag + "+delayed", p, True))
     on_cuda = torch.cuda.is_available()
     rows = {}
+
+    def save():  # after every variant: a run cut short keeps what it measured
+        if args.out:
+            meta = {"schema": "loka.step_code", "version": 1, "torch": torch.__version__,
+                    "generated_for": "cuda" if on_cuda else "simulated H200 (no GPU)",
+                    "device": torch.cuda.get_device_name() if on_cuda else None,
+                    "argv": sys.argv[1:] if argv is None else list(argv), "model": args.model,
+                    "scale": args.scale, "batch_size": args.batch_size, "mode": args.mode,
+                    "plan": args.plan or (f"uniform:{args.uniform}" if args.uniform else None),
+                    "inductor_config": inductor, "variants": rows}
+            atomic_write_text(args.out, json.dumps(meta, indent=1) + "\n")
     for tag, p, delayed in variants:
         print(f"[step_code] {tag} ...", file=sys.stderr, flush=True)
         try:
@@ -198,6 +209,7 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - one variant's failure keeps the others
             rows[tag] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
             print(f"[step_code] {tag} failed: {rows[tag]['error']}", file=sys.stderr)
+        save()
     base = rows["bf16"]
     timed = any("step_ms" in r for r in rows.values())
     head = "| variant | launches | non-GEMM MB | vs bf16 | GEMM MB | FP8 GFLOP | bf16 GFLOP |"
@@ -220,14 +232,6 @@ def main(argv=None) -> int:
         if r.get("serial_mbytes"):
             print(f"warning: {tag}: {r['serial_mbytes']:.0f} MB go through reductions that one "
                   "program does alone (few bytes, slow kernels)", file=sys.stderr)
-    if args.out:
-        meta = {"schema": "loka.step_code", "version": 1, "torch": torch.__version__,
-                "generated_for": "cuda" if on_cuda else "simulated H200 (no GPU)",
-                "argv": sys.argv[1:] if argv is None else list(argv), "model": args.model,
-                "scale": args.scale, "batch_size": args.batch_size, "mode": args.mode,
-                "plan": args.plan or (f"uniform:{args.uniform}" if args.uniform else None),
-                "inductor_config": inductor, "variants": rows}
-        atomic_write_text(args.out, json.dumps(meta, indent=1) + "\n")
     return 0
 
 

@@ -64,7 +64,7 @@ from torch import nn
 from ..config import BASELINE, LinearConfig, Role, role_shape
 from ..kernels import ops, registry
 from ..kernels.registry import Kernel, Library, Scaling
-from ..numerics import (AMAX_EPS, Granularity, QTensor, get_format, operand_block, quantize,
+from ..numerics import (AMAX_EPS, Granularity, QTensor, as_granularity, get_format, operand_block, quantize,
                         round_scale_to_power_of_two)
 from ..numerics.delayed import (DEFAULT_DECAY, STREAK_GROWTH, check_decay, new_state,
                                next_state, quantize_delayed, seed_state)
@@ -621,7 +621,7 @@ class Linear(nn.Linear):
     def _quantize_input(self, x2d: torch.Tensor) -> QTensor:
         """Static quantization of ``x2d`` (M, K) for the forward kernel."""
         kf = self._kernels[0]
-        fmt, gran = get_format(kf.formats[0]), Granularity(kf.scaling)
+        fmt, gran = get_format(kf.formats[0]), as_granularity(kf.scaling)
         br, bc = operand_block(gran, "a")
         m, k = x2d.shape
         grid = (1 if br == -1 else -(-m // br), 1 if bc == -1 else -(-k // bc))

@@ -28,7 +28,7 @@ import torch
 
 from . import registry
 from .registry import Kernel
-from ..numerics import Granularity, QTensor, get_format, operand_block
+from ..numerics import QTensor, as_granularity, get_format, operand_block
 
 OPAQUE_LIBRARIES = frozenset({"fbgemm"})
 """kernel libraries whose calls are not traced by Dynamo"""
@@ -133,7 +133,7 @@ def is_opaque(kernel: Kernel) -> bool:
 def _qtensor(data: torch.Tensor, scale: torch.Tensor, kernel: Kernel, operand: str) -> QTensor:
     """Rebuild the QTensor a kernel's quantizer made, from its two tensors."""
     fmt = get_format(kernel.formats[0 if operand == "a" else 1])
-    gran = Granularity(kernel.scaling)
+    gran = as_granularity(kernel.scaling)
     br, bc = operand_block(gran, operand)
     r, c = data.shape
     return QTensor(data, scale, fmt, (r if br == -1 else br, c if bc == -1 else bc), gran)

@@ -27,7 +27,7 @@ from torch import nn
 from ..kernels import capabilities as caps
 from ..kernels.ops import triton_kernel_op
 from ..kernels.registry import Library
-from ..numerics import Granularity, QTensor, get_format, quantize
+from ..numerics import QTensor, as_granularity, get_format, quantize
 from .blocknorm import DEFAULT_EPS, BlockNorm
 
 NORMS = ("blocknorm", "layernorm", "none")
@@ -248,7 +248,7 @@ def fused_norm_act_quant(x: torch.Tensor, norm: str = "blocknorm", block: int = 
         y, data, scale = _launch(*args)  # which costs host time at every call
     m = x2d.shape[0]
     blk = (1, d) if granularity == "rowwise" else (max(m, 1), d)
-    q = QTensor(data, scale, fmt, blk, Granularity(granularity))
+    q = QTensor(data, scale, fmt, blk, as_granularity(granularity))
     return (y.reshape(*lead, d) if return_hp else None), q
 
 

