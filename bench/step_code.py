@@ -171,8 +171,14 @@ def main(argv=None) -> int:
             loka.kernels.registry.get(args.uniform)
         except KeyError as e:
             ap.error(f"--uniform: {e.args[0]}")
-        plan = Plan.uniform(es.EVAL_MODELS[args.model](args.scale), args.uniform,
-                            device="cuda" if torch.cuda.is_available() else "cpu")
+        kern, device = loka.kernels.registry.get(args.uniform), "cuda" if torch.cuda.is_available() else "cpu"
+        # without a GPU, a CUDA-only kernel (fast accumulation) takes the roles its twin
+        # takes here: the same shapes qualify, and the code is generated for a GPU anyway
+        base = (kern.quantizes_as if device == "cpu" and not kern.device_ok(device)
+                and kern.quantizes_as else args.uniform)
+        plan = Plan.uniform(es.EVAL_MODELS[args.model](args.scale), base, device=device)
+        if base != args.uniform:
+            plan = variant_plan(plan, args.uniform)
     else:
         plan = Plan.load(args.plan) if args.plan else None
     for k in families:
