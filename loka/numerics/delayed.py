@@ -43,7 +43,7 @@ from typing import Tuple
 import torch
 
 from .formats import FP8Format, get_format
-from .scaling import AMAX_EPS, Granularity, QTensor, is_fp8_dtype, saturate_float64
+from .scaling import AMAX_EPS, Granularity, QTensor, in_memory_order, is_fp8_dtype, saturate_float64
 
 HEADROOM = 2.0
 """the scale leaves this factor above the estimated amax before values saturate"""
@@ -109,7 +109,7 @@ def next_state(est: torch.Tensor, streak: torch.Tensor, q: QTensor,
     if q.data.numel() == 0:
         return est, streak
     e, k = est.float(), streak.float()
-    qmax = q.data.float().abs().amax()
+    qmax = in_memory_order(q.data).float().abs().amax()
     seen = qmax * q.scale.reshape(())
     saturated = qmax >= q.fmt.max
     kept = torch.where(k > STREAK_GROWTH, torch.minimum(decay * e, OVERSHOOT * seen), decay * e)

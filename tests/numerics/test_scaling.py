@@ -3,8 +3,9 @@ import math
 import pytest
 import torch
 
-from loka.numerics import (AMAX_EPS, FORMATS, Granularity, dequantize, fake_quantize, quantize,
-                           relative_frobenius, rowwise_relative_error, sqnr)
+from loka.numerics import (AMAX_EPS, E4M3, FORMATS, Granularity, compute_scales, dequantize,
+                           fake_quantize, in_memory_order, quantize, relative_frobenius,
+                           rowwise_relative_error, sqnr)
 
 GRANS = ["tensorwise", "rowwise", "blockwise", "mx"]
 
@@ -170,3 +171,30 @@ def test_static_scale_check_can_be_left_to_the_caller():
     # loka.Linear validates its static input scale once (set_input_amax), not per call
     q = quantize(torch.randn(4, 16), scale=torch.tensor(0.5), check_scale=False)
     assert q.scale.item() == 0.5
+
+
+def test_a_whole_tensor_amax_reads_a_transposed_view_in_memory_order():
+    """in_memory_order gives the contiguous transpose of a transposed view (the same amax,
+    read without a row's stride) and leaves every other tensor as it is; the tensorwise
+    and one-row scales of a transposed view equal those of its contiguous copy, against a
+    float64 reference."""
+    torch.manual_seed(0)
+    w = torch.randn(48, 80) * 3
+    wt = w.t()
+    assert in_memory_order(wt).data_ptr() == w.data_ptr() and in_memory_order(wt).is_contiguous()
+    assert in_memory_order(w) is w
+    strided = torch.randn(40, 100)[:, ::2]  # neither it nor its transpose is contiguous
+    assert in_memory_order(strided) is strided
+    cube = torch.randn(2, 3, 4).transpose(0, 2)
+    assert in_memory_order(cube) is cube  # 2-D only
+    ref = float(w.double().abs().max()) / E4M3.max
+    for view in (wt, wt.contiguous()):
+        s = compute_scales(view, E4M3, (-1, -1))
+        assert s.shape == (1, 1) and abs(float(s) - ref) <= 1e-7 * ref
+    one_row = torch.randn(1, 64)
+    col = one_row.t()  # (64, 1), its transpose contiguous: one block either way
+    s = compute_scales(col, E4M3, (-1, 1))
+    assert s.shape == (1, 1)
+    assert abs(float(s) - float(one_row.double().abs().max()) / E4M3.max) <= 1e-7 * float(s)
+    q = quantize(wt, E4M3, "tensorwise", "b")
+    assert torch.equal(q.scale, quantize(wt.contiguous(), E4M3, "tensorwise", "b").scale)
