@@ -198,3 +198,23 @@ def test_a_whole_tensor_amax_reads_a_transposed_view_in_memory_order():
     assert abs(float(s) - float(one_row.double().abs().max()) / E4M3.max) <= 1e-7 * float(s)
     q = quantize(wt, E4M3, "tensorwise", "b")
     assert torch.equal(q.scale, quantize(wt.contiguous(), E4M3, "tensorwise", "b").scale)
+
+
+def test_no_code_calls_the_granularity_enum_on_a_value_torch_2_11_cannot_trace():
+    """Dynamo in torch 2.11 fails on ``Granularity(Granularity.TENSORWISE)`` inside a
+    compiled region (a compiled delayed Linear's first call did, on the GPU): loka calls
+    ``as_granularity`` instead, which returns members as they are and looks names up."""
+    import pathlib
+    import re
+    root = pathlib.Path(__file__).resolve().parents[2] / "loka"
+    calls = [f"{p.relative_to(root)}:{i}" for p in root.rglob("*.py")
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r"(?<![\w.`])Granularity\(", line.split("#")[0])
+             and "class Granularity(" not in line]
+    assert calls == []
+    from loka.numerics import as_granularity
+    for g in Granularity:
+        assert as_granularity(g) is g and as_granularity(g.value) is g
+    for bad in ("row", None, 3):
+        with pytest.raises(ValueError, match="not a valid Granularity"):
+            as_granularity(bad)
