@@ -2,7 +2,9 @@
 """What Inductor makes of a plan on a GPU: kernels, bytes and GEMM FLOPs of one compiled
 training step (or serving forward) of an evaluation-set model, from the CUDA code
 Inductor generates (``loka.bench.stepcode``). Runs on a machine without a GPU (the code
-is generated for a simulated H200 and nothing runs) or with one (the real compilation).
+is generated for a simulated H200 and nothing runs) or with one (the real compilation, and
+each variant's compiled step timed: median wall time of ``--steps`` steps, GPU time from
+the profiler, bytes over time kernel by kernel).
 
 Variants: ``bf16`` (no plan), the plan given with ``--plan``, and one variant per kernel
 of ``--families``: the plan's FP8 site-roles all moved to that kernel, so that the same
