@@ -321,6 +321,13 @@ def test_torchao_kernels_and_converter():
         if kern.scaling == "rowwise":  # torchao's rowwise recipe rounds scales to powers of two
             s = qb.scale
             assert torch.equal(torch.exp2(torch.log2(s).round()), s)
+        else:  # a transposed view is cast as its contiguous transpose: the same FP8 values
+            qc = kern.quantize_b(b.contiguous())
+            assert torch.equal(qb.scale, qc.scale)
+            assert torch.equal(qb.data.float(), qc.data.float())
+            qa = kern.quantize_a(w.t().to(DEVICE))  # an a operand given as a transposed view
+            assert qa.data.shape == (128, 32) and qa.data.stride() == (1, 128)
+            assert torch.equal(qa.data.float(), kern.quantize_a(w.t().contiguous().to(DEVICE)).data.float())
     assert set(RECIPES) == {"tensorwise", "rowwise", "rowwise_with_gw_hp"}
     model = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     assert convert_torchao(model, "rowwise", False, "cpu") == ["0"]  # 64 -> 8 is not 16-aligned

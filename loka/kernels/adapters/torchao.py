@@ -31,7 +31,7 @@ from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
 from torchao.float8.float8_training_tensor import GemmInputRole, LinearMMConfig
 
 from ...config import Role
-from ...numerics import E4M3, Granularity, QTensor, saturate_float64
+from ...numerics import E4M3, Granularity, QTensor, in_memory_order, saturate_float64
 from .. import capabilities as caps
 from ..cublas import row_major
 from ..recipes import check_gemm_operands
@@ -48,6 +48,11 @@ def _cast(x: torch.Tensor, granularity: Granularity, operand: str, pow2: bool):
         shape = ((r, 1) if operand == "a" else (1, c)) if axiswise else ()
         return (torch.empty(r, c, dtype=E4M3.dtype, device=x.device),
                 torch.ones(shape, dtype=torch.float32, device=x.device))
+    if not axiswise and in_memory_order(x) is not x:
+        # a transposed view (Wᵀ, dyᵀ): cast its contiguous transpose, whose amax is read in
+        # memory order (one scale either way), and hand back the transpose of the result
+        data, scale = _cast(x.t(), granularity, "b" if operand == "a" else "a", pow2)
+        return data.t(), scale
     # a float64 operand beyond float32's range saturates, as in LoKA's quantizers
     t = hp_tensor_to_float8_dynamic(
         saturate_float64(x), E4M3.dtype, LinearMMConfig(),
