@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import sys
 import time
@@ -94,14 +95,17 @@ def measure(model_cls, scale: str, batch_size: int, plan, mode: str, on_cuda: bo
     else:
         codes = cuda_step_code(model, (inputs, labels) if mode == "train" else inputs,
                                es.loss_fn if mode == "train" else None, train=(mode == "train"))
-    wall = time.perf_counter() - t0
+    wall = time.perf_counter() - t0  # code generation, and on a GPU the timing too
     if save_dir:
         os.makedirs(save_dir, exist_ok=True)
         for i, code in enumerate(codes):
             with open(os.path.join(save_dir, f"{tag}.graph{i}.py"), "w") as f:
                 f.write(code)
     launches = [launch for code in codes for launch in inventory(code)]
-    row = dict(summarize(launches), graphs=len(codes), codegen_s=round(wall, 1))
+    row = dict(summarize(launches), graphs=len(codes), wall_s=round(wall, 1))
+    if len(codes) > (2 if mode == "train" else 1):  # a recompilation: its code is summed too
+        print(f"[step_code] {tag}: {len(codes)} graphs compiled (a recompilation); their "
+              "kernels are all counted", file=sys.stderr)
     if timing:
         kernels_ms = timing.pop("kernels_ms")
         row.update(timing, kernel_rates=lev.kernel_rates(kernels_ms, launches))
@@ -110,22 +114,28 @@ def measure(model_cls, scale: str, batch_size: int, plan, mode: str, on_cuda: bo
 
 def time_variant(model, inputs, labels, mode: str, steps: int):
     """On a GPU: compile ``model`` as the evaluation set does (training: BCE loss, backward,
-    fused AdamW), keep Inductor's code of the first step, then the median wall time of
+    fused AdamW), keep Inductor's code of every graph it compiles (the first step's, unless
+    a guard fails later), then the median wall time of
     ``steps`` steps after 5 warm-up steps and the profiled GPU time of 3 more."""
     import bench.evalset as es
     device = next(model.parameters()).device
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the previous variant's memory, as the evaluation set does
     torch._dynamo.reset()
-    compiled = torch.compile(model)
-    step = lev.make_step(compiled, model, mode, (inputs, labels), False, device, es.loss_fn)
-    with output_code() as codes:
-        t = lev.time_steps(step, device, warmup=5, steps=steps)
-    prof = lev.profile_gpu(step, 3)
+    try:
+        compiled = torch.compile(model)
+        step = lev.make_step(compiled, model, mode, (inputs, labels), False, device, es.loss_fn)
+        with output_code() as codes:  # every graph compiled while timing (one, normally)
+            t = lev.time_steps(step, device, warmup=5, steps=steps)
+        prof = lev.profile_gpu(step, 3)
+    finally:
+        torch._dynamo.reset()
     timing = {"step_ms": t["step_ms"], "step_ms_min": t["step_ms_min"],
               "step_ms_max": t["step_ms_max"], "first_step_s": t["first_step_s"],
               "gpu_ms": prof["gpu_ms_per_step"], "profile_ms": prof["by_class_ms"],
               "top_kernels_ms": prof["top_kernels_ms"], "kernels_ms": prof["kernels_ms"],
               "wall_over_gpu": t["step_ms"] / max(prof["gpu_ms_per_step"], 1e-9)}
-    torch._dynamo.reset()
     return list(codes), timing
 
 
@@ -170,10 +180,10 @@ def main(argv=None) -> int:
         ap.error("--families needs --plan or --uniform (its FP8 site-roles)")
     if args.uniform:
         try:
-            loka.kernels.registry.get(args.uniform)
+            kern = loka.kernels.registry.get(args.uniform)
         except KeyError as e:
             ap.error(f"--uniform: {e.args[0]}")
-        kern, device = loka.kernels.registry.get(args.uniform), "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
         # without a GPU, a CUDA-only kernel (fast accumulation) takes the roles its twin
         # takes here: the same shapes qualify, and the code is generated for a GPU anyway
         base = (kern.quantizes_as if device == "cpu" and not kern.device_ok(device)
@@ -181,6 +191,9 @@ def main(argv=None) -> int:
         plan = Plan.uniform(es.EVAL_MODELS[args.model](args.scale), base, device=device)
         if base != args.uniform:
             plan = variant_plan(plan, args.uniform)
+        if all(c.kernel == plan.baseline for sp in plan.sites.values() for c in sp.roles.values()):
+            ap.error(f"--uniform: {args.uniform} serves no role of {args.model} "
+                     f"({args.scale}) on this machine: {plan.notes[0] if plan.notes else ''}")
     else:
         plan = Plan.load(args.plan) if args.plan else None
     for k in families:
@@ -199,7 +212,7 @@ def main(argv=None) -> int:
 
     def save():  # after every variant: a run cut short keeps what it measured
         if args.out:
-            meta = {"schema": "loka.step_code", "version": 1, "torch": torch.__version__,
+            meta = {"schema": "loka.step_code", "version": 2, "torch": torch.__version__,
                     "generated_for": "cuda" if on_cuda else "simulated H200 (no GPU)",
                     "device": torch.cuda.get_device_name() if on_cuda else None,
                     "argv": sys.argv[1:] if argv is None else list(argv), "model": args.model,
@@ -225,7 +238,7 @@ def main(argv=None) -> int:
     print("|---" * (7 + 3 * timed) + "|")
     for tag, r in rows.items():
         if "error" in r or "error" in base:
-            print(f"| {tag} | failed: {r.get('error', 'the bf16 row failed')} |" + " |" * (6 + 3 * timed))
+            print(f"| {tag} | failed: {r.get('error', 'the bf16 row failed')} |" + " |" * (5 + 3 * timed))
             continue
         gemm_mb = sum(v for k, v in r["mbytes"].items() if k.startswith("gemm"))
         line = (f"| {tag} | {r['total_launches']} | {r['non_gemm_mbytes']:.0f} | "

@@ -29,7 +29,7 @@ class Scaling(ValueEnum):
     """How a kernel scales its FP8 operands (``NONE``: a high-precision kernel).
 
     The values are :class:`~loka.numerics.Granularity`'s, so a kernel's scaling converts
-    to one with ``Granularity(kernel.scaling)`` and compares equal to its name."""
+    to one with ``as_granularity(kernel.scaling)`` and compares equal to its name."""
 
     NONE = "none"
     TENSORWISE = "tensorwise"
