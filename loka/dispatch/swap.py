@@ -40,7 +40,7 @@ from torch import nn
 
 from ..config import LinearConfig
 from ..kernels import registry
-from ..numerics.delayed import DEFAULT_DECAY, check_decay
+from ..numerics.delayed import DEFAULT_DECAY, FUSING_TORCH, check_decay, inductor_fuses_the_estimate
 from ..probe.hooks import canonical_name
 from .linear import Linear
 from .schema import Plan, PlanMismatchError
@@ -350,6 +350,12 @@ def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = 
             report.notes.append(f"delayed scaling (decay {decay:g}) on {len(delayed)} of "
                                 f"{planned} site(s), {sum(map(len, delayed.values()))} "
                                 "operand(s); the others scale dynamically")
+            if delayed and not inductor_fuses_the_estimate():
+                report.notes.append(
+                    f"delayed scaling under torch {torch.__version__}: its Inductor takes each "
+                    "new estimate in a reduction of its own, so a compiled step keeps an amax "
+                    "pass per operand and was measured no faster than dynamic scaling (torch "
+                    f"{'.'.join(map(str, FUSING_TORCH))} fuses it; docs/dispatch.md)")
     if compiled:
         report.notes.append("compiled model: changes were made on model._orig_mod; it "
                             "recompiles on its next call")

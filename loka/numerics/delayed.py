@@ -63,6 +63,22 @@ MAX_ESTIMATE = float(torch.finfo(torch.float32).max) / MAX_STREAK
 """the largest estimate (its next growth stays finite)"""
 
 
+FUSING_TORCH = (2, 13)
+"""the first torch whose Inductor was seen to compute the new estimate inside the cast's
+kernel; torch 2.11's reduces for it in a kernel of its own (docs/dispatch.md)"""
+
+
+def inductor_fuses_the_estimate(version: str = torch.__version__) -> bool:
+    """Whether this torch's Inductor is known to take the next estimate in the cast's own
+    kernel (``version`` like ``"2.11.0+cu130"``); before :data:`FUSING_TORCH`, delayed
+    scaling keeps an amax pass per operand under ``torch.compile``."""
+    try:
+        major, minor = (int(v) for v in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return True  # a build whose version this cannot read: no claim about it
+    return (major, minor) >= FUSING_TORCH
+
+
 def check_decay(value, name: str = "decay") -> float:
     """``value`` as a decay, a number in (0, 1] (not a bool); ValueError naming ``name``
     otherwise. The one check of every entry point that takes a decay."""

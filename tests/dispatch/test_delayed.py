@@ -384,6 +384,22 @@ def _planned(delayed):
     return net, report
 
 
+def test_apply_says_when_this_torchs_inductor_keeps_an_amax_pass(monkeypatch):
+    from loka.dispatch import swap
+    from loka.numerics.delayed import inductor_fuses_the_estimate
+    assert not inductor_fuses_the_estimate("2.11.0+cu130")
+    assert not inductor_fuses_the_estimate("2.12.0a0+git1234")
+    assert inductor_fuses_the_estimate("2.13.0+cpu") and inductor_fuses_the_estimate("3.0")
+    assert inductor_fuses_the_estimate("nightly")  # unreadable: no claim
+    for fuses in (True, False):
+        monkeypatch.setattr(swap, "inductor_fuses_the_estimate", lambda: fuses)
+        _, report = _planned(True)
+        said = [n for n in report.notes if "reduction of its own" in n]
+        assert len(said) == (0 if fuses else 1)
+        _, report = _planned(False)  # nothing delayed: nothing to say
+        assert not any("reduction of its own" in n for n in report.notes)
+
+
 def test_apply_turns_it_on_and_says_so():
     net, report = _planned(True)
     assert any("delayed scaling (decay 0.9) on 2 of 2 site(s), 6 operand(s)" in n
