@@ -64,8 +64,8 @@ from torch import nn
 from ..config import BASELINE, LinearConfig, Role, role_shape
 from ..kernels import ops, registry
 from ..kernels.registry import Kernel, Library, Scaling
-from ..numerics import (AMAX_EPS, Granularity, QTensor, as_granularity, get_format, operand_block, quantize,
-                        round_scale_to_power_of_two)
+from ..numerics import (AMAX_EPS, Granularity, QTensor, as_granularity, get_format, operand_block,
+                        quantize, round_scale_to_power_of_two)
 from ..numerics.delayed import (DEFAULT_DECAY, STREAK_GROWTH, check_decay, new_state,
                                next_state, quantize_delayed, seed_state)
 

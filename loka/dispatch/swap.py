@@ -40,7 +40,8 @@ from torch import nn
 
 from ..config import LinearConfig
 from ..kernels import registry
-from ..numerics.delayed import DEFAULT_DECAY, FUSING_TORCH, check_decay, inductor_fuses_the_estimate
+from ..numerics.delayed import (DEFAULT_DECAY, FUSING_TORCH, check_decay,
+                               inductor_fuses_the_estimate)
 from ..probe.hooks import canonical_name
 from .linear import Linear
 from .schema import Plan, PlanMismatchError

@@ -162,10 +162,9 @@ def round_scale_to_power_of_two(scale: torch.Tensor) -> torch.Tensor:
 
 def in_memory_order(x: torch.Tensor) -> torch.Tensor:
     """``x``, or its transpose where that is the contiguous one: a whole-tensor reduction
-    (an amax) has the same value either way, and a reduction over a transposed view in
-    its logical order reads memory with a stride of a row (Inductor's code for the amax of
-    a weight's transpose ran at 131 GB/s on an H100,
-    bench/results/2026-12-05-h100-delayed)."""
+    (an amax) has the same value either way, and one over a transposed view in its
+    logical order reads memory a row's stride apart, which compiled code does slowly
+    (bench/BENCHMARKS.md, "Delayed scaling", the H100 run)."""
     if x.dim() == 2 and not x.is_contiguous() and x.t().is_contiguous():
         return x.t()
     return x
