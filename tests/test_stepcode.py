@@ -182,6 +182,11 @@ def test_the_bench_script_refuses_bad_arguments_in_one_line(capsys):
             script.main(argv)
         assert e.value.code == 2
         assert needle in capsys.readouterr().err
+    if not torch.cuda.is_available():  # a kernel this machine cannot run, and no CPU twin
+        with pytest.raises(SystemExit) as e:
+            script.main(["--uniform", "triton-rowwise", "--scale", "tiny"])
+        assert e.value.code == 2
+        assert "serves no role of wukong (tiny)" in capsys.readouterr().err
     plan = Plan.uniform(_model(), "cublas-rowwise")
     plan.sites["0"].roles["dgrad"] = RoleChoice(plan.baseline)
     moved = script.variant_plan(plan, "cublas-tensorwise")
