@@ -435,13 +435,13 @@ class Linear(nn.Linear):
         self.monitor: Optional[SiteMonitor] = None
         self.delayed_decay: Optional[float] = None
         self.set_config(config)
-        self.set_delayed_scaling(None)
 
     # -- configuration -------------------------------------------------------------
     def set_config(self, config: LinearConfig) -> None:
         """Resolve and check the kernels once; raises for unknown kernels, roles they do
         not serve, or feature dims they cannot align. Clears a quantized weight and a
-        static input scale (they belong to the previous forward kernel)."""
+        static input scale (they belong to the previous forward kernel) and restarts
+        delayed scaling's estimates (its decay stays)."""
         if not isinstance(config, LinearConfig):
             raise TypeError(f"config must be a LinearConfig, got {type(config).__name__}")
         if self.weight is None:
@@ -466,8 +466,8 @@ class Linear(nn.Linear):
         self._all_baseline = all(k.name == BASELINE for k in kernels)
         self.weight_q = None
         self.input_amax = None
-        if self.__dict__.get("delayed_decay") is not None:  # new kernels: estimates start over
-            self.set_delayed_scaling(self.delayed_decay)
+        # new kernels: which operands are delayed follows them, and the estimates start over
+        self.set_delayed_scaling(self.__dict__.get("delayed_decay"))
 
     def set_delayed_scaling(self, decay: Optional[float] = DEFAULT_DECAY) -> Tuple[str, ...]:
         """Quantize x, W and dy with delayed tensorwise scales in training (module
@@ -561,9 +561,8 @@ class Linear(nn.Linear):
         new.weight_q = None
         new.input_amax = None
         new.monitor = None
-        new.delayed_decay = None
+        new.delayed_decay = None  # a loka.Linear wrapped again starts with it off
         new.set_config(config)
-        new.set_delayed_scaling(None)  # a loka.Linear wrapped again starts with it off
         return new
 
     def to_linear(self) -> nn.Linear:

@@ -342,7 +342,7 @@ def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = 
             planned += 1
             if not (c.site in records and records[c.site]["created"]):
                 previous_delayed[path] = mod.delayed_decay  # restored by unapply
-            if mod.delayed_decay != decay or c.action != "keep":
+            if mod.delayed_decay != decay:  # (set_config restarted the others' estimates)
                 mod.set_delayed_scaling(decay)
             ops = mod.delayed_operands
             if ops:
