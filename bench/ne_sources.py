@@ -40,6 +40,7 @@ second-order cost and their paired change; then ``loka.quality.ne_budget`` on th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
@@ -107,17 +108,34 @@ def summarize(result, cost) -> dict:
 
 
 def terms(name, preset, args, device):
+    """The paired check's terms: ``(build, train_data, eval_data)``. With ``--cache-batches``
+    every seed's training batches and the held-out batches are made once, on ``device``,
+    and replayed (the same batches the stream gives; generating a paper-scale batch on the
+    host costs about as much as a GPU step)."""
     def build(seed):
         return build_reference(name, preset, None, device, seed=seed, table_rows=args.table_rows)
 
     spec = build(0).feature_spec
     held = SyntheticCTR(spec, args.eval_batch, seed=10_000)
+    if not getattr(args, "cache_batches", False):
+        def train_data(seed):
+            return SyntheticCTR(spec, args.batch_size, seed=seed)
+
+        def eval_data():
+            return (held.batch(i) for i in range(args.eval_batches))
+        return build, train_data, eval_data
+    cache = {}
 
     def train_data(seed):
-        return SyntheticCTR(spec, args.batch_size, seed=seed)
+        if seed not in cache:
+            stream = SyntheticCTR(spec, args.batch_size, seed=seed)
+            cache[seed] = [stream.batch(i).to(device) for i in range(args.steps)]
+        return iter(cache[seed])
+
+    held_batches = [held.batch(i).to(device) for i in range(args.eval_batches)]
 
     def eval_data():
-        return (held.batch(i) for i in range(args.eval_batches))
+        return iter(held_batches)
     return build, train_data, eval_data
 
 
@@ -292,9 +310,105 @@ def budget(name, preset, args, device) -> dict:
                        else summarize(result.quality, None)}}
 
 
+def default_plan(name, preset, args, device, out, write) -> None:
+    """``--mode plan``: the plan a user gets by default (the Probe's statistics and
+    ``loka.plan(report, assume_fast=True)`` on ``--plan-kernel``), its paired NE change
+    (the budget's first check), the NE budget at ``--max-ne-change``, and, with
+    ``--speed-steps`` on a GPU, the compiled training step of the baseline, the plan and
+    the plan within the budget, side by side. ``out`` is filled and ``write()`` called
+    after every stage, so a run cut short keeps what it measured."""
+    t_start = time.time()
+    build, train_data, eval_data = terms(name, preset, args, device)
+    model = build(0)
+    stream = SyntheticCTR(model.feature_spec, args.batch_size, seed=0)
+    batches = [stream.batch(i).to(device) for i in range(8)]
+    t0 = time.time()
+    report = probe(model, batches, loss_fn,
+                   config=ProbeConfig(every_n_steps=1, num_samples=16, timing=False,
+                                      kernels=("bf16", args.plan_kernel)))
+    plan = make_plan(report, max_error=args.max_error, assume_fast=True)
+    pairs = fp8_site_roles(plan)
+    del model, report
+    out["plan"] = {"fp8_sites": len(plan.fp8_sites()), "fp8_site_roles": len(pairs),
+                   "site_roles_total": 3 * len(plan.sites), "kernel": args.plan_kernel,
+                   "max_error": args.max_error, "probe_seconds": round(time.time() - t0, 1)}
+    if args.plan_out:
+        plan.save(args.plan_out)
+    print(f"  plan: {len(plan.fp8_sites())} FP8 sites, {len(pairs)} FP8 site-roles", flush=True)
+    write()
+    lines = out.setdefault("progress", [])
+
+    def progress(line):
+        lines.append(f"{round(time.time() - t_start)} s: {line}")
+        print(f"    {line}", flush=True)
+        write()
+
+    t0 = time.time()
+    result = ne_budget(plan, build, train_data, eval_data, max_ne_change=args.max_ne_change,
+                       steps=args.steps, seeds=args.seeds, lr=args.lr, device=device,
+                       cost_steps=args.cost_steps, cost_seeds=args.cost_seeds,
+                       interval=args.interval, progress=progress)
+    first = result.checks[0] if result.checks else None
+    out["default_plan"] = first
+    kept = len(fp8_site_roles(result.plan))
+    out["budget"] = {"max_ne_change": args.max_ne_change, "interval": args.interval,
+                     "kept_site_roles": kept, "kept_sites": len(result.plan.fp8_sites()),
+                     "moved_back": result.moved_back, "checks": result.checks,
+                     "rel_ne_change": result.rel_ne_change, "upper": result.upper,
+                     "quality": None if result.quality is None
+                     else summarize(result.quality, None),
+                     "costs": [c.__dict__ for c in result.costs],
+                     "seconds": round(time.time() - t0, 1)}
+    if args.budget_plan_out:
+        result.plan.save(args.budget_plan_out)
+    print(f"  NE budget {args.max_ne_change:.4%}: kept {kept} of {len(pairs)}; change "
+          f"{result.rel_ne_change:+.4%}, upper {result.upper:+.4%}", flush=True)
+    write()
+    if args.speed_steps and device.type == "cuda":
+        out["speed"] = {}
+        for row, p in (("baseline", None), ("default plan", plan), ("within budget", result.plan)):
+            out["speed"][row] = step_speed(name, preset, args, device, p)
+            print(f"  speed {row}: {out['speed'][row]}", flush=True)
+            write()
+        base = out["speed"]["baseline"]["step_ms"]
+        for row in out["speed"].values():
+            row["speedup"] = base / row["step_ms"]
+        write()
+
+
+def step_speed(name, preset, args, device, plan) -> dict:
+    """Median wall time and profiled GPU time of one compiled training step (fused AdamW)
+    of the reference model in bf16, with ``plan`` applied (None: the baseline), on one
+    batch of ``--batch-size``."""
+    import loka
+    from loka.bench.evalset import profile_gpu, time_steps
+
+    model = build_reference(name, preset, None, device, seed=0, table_rows=args.table_rows)
+    if plan is not None:
+        loka.apply(model, plan)
+    batch = SyntheticCTR(model.feature_spec, args.batch_size, seed=0).batch(0).to(device)
+    batch = dataclasses.replace(batch, dense=batch.dense.to(torch.bfloat16),
+                                labels=batch.labels.to(torch.bfloat16))
+    compiled = torch.compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def step():
+        loss = loss_fn(compiled, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+    row = time_steps(step, device, warmup=3, steps=args.speed_steps)
+    row["gpu_ms"] = profile_gpu(step, 5)["gpu_ms_per_step"]
+    row["fp8_sites"] = 0 if plan is None else len(plan.fp8_sites())
+    del model, compiled, opt
+    torch.cuda.empty_cache()
+    return row
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mode", choices=("sources", "budget"), default="sources")
+    p.add_argument("--mode", choices=("sources", "budget", "plan"), default="sources")
     p.add_argument("--low-noise", action="store_true",
                    help="--mode sources: add to --out (an earlier sources run) each arm's "
                         "short-horizon cost and its serving change")
@@ -318,6 +432,15 @@ def main(argv=None) -> int:
                         "(cublas-rowwise on a GPU)")
     p.add_argument("--arm", action="append", default=[], dest="arms",
                    help="--mode sources: only this arm (repeatable; default all)")
+    p.add_argument("--cache-batches", action="store_true",
+                   help="make every seed's training batches and the held-out batches once, "
+                        "on --device, and replay them")
+    p.add_argument("--plan-out", default=None, help="--mode plan: write the default plan here")
+    p.add_argument("--budget-plan-out", default=None,
+                   help="--mode plan: write the plan within the NE budget here")
+    p.add_argument("--speed-steps", type=int, default=0,
+                   help="--mode plan, on a GPU: time this many compiled training steps of the "
+                        "baseline, the default plan and the plan within the budget")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     known = set(ARMS) | set(EXCEPT) | set(GPU_ARMS)
@@ -346,6 +469,13 @@ def main(argv=None) -> int:
         print(f"{name} {preset}", flush=True)
         if args.low_noise:
             low_noise(name, preset, args, device, out["models"][spec])
+        elif args.mode == "plan":
+            row = out["models"].setdefault(spec, {})
+
+            def write():
+                atomic_write_text(args.out, json.dumps(json_safe(out), indent=1,
+                                                       allow_nan=False))
+            default_plan(name, preset, args, device, row, write)
         else:
             run = sources if args.mode == "sources" else budget
             out["models"][spec] = run(name, preset, args, device)

@@ -331,9 +331,17 @@ def ne_budget(plan: Plan, build_model: Callable[[int], nn.Module],
         say(f"paired check with the {k} costliest of {len(ranked)} moved back")
         result = arms.check(trial, confidence=confidence)
         results[k] = result
+        seeds_iv = result.rel_ne_seeds
         checks.append({"moved_back": k, "rel_ne_change": result.rel_ne_change,
-                       "upper": _upper(result, interval)})
-        return _upper(result, interval) <= max_ne_change
+                       "upper": _upper(result, interval),
+                       "rel_ne_examples": list(result.rel_ne_examples),
+                       "rel_ne_seeds": None if seeds_iv is None else list(seeds_iv),
+                       "auc_change": result.auc_change})
+        upper = _upper(result, interval)
+        say(f"  {k} moved back: relative NE change {result.rel_ne_change:+.4%}, upper bound "
+            f"{upper:+.4%} ({'within' if upper <= max_ne_change else 'over'} "
+            f"{max_ne_change:.4%})")
+        return upper <= max_ne_change
 
     n = len(ranked)
     if n == 0 or holds(0):

@@ -172,9 +172,18 @@ def test_a_plan_within_its_budget_is_kept_whole_with_one_check(terms, budgeted):
     plan, first = budgeted
     # a cost of a site-role this plan lacks (measured on another plan) is not recorded
     extra = SiteRoleCost("no.such.site", "fwd", FP8, 1.0, 0.0)
+    lines = []
     result = ne_budget(plan, **terms, max_ne_change=0.5, steps=STEPS, seeds=(0,),
-                       costs=first.costs + [extra])
+                       costs=first.costs + [extra], progress=lines.append)
     assert result.moved_back == [] and len(result.checks) == 1
+    # each check records both intervals and says its outcome in one progress line
+    check = result.checks[0]
+    assert check["rel_ne_examples"] == list(result.quality.rel_ne_examples)
+    assert check["rel_ne_seeds"] is None  # one seed: no interval over seeds
+    assert check["auc_change"] == result.quality.auc_change
+    assert check["rel_ne_examples"][0] <= check["rel_ne_change"] <= check["upper"]
+    assert lines[-1] == (f"  0 moved back: relative NE change {check['rel_ne_change']:+.4%}, "
+                         f"upper bound {check['upper']:+.4%} (within 50.0000%)")
     assert fp8_site_roles(result.plan) == fp8_site_roles(plan)
     assert "no.such.site" not in result.plan.sites
 

@@ -1,0 +1,65 @@
+"""bench/ne_sources.py --mode plan: the default plan's paired NE change, the NE budget, and
+the plan files it writes (the GPU row of the NE budget table, run here at CPU size)."""
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from loka.dispatch import Plan
+from loka.quality import fp8_site_roles
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def _script():
+    import importlib
+    return importlib.import_module("bench.ne_sources")
+
+
+def test_cached_batches_are_the_streams_own():
+    script = _script()
+    args = types.SimpleNamespace(table_rows=100, eval_batch=32, batch_size=16, eval_batches=3,
+                                 steps=4, cache_batches=False)
+    _, train_a, eval_a = script.terms("wukong", "tiny", args, torch.device("cpu"))
+    args.cache_batches = True
+    _, train_b, eval_b = script.terms("wukong", "tiny", args, torch.device("cpu"))
+    for a, b in zip(list(zip(range(4), train_a(3))), list(train_b(3))):
+        assert torch.equal(a[1].dense, b.dense) and torch.equal(a[1].labels, b.labels)
+        assert a[1].sparse.keys() == b.sparse.keys()
+        assert all(torch.equal(a[1].sparse[k].values, b.sparse[k].values) and
+                   torch.equal(a[1].sparse[k].offsets, b.sparse[k].offsets) for k in b.sparse)
+    assert len(list(train_b(3))) == 4  # replayed from the start every time
+    held_a, held_b = list(eval_a()), list(eval_b())
+    assert len(held_a) == len(held_b) == 3
+    assert all(torch.equal(x.labels, y.labels) for x, y in zip(held_a, held_b))
+
+
+def test_plan_mode_writes_the_default_plan_its_check_and_the_budget(tmp_path, capsys):
+    script = _script()
+    out, plan_out, budget_out = tmp_path / "ne.json", tmp_path / "p.json", tmp_path / "pb.json"
+    assert script.main(["--mode", "plan", "--models", "wukong:tiny", "--steps", "20",
+                        "--eval-batches", "4", "--eval-batch", "256", "--batch-size", "64",
+                        "--seeds", "0,1", "--cache-batches", "--max-ne-change", "2e-4",
+                        "--plan-out", str(plan_out), "--budget-plan-out", str(budget_out),
+                        "--speed-steps", "3", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["models"]["wukong:tiny"]
+    plan, within = Plan.load(plan_out), Plan.load(budget_out)
+    assert row["plan"]["fp8_site_roles"] == len(fp8_site_roles(plan)) > 0
+    budget = row["budget"]
+    # the default plan's paired change is the budget's first check: nothing moved back
+    assert row["default_plan"] == budget["checks"][0] and budget["checks"][0]["moved_back"] == 0
+    lo, hi = row["default_plan"]["rel_ne_seeds"]
+    assert lo <= row["default_plan"]["rel_ne_change"] <= hi == row["default_plan"]["upper"]
+    assert budget["kept_site_roles"] == len(fp8_site_roles(within))
+    assert budget["kept_site_roles"] + len(budget["moved_back"]) == row["plan"]["fp8_site_roles"]
+    assert budget["upper"] <= 2e-4
+    assert len(budget["costs"]) == row["plan"]["fp8_site_roles"]
+    assert any("moved back: relative NE change" in line for line in row["progress"])
+    assert "speed" not in row  # compiled step timings are taken on a GPU only
+    with pytest.raises(SystemExit):
+        script.main(["--mode", "budgets", "--out", str(out)])
+    assert "invalid choice" in capsys.readouterr().err
