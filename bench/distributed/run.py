@@ -93,8 +93,12 @@ def _build(args, device, arm):
             return None, "torchao is not installed"
         if device.type != "cuda":
             return None, "torchao's Float8Linear needs a GPU"
-        convert_to_float8_training(model, config=Float8LinearConfig(
-            enable_fsdp_float8_all_gather=True))
+        # torch._scaled_mm needs both dims of a Linear to be multiples of 16 (the logit
+        # Linear's single output is not): those stay in bf16, as torchao users filter them
+        convert_to_float8_training(
+            model, config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+            module_filter_fn=lambda mod, fqn: not isinstance(mod, torch.nn.Linear) or (
+                mod.in_features % 16 == 0 and mod.out_features % 16 == 0))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if arm == "bf16" and \
         device.type == "cuda" else MixedPrecisionPolicy()
     _shard(model, mp)
@@ -214,7 +218,13 @@ def main(argv=None) -> dict:
             sys.exit(f"--baseline {args.baseline}: not a world-size-1 run")
     arms = {}
     for arm in args.arms:
-        arms[arm] = run_arm(args, device, arm, world)
+        try:
+            arms[arm] = run_arm(args, device, arm, world)
+        except Exception as e:  # one arm's failure is recorded; the other arms still run
+            print(f"[rank {rank}] {arm} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            arms[arm] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         base = (baseline or {}).get("arms", {}).get(arm, {})
         if "samples_per_s" in arms[arm]:
             arms[arm]["scaling_efficiency"] = (

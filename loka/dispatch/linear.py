@@ -250,7 +250,7 @@ class _LinearFunction(torch.autograd.Function):
                     ctx.x_q = a
             y = kf(a, b, out_dtype)
             if bias is not None:
-                y = y + bias
+                y = y + bias.to(y.dtype)
         if x_q is not None and ctx.x_q is None and _fits(kw, x_q, 1) and not ctx.check_grads:
             ctx.x_q = x_q  # the wgrad kernel's own operand: keep it, not a high-precision copy
         if ctx.x_q is not None:
@@ -689,6 +689,11 @@ class Linear(nn.Linear):
                 return x.new_zeros(*x.shape[:-1], self.out_features)
             return F.linear(x, self.weight, self.bias)
         lead = x.shape[:-1]
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            # as nn.Linear under autocast: compute in, and return, the autocast dtype (else
+            # a float32 input meets a bf16 gradient in a baseline gradient GEMM)
+            x = x.to(torch.get_autocast_dtype(device_type))
         x2d = x.reshape(-1, self.in_features)
         if x_q is not None and tuple(x_q.shape) != tuple(x2d.shape):
             raise ValueError(f"x_q has shape {tuple(x_q.shape)}, expected {tuple(x2d.shape)}")

@@ -287,12 +287,15 @@ def test_round_trip_on_the_gpu_training_and_serving():
     def rel(a, b):
         return float(((a.double() - b).norm() / b.norm()).detach())
 
-    assert rel(theirs(x), ref) < 0.05 and rel(ours(x), ref) < 0.05
-    assert rel(theirs(x), ours(x).double()) < 0.05
+    # two stacked e4m3 GEMMs, both operands rounded to 3 mantissa bits (a few percent rms
+    # each): 8% is the bound; the bf16 model itself is far closer
+    assert rel(model(x), ref) < 0.02
+    assert rel(theirs(x), ref) < 0.08 and rel(ours(x), ref) < 0.08
+    assert rel(theirs(x), ours(x).double()) < 0.08
     served = copy.deepcopy(model)
     assert export.quantize(served) == ["0", "2"]
     with torch.no_grad():
-        assert rel(served(x), ref) < 0.05
+        assert rel(served(x), ref) < 0.08
 
 
 def test_plan_converter_after_torchao_converter_applies_the_plan():
