@@ -57,7 +57,7 @@ from loka.dispatch import Plan, plan as make_plan
 from loka.jsonio import atomic_write_text, json_safe
 from loka.numerics.delayed import DEFAULT_DECAY
 from loka.probe import probe
-from loka.quality import (PairedArms, QualityResult, fp8_site_roles, ne_budget,
+from loka.quality import (PairedArms, QualityResult, SiteRoleCost, fp8_site_roles, ne_budget,
                           site_role_costs, without)
 from loka.train import loss_fn
 
@@ -310,31 +310,73 @@ def budget(name, preset, args, device) -> dict:
                        else summarize(result.quality, None)}}
 
 
-def default_plan(name, preset, args, device, out, write) -> None:
+RESUME_TERMS = ("steps", "seeds", "lr", "batch_size", "eval_batch", "eval_batches",
+                "table_rows", "cost_steps", "cost_seeds", "max_ne_change", "interval",
+                "cache_batches")
+"""the configuration a resumed ``--mode plan`` run must share with the run it resumes"""
+
+
+def _site_roles(plan) -> list:
+    return [f"{s}:{r.value}:{plan.sites[s].kernel(r)}" for s, r in fp8_site_roles(plan)]
+
+
+def _resumed(args, spec: str, plan) -> tuple:
+    """``(costs or None, {k: QualityResult})`` from ``--resume`` (an earlier ``--mode plan``
+    JSON of the same terms and plan); ``(None, {})`` without it. A mismatch exits."""
+    if not args.resume:
+        return None, {}
+    with open(args.resume) as f:
+        doc = json.load(f)
+    old = doc.get("config", {})
+    differ = [k for k in RESUME_TERMS if json.dumps(old.get(k)) != json.dumps(
+        list(getattr(args, k)) if isinstance(getattr(args, k), tuple) else getattr(args, k))]
+    if differ:
+        sys.exit(f"--resume {args.resume}: its run had other terms ({', '.join(differ)})")
+    row = doc.get("models", {}).get(spec, {})
+    if row.get("plan", {}).get("site_roles") != _site_roles(plan):
+        sys.exit(f"--resume {args.resume}: its plan's FP8 site-roles differ from this plan's "
+                 "(give its plan with --plan-in)")
+    costs = None
+    if row.get("costs") is not None:
+        costs = [SiteRoleCost(**c) for c in row["costs"]]
+    checks = {int(k): QualityResult.from_dict(v)
+              for k, v in row.get("check_results", {}).items()}
+    return costs, checks
+
+
+def default_plan(name, preset, args, device, out, write, spec) -> None:
     """``--mode plan``: the plan a user gets by default (the Probe's statistics and
-    ``loka.plan(report, assume_fast=True)`` on ``--plan-kernel``), its paired NE change
-    (the budget's first check), the NE budget at ``--max-ne-change``, and, with
-    ``--speed-steps`` on a GPU, the compiled training step of the baseline, the plan and
-    the plan within the budget, side by side. ``out`` is filled and ``write()`` called
-    after every stage, so a run cut short keeps what it measured."""
+    ``loka.plan(report, assume_fast=True)`` on ``--plan-kernel``, or ``--plan-in``), its
+    paired NE change (the budget's first check), the NE budget at ``--max-ne-change``, and,
+    with ``--speed-steps`` on a GPU, the compiled training step of the baseline, the plan
+    and the plan within the budget, side by side. ``out`` is filled and ``write()`` called
+    after every stage and every paired check, so a run cut short keeps what it measured,
+    and ``--resume`` continues it."""
     t_start = time.time()
     build, train_data, eval_data = terms(name, preset, args, device)
-    model = build(0)
-    stream = SyntheticCTR(model.feature_spec, args.batch_size, seed=0)
-    batches = [stream.batch(i).to(device) for i in range(8)]
     t0 = time.time()
-    report = probe(model, batches, loss_fn,
-                   config=ProbeConfig(every_n_steps=1, num_samples=16, timing=False,
-                                      kernels=("bf16", args.plan_kernel)))
-    plan = make_plan(report, max_error=args.max_error, assume_fast=True)
+    if args.plan_in:
+        plan = Plan.load(args.plan_in)
+    else:
+        model = build(0)
+        stream = SyntheticCTR(model.feature_spec, args.batch_size, seed=0)
+        batches = [stream.batch(i).to(device) for i in range(8)]
+        report = probe(model, batches, loss_fn,
+                       config=ProbeConfig(every_n_steps=1, num_samples=16, timing=False,
+                                          kernels=("bf16", args.plan_kernel)))
+        plan = make_plan(report, max_error=args.max_error, assume_fast=True)
+        del model, report
     pairs = fp8_site_roles(plan)
-    del model, report
     out["plan"] = {"fp8_sites": len(plan.fp8_sites()), "fp8_site_roles": len(pairs),
                    "site_roles_total": 3 * len(plan.sites), "kernel": args.plan_kernel,
-                   "max_error": args.max_error, "probe_seconds": round(time.time() - t0, 1)}
+                   "max_error": args.max_error, "from": args.plan_in or "probe",
+                   "probe_seconds": round(time.time() - t0, 1), "site_roles": _site_roles(plan)}
     if args.plan_out:
         plan.save(args.plan_out)
     print(f"  plan: {len(plan.fp8_sites())} FP8 sites, {len(pairs)} FP8 site-roles", flush=True)
+    costs, prior = _resumed(args, spec, plan)
+    out["resumed"] = {"from": args.resume, "costs": costs is not None,
+                      "checks": sorted(prior)} if args.resume else None
     write()
     lines = out.setdefault("progress", [])
 
@@ -343,11 +385,26 @@ def default_plan(name, preset, args, device, out, write) -> None:
         print(f"    {line}", flush=True)
         write()
 
+    if costs is None:
+        cost_arms = PairedArms(build, train_data, eval_data, steps=args.cost_steps,
+                               seeds=args.cost_seeds, lr=args.lr, device=device)
+        progress(f"measuring {len(pairs)} FP8 site-role(s) alone, {args.cost_steps} steps each")
+        costs = site_role_costs(plan, cost_arms, progress)
+    out["costs"] = [c.__dict__ for c in costs]
+    checks = out.setdefault("check_results", {})
+    for k, r in prior.items():
+        checks[str(k)] = r.to_dict()
+    write()
+
+    def on_check(k, result):
+        checks[str(k)] = result.to_dict()
+        write()
+
     t0 = time.time()
     result = ne_budget(plan, build, train_data, eval_data, max_ne_change=args.max_ne_change,
                        steps=args.steps, seeds=args.seeds, lr=args.lr, device=device,
-                       cost_steps=args.cost_steps, cost_seeds=args.cost_seeds,
-                       interval=args.interval, progress=progress)
+                       costs=costs, interval=args.interval, progress=progress,
+                       on_check=on_check, prior_checks=prior)
     first = result.checks[0] if result.checks else None
     out["default_plan"] = first
     kept = len(fp8_site_roles(result.plan))
@@ -357,7 +414,6 @@ def default_plan(name, preset, args, device, out, write) -> None:
                      "rel_ne_change": result.rel_ne_change, "upper": result.upper,
                      "quality": None if result.quality is None
                      else summarize(result.quality, None),
-                     "costs": [c.__dict__ for c in result.costs],
                      "seconds": round(time.time() - t0, 1)}
     if args.budget_plan_out:
         result.plan.save(args.budget_plan_out)
@@ -436,6 +492,11 @@ def main(argv=None) -> int:
                    help="make every seed's training batches and the held-out batches once, "
                         "on --device, and replay them")
     p.add_argument("--plan-out", default=None, help="--mode plan: write the default plan here")
+    p.add_argument("--plan-in", default=None,
+                   help="--mode plan: this plan instead of the Probe's default one")
+    p.add_argument("--resume", default=None,
+                   help="--mode plan: an earlier run's JSON (same terms and plan): its costs "
+                        "and paired checks are reused")
     p.add_argument("--budget-plan-out", default=None,
                    help="--mode plan: write the plan within the NE budget here")
     p.add_argument("--speed-steps", type=int, default=0,
@@ -475,7 +536,7 @@ def main(argv=None) -> int:
             def write():
                 atomic_write_text(args.out, json.dumps(json_safe(out), indent=1,
                                                        allow_nan=False))
-            default_plan(name, preset, args, device, row, write)
+            default_plan(name, preset, args, device, row, write, spec)
         else:
             run = sources if args.mode == "sources" else budget
             out["models"][spec] = run(name, preset, args, device)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -273,7 +273,9 @@ def ne_budget(plan: Plan, build_model: Callable[[int], nn.Module],
               interval: str = "auto", cost_steps: Optional[int] = None,
               cost_seeds: Sequence[int] = (0,), costs: Optional[List[SiteRoleCost]] = None,
               autocast_bf16: Optional[bool] = None,
-              progress: Optional[Callable[[str], None]] = None) -> NEBudgetResult:
+              progress: Optional[Callable[[str], None]] = None,
+              on_check: Optional[Callable[[int, QualityResult], None]] = None,
+              prior_checks: Optional[Mapping[int, QualityResult]] = None) -> NEBudgetResult:
     """Move ``plan``'s costliest FP8 site-roles back to the baseline until the paired
     check's upper bound on the relative NE change is at most ``max_ne_change``.
 
@@ -291,6 +293,12 @@ def ne_budget(plan: Plan, build_model: Callable[[int], nn.Module],
         cost_seeds: the seeds the costs are averaged over.
         costs: costs measured before (:func:`site_role_costs`): not measured again.
         progress: called with one line per stage.
+        on_check: called with ``(k, result)`` after each paired check (``k``: how many of
+            the costliest site-roles were back on the baseline), so that a caller can keep
+            every check as it is made (a long run cut short keeps them).
+        prior_checks: ``k -> result`` of checks made before on the same terms and costs
+            (a run resumed): those are not made again. Only as good as the terms match:
+            the caller must give the same plan, costs, steps, seeds, data and budget.
 
     Returns:
         An :class:`NEBudgetResult`; ``result.plan`` is the plan within the budget.
@@ -326,10 +334,23 @@ def ne_budget(plan: Plan, build_model: Callable[[int], nn.Module],
     checks: List[Dict[str, Any]] = []
     results: Dict[int, QualityResult] = {}
 
+    prior = dict(prior_checks or {})
+    bad = [k for k in prior if not isinstance(k, int) or isinstance(k, bool)
+           or not 0 <= k <= len(ranked) or not isinstance(prior[k], QualityResult)]
+    if bad:
+        raise ValueError(f"prior_checks: expected k in 0..{len(ranked)} -> QualityResult, got "
+                         f"keys {bad[:4]}")
+
     def holds(k: int) -> bool:
-        trial = without(plan, ranked[:k], "NE budget trial")
-        say(f"paired check with the {k} costliest of {len(ranked)} moved back")
-        result = arms.check(trial, confidence=confidence)
+        if k in prior:
+            result = prior[k]
+            say(f"paired check with the {k} costliest of {len(ranked)} moved back: made before")
+        else:
+            trial = without(plan, ranked[:k], "NE budget trial")
+            say(f"paired check with the {k} costliest of {len(ranked)} moved back")
+            result = arms.check(trial, confidence=confidence)
+            if on_check is not None:
+                on_check(k, result)
         results[k] = result
         seeds_iv = result.rel_ne_seeds
         checks.append({"moved_back": k, "rel_ne_change": result.rel_ne_change,

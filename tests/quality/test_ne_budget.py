@@ -263,3 +263,24 @@ def test_optimize_takes_an_ne_budget_as_its_refine_hook(terms):
     with pytest.raises(TypeError, match="refine must return a Plan"):
         loka.optimize(model, batches, loss_fn, config=config, report=result.report,
                       refine=lambda p: None)
+
+
+def test_checks_made_before_are_reused_and_each_new_check_is_reported(terms, budgeted):
+    plan, first = budgeted
+    made = []
+    result = ne_budget(plan, **terms, max_ne_change=0.5, steps=STEPS, seeds=(0,),
+                       costs=first.costs, on_check=lambda k, r: made.append((k, r)))
+    assert [k for k, _ in made] == [c["moved_back"] for c in result.checks] == [0]
+    assert made[0][1] is result.quality
+    # resumed: the check is not made again (no callback), the outcome is the same
+    again, lines = [], []
+    resumed = ne_budget(plan, **terms, max_ne_change=0.5, steps=STEPS, seeds=(0,),
+                        costs=first.costs, on_check=lambda k, r: again.append(k),
+                        prior_checks={0: result.quality}, progress=lines.append)
+    assert again == [] and resumed.checks == result.checks
+    assert lines[0].endswith("moved back: made before")
+    n = len(fp8_site_roles(plan))
+    for bad in ({n + 1: result.quality}, {-1: result.quality}, {0: "not a result"}):
+        with pytest.raises(ValueError, match="prior_checks"):
+            ne_budget(plan, **terms, max_ne_change=0.5, steps=STEPS, seeds=(0,),
+                      costs=first.costs, prior_checks=bad)

@@ -57,9 +57,38 @@ def test_plan_mode_writes_the_default_plan_its_check_and_the_budget(tmp_path, ca
     assert budget["kept_site_roles"] == len(fp8_site_roles(within))
     assert budget["kept_site_roles"] + len(budget["moved_back"]) == row["plan"]["fp8_site_roles"]
     assert budget["upper"] <= 2e-4
-    assert len(budget["costs"]) == row["plan"]["fp8_site_roles"]
+    assert len(row["costs"]) == row["plan"]["fp8_site_roles"]
     assert any("moved back: relative NE change" in line for line in row["progress"])
     assert "speed" not in row  # compiled step timings are taken on a GPU only
+    assert sorted(int(k) for k in row["check_results"]) == sorted(
+        c["moved_back"] for c in budget["checks"])
     with pytest.raises(SystemExit):
         script.main(["--mode", "budgets", "--out", str(out)])
     assert "invalid choice" in capsys.readouterr().err
+
+    # a run cut short after its costs and first check resumes where it stopped
+    doc = json.loads(out.read_text())
+    cut = doc["models"]["wukong:tiny"]
+    first = cut["check_results"]["0"]
+    cut["check_results"] = {"0": first}
+    for key in ("default_plan", "budget"):
+        del cut[key]
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps(doc))
+    again = tmp_path / "again.json"
+    common = ["--mode", "plan", "--models", "wukong:tiny", "--steps", "20", "--eval-batches",
+              "4", "--eval-batch", "256", "--batch-size", "64", "--seeds", "0,1",
+              "--cache-batches", "--max-ne-change", "2e-4", "--plan-in", str(plan_out)]
+    assert script.main(common + ["--resume", str(partial), "--out", str(again)]) == 0
+    resumed = json.loads(again.read_text())["models"]["wukong:tiny"]
+    assert resumed["resumed"] == {"from": str(partial), "costs": True, "checks": [0]}
+    assert any("made before" in line for line in resumed["progress"])
+    assert not any(line.endswith("measuring") or "cost 1/" in line for line in resumed["progress"])
+    assert resumed["costs"] == row["costs"] and resumed["check_results"]["0"] == first
+    # the same checks and the same outcome as the run that was not cut short (CPU: exact)
+    assert resumed["budget"]["moved_back"] == budget["moved_back"]
+    assert resumed["budget"]["checks"] == budget["checks"]
+    # another run's terms are refused in one line
+    with pytest.raises(SystemExit, match="its run had other terms \\(steps\\)"):
+        script.main([a if a != "20" else "21" for a in common]
+                    + ["--resume", str(partial), "--out", str(tmp_path / "x.json")])
