@@ -57,7 +57,11 @@ def plan_families(plan: Plan, report: Optional[ProbeReport] = None,
        (:func:`~loka.dispatch.select.kernel_speedup`): one scale per tensor lets the
        forward's FP8 x and W serve the gradient GEMMs, the fewest quantization bytes of
        any scaling in the evaluation-set Wukong's compiled step (bench/BENCHMARKS.md,
-       "Where a plan's bytes go"). One slot is kept for the fastest of them.
+       "Where a plan's bytes go"). Up to half the slots (at least one) are kept for the
+       fastest of them: a mix's own kernels mostly repeat its layouts, and the one
+       tensorwise family timed in a whole step beat the mixed rowwise plan it came from
+       (bench/BENCHMARKS.md, "The evaluation-set plan's 9 sites on one tensorwise
+       family"), while their isolated speedups, which rank them, did not say so.
 
     Kernels that quantize alike (a kernel and its fast-accumulation twin,
     ``Kernel.quantizes_as``) count once: the first of them. ``allowed_kernels`` (as
@@ -117,7 +121,7 @@ def plan_families(plan: Plan, report: Optional[ProbeReport] = None,
         sharing = dedupe([k for _, k in sorted(sharing)])
     if limit < 1:
         return []
-    keep = limit - 1 if sharing else limit  # one slot for the fastest sharing kernel
+    keep = limit - min(len(sharing), max(1, limit // 2))  # slots for sharing kernels
     return (own[:keep] + sharing)[:limit]
 
 

@@ -402,6 +402,28 @@ def test_plan_families_keep_a_slot_for_sharing_and_respect_allowed_kernels_and_b
                    for k in loka.dispatch.plan_families(plan, tight))
 
 
+def test_plan_families_give_up_to_half_the_slots_to_distinct_sharing_kernels(make_report):
+    """Two tensorwise kernels of different quantizers measured everywhere: with four slots
+    they take two, the mix's two most used kernels the other two; one slot only: the
+    fastest sharing kernel."""
+    shapes = {"fm0": (32, 64), "fm1": (32, 64), "top": (64, 32), "head": (32, 16)}
+    own = ["t-mid", "t-faster", "t-slow-exact", "t-fast-coarse"]
+    kernels = {k: (0.1, 1.2) for k in own}
+    kernels.update({"cublas-tensorwise": (0.1, 1.3), "triton-tensorwise": (0.1, 1.25)})
+    report = make_report({n: (k, o, 8, {"fwd": dict(kernels)}) for n, (k, o) in shapes.items()})
+    plan = Plan.uniform(Tower(), "t-mid")
+    for sp, k in zip(plan.sites.values(), ["t-mid", "t-mid", "t-faster", "t-fast-coarse"]):
+        sp.roles[Role.FWD] = loka.dispatch.RoleChoice(k, budget=0.2)
+        for role in (Role.DGRAD, Role.WGRAD):
+            sp.roles[role] = loka.dispatch.RoleChoice(plan.baseline)
+    assert get("triton-tensorwise").scaling == get("cublas-tensorwise").scaling == "tensorwise"
+    fams = loka.dispatch.plan_families(plan, report)
+    assert fams == ["t-mid", "t-fast-coarse", "cublas-tensorwise", "triton-tensorwise"], fams
+    assert loka.dispatch.plan_families(plan, report, limit=1) == ["cublas-tensorwise"]
+    assert loka.dispatch.plan_families(plan, report, limit=3) == [
+        "t-mid", "t-fast-coarse", "cublas-tensorwise"]
+
+
 def test_optimize_never_returns_a_kernel_outside_allowed_kernels(make_report):
     import torch
     shapes = {"fm0": (32, 64), "fm1": (32, 64), "top": (64, 32), "head": (32, 16)}
