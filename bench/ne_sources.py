@@ -46,6 +46,7 @@ import math
 import platform
 import sys
 import time
+from typing import Optional
 
 import numpy as np
 import torch
@@ -60,6 +61,7 @@ from loka.probe import probe
 from loka.quality import (PairedArms, QualityResult, SiteRoleCost, fp8_site_roles, ne_budget,
                           site_role_costs, without)
 from loka.train import loss_fn
+from loka.train.loop import plan_digest
 
 RW, RW5 = "emulated-rowwise-e4m3", "emulated-rowwise-e5m2"
 TW, TW5 = "emulated-tensorwise-e4m3", "emulated-tensorwise-e5m2"
@@ -129,7 +131,8 @@ def terms(name, preset, args, device):
     def train_data(seed):
         if seed not in cache:
             stream = SyntheticCTR(spec, args.batch_size, seed=seed)
-            cache[seed] = [stream.batch(i).to(device) for i in range(args.steps)]
+            n = max(args.steps, getattr(args, "cost_steps", 0))  # every arm's steps
+            cache[seed] = [stream.batch(i).to(device) for i in range(n)]
         return iter(cache[seed])
 
     held_batches = [held.batch(i).to(device) for i in range(args.eval_batches)]
@@ -310,7 +313,7 @@ def budget(name, preset, args, device) -> dict:
                        else summarize(result.quality, None)}}
 
 
-RESUME_TERMS = ("steps", "seeds", "lr", "batch_size", "eval_batch", "eval_batches",
+RESUME_TERMS = ("device", "steps", "seeds", "lr", "batch_size", "eval_batch", "eval_batches",
                 "table_rows", "cost_steps", "cost_seeds", "max_ne_change", "interval",
                 "cache_batches")
 """the configuration a resumed ``--mode plan`` run must share with the run it resumes"""
@@ -320,31 +323,51 @@ def _site_roles(plan) -> list:
     return [f"{s}:{r.value}:{plan.sites[s].kernel(r)}" for s, r in fp8_site_roles(plan)]
 
 
-def _resumed(args, spec: str, plan) -> tuple:
-    """``(costs or None, {k: QualityResult})`` from ``--resume`` (an earlier ``--mode plan``
-    JSON of the same terms and plan); ``(None, {})`` without it. A mismatch exits."""
+def read_resume(args) -> Optional[dict]:
+    """The ``--resume`` document, read once before anything is written (``--out`` may be
+    the same file), checked against this run's terms and torch; None without it. A
+    mismatch exits with one line."""
     if not args.resume:
-        return None, {}
-    with open(args.resume) as f:
-        doc = json.load(f)
-    old = doc.get("config", {})
+        return None
+    try:
+        with open(args.resume) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        sys.exit(f"--resume {args.resume}: cannot read it ({e})")
+    if doc.get("config", {}).get("mode") != "plan":
+        sys.exit(f"--resume {args.resume}: not a --mode plan run")
+    old = doc["config"]
     differ = [k for k in RESUME_TERMS if json.dumps(old.get(k)) != json.dumps(
         list(getattr(args, k)) if isinstance(getattr(args, k), tuple) else getattr(args, k))]
     if differ:
         sys.exit(f"--resume {args.resume}: its run had other terms ({', '.join(differ)})")
-    row = doc.get("models", {}).get(spec, {})
-    if row.get("plan", {}).get("site_roles") != _site_roles(plan):
-        sys.exit(f"--resume {args.resume}: its plan's FP8 site-roles differ from this plan's "
-                 "(give its plan with --plan-in)")
-    costs = None
-    if row.get("costs") is not None:
-        costs = [SiteRoleCost(**c) for c in row["costs"]]
+    if doc.get("env", {}).get("torch") != torch.__version__:
+        sys.exit(f"--resume {args.resume}: made with torch {doc.get('env', {}).get('torch')}, "
+                 f"this is {torch.__version__}")
+    return doc
+
+
+def _resumed(doc: Optional[dict], spec: str, plan) -> tuple:
+    """``(costs, {k: QualityResult})`` of ``doc``'s row for ``spec`` (an earlier ``--mode
+    plan`` run of the same terms and plan); ``([], {})`` without it. A mismatch exits."""
+    if doc is None:
+        return [], {}
+    row = doc.get("models", {}).get(spec)
+    if row is None:
+        sys.exit(f"--resume: no row for {spec}")
+    if "digest" not in row.get("plan", {}):
+        sys.exit(f"--resume: its {spec} row predates resumable runs (no plan digest, costs "
+                 "or checks kept): run afresh")
+    if row["plan"]["digest"] != plan_digest(plan):
+        sys.exit(f"--resume: its {spec} plan differs from this one (give its plan with "
+                 "--plan-in)")
+    costs = [SiteRoleCost(**c) for c in row.get("costs", [])]
     checks = {int(k): QualityResult.from_dict(v)
               for k, v in row.get("check_results", {}).items()}
     return costs, checks
 
 
-def default_plan(name, preset, args, device, out, write, spec) -> None:
+def default_plan(name, preset, args, device, out, write, spec, resume=None) -> None:
     """``--mode plan``: the plan a user gets by default (the Probe's statistics and
     ``loka.plan(report, assume_fast=True)`` on ``--plan-kernel``, or ``--plan-in``), its
     paired NE change (the budget's first check), the NE budget at ``--max-ne-change``, and,
@@ -368,14 +391,17 @@ def default_plan(name, preset, args, device, out, write, spec) -> None:
         del model, report
     pairs = fp8_site_roles(plan)
     out["plan"] = {"fp8_sites": len(plan.fp8_sites()), "fp8_site_roles": len(pairs),
-                   "site_roles_total": 3 * len(plan.sites), "kernel": args.plan_kernel,
-                   "max_error": args.max_error, "from": args.plan_in or "probe",
-                   "probe_seconds": round(time.time() - t0, 1), "site_roles": _site_roles(plan)}
+                   "site_roles_total": 3 * len(plan.sites),
+                   "kernel": None if args.plan_in else args.plan_kernel,
+                   "max_error": None if args.plan_in else args.max_error,
+                   "from": args.plan_in or "probe",
+                   "probe_seconds": None if args.plan_in else round(time.time() - t0, 1),
+                   "site_roles": _site_roles(plan), "digest": plan_digest(plan)}
     if args.plan_out:
         plan.save(args.plan_out)
     print(f"  plan: {len(plan.fp8_sites())} FP8 sites, {len(pairs)} FP8 site-roles", flush=True)
-    costs, prior = _resumed(args, spec, plan)
-    out["resumed"] = {"from": args.resume, "costs": costs is not None,
+    known, prior = _resumed(resume, spec, plan)
+    out["resumed"] = {"from": args.resume, "costs": len(known),
                       "checks": sorted(prior)} if args.resume else None
     write()
     lines = out.setdefault("progress", [])
@@ -385,11 +411,18 @@ def default_plan(name, preset, args, device, out, write, spec) -> None:
         print(f"    {line}", flush=True)
         write()
 
-    if costs is None:
-        cost_arms = PairedArms(build, train_data, eval_data, steps=args.cost_steps,
-                               seeds=args.cost_seeds, lr=args.lr, device=device)
-        progress(f"measuring {len(pairs)} FP8 site-role(s) alone, {args.cost_steps} steps each")
-        costs = site_role_costs(plan, cost_arms, progress)
+    kept = out.setdefault("costs", [])
+    kept[:] = [c.__dict__ for c in known]
+
+    def on_cost(c):
+        kept.append(c.__dict__)
+        write()
+
+    cost_arms = PairedArms(build, train_data, eval_data, steps=args.cost_steps,
+                           seeds=args.cost_seeds, lr=args.lr, device=device)
+    progress(f"measuring {len(pairs) - len(known)} of {len(pairs)} FP8 site-role(s) alone, "
+             f"{args.cost_steps} steps each")
+    costs = site_role_costs(plan, cost_arms, progress, known=known, on_cost=on_cost)
     out["costs"] = [c.__dict__ for c in costs]
     checks = out.setdefault("check_results", {})
     for k, r in prior.items():
@@ -407,9 +440,9 @@ def default_plan(name, preset, args, device, out, write, spec) -> None:
                        on_check=on_check, prior_checks=prior)
     first = result.checks[0] if result.checks else None
     out["default_plan"] = first
-    kept = len(fp8_site_roles(result.plan))
+    n_kept = len(fp8_site_roles(result.plan))
     out["budget"] = {"max_ne_change": args.max_ne_change, "interval": args.interval,
-                     "kept_site_roles": kept, "kept_sites": len(result.plan.fp8_sites()),
+                     "kept_site_roles": n_kept, "kept_sites": len(result.plan.fp8_sites()),
                      "moved_back": result.moved_back, "checks": result.checks,
                      "rel_ne_change": result.rel_ne_change, "upper": result.upper,
                      "quality": None if result.quality is None
@@ -417,7 +450,7 @@ def default_plan(name, preset, args, device, out, write, spec) -> None:
                      "seconds": round(time.time() - t0, 1)}
     if args.budget_plan_out:
         result.plan.save(args.budget_plan_out)
-    print(f"  NE budget {args.max_ne_change:.4%}: kept {kept} of {len(pairs)}; change "
+    print(f"  NE budget {args.max_ne_change:.4%}: kept {n_kept} of {len(pairs)}; change "
           f"{result.rel_ne_change:+.4%}, upper {result.upper:+.4%}", flush=True)
     write()
     if args.speed_steps and device.type == "cuda":
@@ -512,6 +545,11 @@ def main(argv=None) -> int:
     args.seeds = tuple(int(s) for s in args.seeds.split(","))
     args.cost_seeds = tuple(int(s) for s in args.cost_seeds.split(","))
     device = torch.device(args.device)
+    if (args.plan_in or args.resume) and args.mode != "plan":
+        p.error("--plan-in and --resume are for --mode plan")
+    if args.plan_in and len(args.models.split(",")) > 1:
+        p.error("--plan-in names one model's plan: give one --models entry")
+    resume = read_resume(args) if args.mode == "plan" else None
     t0 = time.time()
     out = {"schema": f"loka.bench.ne_{args.mode}", "version": 1,
            "env": {"torch": torch.__version__, "python": platform.python_version(),
@@ -536,7 +574,7 @@ def main(argv=None) -> int:
             def write():
                 atomic_write_text(args.out, json.dumps(json_safe(out), indent=1,
                                                        allow_nan=False))
-            default_plan(name, preset, args, device, row, write, spec)
+            default_plan(name, preset, args, device, row, write, spec, resume)
         else:
             run = sources if args.mode == "sources" else budget
             out["models"][spec] = run(name, preset, args, device)

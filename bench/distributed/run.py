@@ -220,11 +220,17 @@ def main(argv=None) -> dict:
     for arm in args.arms:
         try:
             arms[arm] = run_arm(args, device, arm, world)
-        except Exception as e:  # one arm's failure is recorded; the other arms still run
-            print(f"[rank {rank}] {arm} failed: {type(e).__name__}: {e}", file=sys.stderr)
-            arms[arm] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+        except Exception as e:
+            if world > 1:
+                # a rank that went on alone would pair its next collectives with the
+                # other ranks' pending ones: every rank stops (torchrun ends the job)
+                raise
+            # one rank: the arm's failure is recorded and the other arms still run
+            print(f"{arm} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            first = (str(e).splitlines() or [""])[0]
+            arms[arm] = {"error": f"{type(e).__name__}: {first[:300]}"}
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         base = (baseline or {}).get("arms", {}).get(arm, {})
         if "samples_per_s" in arms[arm]:
             arms[arm]["scaling_efficiency"] = (

@@ -170,6 +170,18 @@ def _delayed_cast(t: torch.Tensor, state: Tuple[torch.Tensor, torch.Tensor], fmt
     return q
 
 
+def _autocast_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype autocast would compute a Linear of ``x`` in, or None where it leaves
+    ``x`` as it is: autocast off (or unknown) on ``x``'s device, ``x`` already in it, or
+    ``x`` float64 (which autocast does not cast)."""
+    device_type = x.device.type
+    if device_type == "meta" or not torch.is_autocast_enabled(device_type):
+        return None  # (meta: autocast has no state for it, and asking raises)
+    ad = torch.get_autocast_dtype(device_type)
+    return ad if x.dtype in (torch.float32, torch.float16, torch.bfloat16) and x.dtype != ad \
+        else None
+
+
 def _as_b(q_t: QTensor) -> QTensor:
     """The rowwise ``a`` operand of tᵀ (C, R) as the ``b`` operand t (R, C) a GEMM reads
     K-major: the same FP8 storage and scales, viewed as ``quantize_b(t)`` returns them."""
@@ -686,14 +698,15 @@ class Linear(nn.Linear):
             raise TypeError(f"loka.Linear expects a floating-point input, got {x.dtype}")
         if self._all_baseline or x.numel() == 0:
             if self.weight is None:  # weight dropped (inference): empty in, empty out
-                return x.new_zeros(*x.shape[:-1], self.out_features)
+                return x.new_zeros(*x.shape[:-1], self.out_features,
+                                   dtype=_autocast_dtype(x) or x.dtype)
             return F.linear(x, self.weight, self.bias)
         lead = x.shape[:-1]
-        device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):
+        ad = _autocast_dtype(x)
+        if ad is not None:
             # as nn.Linear under autocast: compute in, and return, the autocast dtype (else
             # a float32 input meets a bf16 gradient in a baseline gradient GEMM)
-            x = x.to(torch.get_autocast_dtype(device_type))
+            x = x.to(ad)
         x2d = x.reshape(-1, self.in_features)
         if x_q is not None and tuple(x_q.shape) != tuple(x2d.shape):
             raise ValueError(f"x_q has shape {tuple(x_q.shape)}, expected {tuple(x2d.shape)}")

@@ -243,16 +243,28 @@ def only(plan: Plan, site: str, role: Role) -> Plan:
 
 
 def site_role_costs(plan: Plan, arms: PairedArms,
-                    progress: Optional[Callable[[str], None]] = None) -> List[SiteRoleCost]:
+                    progress: Optional[Callable[[str], None]] = None, *,
+                    known: Iterable[SiteRoleCost] = (),
+                    on_cost: Optional[Callable[[SiteRoleCost], None]] = None
+                    ) -> List[SiteRoleCost]:
     """Every FP8 site-role of ``plan`` measured alone against ``arms``' baselines (see the
-    module's docstring), costliest first (ties: plan order)."""
+    module's docstring), costliest first (ties: plan order). ``known``: costs measured
+    before on the same arms (a run resumed), kept where their site, role and kernel are
+    the plan's; ``on_cost`` is called with each cost as it is measured."""
     out = []
     pairs = fp8_site_roles(plan)
+    before = {(c.site, c.role, c.kernel): c for c in known}
     for i, (site, role) in enumerate(pairs):
+        kernel = plan.sites[site].kernel(role)
+        if (site, role.value, kernel) in before:
+            out.append(before[(site, role.value, kernel)])
+            continue
         if progress:
             progress(f"cost {i + 1}/{len(pairs)}: {site}:{role}")
         cost, change = arms.cost(only(plan, site, role))
-        out.append(SiteRoleCost(site, role.value, plan.sites[site].kernel(role), cost, change))
+        out.append(SiteRoleCost(site, role.value, kernel, cost, change))
+        if on_cost is not None:
+            on_cost(out[-1])
     order = sorted(range(len(out)), key=lambda i: (-out[i].cost, i))
     return [out[i] for i in order]
 
@@ -296,9 +308,11 @@ def ne_budget(plan: Plan, build_model: Callable[[int], nn.Module],
         on_check: called with ``(k, result)`` after each paired check (``k``: how many of
             the costliest site-roles were back on the baseline), so that a caller can keep
             every check as it is made (a long run cut short keeps them).
-        prior_checks: ``k -> result`` of checks made before on the same terms and costs
-            (a run resumed): those are not made again. Only as good as the terms match:
-            the caller must give the same plan, costs, steps, seeds, data and budget.
+        prior_checks: ``k -> result`` of checks made before (a run resumed): those are not
+            made again. Each must have this call's steps, seeds and confidence and, in its
+            ``meta["moved_back"]`` (which every check records), the ``k`` site-roles this
+            ranking moves back, else ValueError; the data and the learning rate are the
+            caller's to keep the same.
 
     Returns:
         An :class:`NEBudgetResult`; ``result.plan`` is the plan within the budget.
@@ -334,12 +348,23 @@ def ne_budget(plan: Plan, build_model: Callable[[int], nn.Module],
     checks: List[Dict[str, Any]] = []
     results: Dict[int, QualityResult] = {}
 
+    def back(k: int) -> List[str]:
+        return [f"{s}:{r.value}" for s, r in ranked[:k]]
+
     prior = dict(prior_checks or {})
     bad = [k for k in prior if not isinstance(k, int) or isinstance(k, bool)
            or not 0 <= k <= len(ranked) or not isinstance(prior[k], QualityResult)]
     if bad:
         raise ValueError(f"prior_checks: expected k in 0..{len(ranked)} -> QualityResult, got "
                          f"keys {bad[:4]}")
+    for k, r in prior.items():  # made on these terms, with these site-roles moved back
+        terms_now = (steps, [int(x) for x in seeds], confidence, back(k))
+        terms_then = (r.steps, [x.seed for x in r.seeds], r.confidence,
+                      r.meta.get("moved_back"))
+        names = ("steps", "seeds", "confidence", "moved_back")
+        differ = [n for n, a, b in zip(names, terms_now, terms_then) if a != b]
+        if differ:
+            raise ValueError(f"prior_checks[{k}]: made on other terms ({', '.join(differ)})")
 
     def holds(k: int) -> bool:
         if k in prior:
@@ -348,7 +373,7 @@ def ne_budget(plan: Plan, build_model: Callable[[int], nn.Module],
         else:
             trial = without(plan, ranked[:k], "NE budget trial")
             say(f"paired check with the {k} costliest of {len(ranked)} moved back")
-            result = arms.check(trial, confidence=confidence)
+            result = arms.check(trial, confidence=confidence, meta={"moved_back": back(k)})
             if on_check is not None:
                 on_check(k, result)
         results[k] = result

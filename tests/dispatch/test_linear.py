@@ -101,6 +101,28 @@ def test_under_autocast_a_float32_input_computes_and_returns_the_autocast_dtype(
         assert torch.allclose(lin.bias.grad, ref.bias.grad, rtol=0.02, atol=0.05)
 
 
+def test_under_autocast_float64_and_meta_inputs_are_left_as_autocast_leaves_them():
+    """Autocast does not cast float64, and has no state for the meta device: a float64
+    input stays float64, and a meta-device Linear runs with or without autocast."""
+    lin = loka.Linear(64, 32, dtype=torch.float64)
+    lin.set_config(LinearConfig(fwd="emulated-rowwise-e4m3"))
+    x = torch.randn(8, 64, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lin(x)
+    assert y.dtype == torch.float64
+    assert sqnr(y, x @ lin.weight.detach().t() + lin.bias.detach()) >= 25.0
+    meta = loka.Linear(64, 32, device="meta")
+    meta.set_config(LinearConfig(fwd="emulated-rowwise-e4m3"))
+    assert meta(torch.randn(4, 64, device="meta")).shape == (4, 32)
+    # a Linear whose weight was dropped (inference) answers an empty input in the autocast
+    # dtype, as a non-empty one is answered
+    lin.weight = None
+    lin.weight_q = get("emulated-rowwise-e4m3").quantize_b(torch.randn(64, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert lin(torch.randn(0, 64)).dtype == torch.bfloat16
+    assert lin(torch.randn(0, 64)).dtype == torch.float32
+
+
 def _spy(name, calls):
     def fn(a, b, out_dtype):
         calls.append((name, tuple(a.shape), tuple(b.shape)))

@@ -279,8 +279,22 @@ def test_checks_made_before_are_reused_and_each_new_check_is_reported(terms, bud
                         prior_checks={0: result.quality}, progress=lines.append)
     assert again == [] and resumed.checks == result.checks
     assert lines[0].endswith("moved back: made before")
+    assert result.quality.meta["moved_back"] == []  # what the check moved back, recorded
     n = len(fp8_site_roles(plan))
     for bad in ({n + 1: result.quality}, {-1: result.quality}, {0: "not a result"}):
         with pytest.raises(ValueError, match="prior_checks"):
             ne_budget(plan, **terms, max_ne_change=0.5, steps=STEPS, seeds=(0,),
                       costs=first.costs, prior_checks=bad)
+    # a check of other terms, or of another ranking's k site-roles, is refused by name
+    import dataclasses
+    q = result.quality
+    for other, field in ((dataclasses.replace(q, steps=STEPS + 1), "steps"),
+                         (dataclasses.replace(q, confidence=0.9), "confidence"),
+                         (dataclasses.replace(q, meta={"moved_back": ["x:fwd"]}), "moved_back"),
+                         (dataclasses.replace(q, meta={}), "moved_back")):
+        with pytest.raises(ValueError, match=f"prior_checks\\[0\\]: made on other terms \\({field}\\)"):
+            ne_budget(plan, **terms, max_ne_change=0.5, steps=STEPS, seeds=(0,),
+                      costs=first.costs, prior_checks={0: other})
+    with pytest.raises(ValueError, match="other terms \\(seeds\\)"):
+        ne_budget(plan, **terms, max_ne_change=0.5, steps=STEPS, seeds=(0, 1),
+                  costs=first.costs, prior_checks={0: q})

@@ -50,8 +50,13 @@ def test_plan_mode_writes_the_default_plan_its_check_and_the_budget(tmp_path, ca
     plan, within = Plan.load(plan_out), Plan.load(budget_out)
     assert row["plan"]["fp8_site_roles"] == len(fp8_site_roles(plan)) > 0
     budget = row["budget"]
-    # the default plan's paired change is the budget's first check: nothing moved back
-    assert row["default_plan"] == budget["checks"][0] and budget["checks"][0]["moved_back"] == 0
+    # the default plan's paired change is the budget's first check (nothing moved back),
+    # kept in full as it was made
+    assert row["default_plan"]["moved_back"] == 0
+    kept0 = row["check_results"]["0"]
+    assert kept0["meta"]["moved_back"] == []
+    assert kept0["summary"]["rel_ne_change"] == row["default_plan"]["rel_ne_change"]
+    assert kept0["summary"]["rel_ne_seeds"] == row["default_plan"]["rel_ne_seeds"]
     lo, hi = row["default_plan"]["rel_ne_seeds"]
     assert lo <= row["default_plan"]["rel_ne_change"] <= hi == row["default_plan"]["upper"]
     assert budget["kept_site_roles"] == len(fp8_site_roles(within))
@@ -66,29 +71,49 @@ def test_plan_mode_writes_the_default_plan_its_check_and_the_budget(tmp_path, ca
         script.main(["--mode", "budgets", "--out", str(out)])
     assert "invalid choice" in capsys.readouterr().err
 
-    # a run cut short after its costs and first check resumes where it stopped
+    # a run cut short in its cost phase (5 costs kept, no check) resumes where it stopped,
+    # writing over the very file it resumes
     doc = json.loads(out.read_text())
     cut = doc["models"]["wukong:tiny"]
-    first = cut["check_results"]["0"]
-    cut["check_results"] = {"0": first}
+    total = len(cut["costs"])
+    cut["costs"] = cut["costs"][:5]
+    cut["check_results"] = {}
     for key in ("default_plan", "budget"):
         del cut[key]
     partial = tmp_path / "partial.json"
     partial.write_text(json.dumps(doc))
-    again = tmp_path / "again.json"
     common = ["--mode", "plan", "--models", "wukong:tiny", "--steps", "20", "--eval-batches",
               "4", "--eval-batch", "256", "--batch-size", "64", "--seeds", "0,1",
               "--cache-batches", "--max-ne-change", "2e-4", "--plan-in", str(plan_out)]
-    assert script.main(common + ["--resume", str(partial), "--out", str(again)]) == 0
-    resumed = json.loads(again.read_text())["models"]["wukong:tiny"]
-    assert resumed["resumed"] == {"from": str(partial), "costs": True, "checks": [0]}
-    assert any("made before" in line for line in resumed["progress"])
-    assert not any(line.endswith("measuring") or "cost 1/" in line for line in resumed["progress"])
-    assert resumed["costs"] == row["costs"] and resumed["check_results"]["0"] == first
+    assert script.main(common + ["--resume", str(partial), "--out", str(partial)]) == 0
+    resumed = json.loads(partial.read_text())["models"]["wukong:tiny"]
+    assert resumed["resumed"] == {"from": str(partial), "costs": 5, "checks": []}
+    measured = [line for line in resumed["progress"] if ": cost " in line]
+    assert len(measured) == total - 5  # only the costs not kept were measured again
+    assert sorted(map(json.dumps, resumed["costs"])) == sorted(map(json.dumps, row["costs"]))
     # the same checks and the same outcome as the run that was not cut short (CPU: exact)
     assert resumed["budget"]["moved_back"] == budget["moved_back"]
     assert resumed["budget"]["checks"] == budget["checks"]
-    # another run's terms are refused in one line
+
+    # cut short after its first check: that check is not made again
+    doc = json.loads(out.read_text())
+    doc["models"]["wukong:tiny"]["check_results"] = {"0": kept0}
+    partial.write_text(json.dumps(doc))
+    again = tmp_path / "again.json"
+    assert script.main(common + ["--resume", str(partial), "--out", str(again)]) == 0
+    twice = json.loads(again.read_text())["models"]["wukong:tiny"]
+    assert twice["resumed"] == {"from": str(partial), "costs": total, "checks": [0]}
+    assert not any(": cost " in line for line in twice["progress"])
+    assert sum("moved back: made before" in line for line in twice["progress"]) == 1
+    assert twice["budget"]["checks"] == budget["checks"]
+    # another run's terms, another plan, or a run that predates resuming: one line each
     with pytest.raises(SystemExit, match="its run had other terms \\(steps\\)"):
         script.main([a if a != "20" else "21" for a in common]
                     + ["--resume", str(partial), "--out", str(tmp_path / "x.json")])
+    within_args = [a if a != str(plan_out) else str(budget_out) for a in common]
+    with pytest.raises(SystemExit, match="plan differs from this one"):
+        script.main(within_args + ["--resume", str(partial), "--out", str(tmp_path / "x.json")])
+    del doc["models"]["wukong:tiny"]["plan"]["digest"]
+    partial.write_text(json.dumps(doc))
+    with pytest.raises(SystemExit, match="predates resumable runs"):
+        script.main(common + ["--resume", str(partial), "--out", str(tmp_path / "x.json")])
