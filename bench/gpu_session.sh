@@ -7,14 +7,17 @@
 #
 #   OUT=/tmp/out LOKA_COMMIT=$(git rev-parse --short HEAD) bash bench/gpu_session.sh selftest bench
 #
-# Stages: env, selftest, gputests, kernels, inline, bench, fused, quality, probe, evalset,
+# Stages: env, selftest, gputests, kernels, inline, bench, fused, quality, probe, evalset, nebudget,
 # traced (bench/traced_check.py: compiled steps launch LoKA's Triton kernels from Inductor's
 # code; wall against GPU time), distributed (bench/distributed/run.py under torchrun on
 # DIST_GPUS GPUs), stepcode (bench/step_code.py compiled for real: the kernels and bytes of
 # the GPU's own Inductor, against the CPU-simulated files in bench/results). Extra
 # arguments for a stage come from the environment: BENCH_ARGS, KERNEL_ARGS, INLINE_ARGS,
 # FUSED_ARGS, QUALITY_ARGS, PROBE_ARGS, TRACED_ARGS, DIST_ARGS, STEPCODE_ARGS, EVALSET_ARGS (bench/eval_set.py: the evaluation set
-# through the public path; its --time-budget-s should end inside EVALSET_LIMIT), GPUTEST_FILES (the test files gputests runs; by default those
+# through the public path; its --time-budget-s should end inside EVALSET_LIMIT), NE_ARGS
+# (nebudget: bench/ne_sources.py --mode plan, the default plan's paired NE change and its NE
+# budget at paper scale; to continue a run cut short, give it --plan-in and --resume with the
+# files an earlier call returned), GPUTEST_FILES (the test files gputests runs; by default those
 # with compiled Triton kernels, which the CPU suite runs only under the Triton interpreter).
 set -u
 OUT=${OUT:-bench/results/session}
@@ -55,6 +58,9 @@ for s in "$@"; do
     traced) stage traced "${TRACED_LIMIT:-300}" python3 bench/traced_check.py --out "$OUT/traced.json" ${TRACED_ARGS:-} ;;
     distributed) stage distributed "${DIST_LIMIT:-300}" torchrun --nproc_per_node "${DIST_GPUS:-1}" \
         bench/distributed/run.py --preset paper --mods paper --out "$OUT/distributed.json" ${DIST_ARGS:-} ;;
+    nebudget) stage nebudget "${NE_LIMIT:-560}" env CUBLAS_WORKSPACE_CONFIG=:4096:8 \
+        python3 bench/ne_sources.py --mode plan --device cuda --out "$OUT/ne_plan.json" \
+        ${NE_ARGS:---models wukong:paper --batch-size 4096 --steps 250 --seeds 0,1,2 --cache-batches --plan-kernel cublas-rowwise --plan-out $OUT/plan.default.json --budget-plan-out $OUT/plan.ne.json --speed-steps 20} ;;
     stepcode) stage stepcode "${STEPCODE_LIMIT:-240}" python3 bench/step_code.py --out "$OUT/step_code.json" \
         ${STEPCODE_ARGS:---model wukong --scale paper --batch-size 4096 --plan bench/results/2026-12-05-h200-evalset/wukong.b4096.plan.train.json --families cublas-rowwise-fastacc,cublas-tensorwise-fastacc,triton-rowwise-cublas-fastacc --delayed} ;;
     *) echo "unknown stage $s" | tee -a "$LOG" ;;
