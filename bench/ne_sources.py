@@ -23,6 +23,17 @@ correlation between the groups' summed costs and, from the paired check's own ar
 second-order cost and their paired change; then ``loka.quality.ne_budget`` on the plan at
 ``--max-ne-change`` (``--interval``: the interval whose upper end is held to it).
 
+``--mode plan``: the default plan (the Probe's statistics, ``loka.plan(assume_fast=True)``
+on ``--plan-kernel``, or ``--plan-in``), its site-roles' costs, the NE budget's paired
+checks and, on a GPU with ``--speed-steps``, the compiled step speed of the baseline, the
+plan and the plan within the budget; every cost and check is kept as it is made and
+``--resume`` continues a run cut short. ``--start-steps S``: every arm starts from the
+baseline trained S steps (a checkpoint), not from scratch.
+
+``--mode horizon``: the paired check's intervals from scratch (``--steps``) against from a
+checkpoint (``--start-steps``, default 300) for each of ``--horizons`` steps: from scratch
+the arms' trajectories drift apart and the interval over seeds widens with them.
+
     OMP_NUM_THREADS=1 PYTHONPATH=. python bench/ne_sources.py --mode sources \\
         --out bench/results/ne_sources_cpu.json
     OMP_NUM_THREADS=1 PYTHONPATH=. python bench/ne_sources.py --mode budget \\
@@ -35,6 +46,9 @@ second-order cost and their paired change; then ``loka.quality.ne_budget`` on th
     PYTHONPATH=. python bench/ne_sources.py --mode budget --device cuda \\
         --models wukong:paper --batch-size 4096 --steps 2000 --plan-kernel cublas-rowwise \\
         --out ne_budget_h200.json
+    OMP_NUM_THREADS=2 PYTHONPATH=. python bench/ne_sources.py --mode horizon \\
+        --models wukong:small --steps 300 --start-steps 300 --horizons 30,100 \\
+        --out bench/results/ne_horizon_cpu.json
 """
 
 from __future__ import annotations
@@ -60,7 +74,7 @@ from loka.numerics.delayed import DEFAULT_DECAY
 from loka.probe import probe
 from loka.quality import (PairedArms, QualityResult, SiteRoleCost, fp8_site_roles, ne_budget,
                           site_role_costs, without)
-from loka.train import loss_fn
+from loka.train import loss_fn, train
 from loka.train.loop import plan_digest
 
 RW, RW5 = "emulated-rowwise-e4m3", "emulated-rowwise-e5m2"
@@ -140,6 +154,59 @@ def terms(name, preset, args, device):
     def eval_data():
         return iter(held_batches)
     return build, train_data, eval_data
+
+
+START_SEED = 99
+"""the stream the checkpoint start trains on (no arm trains on it)"""
+
+
+def start_state(build, args, device, steps: int):
+    """The baseline model of seed 0 trained ``steps`` steps on a stream of its own
+    (:data:`START_SEED`): the checkpoint every arm starts from with ``--start-steps``. From
+    a trained model a short horizon measures what FP8 does to it before the arms'
+    trajectories drift apart, which is what widens the interval over seeds from scratch."""
+    torch.manual_seed(0)
+    model = build(0)
+    stream = SyntheticCTR(model.feature_spec, args.batch_size, seed=START_SEED)
+    train(model, (stream.batch(i).to(device) for i in range(steps)), steps, lr=args.lr,
+          device=device, progress=False)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _interval_row(result) -> dict:
+    seeds_iv = result.rel_ne_seeds
+    return {"rel_ne_change": result.rel_ne_change,
+            "rel_ne_seeds": None if seeds_iv is None else list(seeds_iv),
+            "rel_ne_examples": list(result.rel_ne_examples),
+            "per_seed": [x.rel_ne_change for x in result.seeds]}
+
+
+def horizon(name, preset, args, device) -> dict:
+    """``--mode horizon``: how the paired check's intervals depend on where the arms start.
+    One plan (every Linear on rowwise e4m3, emulated on the CPU, ``--plan-kernel`` on a
+    GPU), checked from scratch for ``--steps`` steps, then from a baseline trained
+    ``--start-steps`` steps for each of ``--horizons`` steps."""
+    build, train_data, eval_data = terms(name, preset, args, device)
+    kernel = RW if device.type == "cpu" else args.plan_kernel
+    plan = Plan.uniform(build(0), LinearConfig(kernel, kernel, kernel), device=device)
+    out = {"kernel": kernel, "fp8_site_roles": len(fp8_site_roles(plan)), "rows": {}}
+    t0 = time.time()
+    result = PairedArms(build, train_data, eval_data, steps=args.steps, seeds=args.seeds,
+                        lr=args.lr, device=device).check(plan)
+    out["rows"][f"from scratch, {args.steps} steps"] = dict(_interval_row(result),
+                                                           seconds=round(time.time() - t0, 1))
+    state = start_state(build, args, device, args.start_steps)
+    for h in args.horizons:
+        t0 = time.time()
+        result = PairedArms(build, train_data, eval_data, steps=h, seeds=args.seeds,
+                            lr=args.lr, device=device, initial_state=state).check(plan)
+        out["rows"][f"from {args.start_steps} steps, {h} more"] = dict(
+            _interval_row(result), seconds=round(time.time() - t0, 1))
+    for row, v in out["rows"].items():
+        lo, hi = v["rel_ne_seeds"] or (math.nan, math.nan)
+        print(f"  {row:32s} {v['rel_ne_change']:+.4%} over seeds [{lo:+.4%}, {hi:+.4%}]",
+              flush=True)
+    return out
 
 
 def source_plans(model, device, only=()) -> tuple:
@@ -315,7 +382,7 @@ def budget(name, preset, args, device) -> dict:
 
 RESUME_TERMS = ("device", "steps", "seeds", "lr", "batch_size", "eval_batch", "eval_batches",
                 "table_rows", "cost_steps", "cost_seeds", "max_ne_change", "interval",
-                "cache_batches")
+                "cache_batches", "start_steps")
 """the configuration a resumed ``--mode plan`` run must share with the run it resumes"""
 
 
@@ -400,6 +467,13 @@ def default_plan(name, preset, args, device, out, write, spec, resume=None) -> N
     if args.plan_out:
         plan.save(args.plan_out)
     print(f"  plan: {len(plan.fp8_sites())} FP8 sites, {len(pairs)} FP8 site-roles", flush=True)
+    state = None
+    if args.start_steps:
+        t0 = time.time()
+        state = start_state(build, args, device, args.start_steps)
+        out["start"] = {"steps": args.start_steps, "seed": START_SEED,
+                        "seconds": round(time.time() - t0, 1)}
+        write()
     known, prior = _resumed(resume, spec, plan)
     out["resumed"] = {"from": args.resume, "costs": len(known),
                       "checks": sorted(prior)} if args.resume else None
@@ -419,7 +493,8 @@ def default_plan(name, preset, args, device, out, write, spec, resume=None) -> N
         write()
 
     cost_arms = PairedArms(build, train_data, eval_data, steps=args.cost_steps,
-                           seeds=args.cost_seeds, lr=args.lr, device=device)
+                           seeds=args.cost_seeds, lr=args.lr, device=device,
+                           initial_state=state)
     progress(f"measuring {len(pairs) - len(known)} of {len(pairs)} FP8 site-role(s) alone, "
              f"{args.cost_steps} steps each")
     costs = site_role_costs(plan, cost_arms, progress, known=known, on_cost=on_cost)
@@ -437,7 +512,7 @@ def default_plan(name, preset, args, device, out, write, spec, resume=None) -> N
     result = ne_budget(plan, build, train_data, eval_data, max_ne_change=args.max_ne_change,
                        steps=args.steps, seeds=args.seeds, lr=args.lr, device=device,
                        costs=costs, interval=args.interval, progress=progress,
-                       on_check=on_check, prior_checks=prior)
+                       on_check=on_check, prior_checks=prior, initial_state=state)
     first = result.checks[0] if result.checks else None
     out["default_plan"] = first
     n_kept = len(fp8_site_roles(result.plan))
@@ -497,7 +572,7 @@ def step_speed(name, preset, args, device, plan) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mode", choices=("sources", "budget", "plan"), default="sources")
+    p.add_argument("--mode", choices=("sources", "budget", "plan", "horizon"), default="sources")
     p.add_argument("--low-noise", action="store_true",
                    help="--mode sources: add to --out (an earlier sources run) each arm's "
                         "short-horizon cost and its serving change")
@@ -535,8 +610,22 @@ def main(argv=None) -> int:
     p.add_argument("--speed-steps", type=int, default=0,
                    help="--mode plan, on a GPU: time this many compiled training steps of the "
                         "baseline, the default plan and the plan within the budget")
+    p.add_argument("--start-steps", type=int, default=0,
+                   help="--mode plan: every arm starts from the baseline trained this many "
+                        "steps on a stream of its own (0: from scratch); --mode horizon: the "
+                        "checkpoint's steps (default there 300)")
+    p.add_argument("--horizons", default="30,100",
+                   help="--mode horizon: steps after the checkpoint, a comma list")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    try:
+        args.horizons = tuple(int(h) for h in args.horizons.split(","))
+    except ValueError:
+        p.error(f"--horizons: expected a comma list of integers, got {args.horizons!r}")
+    if args.start_steps < 0 or min(args.horizons) < 1:
+        p.error("--start-steps must be >= 0 and every --horizons entry >= 1")
+    if args.mode == "horizon" and not args.start_steps:
+        args.start_steps = 300
     known = set(ARMS) | set(EXCEPT) | set(GPU_ARMS)
     args.arms = tuple(args.arms)
     unknown = [a for a in args.arms if a not in known]
@@ -576,7 +665,7 @@ def main(argv=None) -> int:
                                                        allow_nan=False))
             default_plan(name, preset, args, device, row, write, spec, resume)
         else:
-            run = sources if args.mode == "sources" else budget
+            run = {"sources": sources, "budget": budget, "horizon": horizon}[args.mode]
             out["models"][spec] = run(name, preset, args, device)
         atomic_write_text(args.out, json.dumps(json_safe(out), indent=1, allow_nan=False))
     out["seconds" if not args.low_noise else "low_noise_seconds"] = round(time.time() - t0, 1)

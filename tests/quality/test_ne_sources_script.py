@@ -117,3 +117,55 @@ def test_plan_mode_writes_the_default_plan_its_check_and_the_budget(tmp_path, ca
     partial.write_text(json.dumps(doc))
     with pytest.raises(SystemExit, match="predates resumable runs"):
         script.main(common + ["--resume", str(partial), "--out", str(tmp_path / "x.json")])
+
+
+def test_start_state_is_the_seed_0_baseline_trained_on_its_own_stream(tmp_path, monkeypatch,
+                                                                     capsys):
+    """--start-steps: every arm (costs and checks) starts from one trained baseline, made
+    once; --mode horizon reports from scratch and from that start, each interval holding
+    its change."""
+    script = _script()
+    seen = []
+    real = script.PairedArms
+
+    class Spy(real):
+        def __init__(self, *a, **kw):
+            seen.append(kw.get("initial_state"))
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(script, "PairedArms", Spy)
+    import loka.quality.budget as qb
+    monkeypatch.setattr(qb, "PairedArms", Spy)
+    out = tmp_path / "ne.json"
+    common = ["--models", "wukong:tiny", "--steps", "8", "--eval-batches", "2", "--eval-batch",
+              "128", "--batch-size", "32", "--seeds", "0,1", "--cache-batches"]
+    assert script.main(["--mode", "plan", *common, "--start-steps", "6",
+                        "--max-ne-change", "0.5", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["models"]["wukong:tiny"]
+    assert row["start"]["steps"] == 6 and row["start"]["seed"] == script.START_SEED
+    assert len(seen) >= 2 and all(s is not None for s in seen)
+    assert all(s is seen[0] for s in seen)  # one start, made once, shared by every arm
+    args = types.SimpleNamespace(batch_size=32, lr=3e-3)
+    build = lambda seed: script.build_reference("wukong", "tiny", None, torch.device("cpu"),  # noqa: E731
+                                                seed=seed, table_rows=100)
+    again = script.start_state(build, args, torch.device("cpu"), 6)
+    assert all(torch.equal(again[k], seen[0][k]) for k in again)  # deterministic on the CPU
+    fresh = build(0).state_dict()
+    assert any(not torch.equal(fresh[k], again[k]) for k in again)  # it did train
+
+    seen.clear()
+    hout = tmp_path / "h.json"
+    assert script.main(["--mode", "horizon", *common, "--start-steps", "6", "--horizons",
+                        "2,4", "--out", str(hout)]) == 0
+    rows = json.loads(hout.read_text())["models"]["wukong:tiny"]["rows"]
+    assert list(rows) == ["from scratch, 8 steps", "from 6 steps, 2 more", "from 6 steps, 4 more"]
+    assert seen[0] is None and seen[1] is not None and seen[2] is seen[1]
+    for v in rows.values():
+        lo, hi = v["rel_ne_seeds"]
+        assert lo <= v["rel_ne_change"] <= hi and len(v["per_seed"]) == 2
+    for bad, needle in ((["--horizons", "a,b"], "--horizons"), (["--horizons", "0"], ">= 1"),
+                        (["--start-steps", "-1"], ">= 0")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            script.main(["--mode", "horizon", *common, *bad, "--out", str(hout)])
+        assert needle in capsys.readouterr().err
