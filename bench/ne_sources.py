@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import platform
@@ -72,8 +73,8 @@ from loka.dispatch import Plan, plan as make_plan
 from loka.jsonio import atomic_write_text, json_safe
 from loka.numerics.delayed import DEFAULT_DECAY
 from loka.probe import probe
-from loka.quality import (PairedArms, QualityResult, SiteRoleCost, fp8_site_roles, ne_budget,
-                          site_role_costs, without)
+from loka.quality import (PairedArms, QualityResult, SiteRoleCost, deterministic,
+                          fp8_site_roles, ne_budget, site_role_costs, without)
 from loka.train import loss_fn, train
 from loka.train.loop import plan_digest
 
@@ -145,7 +146,9 @@ def terms(name, preset, args, device):
     def train_data(seed):
         if seed not in cache:
             stream = SyntheticCTR(spec, args.batch_size, seed=seed)
-            n = max(args.steps, getattr(args, "cost_steps", 0))  # every arm's steps
+            n = max(args.steps, getattr(args, "cost_steps", 0),  # every arm's steps
+                    *(getattr(args, "horizons", ()) if getattr(args, "mode", "") == "horizon"
+                      else ()))
             cache[seed] = [stream.batch(i).to(device) for i in range(n)]
         return iter(cache[seed])
 
@@ -165,12 +168,24 @@ def start_state(build, args, device, steps: int):
     (:data:`START_SEED`): the checkpoint every arm starts from with ``--start-steps``. From
     a trained model a short horizon measures what FP8 does to it before the arms'
     trajectories drift apart, which is what widens the interval over seeds from scratch."""
-    torch.manual_seed(0)
-    model = build(0)
-    stream = SyntheticCTR(model.feature_spec, args.batch_size, seed=START_SEED)
-    train(model, (stream.batch(i).to(device) for i in range(steps)), steps, lr=args.lr,
-          device=device, progress=False)
+    with deterministic():
+        torch.manual_seed(0)
+        model = build(0)
+        stream = SyntheticCTR(model.feature_spec, args.batch_size, seed=START_SEED)
+        train(model, (stream.batch(i).to(device) for i in range(steps)), steps, lr=args.lr,
+              device=device, progress=False)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def state_digest(state) -> str:
+    """``"sha256:<hex>"`` of a state dict's names, dtypes, shapes and values: a resumed run
+    must start its arms from the very weights the run it continues started from."""
+    h = hashlib.sha256()
+    for k in sorted(state):
+        t = state[k].detach().cpu().contiguous()
+        h.update(f"{k}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return "sha256:" + h.hexdigest()
 
 
 def _interval_row(result) -> dict:
@@ -189,13 +204,17 @@ def horizon(name, preset, args, device) -> dict:
     build, train_data, eval_data = terms(name, preset, args, device)
     kernel = RW if device.type == "cpu" else args.plan_kernel
     plan = Plan.uniform(build(0), LinearConfig(kernel, kernel, kernel), device=device)
-    out = {"kernel": kernel, "fp8_site_roles": len(fp8_site_roles(plan)), "rows": {}}
+    if not fp8_site_roles(plan):
+        sys.exit(f"--mode horizon: no Linear of {name} ({preset}) takes {kernel} on {device}")
+    out = {"kernel": kernel, "fp8_site_roles": len(fp8_site_roles(plan)),
+           "site_roles_total": 3 * len(plan.sites), "rows": {}}
     t0 = time.time()
     result = PairedArms(build, train_data, eval_data, steps=args.steps, seeds=args.seeds,
                         lr=args.lr, device=device).check(plan)
     out["rows"][f"from scratch, {args.steps} steps"] = dict(_interval_row(result),
                                                            seconds=round(time.time() - t0, 1))
     state = start_state(build, args, device, args.start_steps)
+    out["start"] = {"steps": args.start_steps, "seed": START_SEED, "digest": state_digest(state)}
     for h in args.horizons:
         t0 = time.time()
         result = PairedArms(build, train_data, eval_data, steps=h, seeds=args.seeds,
@@ -415,10 +434,11 @@ def read_resume(args) -> Optional[dict]:
 
 
 def _resumed(doc: Optional[dict], spec: str, plan) -> tuple:
-    """``(costs, {k: QualityResult})`` of ``doc``'s row for ``spec`` (an earlier ``--mode
-    plan`` run of the same terms and plan); ``([], {})`` without it. A mismatch exits."""
+    """``(costs, {k: QualityResult}, start digest or None)`` of ``doc``'s row for ``spec``
+    (an earlier ``--mode plan`` run of the same terms and plan); ``([], {}, None)`` without
+    it. A mismatch exits."""
     if doc is None:
-        return [], {}
+        return [], {}, None
     row = doc.get("models", {}).get(spec)
     if row is None:
         sys.exit(f"--resume: no row for {spec}")
@@ -431,7 +451,7 @@ def _resumed(doc: Optional[dict], spec: str, plan) -> tuple:
     costs = [SiteRoleCost(**c) for c in row.get("costs", [])]
     checks = {int(k): QualityResult.from_dict(v)
               for k, v in row.get("check_results", {}).items()}
-    return costs, checks
+    return costs, checks, row.get("start", {}).get("digest")
 
 
 def default_plan(name, preset, args, device, out, write, spec, resume=None) -> None:
@@ -467,16 +487,22 @@ def default_plan(name, preset, args, device, out, write, spec, resume=None) -> N
     if args.plan_out:
         plan.save(args.plan_out)
     print(f"  plan: {len(plan.fp8_sites())} FP8 sites, {len(pairs)} FP8 site-roles", flush=True)
+    # what a resumed run keeps is checked, and put back into out, before anything is written
+    # (--out may be the file it resumes)
+    known, prior, start_then = _resumed(resume, spec, plan)
+    out["resumed"] = {"from": args.resume, "costs": len(known),
+                      "checks": sorted(prior)} if args.resume else None
+    out["costs"] = [c.__dict__ for c in known]
+    out["check_results"] = {str(k): r.to_dict() for k, r in prior.items()}
     state = None
     if args.start_steps:
         t0 = time.time()
         state = start_state(build, args, device, args.start_steps)
         out["start"] = {"steps": args.start_steps, "seed": START_SEED,
-                        "seconds": round(time.time() - t0, 1)}
-        write()
-    known, prior = _resumed(resume, spec, plan)
-    out["resumed"] = {"from": args.resume, "costs": len(known),
-                      "checks": sorted(prior)} if args.resume else None
+                        "digest": state_digest(state), "seconds": round(time.time() - t0, 1)}
+        if start_then is not None and start_then != out["start"]["digest"]:
+            sys.exit(f"--resume {args.resume}: its arms started from other weights (the "
+                     "start did not train to the same values here): run afresh")
     write()
     lines = out.setdefault("progress", [])
 
@@ -485,8 +511,7 @@ def default_plan(name, preset, args, device, out, write, spec, resume=None) -> N
         print(f"    {line}", flush=True)
         write()
 
-    kept = out.setdefault("costs", [])
-    kept[:] = [c.__dict__ for c in known]
+    kept = out["costs"]
 
     def on_cost(c):
         kept.append(c.__dict__)
@@ -499,9 +524,7 @@ def default_plan(name, preset, args, device, out, write, spec, resume=None) -> N
              f"{args.cost_steps} steps each")
     costs = site_role_costs(plan, cost_arms, progress, known=known, on_cost=on_cost)
     out["costs"] = [c.__dict__ for c in costs]
-    checks = out.setdefault("check_results", {})
-    for k, r in prior.items():
-        checks[str(k)] = r.to_dict()
+    checks = out["check_results"]
     write()
 
     def on_check(k, result):
@@ -610,7 +633,7 @@ def main(argv=None) -> int:
     p.add_argument("--speed-steps", type=int, default=0,
                    help="--mode plan, on a GPU: time this many compiled training steps of the "
                         "baseline, the default plan and the plan within the budget")
-    p.add_argument("--start-steps", type=int, default=0,
+    p.add_argument("--start-steps", type=int, default=None,
                    help="--mode plan: every arm starts from the baseline trained this many "
                         "steps on a stream of its own (0: from scratch); --mode horizon: the "
                         "checkpoint's steps (default there 300)")
@@ -622,10 +645,13 @@ def main(argv=None) -> int:
         args.horizons = tuple(int(h) for h in args.horizons.split(","))
     except ValueError:
         p.error(f"--horizons: expected a comma list of integers, got {args.horizons!r}")
+    if args.start_steps is None:
+        args.start_steps = 300 if args.mode == "horizon" else 0
     if args.start_steps < 0 or min(args.horizons) < 1:
         p.error("--start-steps must be >= 0 and every --horizons entry >= 1")
-    if args.mode == "horizon" and not args.start_steps:
-        args.start_steps = 300
+    if args.mode == "horizon" and args.start_steps == 0:
+        p.error("--mode horizon compares from scratch with from a checkpoint: "
+                "--start-steps must be >= 1")
     known = set(ARMS) | set(EXCEPT) | set(GPU_ARMS)
     args.arms = tuple(args.arms)
     unknown = [a for a in args.arms if a not in known]
@@ -633,6 +659,8 @@ def main(argv=None) -> int:
         p.error(f"--arm: unknown arm(s) {unknown}; choose from {sorted(known)}")
     args.seeds = tuple(int(s) for s in args.seeds.split(","))
     args.cost_seeds = tuple(int(s) for s in args.cost_seeds.split(","))
+    if START_SEED in args.seeds + args.cost_seeds:
+        p.error(f"--seeds, --cost-seeds: {START_SEED} is the checkpoint start's own stream")
     device = torch.device(args.device)
     if (args.plan_in or args.resume) and args.mode != "plan":
         p.error("--plan-in and --resume are for --mode plan")

@@ -136,6 +136,9 @@ class PairedArms:
             run = train(model, self.train_data(seed), self.steps, lr=self.lr,
                         device=self.device, seed=seed, plan=plan,
                         autocast_bf16=self.autocast, progress=False)
+            if run.steps != self.steps:  # the arms would not be the check they claim to be
+                raise ValueError(f"train_data({seed}) ran out after {run.steps} of "
+                                 f"{self.steps} steps")
             logits, labels = predict(model, self.eval_data(), self.eval_steps,
                                      device=self.device, autocast_bf16=self.autocast)
         self.arms_trained += 1

@@ -298,3 +298,14 @@ def test_checks_made_before_are_reused_and_each_new_check_is_reported(terms, bud
     with pytest.raises(ValueError, match="other terms \\(seeds\\)"):
         ne_budget(plan, **terms, max_ne_change=0.5, steps=STEPS, seeds=(0, 1),
                   costs=first.costs, prior_checks={0: q})
+
+
+def test_an_arm_whose_data_runs_out_is_refused_not_trained_short(terms, spec):
+    """train() stops quietly at the end of its data; a paired arm that trained fewer steps
+    than it says would be a different check: refused, naming the seed and the count."""
+    short = dict(terms, train_data=lambda seed: iter(
+        [SyntheticCTR(spec, BATCH, seed=seed).batch(i) for i in range(STEPS - 3)]))
+    arms = PairedArms(**short, steps=STEPS, seeds=(4,))
+    with pytest.raises(ValueError, match=f"train_data\\(4\\) ran out after {STEPS - 3} of "
+                                         f"{STEPS} steps"):
+        arms.check(_plan())

@@ -169,3 +169,58 @@ def test_start_state_is_the_seed_0_baseline_trained_on_its_own_stream(tmp_path, 
         with pytest.raises(SystemExit):
             script.main(["--mode", "horizon", *common, *bad, "--out", str(hout)])
         assert needle in capsys.readouterr().err
+
+
+def test_a_resume_from_a_checkpoint_start_is_checked_before_anything_is_written(tmp_path,
+                                                                                 capsys):
+    """With --start-steps, a refused resume leaves the file it resumes as it was (--out may
+    be that file); a start whose weights differ is refused; the start's stream is no arm's;
+    horizon arms longer than --steps get every batch they need from the cache."""
+    script = _script()
+    out, plan_out = tmp_path / "ne.json", tmp_path / "p.json"
+    common = ["--mode", "plan", "--models", "wukong:tiny", "--steps", "6", "--eval-batches",
+              "2", "--eval-batch", "128", "--batch-size", "32", "--seeds", "0,1",
+              "--cache-batches", "--start-steps", "4", "--max-ne-change", "0.5"]
+    assert script.main(common + ["--plan-out", str(plan_out), "--out", str(out)]) == 0
+    before = out.read_text()
+    row = json.loads(before)["models"]["wukong:tiny"]
+    assert row["start"]["digest"].startswith("sha256:") and row["costs"] and row["check_results"]
+    # another plan: refused, and the file is untouched
+    other = Plan.load(plan_out)
+    site = next(iter(other.fp8_sites()))
+    other.sites[site].roles[next(r for r, c in other.sites[site].roles.items()
+                                 if c.kernel != other.baseline)].kernel = other.baseline
+    other_path = tmp_path / "other.json"
+    other.save(other_path)
+    with pytest.raises(SystemExit, match="plan differs"):
+        script.main(common + ["--plan-in", str(other_path), "--resume", str(out),
+                              "--out", str(out)])
+    assert out.read_text() == before
+    # a start that trained to other weights: refused, the file untouched
+    doc = json.loads(before)
+    doc["models"]["wukong:tiny"]["start"]["digest"] = "sha256:0"
+    out.write_text(json.dumps(doc))
+    with pytest.raises(SystemExit, match="started from other weights"):
+        script.main(common + ["--plan-in", str(plan_out), "--resume", str(out),
+                              "--out", str(out)])
+    assert json.loads(out.read_text()) == doc
+    # the same start resumes: every check made before is reused
+    out.write_text(before)
+    again = tmp_path / "again.json"
+    assert script.main(common + ["--plan-in", str(plan_out), "--resume", str(out),
+                                 "--out", str(again)]) == 0
+    twice = json.loads(again.read_text())["models"]["wukong:tiny"]
+    assert twice["start"]["digest"] == row["start"]["digest"]
+    assert not any(": cost " in line or line.endswith(" moved back")
+                   for line in twice["progress"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        script.main(common[:-2] + ["--seeds", f"0,{script.START_SEED}", "--out", str(again)])
+    assert "checkpoint start's own stream" in capsys.readouterr().err
+    # horizon arms of 9 steps with a 3-step cache request: the cache holds all 9
+    hout = tmp_path / "h.json"
+    assert script.main(["--mode", "horizon", "--models", "wukong:tiny", "--steps", "3",
+                        "--eval-batches", "2", "--eval-batch", "128", "--batch-size", "32",
+                        "--seeds", "0,1", "--cache-batches", "--start-steps", "3",
+                        "--horizons", "9", "--out", str(hout)]) == 0
+    assert "from 3 steps, 9 more" in json.loads(hout.read_text())["models"]["wukong:tiny"]["rows"]
