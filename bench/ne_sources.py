@@ -54,7 +54,6 @@ the arms' trajectories drift apart and the interval over seeds widens with them.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 import math
@@ -188,14 +187,6 @@ def state_digest(state) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def _interval_row(result) -> dict:
-    seeds_iv = result.rel_ne_seeds
-    return {"rel_ne_change": result.rel_ne_change,
-            "rel_ne_seeds": None if seeds_iv is None else list(seeds_iv),
-            "rel_ne_examples": list(result.rel_ne_examples),
-            "per_seed": [x.rel_ne_change for x in result.seeds]}
-
-
 def horizon(name, preset, args, device) -> dict:
     """``--mode horizon``: how the paired check's intervals depend on where the arms start.
     One plan (every Linear on rowwise e4m3, emulated on the CPU, ``--plan-kernel`` on a
@@ -211,7 +202,7 @@ def horizon(name, preset, args, device) -> dict:
     t0 = time.time()
     result = PairedArms(build, train_data, eval_data, steps=args.steps, seeds=args.seeds,
                         lr=args.lr, device=device).check(plan)
-    out["rows"][f"from scratch, {args.steps} steps"] = dict(_interval_row(result),
+    out["rows"][f"from scratch, {args.steps} steps"] = dict(summarize(result, None),
                                                            seconds=round(time.time() - t0, 1))
     state = start_state(build, args, device, args.start_steps)
     out["start"] = {"steps": args.start_steps, "seed": START_SEED, "digest": state_digest(state)}
@@ -220,7 +211,7 @@ def horizon(name, preset, args, device) -> dict:
         result = PairedArms(build, train_data, eval_data, steps=h, seeds=args.seeds,
                             lr=args.lr, device=device, initial_state=state).check(plan)
         out["rows"][f"from {args.start_steps} steps, {h} more"] = dict(
-            _interval_row(result), seconds=round(time.time() - t0, 1))
+            summarize(result, None), seconds=round(time.time() - t0, 1))
     for row, v in out["rows"].items():
         lo, hi = v["rel_ne_seeds"] or (math.nan, math.nan)
         print(f"  {row:32s} {v['rel_ne_change']:+.4%} over seeds [{lo:+.4%}, {hi:+.4%}]",
@@ -568,27 +559,20 @@ def step_speed(name, preset, args, device, plan) -> dict:
     of the reference model in bf16, with ``plan`` applied (None: the baseline), on one
     batch of ``--batch-size``."""
     import loka
-    from loka.bench.evalset import profile_gpu, time_steps
+    from loka.bench import cast_batch
+    from loka.bench.evalset import make_step, profile_gpu, time_steps
 
     model = build_reference(name, preset, None, device, seed=0, table_rows=args.table_rows)
     if plan is not None:
         loka.apply(model, plan)
-    batch = SyntheticCTR(model.feature_spec, args.batch_size, seed=0).batch(0).to(device)
-    batch = dataclasses.replace(batch, dense=batch.dense.to(torch.bfloat16),
-                                labels=batch.labels.to(torch.bfloat16))
+    batch = cast_batch(SyntheticCTR(model.feature_spec, args.batch_size, seed=0).batch(0)
+                       .to(device), torch.bfloat16)
     compiled = torch.compile(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-
-    def step():
-        loss = loss_fn(compiled, batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
+    step = make_step(compiled, model, "train", batch, False, device, loss_fn)
     row = time_steps(step, device, warmup=3, steps=args.speed_steps)
     row["gpu_ms"] = profile_gpu(step, 5)["gpu_ms_per_step"]
     row["fp8_sites"] = 0 if plan is None else len(plan.fp8_sites())
-    del model, compiled, opt
+    del model, compiled, step
     torch.cuda.empty_cache()
     return row
 

@@ -381,12 +381,11 @@ def ne_budget(plan: Plan, build_model: Callable[[int], nn.Module],
                 on_check(k, result)
         results[k] = result
         seeds_iv = result.rel_ne_seeds
+        upper = _upper(result, interval)
         checks.append({"moved_back": k, "rel_ne_change": result.rel_ne_change,
-                       "upper": _upper(result, interval),
-                       "rel_ne_examples": list(result.rel_ne_examples),
+                       "upper": upper, "rel_ne_examples": list(result.rel_ne_examples),
                        "rel_ne_seeds": None if seeds_iv is None else list(seeds_iv),
                        "auc_change": result.auc_change})
-        upper = _upper(result, interval)
         say(f"  {k} moved back: relative NE change {result.rel_ne_change:+.4%}, upper bound "
             f"{upper:+.4%} ({'within' if upper <= max_ne_change else 'over'} "
             f"{max_ne_change:.4%})")
