@@ -60,7 +60,7 @@ for s in "$@"; do
         bench/distributed/run.py --preset paper --mods paper --out "$OUT/distributed.json" ${DIST_ARGS:-} ;;
     nebudget) stage nebudget "${NE_LIMIT:-560}" env CUBLAS_WORKSPACE_CONFIG=:4096:8 \
         python3 bench/ne_sources.py --mode plan --device cuda --out "$OUT/ne_plan.json" \
-        ${NE_ARGS:---models wukong:paper --batch-size 4096 --start-steps 250 --steps 30 --seeds 0,1,2,3,4,5 --cache-batches --plan-kernel cublas-rowwise --plan-out $OUT/plan.default.json --budget-plan-out $OUT/plan.ne.json --speed-steps 20} ;;
+        ${NE_ARGS:---models wukong:paper --batch-size 4096 --lr 1e-3 --warmup-steps 100 --start-steps 250 --steps 30 --seeds 0,1,2,3,4,5 --cache-batches --plan-kernel cublas-rowwise --plan-out $OUT/plan.default.json --budget-plan-out $OUT/plan.ne.json --speed-steps 20} ;;
     stepcode) stage stepcode "${STEPCODE_LIMIT:-240}" python3 bench/step_code.py --out "$OUT/step_code.json" \
         ${STEPCODE_ARGS:---model wukong --scale paper --batch-size 4096 --plan bench/results/2026-12-05-h200-evalset/wukong.b4096.plan.train.json --families cublas-rowwise-fastacc,cublas-tensorwise-fastacc,triton-rowwise-cublas-fastacc --delayed} ;;
     *) echo "unknown stage $s" | tee -a "$LOG" ;;

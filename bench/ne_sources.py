@@ -57,8 +57,10 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import platform
 import sys
+import tempfile
 import time
 from typing import Optional
 
@@ -72,9 +74,10 @@ from loka.dispatch import Plan, plan as make_plan
 from loka.jsonio import atomic_write_text, json_safe
 from loka.numerics.delayed import DEFAULT_DECAY
 from loka.probe import probe
-from loka.quality import (PairedArms, QualityResult, SiteRoleCost, deterministic,
-                          fp8_site_roles, ne_budget, site_role_costs, without)
+from loka.quality import (BaselineNotLearnedError, PairedArms, QualityResult, SiteRoleCost,
+                          deterministic, fp8_site_roles, ne_budget, site_role_costs, without)
 from loka.train import loss_fn, train
+from loka.train.checkpoint import CHECKPOINT_NAME, read_checkpoint
 from loka.train.loop import plan_digest
 
 RW, RW5 = "emulated-rowwise-e4m3", "emulated-rowwise-e5m2"
@@ -162,29 +165,65 @@ START_SEED = 99
 """the stream the checkpoint start trains on (no arm trains on it)"""
 
 
-def start_state(build, args, device, steps: int):
+def start_state(build, args, device, steps: int) -> dict:
     """The baseline model of seed 0 trained ``steps`` steps on a stream of its own
-    (:data:`START_SEED`): the checkpoint every arm starts from with ``--start-steps``. From
-    a trained model a short horizon measures what FP8 does to it before the arms'
-    trajectories drift apart, which is what widens the interval over seeds from scratch."""
-    with deterministic():
+    (:data:`START_SEED`, with ``--warmup-steps``): the checkpoint every arm starts from with
+    ``--start-steps``, as ``{"model": weights, "optimizers": optimizer states}``. The arms
+    continue its Adam moments: restarting them on a trained wide model throws it off in a
+    few steps (a fresh AdamW's first updates are ``lr`` on every weight). From a trained
+    model a short horizon measures what FP8 does to it before the arms' trajectories drift
+    apart, which is what widens the interval over seeds from scratch."""
+    with deterministic(), tempfile.TemporaryDirectory() as run:
         torch.manual_seed(0)
         model = build(0)
         stream = SyntheticCTR(model.feature_spec, args.batch_size, seed=START_SEED)
         train(model, (stream.batch(i).to(device) for i in range(steps)), steps, lr=args.lr,
-              device=device, progress=False)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+              device=device, progress=False, warmup_steps=args.warmup_steps,
+              checkpoint_dir=run)
+        saved = read_checkpoint(os.path.join(run, CHECKPOINT_NAME), map_location=device)
+    return {"model": saved["model"], "optimizers": saved["optimizers"]}
 
 
-def state_digest(state) -> str:
-    """``"sha256:<hex>"`` of a state dict's names, dtypes, shapes and values: a resumed run
-    must start its arms from the very weights the run it continues started from."""
+def arm_terms(args, device, state: Optional[dict] = None) -> dict:
+    """The arms' training terms: from scratch with ``--warmup-steps``, or continuing the
+    start ``state`` (:func:`start_state`: its weights and its optimizer states)."""
+    if state is None:
+        return {"lr": args.lr, "device": device, "warmup_steps": args.warmup_steps}
+    return {"lr": args.lr, "device": device, "initial_state": state["model"],
+            "initial_optimizer_state": state["optimizers"]}
+
+
+def state_digest(state: dict) -> str:
+    """``"sha256:<hex>"`` of a start state's weights and optimizer states (names, dtypes,
+    shapes and values): a resumed run must start its arms from the very state the run it
+    continues started from."""
     h = hashlib.sha256()
-    for k in sorted(state):
-        t = state[k].detach().cpu().contiguous()
+    flat = dict(state["model"])
+    for i, opt in enumerate(state["optimizers"]):
+        for pid, values in opt["state"].items():
+            for k, v in values.items():
+                flat[f"optimizer{i}.{pid}.{k}"] = v if torch.is_tensor(v) else torch.tensor(v)
+    for k in sorted(flat):
+        t = flat[k].detach().cpu().contiguous()
         h.update(f"{k}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return "sha256:" + h.hexdigest()
+
+
+def require_learned(arms, args, out, write) -> None:
+    """Stop (after writing ``out``) unless every seed's baseline arm of ``arms`` reaches an
+    NE below ``--max-baseline-ne``: against a diverged baseline no NE change means anything.
+    The baselines' NE is recorded either way."""
+    out.setdefault("baseline_ne", {}).update(
+        {f"{arms.steps} steps, seed {s}": arms.baseline_ne(s) for s in arms.seeds})
+    if args.max_baseline_ne > 0:
+        try:
+            arms.require_learned(args.max_baseline_ne)
+        except BaselineNotLearnedError as e:
+            out["error"] = str(e)
+            write()
+            sys.exit(f"stopped: {e}")
+    write()
 
 
 def horizon(name, preset, args, device) -> dict:
@@ -201,7 +240,7 @@ def horizon(name, preset, args, device) -> dict:
            "site_roles_total": 3 * len(plan.sites), "rows": {}}
     t0 = time.time()
     result = PairedArms(build, train_data, eval_data, steps=args.steps, seeds=args.seeds,
-                        lr=args.lr, device=device).check(plan)
+                        **arm_terms(args, device)).check(plan)
     out["rows"][f"from scratch, {args.steps} steps"] = dict(summarize(result, None),
                                                            seconds=round(time.time() - t0, 1))
     state = start_state(build, args, device, args.start_steps)
@@ -209,7 +248,7 @@ def horizon(name, preset, args, device) -> dict:
     for h in args.horizons:
         t0 = time.time()
         result = PairedArms(build, train_data, eval_data, steps=h, seeds=args.seeds,
-                            lr=args.lr, device=device, initial_state=state).check(plan)
+                            **arm_terms(args, device, state)).check(plan)
         out["rows"][f"from {args.start_steps} steps, {h} more"] = dict(
             summarize(result, None), seconds=round(time.time() - t0, 1))
     for row, v in out["rows"].items():
@@ -257,9 +296,9 @@ def low_noise(name, preset, args, device, out) -> None:
     build, train_data, eval_data = terms(name, preset, args, device)
     plans, _ = source_plans(build(0), device, args.arms)
     short = PairedArms(build, train_data, eval_data, steps=args.cost_steps, seeds=args.seeds,
-                       lr=args.lr, device=device)
+                       **arm_terms(args, device))
     full = PairedArms(build, train_data, eval_data, steps=args.steps, seeds=args.seeds,
-                      lr=args.lr, device=device, keep_states=True)
+                      **arm_terms(args, device), keep_states=True)
     served = {seed: None for seed in args.seeds}
     for seed in args.seeds:
         full.scored(None, seed)
@@ -284,7 +323,7 @@ def sources(name, preset, args, device) -> dict:
     build, train_data, eval_data = terms(name, preset, args, device)
     model = build(0)
     arms = PairedArms(build, train_data, eval_data, steps=args.steps, seeds=args.seeds,
-                      lr=args.lr, device=device)
+                      **arm_terms(args, device))
     names = linears(model)
     plans, missing = source_plans(model, device, args.arms)
     out = {"linears": names, "arms": {}, "not_measured": missing,
@@ -330,7 +369,7 @@ def budget(name, preset, args, device) -> dict:
     pairs = fp8_site_roles(plan)
     print(f"  plan: {len(plan.fp8_sites())} FP8 sites, {len(pairs)} FP8 site-roles", flush=True)
     cost_arms = PairedArms(build, train_data, eval_data, steps=args.cost_steps,
-                           seeds=args.cost_seeds, lr=args.lr, device=device)
+                           seeds=args.cost_seeds, **arm_terms(args, device))
     t0 = time.time()
     costs = site_role_costs(plan, cost_arms)
     cost_s = time.time() - t0
@@ -345,7 +384,7 @@ def budget(name, preset, args, device) -> dict:
     for role in ROLES:
         groups[f"role {role.value}"] = [(s, r) for s, r in pairs if r is role]
     arms = PairedArms(build, train_data, eval_data, steps=args.steps, seeds=args.seeds,
-                      lr=args.lr, device=device)
+                      **arm_terms(args, device))
     rows = {}
     for g, members in groups.items():
         if not members:
@@ -371,10 +410,14 @@ def budget(name, preset, args, device) -> dict:
                                                               for g in names])}
     print(f"  calibration: {calib}", flush=True)
     t0 = time.time()
-    result = ne_budget(plan, build, train_data, eval_data, max_ne_change=args.max_ne_change,
-                       steps=args.steps, seeds=args.seeds, lr=args.lr, device=device,
-                       costs=costs, interval=args.interval,
-                       progress=lambda line: print(f"    {line}", flush=True))
+    try:
+        result = ne_budget(plan, build, train_data, eval_data,
+                           max_ne_change=args.max_ne_change, steps=args.steps,
+                           seeds=args.seeds, **arm_terms(args, device), costs=costs,
+                           interval=args.interval, max_baseline_ne=args.max_baseline_ne or None,
+                           progress=lambda line: print(f"    {line}", flush=True))
+    except BaselineNotLearnedError as e:
+        sys.exit(f"stopped: {e}")
     budget_s = time.time() - t0
     kept = len(fp8_site_roles(result.plan))
     print(f"  NE budget {args.max_ne_change:.4%}: kept {kept} of {len(pairs)}; change "
@@ -392,7 +435,7 @@ def budget(name, preset, args, device) -> dict:
 
 RESUME_TERMS = ("device", "steps", "seeds", "lr", "batch_size", "eval_batch", "eval_batches",
                 "table_rows", "cost_steps", "cost_seeds", "max_ne_change", "interval",
-                "cache_batches", "start_steps")
+                "cache_batches", "start_steps", "warmup_steps")
 """the configuration a resumed ``--mode plan`` run must share with the run it resumes"""
 
 
@@ -509,8 +552,9 @@ def default_plan(name, preset, args, device, out, write, spec, resume=None) -> N
         write()
 
     cost_arms = PairedArms(build, train_data, eval_data, steps=args.cost_steps,
-                           seeds=args.cost_seeds, lr=args.lr, device=device,
-                           initial_state=state)
+                           seeds=args.cost_seeds, **arm_terms(args, device, state))
+    if state is not None and len(known) < len(pairs):  # arms from a trained checkpoint
+        require_learned(cost_arms, args, out, write)
     progress(f"measuring {len(pairs) - len(known)} of {len(pairs)} FP8 site-role(s) alone, "
              f"{args.cost_steps} steps each")
     costs = site_role_costs(plan, cost_arms, progress, known=known, on_cost=on_cost)
@@ -523,10 +567,16 @@ def default_plan(name, preset, args, device, out, write, spec, resume=None) -> N
         write()
 
     t0 = time.time()
-    result = ne_budget(plan, build, train_data, eval_data, max_ne_change=args.max_ne_change,
-                       steps=args.steps, seeds=args.seeds, lr=args.lr, device=device,
-                       costs=costs, interval=args.interval, progress=progress,
-                       on_check=on_check, prior_checks=prior, initial_state=state)
+    try:  # the budget's arms check their baselines before any plan arm trains
+        result = ne_budget(plan, build, train_data, eval_data,
+                           max_ne_change=args.max_ne_change, steps=args.steps,
+                           seeds=args.seeds, **arm_terms(args, device, state), costs=costs,
+                           interval=args.interval, progress=progress, on_check=on_check,
+                           prior_checks=prior, max_baseline_ne=args.max_baseline_ne or None)
+    except BaselineNotLearnedError as e:
+        out["error"] = str(e)
+        write()
+        sys.exit(f"stopped: {e}")
     first = result.checks[0] if result.checks else None
     out["default_plan"] = first
     n_kept = len(fp8_site_roles(result.plan))
@@ -621,6 +671,14 @@ def main(argv=None) -> int:
                    help="--mode plan: every arm starts from the baseline trained this many "
                         "steps on a stream of its own (0: from scratch); --mode horizon: the "
                         "checkpoint's steps (default there 300)")
+    p.add_argument("--warmup-steps", type=int, default=0,
+                   help="linear learning-rate warm-up, in steps, of the checkpoint start "
+                        "(--start-steps) and of every arm trained from scratch (arms from the "
+                        "checkpoint continue its optimizer states)")
+    p.add_argument("--max-baseline-ne", type=float, default=1.0,
+                   help="--mode plan and budget: stop unless every baseline arm of the checks "
+                        "(and, from a --start-steps checkpoint, of the costs) reaches an NE "
+                        "below this (1: the base rate's; 0: no check)")
     p.add_argument("--horizons", default="30,100",
                    help="--mode horizon: steps after the checkpoint, a comma list")
     p.add_argument("--out", required=True)
@@ -631,6 +689,8 @@ def main(argv=None) -> int:
         p.error(f"--horizons: expected a comma list of integers, got {args.horizons!r}")
     if args.start_steps is None:
         args.start_steps = 300 if args.mode == "horizon" else 0
+    if args.warmup_steps < 0 or args.max_baseline_ne < 0:
+        p.error("--warmup-steps and --max-baseline-ne must be >= 0")
     if args.start_steps < 0 or min(args.horizons) < 1:
         p.error("--start-steps must be >= 0 and every --horizons entry >= 1")
     if args.mode == "horizon" and args.start_steps == 0:

@@ -1297,3 +1297,23 @@ def test_twin_derivation_against_a_reports_timings(tmp_path):
     assert td.main([str(path), "--out", str(tmp_path / "o.json")]) == 0
     assert json.loads((tmp_path / "o.json").read_text())["pairs"]["cublas-rowwise-fastacc"][
         "rows"][0]["derived_us"] == 88.0
+
+
+def test_adam_restart_script_pairs_continued_and_fresh_optimizers(tmp_path):
+    """bench/adam_restart.py: a start checkpoint, then per seed one arm continuing its AdamW
+    states and one with a fresh AdamW, scored on the same examples; strict JSON."""
+    script = _load("adam_restart")
+    out = tmp_path / "ar.json"
+    assert script.main(["--models", "wukong:tiny", "--batch-size", "32", "--start-steps", "4",
+                        "--steps", "3", "--warmup-steps", "2", "--eval-batches", "2",
+                        "--eval-batch", "64", "--seeds", "0", "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["models"]["wukong:tiny"]
+    assert len(row["start"]["losses"]) == 4 and 0 < row["start"]["ne"] < 10
+    arms = {a["optimizer"]: a for a in row["arms"]}
+    assert set(arms) == {"continued", "fresh"}
+    # same weights and batches: the first loss is the same, the updates are not
+    assert arms["continued"]["losses"][0] == arms["fresh"]["losses"][0]
+    assert arms["continued"]["losses"][1:] != arms["fresh"]["losses"][1:]
+    assert arms["continued"]["ne"] != arms["fresh"]["ne"]
+    with pytest.raises(SystemExit):
+        script.main(["--steps", "0", "--out", str(out)])

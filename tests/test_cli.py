@@ -54,14 +54,14 @@ SURFACE = {
                        "--skip-bad-lines", "--source", "--steps", "--time-unsafe", "-o", "<model>"],
     "quality": COMMON + ["--batch-size", "--bootstrap", "--checkpoint", "--confidence",
                          "--control", "--cost-steps", "--data", "--eval-steps", "--logit-scale",
-                         "--lr", "--max-ne-change", "--model", "--mods", "--tables", "--out", "--plan",
-                         "--plan-out", "--preset", "--seeds", "--skip-bad-lines", "--steps",
-                         "-o"],
+                         "--lr", "--max-baseline-ne", "--max-ne-change", "--model", "--mods",
+                         "--tables", "--out", "--plan", "--plan-out", "--preset", "--seeds",
+                         "--skip-bad-lines", "--steps", "--warmup-steps", "-o"],
     "report": COMMON + ["--curves", "--html", "--markdown", "--metric", "--tensorboard",
                         "--title", "<files>"],
     "train": COMMON + ["--batch-size", "--checkpoint-every", "--data", "--eval-every",
                        "--eval-steps", "--lr", "--model", "--mods", "--tables", "--out", "--plan", "--preset",
-                       "--resume", "--seed", "--skip-bad-lines", "--steps"],
+                       "--resume", "--seed", "--skip-bad-lines", "--steps", "--warmup-steps"],
 }
 TOP = ["--debug", "--device", "--version"]
 
@@ -128,13 +128,14 @@ DEFAULTS = {
                 "control": False, "cost_steps": None, "data": "synthetic", "eval_steps": None,
                 "logit_scale": 1.0, "lr": 0.001, "max_ne_change": None, "model": "wukong",
                 "mods": "none", "tables": "torch", "out": "quality.json", "plan": None, "plan_out": "plan.ne.json",
-                "preset": "tiny", "seeds": "0", "skip_bad_lines": False, "steps": 100},
+                "preset": "tiny", "seeds": "0", "skip_bad_lines": False, "steps": 100,
+                "max_baseline_ne": 1.0, "warmup_steps": 0},
     "report": {"curves": None, "files": ["FILE"], "html": None, "markdown": None,
                "metric": "mere", "tensorboard": None, "title": "LoKA report"},
     "train": {"batch_size": None, "checkpoint_every": 0, "data": "synthetic", "eval_every": 0,
               "eval_steps": None, "lr": 0.001, "model": "wukong", "mods": "none", "tables": "torch",
               "out": "runs/loka", "plan": None, "preset": "tiny", "resume": False, "seed": 0,
-              "skip_bad_lines": False, "steps": 200},
+              "skip_bad_lines": False, "steps": 200, "warmup_steps": 0},
 }
 
 

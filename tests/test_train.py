@@ -1,3 +1,4 @@
+import copy
 import math
 import os
 import signal
@@ -370,3 +371,164 @@ def test_the_fallbacks_of_a_run_survive_its_resume(tmp_path, faulty_kernel):
     assert resumed.guard_events == [] and [f.site for f in resumed.plan.fallbacks] == [site]
     assert not isinstance(model.over_arch.mlp[0], loka.Linear)  # on the baseline: plain again
     assert model.over_arch.mlp[2].config == LinearConfig.uniform(FP8)
+
+
+def test_warmup_scales_each_steps_learning_rate_and_then_holds_it():
+    """With ``warmup_steps=4`` step k (1-based) updates at ``lr * min(1, k / 4)``: recorded
+    from inside the optimizer, and a run with warm-up differs from one without."""
+    seen = []
+    model, data, _ = _setup()
+    orig = torch.optim.AdamW.step
+
+    def spy(self, *a, **k):
+        seen.append(self.param_groups[0]["lr"])
+        return orig(self, *a, **k)
+
+    torch.optim.AdamW.step = spy
+    try:
+        warm = train(model, data, 6, lr=1e-2, warmup_steps=4, progress=False)
+    finally:
+        torch.optim.AdamW.step = orig
+    assert seen == pytest.approx([2.5e-3, 5e-3, 7.5e-3, 1e-2, 1e-2, 1e-2], rel=1e-12)
+    model, data, _ = _setup()
+    cold = train(model, data, 6, lr=1e-2, progress=False)
+    assert warm.losses[0] == cold.losses[0] and warm.losses[1] != cold.losses[1]
+
+
+def test_a_run_resumed_mid_warmup_follows_the_schedule_it_is_resumed_with(tmp_path):
+    """Resumed at step 2 of a 4-step warm-up: with the same warm-up the rates go on
+    rising; without one every later step is at the full rate, not at the checkpoint's."""
+    orig = torch.optim.AdamW.step
+
+    def rates(**kw):
+        seen = []
+
+        def spy(self, *a, **k):
+            seen.append(self.param_groups[0]["lr"])
+            return orig(self, *a, **k)
+
+        torch.optim.AdamW.step = spy
+        try:
+            model, data, _ = _setup()
+            train(model, data, 6, lr=1e-2, progress=False, **kw)
+        finally:
+            torch.optim.AdamW.step = orig
+        return seen
+
+    for warm, want in ((4, [7.5e-3, 1e-2, 1e-2, 1e-2]), (0, [1e-2] * 4)):
+        run = tmp_path / f"w{warm}"
+        model, data, _ = _setup()
+        train(model, data, 2, lr=1e-2, warmup_steps=4, checkpoint_dir=str(run), progress=False)
+        got = rates(warmup_steps=warm, checkpoint_dir=str(run), resume=True)
+        assert got == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_bad_warmup_is_refused(bad):
+    model, data, _ = _setup()
+    with pytest.raises(ValueError, match="warmup_steps"):
+        train(model, data, 2, warmup_steps=bad, progress=False)
+
+
+def test_optimizer_state_continues_a_run_exactly(tmp_path):
+    """Weights and optimizer states of a run's checkpoint at step 3, given to a fresh run
+    of 3 steps on the batches that followed, reproduce the uninterrupted run's losses and
+    weights exactly; the same weights with fresh optimizers do not."""
+    from loka.train.checkpoint import read_checkpoint
+    model, data, _ = _setup()
+    full = train(model, data, 6, lr=3e-3, progress=False)
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+
+    model, data, _ = _setup()
+    train(model, data, 3, lr=3e-3, checkpoint_dir=str(tmp_path), progress=False)
+    ckpt = read_checkpoint(str(tmp_path / CHECKPOINT_NAME))
+    rest = SyntheticCTR(model.feature_spec, 64, seed=11)
+    batches = [rest.batch(i) for i in range(3, 6)]
+
+    def fresh():
+        torch.manual_seed(7)
+        m = M.build("wukong", "tiny")
+        m.load_state_dict(ckpt["model"])
+        return m
+
+    m = fresh()
+    given = copy.deepcopy(ckpt["optimizers"])
+    cont = train(m, iter(batches), 3, lr=3e-3, progress=False, optimizer_state=ckpt["optimizers"],
+                 seed=0)
+    # the states given are left as they were: the next run from them starts alike
+    for a, b in zip(given[0]["state"].values(), ckpt["optimizers"][0]["state"].values()):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert cont.losses == full.losses[3:]
+    assert all(torch.equal(v, ref[k]) for k, v in m.state_dict().items())
+    m = fresh()
+    restart = train(m, iter(batches), 3, lr=3e-3, progress=False)
+    assert restart.losses[0] == full.losses[3] and restart.losses[1:] != full.losses[4:]
+
+
+def test_optimizer_state_keeps_this_runs_hyperparameters():
+    """The moments come from the given states; lr and weight decay stay this run's."""
+    from loka.train import load_optimizer_states
+    model, data, _ = _setup()
+    old = make_optimizers(model, 0.5, "cpu", weight_decay=0.3)
+    loss_fn(model, next(data)).backward()
+    for o in old:
+        o.step()
+    states = [o.state_dict() for o in old]
+    mine = make_optimizers(model, 1e-3, "cpu")
+    load_optimizer_states(mine, states)
+    group = mine[0].param_groups[0]
+    assert group["lr"] == 1e-3 and group["weight_decay"] == 0.0
+    first = mine[0].param_groups[0]["params"][0]
+    assert torch.equal(mine[0].state[first]["exp_avg"], old[0].state[
+        old[0].param_groups[0]["params"][0]]["exp_avg"])
+
+
+def test_optimizer_state_of_another_model_is_refused_before_loading():
+    model, data, _ = _setup()
+    opts = make_optimizers(model, 1e-3, "cpu")
+    other = M.build("dcnv2", "tiny")
+    with pytest.raises(ValueError, match="optimizer_state"):
+        train(other, SyntheticCTR(other.feature_spec, 8, seed=1), 1, progress=False,
+              optimizer_state=[o.state_dict() for o in opts])
+    with pytest.raises(ValueError, match="optimizer state"):
+        train(model, data, 1, progress=False, optimizer_state=[{"param_groups": []}])
+    # a state with a moment of another shape
+    m2 = M.build("wukong", "tiny")
+    opt = make_optimizers(m2, 1e-3, "cpu")
+    loss_fn(m2, next(SyntheticCTR(m2.feature_spec, 8, seed=2))).backward()
+    for o in opt:
+        o.step()
+    st = [o.state_dict() for o in opt]
+    first = next(iter(st[0]["state"]))
+    st[0]["state"][first]["exp_avg"] = torch.zeros(3, 3)
+    from loka.train import load_optimizer_states
+    target = make_optimizers(model, 1e-3, "cpu")
+    with pytest.raises(ValueError, match="shape"):
+        load_optimizer_states(target, st)
+    assert not target[0].state  # nothing was loaded
+    with pytest.raises(ValueError, match="shape"):
+        train(model, data, 1, progress=False, optimizer_state=st)
+
+
+def test_a_plan_arm_takes_the_optimizer_state_of_its_baseline():
+    """An FP8 plan applied to a copy of a model keeps its parameters' order and shapes:
+    the baseline's optimizer states load into the planned copy."""
+    model, data, _ = _setup()
+    opts = make_optimizers(model, 1e-3, "cpu")
+    loss_fn(model, next(data)).backward()
+    for o in opts:
+        o.step()
+    states = [o.state_dict() for o in opts]
+    steps = {int(v["step"]) for v in states[0]["state"].values()}
+    planned = copy.deepcopy(model)
+    _, d1, _ = _setup()
+    res = train(planned, d1, 2, plan=_plan_for(planned), progress=False,
+                optimizer_state=states)
+    assert isinstance(planned.over_arch.mlp[0], loka.Linear) and len(res.losses) == 2
+    assert all(math.isfinite(l) for l in res.losses)
+    # the moments were taken up: from the same weights and batches, fresh moments differ
+    again = copy.deepcopy(model)
+    _, d2, _ = _setup()
+    fresh = train(again, d2, 2, plan=_plan_for(again), progress=False)
+    assert steps == {1} and res.losses[0] == fresh.losses[0]
+    assert res.losses[1] != fresh.losses[1]

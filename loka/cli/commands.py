@@ -36,12 +36,12 @@ from ..kernels import capabilities, registry
 from ..numerics.delayed import DEFAULT_DECAY
 from ..probe import probe
 from ..probe.report import ProbeReport
-from ..quality import ne_budget, paired_check
+from ..quality import BaselineNotLearnedError, ne_budget, paired_check
 from ..reporting import text_plan, text_report, write_html, write_markdown, write_tensorboard
 from ..reporting.tables import format_table
 from ..train import (CHECKPOINT_NAME, CheckpointError, EmptyEvaluationError, PlanChangedError,
-                     RunExistsError, RunInUseError, RunLock, checkpoint_plan, evaluate, loss_fn,
-                     make_optimizers, train)
+                     RunExistsError, RunInUseError, RunLock, check_optimizer_states,
+                     checkpoint_plan, evaluate, loss_fn, make_optimizers, train)
 from .args import (EXIT_FAILURE, EXIT_OK, EXIT_USAGE, CliError, demo_config, kernel_hint,
                    parse_budgets, parse_kernels, parse_mods, parse_pairs, probe_config,
                    resolve_device, unknown_kernels, usage)
@@ -181,7 +181,7 @@ def _train_locked(args, data, model, desc, stream, held, plan, batch_size, devic
             model, stream, args.steps, lr=args.lr, device=device, eval_iter=held,
             eval_every=args.eval_every, eval_steps=_eval_steps(args, data), checkpoint_dir=args.out,
             checkpoint_every=args.checkpoint_every, resume=args.resume, seed=args.seed,
-            plan=plan, log_fn=log)
+            plan=plan, log_fn=log, warmup_steps=args.warmup_steps)
     except RunExistsError:
         raise usage(f"{args.out} already holds a run ({ckpt}); not overwriting it",
                     "continue it with --resume, or train into another --out") from None
@@ -303,10 +303,19 @@ def cmd_quality(args) -> int:
             check(model.to(device), plan)
         except PlanMismatchError as e:
             raise CliError(f"{args.plan}: {e}", mismatch_hint()) from None
-    weights = None
+    weights, optimizer_state = None, None
     if args.checkpoint:
-        weights, _ = read_checkpoint_file(args.checkpoint)
+        weights, full = read_checkpoint_file(args.checkpoint)
         load_weights(model, weights, args.checkpoint)  # another model's weights: fail now
+        # a `loka train` checkpoint: both arms continue its Adam moments, not fresh ones
+        optimizer_state = None if full is None else full.get("optimizers")
+        if optimizer_state is not None:
+            try:  # another model's optimizer states: fail now too
+                check_optimizer_states(make_optimizers(model, args.lr, device),
+                                       optimizer_state)
+            except ValueError as e:
+                raise CliError(f"{args.checkpoint}: {e}", "give a checkpoint of this model "
+                               "(--model, --preset, --mods), or its weights alone") from None
     batch_size = args.batch_size or getattr(model, "default_batch_size", 512)
     streams = {s: make_streams(data, model, batch_size, s, device,
                                skip_malformed=args.skip_bad_lines) for s in seeds}
@@ -339,7 +348,8 @@ def cmd_quality(args) -> int:
             raise usage(f"--max-ne-change {args.max_ne_change}: expected a finite number > 0",
                         "2e-4 is 0.02% relative NE")
         return _quality_budget(args, plan, build, train_data, eval_data, seeds, device, weights,
-                               None if data.kind == "synthetic" else eval_steps, desc)
+                               None if data.kind == "synthetic" else eval_steps, desc,
+                               optimizer_state)
     arm = "control" if args.control else "paired"
     print(f"quality check ({arm}) of {desc} on {args.data}: {args.steps} steps per arm, "
           f"seeds {','.join(map(str, seeds))}, plan {args.plan or 'none'}, {device}")
@@ -348,8 +358,10 @@ def cmd_quality(args) -> int:
         device=device, initial_state=weights, eval_steps=None if data.kind == "synthetic"
         else eval_steps, control=args.control, confidence=args.confidence,
         bootstrap=args.bootstrap, plan_logits=None if scale == 1.0 else (lambda z: z * scale),
+        warmup_steps=args.warmup_steps, initial_optimizer_state=optimizer_state,
         meta={"model": desc, "data": args.data, "plan": args.plan, "mods": args.mods,
-              "checkpoint": args.checkpoint, "lr": args.lr, "batch_size": batch_size,
+              "checkpoint": args.checkpoint, "checkpoint_optimizer_state":
+              optimizer_state is not None, "lr": args.lr, "batch_size": batch_size,
               "device": str(device), "eval_source": data.eval_source,
               "eval_held_out": data.held_out,
               "perturbation": None if scale == 1.0 else f"logits x {scale!r}"})
@@ -363,16 +375,23 @@ def cmd_quality(args) -> int:
 
 
 def _quality_budget(args, plan, build, train_data, eval_data, seeds, device, weights,
-                    eval_steps, desc) -> int:
+                    eval_steps, desc, optimizer_state=None) -> int:
     """``loka quality --max-ne-change``: the plan's costliest FP8 site-roles back to the
     baseline until the paired check holds (:func:`loka.quality.ne_budget`)."""
     print(f"NE budget of {args.plan} on {desc}: relative NE change <= {args.max_ne_change:.4%} "
           f"({args.steps} steps per arm, seeds {','.join(map(str, seeds))}, {device})")
-    result = ne_budget(plan, build, train_data, eval_data, max_ne_change=args.max_ne_change,
-                       steps=args.steps, seeds=seeds, lr=args.lr, device=device,
-                       initial_state=weights, eval_steps=eval_steps,
-                       confidence=args.confidence, cost_steps=args.cost_steps,
-                       progress=lambda line: print(f"  {line}"))
+    try:
+        result = ne_budget(plan, build, train_data, eval_data,
+                           max_ne_change=args.max_ne_change, steps=args.steps, seeds=seeds,
+                           lr=args.lr, device=device, initial_state=weights,
+                           eval_steps=eval_steps, confidence=args.confidence,
+                           cost_steps=args.cost_steps, warmup_steps=args.warmup_steps,
+                           max_baseline_ne=args.max_baseline_ne or None,
+                           initial_optimizer_state=optimizer_state,
+                           progress=lambda line: print(f"  {line}"))
+    except BaselineNotLearnedError as e:
+        raise CliError(str(e), "more --steps, a lower --lr, --warmup-steps, or a trained "
+                       "--checkpoint; --max-baseline-ne sets the bound (0: no check)") from None
     for c in result.costs:
         back = " (moved back)" if f"{c.site}:{c.role}" in result.moved_back else ""
         print(f"  {c.site} {c.role}: {c.kernel}, NE cost {c.cost:.3e}{back}")

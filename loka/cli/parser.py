@@ -216,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=positive(int, "--batch-size"), default=None,
                    help="default: the preset's")
     p.add_argument("--lr", type=positive(float, "--lr", 0), default=1e-3, help="learning rate")
+    p.add_argument("--warmup-steps", type=positive(int, "--warmup-steps", 0), default=0,
+                   help="linear learning-rate warm-up over the first N steps (0: none); wide "
+                        "presets such as paper diverge without one at 1e-3")
     p.add_argument("--seed", type=int, default=0, help="model, data and RNG seed")
     p.add_argument("--out", default="runs/loka", help="directory of checkpoint.pt and metrics.json")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
@@ -281,6 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where --max-ne-change writes the plan within the budget")
     p.add_argument("--cost-steps", type=positive(int, "--cost-steps", 0), default=None,
                    help="training steps of each site-role's cost arm (default: min(--steps, 20))")
+    p.add_argument("--warmup-steps", type=positive(int, "--warmup-steps", 0), default=0,
+                   help="linear learning-rate warm-up of every arm, in steps (0: none)")
+    p.add_argument("--max-baseline-ne", type=positive(float, "--max-baseline-ne", 0),
+                   default=1.0,
+                   help="--max-ne-change: every seed's baseline must reach an NE below this "
+                        "before any plan arm trains (1: the base rate's; 0: no check)")
     p.add_argument("-o", "--out", default="quality.json", help="the JSON result to write")
     _skip_bad_lines(p)
 

@@ -21,8 +21,11 @@ Selection rule for one (site, role):
 4. Among safe candidates with a decisive speedup ``>= min_speedup`` the fastest wins
    (ties: lower error bound, then name). The speedup is :func:`kernel_speedup`'s: the
    step-aware one in training where the report has it.
-5. No such candidate: with ``assume_fast=True`` a safe candidate without a decisive
-   timing wins: a real kernel before any emulated one (emulated kernels are numerical
+   A kernel the Probe left untimed because its roofline bound (measured against the
+   baseline on the same device type, ``KernelResult.roofline_bound``) is below the plan's
+   ``min_speedup`` counts as timed and slow.
+5. No such candidate, and none timed slow: with ``assume_fast=True`` a safe candidate
+   without a decisive timing wins: a real kernel before any emulated one (emulated kernels are numerical
    references, never fast), then the lowest error bound, then the name; otherwise the
    baseline. This makes CPU reports without
    timings (``ProbeConfig(timing=False)``) plan bf16 everywhere unless the caller opts in.
@@ -194,6 +197,11 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
                     other += 1
                     continue
                 if stat.hi > budget:
+                    other += 1
+                    continue
+                bound = kr.roofline_bound if same_device_type else None
+                if bound is not None and bound < cfg.min_speedup:  # never fast here
+                    slow.append(bound)
                     other += 1
                     continue
                 speedup = kernel_speedup(kr, inference)

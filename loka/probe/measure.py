@@ -53,7 +53,8 @@ from ..kernels.registry import Kernel, Library
 from ..numerics import mere_denominator
 from ..timing import TimingResult, time_fn
 from .pricing import can_fuse, step_time_us
-from .report import ErrorStat, KernelResult, ProbeReport, RoleReport, SiteReport
+from .report import (ROOFLINE_NOT_TIMED, ErrorStat, KernelResult, ProbeReport, RoleReport,
+                     SiteReport)
 from .sampler import OperandSampler, error_rows, naive_pair, seed_for
 from .stats import SiteStats
 
@@ -510,7 +511,8 @@ class _Measurement:
         bound = max_speedup(base_us, shape, peaks, quantizes_b=role is not Role.FWD,
                             in_bytes=dtype.itemsize, out_bytes=dtype.itemsize)
         if bound < cfg.min_speedup:
-            return f"roofline: at most {bound:.2f}x at the device's peak rates"
+            kr.roofline_bound = float(bound)
+            return ROOFLINE_NOT_TIMED.format(bound=bound)
         return None
 
     def _time_kernel(self, kr: KernelResult, k: Kernel, role: Role, shape, dev, dtype,

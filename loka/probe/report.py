@@ -20,6 +20,7 @@ import datetime as _dt
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -31,6 +32,10 @@ from .producers import KINDS
 
 SCHEMA = "loka.probe-report"
 SCHEMA_VERSION = 1
+
+ROOFLINE_NOT_TIMED = "roofline: at most {bound:.2f}x at the device's peak rates"
+"""``KernelResult.not_timed`` of a kernel whose roofline bound is below ``min_speedup``"""
+_ROOFLINE_RE = re.compile(r"roofline: at most ([0-9]*\.?[0-9]+)x")
 
 
 _POSITIVE = ("mere", "relfro", "naive_mere")
@@ -135,6 +140,13 @@ class KernelResult:
     ``time_us``) or the split is missing"""
     step_speedup: Optional[float] = None
     """baseline time / ``step_us``"""
+    roofline_bound: Optional[float] = None
+    """where the roofline bound is why the kernel was not timed (``not_timed``): the
+    speedup over the measured baseline that the call could reach at most at the device's
+    peak rates, quantizing each operand at full bandwidth. A plan for the probing device
+    type takes it as a timing that is slow when it is below the plan's ``min_speedup``.
+    Reports written before this field read it back from ``not_timed``'s text (two
+    decimals)."""
 
     def metric(self, name: str) -> Optional[ErrorStat]:
         if name == "neg_sqnr":
@@ -151,7 +163,7 @@ class KernelResult:
             d["speedup_weight_q"] = encode_number(self.speedup_weight_q)
         if self.not_timed is not None:
             d["not_timed"] = self.not_timed
-        for k in ("time_us_gemm", "step_us", "step_speedup"):
+        for k in ("time_us_gemm", "step_us", "step_speedup", "roofline_bound"):
             if getattr(self, k) is not None:
                 d[k] = encode_number(getattr(self, k))
         for k in ("mere", "sqnr", "relfro", "naive_mere"):
@@ -170,7 +182,11 @@ class KernelResult:
             raise ReportError(f"{field_path(where, 'kernel')}: empty kernel name")
         times = {k: _non_negative(d, k, where) for k in
                  ("time_us", "speedup", "time_us_weight_q", "speedup_weight_q",
-                  "time_us_gemm", "step_us", "step_speedup")}
+                  "time_us_gemm", "step_us", "step_speedup", "roofline_bound")}
+        not_timed = field_str(d, "not_timed", where, optional=True)
+        if times["roofline_bound"] is None:  # a report from before the field: its text
+            m = _ROOFLINE_RE.match(not_timed or "")
+            times["roofline_bound"] = float(m.group(1)) if m else None
         for k in ("time_us_gemm", "step_us", "step_speedup"):
             if times[k] is not None and not (math.isfinite(times[k]) and times[k] > 0):
                 raise ReportError(f"{field_path(where, k)}: expected a finite number > 0, "
@@ -185,9 +201,10 @@ class KernelResult:
                    speedup_weight_q=times["speedup_weight_q"],
                    safe=field_bool(d, "safe", where),
                    fast=field_bool(d, "fast", where), error=field_str(d, "error", where, optional=True),
-                   not_timed=field_str(d, "not_timed", where, optional=True),
+                   not_timed=not_timed,
                    time_us_gemm=times["time_us_gemm"], step_us=times["step_us"],
-                   step_speedup=times["step_speedup"], **stats)
+                   step_speedup=times["step_speedup"], roofline_bound=times["roofline_bound"],
+                   **stats)
 
 
 @dataclass

@@ -3,7 +3,8 @@ terms, scored on the same held-out examples, their relative NE and AUC changes g
 intervals over examples and seeds (``stats``); the NE budget (``budget``): a plan's
 costliest FP8 site-roles moved back to the baseline until the paired check holds."""
 
-from .budget import (DEFAULT_MAX_NE_CHANGE, NEBudgetResult, PairedArms, SiteRoleCost,
+from .budget import (DEFAULT_MAX_NE_CHANGE, BaselineNotLearnedError, NEBudgetResult,
+                     PairedArms, SiteRoleCost,
                      fp8_site_roles, ne_budget, only, second_order_cost, site_role_costs,
                      without)
 from .check import (SCHEMA, SCHEMA_VERSION, QualityResult, SeedResult, deterministic,
@@ -15,4 +16,5 @@ __all__ = ["paired_check", "QualityResult", "SeedResult", "predict", "determinis
            "SCHEMA", "SCHEMA_VERSION", "example_log_losses", "ratio_interval",
            "bootstrap_ratio_interval", "paired_auc", "t_interval", "t_quantile", "z_quantile",
            "ne_budget", "NEBudgetResult", "PairedArms", "SiteRoleCost", "site_role_costs",
-           "second_order_cost", "fp8_site_roles", "only", "without", "DEFAULT_MAX_NE_CHANGE"]
+           "second_order_cost", "fp8_site_roles", "only", "without", "DEFAULT_MAX_NE_CHANGE",
+           "BaselineNotLearnedError"]

@@ -46,13 +46,14 @@ from torch import nn
 
 from ..config import ROLES, Role
 from ..data.batch import Batch
+from ..data.metrics import normalized_entropy
 from ..dispatch import Plan, RoleChoice
 from ..kernels import registry
 from ..train import predict, train
 from .check import QualityResult, _compare, deterministic
 from .stats import example_log_losses
 
-__all__ = ["DEFAULT_MAX_NE_CHANGE", "PairedArms", "SiteRoleCost", "NEBudgetResult",
+__all__ = ["DEFAULT_MAX_NE_CHANGE", "BaselineNotLearnedError", "PairedArms", "SiteRoleCost", "NEBudgetResult",
            "second_order_cost", "fp8_site_roles", "only", "without", "site_role_costs",
            "ne_budget"]
 
@@ -79,6 +80,13 @@ def second_order_cost(z_base: np.ndarray, z_plan: np.ndarray, labels: np.ndarray
     return 0.5 * math.fsum(p * (1.0 - p) * d * d) / loss
 
 
+class BaselineNotLearnedError(ValueError):
+    """A baseline arm no better than the bound (by default the base rate's NE, 1.0): the
+    paired changes measured against it would say nothing about a plan. Train longer, lower
+    the learning rate, warm it up (``warmup_steps``), or start from a trained checkpoint
+    with its optimizer states (``initial_optimizer_state``)."""
+
+
 class PairedArms:
     """Arms trained on the paired check's identical terms against one baseline per seed.
 
@@ -96,7 +104,9 @@ class PairedArms:
                  seeds: Sequence[int] = (0,), lr: float = 1e-3, device="cpu",
                  initial_state: Optional[Dict[str, torch.Tensor]] = None,
                  eval_steps: Optional[int] = None, autocast_bf16: Optional[bool] = None,
-                 keep_states: bool = False) -> None:
+                 keep_states: bool = False,
+                 initial_optimizer_state: Optional[Sequence[Mapping[str, Any]]] = None,
+                 warmup_steps: int = 0) -> None:
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
         if not seeds:
@@ -105,6 +115,7 @@ class PairedArms:
         self.steps, self.seeds, self.lr = int(steps), tuple(int(s) for s in seeds), lr
         self.device = torch.device(device)
         self.initial_state, self.eval_steps = initial_state, eval_steps
+        self.initial_optimizer_state, self.warmup_steps = initial_optimizer_state, warmup_steps
         self.autocast = (self.device.type == "cuda" if autocast_bf16 is None
                          else bool(autocast_bf16))
         self._origins: Dict[int, nn.Module] = {}
@@ -135,7 +146,9 @@ class PairedArms:
         with deterministic():
             run = train(model, self.train_data(seed), self.steps, lr=self.lr,
                         device=self.device, seed=seed, plan=plan,
-                        autocast_bf16=self.autocast, progress=False)
+                        autocast_bf16=self.autocast, progress=False,
+                        warmup_steps=self.warmup_steps,
+                        optimizer_state=self.initial_optimizer_state)
             if run.steps != self.steps:  # the arms would not be the check they claim to be
                 raise ValueError(f"train_data({seed}) ran out after {run.steps} of "
                                  f"{self.steps} steps")
@@ -149,6 +162,23 @@ class PairedArms:
                                               for k, v in model.state_dict().items()}
             return logits, labels, 0
         return logits, labels, len(run.plan.fallbacks) if run.plan is not None else 0
+
+    def baseline_ne(self, seed: int) -> float:
+        """NE of ``seed``'s trained baseline arm on the evaluation data."""
+        z, labels, _ = self.scored(None, seed)
+        return normalized_entropy(z, labels, from_logits=True)
+
+    def require_learned(self, max_ne: float = 1.0) -> None:
+        """:class:`BaselineNotLearnedError` unless every seed's baseline arm (trained
+        ``steps`` steps; trained here if it was not yet) reaches an NE below ``max_ne``
+        (1.0: the base rate's): a change measured against a baseline that diverged, or has
+        not learned yet, says nothing about a plan."""
+        bad = {s: ne for s in self.seeds if not (ne := self.baseline_ne(s)) < max_ne}
+        if bad:
+            shown = ", ".join(f"seed {s}: NE {ne:.3g}" for s, ne in list(bad.items())[:4])
+            raise BaselineNotLearnedError(
+                f"the baseline did not learn in {self.steps} steps ({shown}; the bound is "
+                f"{max_ne:g}, 1 is the base rate's)")
 
     def check(self, plan: Optional[Plan], *, confidence: float = 0.95,
               meta: Optional[Dict[str, Any]] = None) -> QualityResult:
@@ -290,15 +320,24 @@ def ne_budget(plan: Plan, build_model: Callable[[int], nn.Module],
               autocast_bf16: Optional[bool] = None,
               progress: Optional[Callable[[str], None]] = None,
               on_check: Optional[Callable[[int, QualityResult], None]] = None,
-              prior_checks: Optional[Mapping[int, QualityResult]] = None) -> NEBudgetResult:
+              prior_checks: Optional[Mapping[int, QualityResult]] = None,
+              initial_optimizer_state: Optional[Sequence[Mapping[str, Any]]] = None,
+              warmup_steps: int = 0,
+              max_baseline_ne: Optional[float] = 1.0) -> NEBudgetResult:
     """Move ``plan``'s costliest FP8 site-roles back to the baseline until the paired
     check's upper bound on the relative NE change is at most ``max_ne_change``.
 
     Args:
         plan: the plan to hold to the budget (not changed).
         build_model, train_data, eval_data, steps, seeds, lr, device, initial_state,
-            eval_steps, confidence, autocast_bf16: the paired check's terms
-            (:func:`~loka.quality.paired_check`).
+            initial_optimizer_state, warmup_steps, eval_steps, confidence, autocast_bf16:
+            the paired check's terms (:func:`~loka.quality.paired_check`).
+        max_baseline_ne: every seed's baseline arm of the checks (``steps`` steps) must
+            reach an NE below this on the evaluation data, else
+            :class:`BaselineNotLearnedError` before the first check's plan arms train
+            (:meth:`PairedArms.require_learned`; the short cost arms are not held to it):
+            1.0, the base rate's, by default; None checks nothing (a test of the mechanics
+            on an untrained model).
         max_ne_change: the budget, relative (2e-4: 0.02%).
         interval: the interval whose upper end is held to the budget: ``"seeds"`` (the
             Student-t interval over seeds, needs two seeds or more), ``"examples"`` (over
@@ -334,10 +373,16 @@ def ne_budget(plan: Plan, build_model: Callable[[int], nn.Module],
     say = progress or (lambda _line: None)
     terms = dict(build_model=build_model, train_data=train_data, eval_data=eval_data, lr=lr,
                  device=device, initial_state=initial_state, eval_steps=eval_steps,
-                 autocast_bf16=autocast_bf16)
+                 autocast_bf16=autocast_bf16, initial_optimizer_state=initial_optimizer_state,
+                 warmup_steps=warmup_steps)
     pairs = fp8_site_roles(plan)
     measured = costs is None
     cost_steps = min(steps, 20) if cost_steps is None else int(cost_steps)
+    if max_baseline_ne is not None and (
+            isinstance(max_baseline_ne, bool) or not isinstance(max_baseline_ne, (int, float))
+            or not math.isfinite(max_baseline_ne) or max_baseline_ne <= 0):
+        raise ValueError(f"max_baseline_ne must be None or a finite number > 0, got "
+                         f"{max_baseline_ne!r}")
     if measured:
         cost_arms = PairedArms(steps=cost_steps, seeds=cost_seeds, **terms)
         say(f"measuring {len(pairs)} FP8 site-role(s) alone, {cost_arms.steps} steps each")
@@ -374,6 +419,8 @@ def ne_budget(plan: Plan, build_model: Callable[[int], nn.Module],
             result = prior[k]
             say(f"paired check with the {k} costliest of {len(ranked)} moved back: made before")
         else:
+            if max_baseline_ne is not None:  # its baselines, before this check's plan arms
+                arms.require_learned(max_baseline_ne)
             trial = without(plan, ranked[:k], "NE budget trial")
             say(f"paired check with the {k} costliest of {len(ranked)} moved back")
             result = arms.check(trial, confidence=confidence, meta={"moved_back": back(k)})

@@ -23,7 +23,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -143,6 +143,13 @@ class QualityResult:
         """Every seed's two arms gave bit-identical evaluation logits."""
         return all(s.identical for s in self.seeds)
 
+    @property
+    def unlearned(self) -> List[int]:
+        """Seeds whose baseline arm is no better than the base rate (NE >= 1, or not
+        finite): diverged, or not trained long enough. Their changes say nothing of the
+        plan."""
+        return [s.seed for s in self.seeds if not s.ne_base < 1.0]
+
     def _combined(self, name: str) -> Tuple[float, float]:
         n = len(self.seeds)
         mean = math.fsum(getattr(s, f"{name}_change") for s in self.seeds) / n
@@ -162,7 +169,7 @@ class QualityResult:
                         "rel_ne_seeds": None if seeds_iv is None else list(seeds_iv),
                         "auc_change": self.auc_change, "auc_examples": list(self.auc_examples),
                         "auc_seeds": None if auc_iv is None else list(auc_iv),
-                        "identical": self.identical},
+                        "identical": self.identical, "unlearned_seeds": self.unlearned},
             "seeds": [asdict(s) for s in self.seeds]})
 
     @classmethod
@@ -236,6 +243,10 @@ class QualityResult:
                         f"; over seeds [{self.auc_seeds[0]:+.5f}, {self.auc_seeds[1]:+.5f}]"))
         if self.identical:
             lines.append("the two arms were bit-identical: every change is exactly 0")
+        if self.unlearned:
+            lines.append(f"WARNING: the baseline did not learn at seed(s) {self.unlearned} "
+                         "(NE >= 1, no better than the base rate): these changes say nothing "
+                         "about the plan")
         return "\n".join(lines)
 
 
@@ -270,7 +281,9 @@ def paired_check(build_model: Callable[[int], nn.Module],
                  confidence: float = 0.95, bootstrap: int = 0,
                  plan_logits: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                  autocast_bf16: Optional[bool] = None, progress: bool = True,
-                 meta: Optional[Dict[str, Any]] = None) -> QualityResult:
+                 meta: Optional[Dict[str, Any]] = None,
+                 initial_optimizer_state: Optional[Sequence[Mapping[str, Any]]] = None,
+                 warmup_steps: int = 0) -> QualityResult:
     """Train a baseline arm and a plan arm on identical terms and compare their quality.
 
     Args:
@@ -287,6 +300,11 @@ def paired_check(build_model: Callable[[int], nn.Module],
         device: where both arms train.
         initial_state: weights loaded into every seed's model before the arms branch (a
             checkpoint's); None: the weights ``build_model`` made.
+        initial_optimizer_state: the optimizer states saved with ``initial_state`` (a
+            checkpoint's ``"optimizers"``): both arms continue that run's Adam moments
+            (``loka.train.train(optimizer_state=...)``) instead of restarting them, which
+            can throw a trained wide model far off in its first steps.
+        warmup_steps: linear learning-rate warm-up of both arms (``loka.train.train``).
         eval_steps: evaluation batches (None: all of ``eval_data``, once; a stream that
             never ends needs a number).
         control: run the plan arm's configuration in both arms (the result must be 0).
@@ -323,7 +341,9 @@ def paired_check(build_model: Callable[[int], nn.Module],
                     bar.set_description(f"seed {seed} {name}")
                     model = copy.deepcopy(origin)
                     run = train(model, train_data(seed), steps, lr=lr, device=device, seed=seed,
-                                plan=arm_plan, autocast_bf16=use_autocast, progress=False)
+                                plan=arm_plan, autocast_bf16=use_autocast, progress=False,
+                                warmup_steps=warmup_steps,
+                                optimizer_state=initial_optimizer_state)
                     logits, labels = predict(model, eval_data(), eval_steps, device=device,
                                              autocast_bf16=use_autocast)
                     if name == "plan":

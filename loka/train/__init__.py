@@ -7,11 +7,13 @@ from .checkpoint import (CHECKPOINT_NAME, CHECKSUM_KEY, TEMP_PATTERNS, Checkpoin
                          RunExistsError, RunInUseError, RunLock, checkpoint_digest,
                          read_checkpoint, remove_stale_temp_files, verify_checkpoint,
                          write_checkpoint)
-from .loop import (PlanChangedError, TrainResult, checkpoint_plan, loss_fn, make_optimizers,
-                   plan_digest, train, train_step)
+from .loop import (PlanChangedError, TrainResult, check_optimizer_states, checkpoint_plan,
+                   load_optimizer_states, loss_fn, make_optimizers, plan_digest, train,
+                   train_step)
 from .scoring import EmptyEvaluationError, evaluate, is_infinite, predict
 
-__all__ = ["train", "train_step", "loss_fn", "make_optimizers", "predict", "evaluate", "is_infinite",
+__all__ = ["train", "train_step", "loss_fn", "make_optimizers", "check_optimizer_states",
+           "load_optimizer_states", "predict", "evaluate", "is_infinite",
            "EmptyEvaluationError", "TrainResult", "PlanChangedError", "plan_digest",
            "checkpoint_plan", "CHECKPOINT_NAME", "CHECKSUM_KEY", "TEMP_PATTERNS",
            "CheckpointError", "RunInUseError", "RunExistsError", "RunLock", "checkpoint_digest",

@@ -25,11 +25,20 @@ either (``TrainResult.skipped_steps``). Resuming a run that trained with a plan:
 plan, the plan recorded in the checkpoint is applied again, with the Guard's fallbacks,
 and a note says so; with the plan the run started from, the same; with another plan,
 :class:`PlanChangedError`.
+
+Starting points: ``warmup_steps`` ramps the learning rate linearly (wide presets diverge
+without one at rates that train narrow ones); ``optimizer_state`` starts a fresh run from
+an earlier run's optimizer states (``load_optimizer_states``), so that a run from a
+checkpoint's weights continues its Adam moments instead of restarting them.
+
+Length: the loop, its checkpoints, resume, Guard and starting points share one step's
+state (optimizers, RNG, data position, plan); split apart, each would pass all of it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import math
@@ -37,7 +46,7 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 
 import torch
@@ -51,7 +60,8 @@ from .scoring import evaluate, is_infinite
 from .checkpoint import (CHECKPOINT_NAME, CheckpointError, RunExistsError, RunLock,
                          read_checkpoint, remove_stale_temp_files, write_checkpoint)
 
-__all__ = ["loss_fn", "make_optimizers", "train_step", "TrainResult", "PlanChangedError",
+__all__ = ["loss_fn", "make_optimizers", "check_optimizer_states", "load_optimizer_states",
+           "train_step", "TrainResult", "PlanChangedError",
            "plan_digest", "checkpoint_plan", "train"]
 
 
@@ -83,6 +93,46 @@ def make_optimizers(model: nn.Module, lr: float, device, weight_decay: float = 0
     if sparse:
         opts.append(torch.optim.SparseAdam(sparse, lr=lr))
     return opts
+
+
+def check_optimizer_states(optimizers: Sequence[torch.optim.Optimizer],
+                           states: Sequence[Mapping[str, Any]]) -> None:
+    """ValueError (one line) unless ``states`` (one ``state_dict()`` per optimizer) were made
+    for these optimizers' parameters: the same count of optimizers, of parameters in each,
+    and every moment of a parameter's shape."""
+    states = list(states)
+    if len(states) != len(optimizers):
+        raise ValueError(f"optimizer_state holds {len(states)} optimizer state(s); this model "
+                         f"trains with {len(optimizers)}")
+    for i, (opt, st) in enumerate(zip(optimizers, states)):
+        if not isinstance(st, Mapping) or "state" not in st or "param_groups" not in st:
+            raise ValueError(f"optimizer_state[{i}] is not an optimizer state_dict()")
+        params = [p for g in opt.param_groups for p in g["params"]]
+        ids = [j for g in st["param_groups"] for j in g.get("params", ())]
+        if len(ids) != len(params):
+            raise ValueError(f"optimizer_state[{i}] is for {len(ids)} parameter(s); this "
+                             f"model's optimizer {i} has {len(params)}")
+        for j, p in zip(ids, params):
+            for key, t in (st["state"].get(j) or {}).items():
+                if torch.is_tensor(t) and t.dim() and t.shape != p.shape:
+                    raise ValueError(f"optimizer_state[{i}]: {key} of parameter {j} has shape "
+                                     f"{tuple(t.shape)}, the parameter {tuple(p.shape)}")
+
+
+def load_optimizer_states(optimizers: Sequence[torch.optim.Optimizer],
+                          states: Sequence[Mapping[str, Any]]) -> None:
+    """Load the moments and step counts of ``states`` (one ``state_dict()`` per optimizer)
+    into ``optimizers``, after :func:`check_optimizer_states`; every hyperparameter (lr,
+    betas, weight decay, fused, ...) stays this run's, not the saved run's. ``states`` are
+    copied, never stepped in place."""
+    check_optimizer_states(optimizers, states)
+    for opt, st in zip(optimizers, states):
+        mine = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        # a copy: the optimizer may keep the given tensors and step them in place, which
+        # would change the caller's states for the next run that starts from them
+        opt.load_state_dict(copy.deepcopy(st))
+        for group, hyper in zip(opt.param_groups, mine):
+            group.update(hyper)
 
 
 def train_step(model: nn.Module, batch: Batch, optimizers: List[torch.optim.Optimizer],
@@ -178,7 +228,8 @@ def train(model: nn.Module, data_iter: Iterable[Batch], steps: int, *, lr: float
           resume: bool = False, seed: int = 0, autocast_bf16: Optional[bool] = None,
           progress: bool = True, log_fn: Optional[Callable[[Dict[str, Any]], None]] = None,
           weight_decay: float = 0.0, plan: Optional[Plan] = None, guard: bool = True,
-          guard_every: Optional[int] = 100) -> TrainResult:
+          guard_every: Optional[int] = 100, warmup_steps: int = 0,
+          optimizer_state: Optional[Sequence[Mapping[str, Any]]] = None) -> TrainResult:
     """Train ``model`` for ``steps`` steps (total, counting steps before a resume).
 
     Args:
@@ -211,6 +262,17 @@ def train(model: nn.Module, data_iter: Iterable[Batch], steps: int, *, lr: float
             the caller applied, if any, or the one a resumed checkpoint recorded.
         guard: arm a :class:`~loka.dispatch.Guard` when the run has a plan.
         guard_every: the Guard's ``check_every`` (None: only after a non-finite loss).
+        warmup_steps: step k (1-based, counted across a resume) updates at
+            ``lr * min(1, k / warmup_steps)``: a linear rise to ``lr`` over the first
+            ``warmup_steps`` steps. The rate is set from this call's ``lr`` and
+            ``warmup_steps`` at every step, so a resumed run follows the schedule it is
+            resumed with. Wide models diverge without a warm-up at rates that train narrow
+            ones well.
+        optimizer_state: a fresh run's starting optimizer states, one per optimizer
+            (``[opt.state_dict() for opt in optimizers]`` of an earlier run of this model,
+            e.g. a checkpoint's ``"optimizers"``): with the weights of that run it continues
+            it rather than restarting Adam's moments; the hyperparameters stay this run's
+            (:func:`load_optimizer_states`). A resumed run takes its checkpoint's instead.
 
     Returns:
         TrainResult.
@@ -223,6 +285,8 @@ def train(model: nn.Module, data_iter: Iterable[Batch], steps: int, *, lr: float
     """
     if steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
     if resume and checkpoint_dir is None:
         raise ValueError("resume=True needs a checkpoint_dir")
     if eval_iter is not None and eval_steps is None and is_infinite(eval_iter):
@@ -248,13 +312,14 @@ def train(model: nn.Module, data_iter: Iterable[Batch], steps: int, *, lr: float
                       checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every,
                       resume=resume, seed=seed, autocast_bf16=autocast_bf16, progress=progress,
                       log_fn=log_fn, weight_decay=weight_decay, plan=plan, guard=guard,
-                      guard_every=guard_every)
+                      guard_every=guard_every, warmup_steps=warmup_steps,
+                      optimizer_state=optimizer_state)
 
 
 def _train(model, data_iter, steps, result: TrainResult, note: Callable[[str], None], *, lr,
            device, eval_iter, eval_every, eval_steps, checkpoint_dir, checkpoint_every, resume,
            seed, autocast_bf16, progress, log_fn, weight_decay, plan, guard,
-           guard_every) -> TrainResult:
+           guard_every, warmup_steps=0, optimizer_state=None) -> TrainResult:
     """:func:`train` holding the run directory's lock."""
     device = torch.device(device)
     use_autocast = device.type == "cuda" if autocast_bf16 is None else bool(autocast_bf16)
@@ -321,6 +386,8 @@ def _train(model, data_iter, steps, result: TrainResult, note: Callable[[str], N
             for _ in range(start):
                 next(data_iter)
     else:
+        if optimizer_state is not None:
+            load_optimizer_states(optimizers, optimizer_state)
         torch.manual_seed(seed)
     result.plan = run_plan
     watch = Guard(model, run_plan, check_every=guard_every) if run_plan is not None and guard \
@@ -408,6 +475,10 @@ def _train(model, data_iter, steps, result: TrainResult, note: Callable[[str], N
                 step -= 1
                 break
             batch = batch.to(device, non_blocking=True)
+            rate = lr * min(1.0, step / warmup_steps) if warmup_steps else lr
+            for opt in optimizers:  # every step: a resumed run follows this call's schedule
+                for group in opt.param_groups:
+                    group["lr"] = rate
             if watch is None:
                 loss = train_step(model, batch, optimizers, use_autocast)
             else:

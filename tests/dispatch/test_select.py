@@ -168,6 +168,58 @@ def test_timed_kernels_win_over_untimed_ones_under_assume_fast(make_report):
     assert plan(report, assume_fast=True).sites["s"].kernel("fwd") == "t-mid"
 
 
+def _pruned(make_report, bound):
+    """A report whose FP8 kernels the Probe left untimed for their roofline bound."""
+    report = make_report({"s": (64, 32, 1 << 20, {"fwd": {"t-mid": (0.15, None),
+                                                         "t-slow-exact": (0.01, None)}})})
+    for kr in report.sites["s"].roles[Role.FWD].kernels.values():
+        if kr.kernel != "bf16":
+            kr.timing, kr.roofline_bound = "none", bound
+            kr.not_timed = f"roofline: at most {bound:.2f}x at the device's peak rates"
+    return report
+
+
+def test_a_roofline_pruned_kernel_counts_as_slow_under_assume_fast(make_report):
+    """The Probe leaves untimed a kernel whose roofline bound cannot reach ``min_speedup``:
+    on that device type it is slow, so ``assume_fast`` must not pick it; on another device
+    type, or for a plan whose ``min_speedup`` is not above the bound, it is untimed."""
+    report = _pruned(make_report, 0.79)
+    p = plan(report, assume_fast=True)
+    assert p.sites["s"].kernel("fwd") == "bf16"
+    assert "best 0.79x" in p.sites["s"].roles[Role.FWD].reason
+    assert plan(report, assume_fast=True, min_speedup=0.5).sites["s"].kernel("fwd") == \
+        "t-slow-exact"
+    assert plan(report, assume_fast=True, min_speedup=0.79).sites["s"].kernel("fwd") == \
+        "t-slow-exact"  # equal: not slow
+    assert plan(report, assume_fast=True, device="cpu").sites["s"].kernel("fwd") == \
+        "t-slow-exact"
+    # a bound just under min_speedup that its text rounds up to it is slow all the same
+    close = _pruned(make_report, 1.046)
+    assert "at most 1.05x" in close.sites["s"].roles[Role.FWD].kernels["t-mid"].not_timed
+    again = ProbeReport.from_dict(json.loads(json.dumps(close.to_dict())))
+    assert again.sites["s"].roles[Role.FWD].kernels["t-mid"].roofline_bound == 1.046
+    assert plan(again, assume_fast=True, min_speedup=1.05).sites["s"].kernel("fwd") == "bf16"
+
+
+def test_a_report_without_the_bound_field_reads_it_from_its_reason(make_report):
+    d = _pruned(make_report, 0.79).to_dict()
+    for kr in d["sites"]["s"]["roles"]["fwd"]["kernels"].values():
+        kr.pop("roofline_bound", None)
+    old = ProbeReport.from_dict(json.loads(json.dumps(d)))
+    assert old.sites["s"].roles[Role.FWD].kernels["t-mid"].roofline_bound == 0.79
+    assert plan(old, assume_fast=True).sites["s"].kernel("fwd") == "bf16"
+    for text in (None, "unsafe: MERE upper bound over 0.2", "roofline",
+                 "roofline: at most x at the device's peak rates"):
+        for kr in d["sites"]["s"]["roles"]["fwd"]["kernels"].values():
+            if kr["kernel"] != "bf16":
+                kr["not_timed"] = text
+        other = ProbeReport.from_dict(json.loads(json.dumps(d)))
+        assert other.sites["s"].roles[Role.FWD].kernels["t-mid"].roofline_bound is None
+    d["sites"]["s"]["roles"]["fwd"]["kernels"]["t-mid"]["roofline_bound"] = -1.0
+    with pytest.raises(ReportError, match="roofline_bound"):
+        ProbeReport.from_dict(d)
+
+
 def test_neg_sqnr_metric(make_report, three):
     report = make_report({"s": (64, 64, 128, {"fwd": three})})
     # SQNR bounds: t-slow-exact >= 27 dB, t-mid >= 23 dB, t-fast-coarse >= 17 dB

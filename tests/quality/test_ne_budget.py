@@ -20,8 +20,8 @@ from loka.dispatch import Plan, RoleChoice
 from loka.jsonio import ReportError
 from loka.kernels import Kernel, register, unregister
 from loka.kernels import registry
-from loka.quality import (PairedArms, SiteRoleCost, fp8_site_roles, ne_budget, paired_check,
-                          second_order_cost, without)
+from loka.quality import (PairedArms, QualityResult, SiteRoleCost, fp8_site_roles, ne_budget,
+                          paired_check, second_order_cost, without)
 from loka.train import loss_fn
 
 FP8 = "emulated-rowwise-e4m3"
@@ -80,7 +80,7 @@ def budgeted(terms, bad_kernel):
     torch.set_num_threads(1)
     try:
         plan = _plan(bad_kernel)
-        return plan, ne_budget(plan, **terms, max_ne_change=BUDGET, steps=STEPS, seeds=(0,),
+        return plan, ne_budget(plan, **terms, max_baseline_ne=None, max_ne_change=BUDGET, steps=STEPS, seeds=(0,),
                                cost_steps=STEPS)
     finally:
         torch.set_num_threads(threads)
@@ -173,7 +173,7 @@ def test_a_plan_within_its_budget_is_kept_whole_with_one_check(terms, budgeted):
     # a cost of a site-role this plan lacks (measured on another plan) is not recorded
     extra = SiteRoleCost("no.such.site", "fwd", FP8, 1.0, 0.0)
     lines = []
-    result = ne_budget(plan, **terms, max_ne_change=0.5, steps=STEPS, seeds=(0,),
+    result = ne_budget(plan, **terms, max_baseline_ne=None, max_ne_change=0.5, steps=STEPS, seeds=(0,),
                        costs=first.costs + [extra], progress=lines.append)
     assert result.moved_back == [] and len(result.checks) == 1
     # each check records both intervals and says its outcome in one progress line
@@ -192,15 +192,63 @@ def test_bad_budgets_and_missing_costs_are_refused_in_one_line(terms, budgeted):
     plan, first = budgeted
     for bad in (float("nan"), float("inf"), 0.0, -1e-4, True, "2e-4"):
         with pytest.raises(ValueError, match="max_ne_change must be a finite number > 0"):
-            ne_budget(plan, **terms, max_ne_change=bad, steps=1)
+            ne_budget(plan, **terms, max_baseline_ne=None, max_ne_change=bad, steps=1)
     with pytest.raises(ValueError, match="interval must be one of"):
-        ne_budget(plan, **terms, steps=1, interval="median")
+        ne_budget(plan, **terms, max_baseline_ne=None, steps=1, interval="median")
     with pytest.raises(ValueError, match="needs at least two seeds"):
-        ne_budget(plan, **terms, steps=1, seeds=(0,), interval="seeds")
+        ne_budget(plan, **terms, max_baseline_ne=None, steps=1, seeds=(0,), interval="seeds")
     with pytest.raises(ValueError, match="costs are missing"):
-        ne_budget(plan, **terms, steps=1, costs=first.costs[1:])
+        ne_budget(plan, **terms, max_baseline_ne=None, steps=1, costs=first.costs[1:])
     with pytest.raises(ValueError, match="steps must be >= 0"):
         PairedArms(**terms, steps=-1)
+    for bad in (0.0, -1.0, float("nan"), True):
+        with pytest.raises(ValueError, match="max_baseline_ne must be None or a finite"):
+            ne_budget(plan, **terms, max_baseline_ne=bad, steps=1, costs=first.costs)
+
+
+def test_the_budget_refuses_a_baseline_that_did_not_learn_before_any_plan_arm(terms,
+                                                                                 budgeted,
+                                                                                 monkeypatch):
+    """By default (``max_baseline_ne=1.0``) the checks' baselines must beat the base rate:
+    ten steps of the tiny model do not, so the budget stops after training the baselines
+    alone, naming each seed's NE; every check made before it (a resumed run) trains none."""
+    from loka.quality import BaselineNotLearnedError
+    from loka.quality import budget as qb
+    plan, first = budgeted
+    trained = []
+    real = qb.train
+
+    def spy(model, *a, plan=None, **kw):
+        trained.append(plan)
+        return real(model, *a, plan=plan, **kw)
+
+    monkeypatch.setattr(qb, "train", spy)
+    with pytest.raises(BaselineNotLearnedError,
+                       match=r"did not learn in 10 steps \(seed 0: NE 1\.\d+, seed 1: NE"):
+        ne_budget(plan, **terms, max_ne_change=BUDGET, steps=STEPS, seeds=(0, 1),
+                  costs=first.costs)
+    assert trained == [None, None]  # the two baselines, no plan arm
+    # a run resumed with every check it needs made before trains nothing, baselines too
+    made = {}
+    monkeypatch.setattr(qb, "train", real)
+    whole = ne_budget(plan, **terms, max_baseline_ne=None, max_ne_change=BUDGET, steps=STEPS,
+                      seeds=(0,), costs=first.costs, on_check=made.__setitem__)
+    monkeypatch.setattr(qb, "train", spy)
+    trained.clear()
+    resumed = ne_budget(plan, **terms, max_ne_change=BUDGET, steps=STEPS, seeds=(0,),
+                        costs=first.costs, prior_checks=made)
+    assert trained == [] and resumed.moved_back == whole.moved_back
+
+
+def test_a_result_flags_seeds_whose_baseline_did_not_learn(terms):
+    torch.manual_seed(0)
+    result = paired_check(terms["build_model"], terms["train_data"], terms["eval_data"],
+                          _plan(), steps=2, seeds=(0,), lr=LR, progress=False)
+    assert result.seeds[0].ne_base >= 1.0 and result.unlearned == [0]
+    assert "WARNING: the baseline did not learn at seed(s) [0]" in result.summary()
+    assert result.to_dict()["summary"]["unlearned_seeds"] == [0]
+    again = QualityResult.from_dict(json.loads(json.dumps(result.to_dict())))
+    assert again.unlearned == [0]
 
 
 def test_old_plan_files_load_and_a_corrupt_ne_cost_is_refused(tmp_path):
@@ -228,6 +276,13 @@ def test_loka_quality_max_ne_change_on_the_command_line(tmp_path, capsys):
     base = ["quality", "--preset", "tiny", "--device", "cpu", "--steps", "3", "--batch-size",
             "32", "--eval-steps", "4", "--seeds", "0", "--plan", str(plan), "-o", str(out),
             "--plan-out", str(kept)]
+    # three steps do not train the tiny model past the base rate: refused in one line
+    assert cli.main(base + ["--max-ne-change", "0.5"]) != 0
+    err = capsys.readouterr().err
+    assert err.startswith("error: the baseline did not learn in 3 steps (seed 0: NE 1.")
+    assert "hint: " in err and "--debug" not in err
+    assert not kept.exists()
+    base += ["--max-baseline-ne", "0"]  # 0: no check
     assert cli.main(base + ["--max-ne-change", "0.5"]) == 0
     text = capsys.readouterr().out
     assert "NE budget: kept" in text and "NE cost" in text
@@ -240,6 +295,8 @@ def test_loka_quality_max_ne_change_on_the_command_line(tmp_path, capsys):
                 ["--max-ne-change", "-1"]):
         assert cli.main(base + bad) == 2
         assert "--max-ne-change" in capsys.readouterr().err
+    for bad in (["--max-baseline-ne", "-1"], ["--warmup-steps", "-2"]):
+        assert cli.main(base + ["--max-ne-change", "0.5"] + bad) == 2
 
 
 def test_optimize_takes_an_ne_budget_as_its_refine_hook(terms):
@@ -253,7 +310,7 @@ def test_optimize_takes_an_ne_budget_as_its_refine_hook(terms):
 
     def refine(p):
         seen.append(p.copy())
-        return ne_budget(p, **terms, max_ne_change=0.5, steps=2, seeds=(0,), cost_steps=1).plan
+        return ne_budget(p, **terms, max_baseline_ne=None, max_ne_change=0.5, steps=2, seeds=(0,), cost_steps=1).plan
 
     result = loka.optimize(model, batches, loss_fn, config=config, refine=refine)
     assert len(seen) == 1 and seen[0].to_dict() == result.untuned.to_dict()
@@ -268,13 +325,13 @@ def test_optimize_takes_an_ne_budget_as_its_refine_hook(terms):
 def test_checks_made_before_are_reused_and_each_new_check_is_reported(terms, budgeted):
     plan, first = budgeted
     made = []
-    result = ne_budget(plan, **terms, max_ne_change=0.5, steps=STEPS, seeds=(0,),
+    result = ne_budget(plan, **terms, max_baseline_ne=None, max_ne_change=0.5, steps=STEPS, seeds=(0,),
                        costs=first.costs, on_check=lambda k, r: made.append((k, r)))
     assert [k for k, _ in made] == [c["moved_back"] for c in result.checks] == [0]
     assert made[0][1] is result.quality
     # resumed: the check is not made again (no callback), the outcome is the same
     again, lines = [], []
-    resumed = ne_budget(plan, **terms, max_ne_change=0.5, steps=STEPS, seeds=(0,),
+    resumed = ne_budget(plan, **terms, max_baseline_ne=None, max_ne_change=0.5, steps=STEPS, seeds=(0,),
                         costs=first.costs, on_check=lambda k, r: again.append(k),
                         prior_checks={0: result.quality}, progress=lines.append)
     assert again == [] and resumed.checks == result.checks
@@ -283,7 +340,7 @@ def test_checks_made_before_are_reused_and_each_new_check_is_reported(terms, bud
     n = len(fp8_site_roles(plan))
     for bad in ({n + 1: result.quality}, {-1: result.quality}, {0: "not a result"}):
         with pytest.raises(ValueError, match="prior_checks"):
-            ne_budget(plan, **terms, max_ne_change=0.5, steps=STEPS, seeds=(0,),
+            ne_budget(plan, **terms, max_baseline_ne=None, max_ne_change=0.5, steps=STEPS, seeds=(0,),
                       costs=first.costs, prior_checks=bad)
     # a check of other terms, or of another ranking's k site-roles, is refused by name
     import dataclasses
@@ -293,10 +350,10 @@ def test_checks_made_before_are_reused_and_each_new_check_is_reported(terms, bud
                          (dataclasses.replace(q, meta={"moved_back": ["x:fwd"]}), "moved_back"),
                          (dataclasses.replace(q, meta={}), "moved_back")):
         with pytest.raises(ValueError, match=f"prior_checks\\[0\\]: made on other terms \\({field}\\)"):
-            ne_budget(plan, **terms, max_ne_change=0.5, steps=STEPS, seeds=(0,),
+            ne_budget(plan, **terms, max_baseline_ne=None, max_ne_change=0.5, steps=STEPS, seeds=(0,),
                       costs=first.costs, prior_checks={0: other})
     with pytest.raises(ValueError, match="other terms \\(seeds\\)"):
-        ne_budget(plan, **terms, max_ne_change=0.5, steps=STEPS, seeds=(0, 1),
+        ne_budget(plan, **terms, max_baseline_ne=None, max_ne_change=0.5, steps=STEPS, seeds=(0, 1),
                   costs=first.costs, prior_checks={0: q})
 
 

@@ -125,12 +125,13 @@ def test_start_state_is_the_seed_0_baseline_trained_on_its_own_stream(tmp_path, 
     once; --mode horizon reports from scratch and from that start, each interval holding
     its change."""
     script = _script()
-    seen = []
+    seen, opts = [], []
     real = script.PairedArms
 
     class Spy(real):
         def __init__(self, *a, **kw):
             seen.append(kw.get("initial_state"))
+            opts.append(kw.get("initial_optimizer_state"))
             super().__init__(*a, **kw)
 
     monkeypatch.setattr(script, "PairedArms", Spy)
@@ -139,24 +140,36 @@ def test_start_state_is_the_seed_0_baseline_trained_on_its_own_stream(tmp_path, 
     out = tmp_path / "ne.json"
     common = ["--models", "wukong:tiny", "--steps", "8", "--eval-batches", "2", "--eval-batch",
               "128", "--batch-size", "32", "--seeds", "0,1", "--cache-batches"]
-    assert script.main(["--mode", "plan", *common, "--start-steps", "6",
-                        "--max-ne-change", "0.5", "--out", str(out)]) == 0
+    assert script.main(["--mode", "plan", *common, "--start-steps", "6", "--max-baseline-ne",
+                        "0", "--max-ne-change", "0.5", "--out", str(out)]) == 0
     row = json.loads(out.read_text())["models"]["wukong:tiny"]
     assert row["start"]["steps"] == 6 and row["start"]["seed"] == script.START_SEED
     assert len(seen) >= 2 and all(s is not None for s in seen)
     assert all(s is seen[0] for s in seen)  # one start, made once, shared by every arm
-    args = types.SimpleNamespace(batch_size=32, lr=3e-3)
+    # ... with its optimizer states: the arms continue its Adam moments
+    assert all(o is opts[0] for o in opts) and len(opts[0]) == 1 and opts[0][0]["state"]
+    assert all(int(v["step"]) == 6 for v in opts[0][0]["state"].values())
+    args = types.SimpleNamespace(batch_size=32, lr=3e-3, warmup_steps=0)
     build = lambda seed: script.build_reference("wukong", "tiny", None, torch.device("cpu"),  # noqa: E731
                                                 seed=seed, table_rows=100)
     again = script.start_state(build, args, torch.device("cpu"), 6)
-    assert all(torch.equal(again[k], seen[0][k]) for k in again)  # deterministic on the CPU
+    assert all(torch.equal(again["model"][k], seen[0][k]) for k in again["model"])  # deterministic
+    assert script.state_digest(again) == row["start"]["digest"]
     fresh = build(0).state_dict()
-    assert any(not torch.equal(fresh[k], again[k]) for k in again)  # it did train
+    assert any(not torch.equal(fresh[k], again["model"][k]) for k in fresh)  # it did train
+    # a warm-up changes the start, and the digest covers the optimizer states too
+    args.warmup_steps = 3
+    warm = script.start_state(build, args, torch.device("cpu"), 6)
+    assert script.state_digest(warm) != row["start"]["digest"]
+    moved = {"model": again["model"], "optimizers": warm["optimizers"]}
+    assert script.state_digest(moved) not in (row["start"]["digest"], script.state_digest(warm))
 
     seen.clear()
+    opts.clear()
     hout = tmp_path / "h.json"
     assert script.main(["--mode", "horizon", *common, "--start-steps", "6", "--horizons",
                         "2,4", "--out", str(hout)]) == 0
+    assert opts[0] is None and opts[1] is not None and opts[2] is opts[1]
     rows = json.loads(hout.read_text())["models"]["wukong:tiny"]["rows"]
     assert list(rows) == ["from scratch, 8 steps", "from 6 steps, 2 more", "from 6 steps, 4 more"]
     assert seen[0] is None and seen[1] is not None and seen[2] is seen[1]
@@ -180,7 +193,8 @@ def test_a_resume_from_a_checkpoint_start_is_checked_before_anything_is_written(
     out, plan_out = tmp_path / "ne.json", tmp_path / "p.json"
     common = ["--mode", "plan", "--models", "wukong:tiny", "--steps", "6", "--eval-batches",
               "2", "--eval-batch", "128", "--batch-size", "32", "--seeds", "0,1",
-              "--cache-batches", "--start-steps", "4", "--max-ne-change", "0.5"]
+              "--cache-batches", "--start-steps", "4", "--max-ne-change", "0.5",
+              "--max-baseline-ne", "0"]
     assert script.main(common + ["--plan-out", str(plan_out), "--out", str(out)]) == 0
     before = out.read_text()
     row = json.loads(before)["models"]["wukong:tiny"]
@@ -224,3 +238,31 @@ def test_a_resume_from_a_checkpoint_start_is_checked_before_anything_is_written(
                         "--seeds", "0,1", "--cache-batches", "--start-steps", "3",
                         "--horizons", "9", "--out", str(hout)]) == 0
     assert "from 3 steps, 9 more" in json.loads(hout.read_text())["models"]["wukong:tiny"]["rows"]
+
+
+def test_plan_mode_stops_on_a_baseline_that_did_not_learn(tmp_path):
+    """A baseline no better than the base rate (here: two steps of the tiny model) makes
+    every NE change meaningless. From scratch the short cost arms are not held to it, the
+    checks' baselines are: the run stops before any check's plan arm, saying so. From a
+    checkpoint even the cost arms' baseline must have learned: the run stops before any
+    cost. The file keeps the reason (and, from a checkpoint, the baselines' NE)."""
+    script = _script()
+    out = tmp_path / "ne.json"
+    args = ["--mode", "plan", "--models", "wukong:tiny", "--steps", "2", "--cost-steps", "2",
+            "--eval-batches", "2", "--eval-batch", "128", "--batch-size", "32", "--seeds",
+            "0,1", "--cache-batches", "--out", str(out)]
+    with pytest.raises(SystemExit, match="stopped: the baseline did not learn in 2 steps "
+                                         "\\(seed 0: NE"):
+        script.main(args)
+    row = json.loads(out.read_text())["models"]["wukong:tiny"]
+    assert "did not learn" in row["error"] and row["costs"] and row["check_results"] == {}
+    assert not any("moved back" in line for line in row["progress"])
+
+    with pytest.raises(SystemExit, match="stopped: the baseline did not learn in 2 steps"):
+        script.main(args + ["--start-steps", "2"])
+    row = json.loads(out.read_text())["models"]["wukong:tiny"]
+    assert row["costs"] == [] and list(row["baseline_ne"]) == ["2 steps, seed 0"]
+    assert row["baseline_ne"]["2 steps, seed 0"] >= 1.0
+    assert not any(": cost " in line for line in row.get("progress", []))
+    with pytest.raises(SystemExit):
+        script.main(args + ["--warmup-steps", "-1"])

@@ -155,3 +155,29 @@ def test_loka_quality_on_the_command_line(tmp_path, capsys):
     assert QualityResult.load(out).rel_ne_change != 0.0
     assert cli.main(base) == 2
     assert "--plan" in capsys.readouterr().err
+
+
+def test_loka_quality_from_a_train_checkpoint_continues_its_optimizer_state(tmp_path, capsys):
+    """`loka quality --checkpoint` of a `loka train` run: both arms continue the run's Adam
+    moments (recorded in the result); from the same weights saved bare, fresh moments
+    train the arms elsewhere."""
+    run = tmp_path / "run"
+    assert cli.main(["train", "--preset", "tiny", "--device", "cpu", "--steps", "4",
+                     "--batch-size", "32", "--warmup-steps", "2", "--out", str(run)]) == 0
+    ckpt = run / "checkpoint.pt"
+    plan = tmp_path / "plan.json"
+    _plan().save(plan)
+    base = ["quality", "--preset", "tiny", "--device", "cpu", "--steps", "3", "--batch-size",
+            "32", "--eval-steps", "4", "--seeds", "0", "--plan", str(plan), "--control"]
+    out_full, out_bare = tmp_path / "full.json", tmp_path / "bare.json"
+    assert cli.main(base + ["--checkpoint", str(ckpt), "-o", str(out_full)]) == 0
+    full = QualityResult.load(out_full)
+    assert full.meta["checkpoint_optimizer_state"] is True and full.rel_ne_change == 0.0
+    bare = tmp_path / "bare.pt"
+    torch.save(torch.load(ckpt, weights_only=True)["model"], bare)
+    assert cli.main(base + ["--checkpoint", str(bare), "-o", str(out_bare)]) == 0
+    other = QualityResult.load(out_bare)
+    assert other.meta["checkpoint_optimizer_state"] is False
+    # the same weights, other optimizer states: the arms end elsewhere
+    assert full.seeds[0].ne_base != other.seeds[0].ne_base
+    capsys.readouterr()
