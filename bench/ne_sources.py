@@ -535,8 +535,9 @@ def default_plan(name, preset, args, device, out, write, spec, resume=None) -> N
         out["start"] = {"steps": args.start_steps, "seed": START_SEED,
                         "digest": state_digest(state), "seconds": round(time.time() - t0, 1)}
         if start_then is not None and start_then != out["start"]["digest"]:
-            sys.exit(f"--resume {args.resume}: its arms started from other weights (the "
-                     "start did not train to the same values here): run afresh")
+            sys.exit(f"--resume {args.resume}: its arms started from another start (other "
+                     "weights or optimizer states: it did not train to the same values here, or "
+                     "predates starts that keep optimizer states): run afresh")
     write()
     lines = out.setdefault("progress", [])
 

@@ -282,6 +282,7 @@ def test_eval_set_script_runs_on_the_cpu(tmp_path):
     # loka.optimize on the same report: untimed on a CPU, so the report's plan, and it says so
     opt = rows["loka-optimize"]
     assert opt["status"] == "ok" and opt["timed"] is False and opt["optimize_rounds"] == []
+    assert opt["optimize_log"] == [] and opt["optimize_trials"] == 0  # no trial untimed
     assert opt["plan"] == lk["plan"] and opt["untuned_fp8_sites"] == lk["fp8_sites"]
     assert any("not timed" in n for n in opt["notes"])
     assert summary["loka_optimize"]["step_ms"] == opt["step_ms"]

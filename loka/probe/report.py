@@ -142,11 +142,13 @@ class KernelResult:
     """baseline time / ``step_us``"""
     roofline_bound: Optional[float] = None
     """where the roofline bound is why the kernel was not timed (``not_timed``): the
-    speedup over the measured baseline that the call could reach at most at the device's
-    peak rates, quantizing each operand at full bandwidth. A plan for the probing device
-    type takes it as a timing that is slow when it is below the plan's ``min_speedup``.
-    Reports written before this field read it back from ``not_timed``'s text (two
-    decimals)."""
+    speedup over the measured baseline that the timed call could reach at most at the
+    device's peak rates, each operand it quantizes read and cast in a pass of its own at
+    full bandwidth. (A quantization fused into its producer would cost less in a whole
+    step; the Probe does not time a kernel it prunes, so that is not measured.) A plan for
+    the probing device type takes the bound as a timing that is slow when it is below the
+    plan's ``min_speedup``, also under ``assume_fast``. Reports written before this field
+    read it back from ``not_timed``'s text (two decimals)."""
 
     def metric(self, name: str) -> Optional[ErrorStat]:
         if name == "neg_sqnr":

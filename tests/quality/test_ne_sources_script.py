@@ -214,7 +214,7 @@ def test_a_resume_from_a_checkpoint_start_is_checked_before_anything_is_written(
     doc = json.loads(before)
     doc["models"]["wukong:tiny"]["start"]["digest"] = "sha256:0"
     out.write_text(json.dumps(doc))
-    with pytest.raises(SystemExit, match="started from other weights"):
+    with pytest.raises(SystemExit, match="started from another start"):
         script.main(common + ["--plan-in", str(plan_out), "--resume", str(out),
                               "--out", str(out)])
     assert json.loads(out.read_text()) == doc
