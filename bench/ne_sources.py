@@ -385,6 +385,11 @@ def budget(name, preset, args, device) -> dict:
         groups[f"role {role.value}"] = [(s, r) for s, r in pairs if r is role]
     arms = PairedArms(build, train_data, eval_data, steps=args.steps, seeds=args.seeds,
                       **arm_terms(args, device))
+    if args.max_baseline_ne > 0:  # before any group's plan arms
+        try:
+            arms.require_learned(args.max_baseline_ne)
+        except BaselineNotLearnedError as e:
+            sys.exit(f"stopped: {e}")
     rows = {}
     for g, members in groups.items():
         if not members:
@@ -690,8 +695,8 @@ def main(argv=None) -> int:
         p.error(f"--horizons: expected a comma list of integers, got {args.horizons!r}")
     if args.start_steps is None:
         args.start_steps = 300 if args.mode == "horizon" else 0
-    if args.warmup_steps < 0 or args.max_baseline_ne < 0:
-        p.error("--warmup-steps and --max-baseline-ne must be >= 0")
+    if args.warmup_steps < 0 or not 0 <= args.max_baseline_ne < math.inf:
+        p.error("--warmup-steps must be >= 0 and --max-baseline-ne a finite number >= 0")
     if args.start_steps < 0 or min(args.horizons) < 1:
         p.error("--start-steps must be >= 0 and every --horizons entry >= 1")
     if args.mode == "horizon" and args.start_steps == 0:

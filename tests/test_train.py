@@ -465,6 +465,19 @@ def test_optimizer_state_continues_a_run_exactly(tmp_path):
     assert restart.losses[0] == full.losses[3] and restart.losses[1:] != full.losses[4:]
 
 
+def test_a_resumed_run_keeps_its_checkpoints_optimizer_states_and_says_so(tmp_path):
+    model, data, _ = _setup()
+    train(model, data, 2, checkpoint_dir=str(tmp_path), progress=False)
+    other = make_optimizers(model, 1e-3, "cpu")
+    notes = []
+    model, data, _ = _setup()
+    res = train(model, data, 3, checkpoint_dir=str(tmp_path), resume=True, progress=False,
+                optimizer_state=[o.state_dict() for o in other],
+                log_fn=lambda e: notes.append(e.get("message")))
+    assert res.resumed_from == 2
+    assert any("optimizer_state was not used" in (n or "") for n in notes)
+
+
 def test_optimizer_state_keeps_this_runs_hyperparameters():
     """The moments come from the given states; lr and weight decay stay this run's."""
     from loka.train import load_optimizer_states

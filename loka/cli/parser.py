@@ -286,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training steps of each site-role's cost arm (default: min(--steps, 20))")
     p.add_argument("--warmup-steps", type=positive(int, "--warmup-steps", 0), default=0,
                    help="linear learning-rate warm-up of every arm, in steps (0: none)")
-    p.add_argument("--max-baseline-ne", type=positive(float, "--max-baseline-ne", 0),
+    p.add_argument("--max-baseline-ne", type=budget,
                    default=1.0,
                    help="--max-ne-change: every seed's baseline must reach an NE below this "
                         "before any plan arm trains (1: the base rate's; 0: no check)")

@@ -389,6 +389,9 @@ def _train(model, data_iter, steps, result: TrainResult, note: Callable[[str], N
         if optimizer_state is not None:
             load_optimizer_states(optimizers, optimizer_state)
         torch.manual_seed(seed)
+    if state is not None and optimizer_state is not None:
+        note("resumed from the checkpoint's own optimizer states; optimizer_state was not "
+             "used")
     result.plan = run_plan
     watch = Guard(model, run_plan, check_every=guard_every) if run_plan is not None and guard \
         else None
@@ -475,10 +478,10 @@ def _train(model, data_iter, steps, result: TrainResult, note: Callable[[str], N
                 step -= 1
                 break
             batch = batch.to(device, non_blocking=True)
-            rate = lr * min(1.0, step / warmup_steps) if warmup_steps else lr
+            step_lr = lr * min(1.0, step / warmup_steps) if warmup_steps else lr
             for opt in optimizers:  # every step: a resumed run follows this call's schedule
                 for group in opt.param_groups:
-                    group["lr"] = rate
+                    group["lr"] = step_lr
             if watch is None:
                 loss = train_step(model, batch, optimizers, use_autocast)
             else:

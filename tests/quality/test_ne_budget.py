@@ -295,7 +295,8 @@ def test_loka_quality_max_ne_change_on_the_command_line(tmp_path, capsys):
                 ["--max-ne-change", "-1"]):
         assert cli.main(base + bad) == 2
         assert "--max-ne-change" in capsys.readouterr().err
-    for bad in (["--max-baseline-ne", "-1"], ["--warmup-steps", "-2"]):
+    for bad in (["--max-baseline-ne", "-1"], ["--max-baseline-ne", "inf"],
+                ["--max-baseline-ne", "nan"], ["--warmup-steps", "-2"]):
         assert cli.main(base + ["--max-ne-change", "0.5"] + bad) == 2
 
 
