@@ -210,20 +210,29 @@ def state_digest(state: dict) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def require_learned(arms, args, out, write) -> None:
-    """Stop (after writing ``out``) unless every seed's baseline arm of ``arms`` reaches an
-    NE below ``--max-baseline-ne``: against a diverged baseline no NE change means anything.
-    The baselines' NE is recorded either way."""
-    out.setdefault("baseline_ne", {}).update(
-        {f"{arms.steps} steps, seed {s}": arms.baseline_ne(s) for s in arms.seeds})
+def stop(error: BaselineNotLearnedError, out=None, write=None):
+    """Exit on a baseline that did not learn, after recording ``error`` in ``out`` (and
+    writing it) where the mode keeps a row as it goes."""
+    if out is not None:
+        out["error"] = str(error)
+        write()
+    sys.exit(f"stopped: {error}")
+
+
+def require_learned(arms, args, out=None, write=None) -> None:
+    """:func:`stop` unless every seed's baseline arm of ``arms`` reaches an NE below
+    ``--max-baseline-ne`` (0: no check): against a diverged baseline no NE change means
+    anything. With ``out``, the baselines' NE is recorded (and written) either way."""
+    if out is not None:
+        out.setdefault("baseline_ne", {}).update(
+            {f"{arms.steps} steps, seed {s}": arms.baseline_ne(s) for s in arms.seeds})
     if args.max_baseline_ne > 0:
         try:
             arms.require_learned(args.max_baseline_ne)
         except BaselineNotLearnedError as e:
-            out["error"] = str(e)
-            write()
-            sys.exit(f"stopped: {e}")
-    write()
+            stop(e, out, write)
+    if write is not None:
+        write()
 
 
 def horizon(name, preset, args, device) -> dict:
@@ -385,11 +394,7 @@ def budget(name, preset, args, device) -> dict:
         groups[f"role {role.value}"] = [(s, r) for s, r in pairs if r is role]
     arms = PairedArms(build, train_data, eval_data, steps=args.steps, seeds=args.seeds,
                       **arm_terms(args, device))
-    if args.max_baseline_ne > 0:  # before any group's plan arms
-        try:
-            arms.require_learned(args.max_baseline_ne)
-        except BaselineNotLearnedError as e:
-            sys.exit(f"stopped: {e}")
+    require_learned(arms, args)  # before any group's plan arms
     rows = {}
     for g, members in groups.items():
         if not members:
@@ -422,7 +427,7 @@ def budget(name, preset, args, device) -> dict:
                            interval=args.interval, max_baseline_ne=args.max_baseline_ne or None,
                            progress=lambda line: print(f"    {line}", flush=True))
     except BaselineNotLearnedError as e:
-        sys.exit(f"stopped: {e}")
+        stop(e)
     budget_s = time.time() - t0
     kept = len(fp8_site_roles(result.plan))
     print(f"  NE budget {args.max_ne_change:.4%}: kept {kept} of {len(pairs)}; change "
@@ -580,9 +585,7 @@ def default_plan(name, preset, args, device, out, write, spec, resume=None) -> N
                            interval=args.interval, progress=progress, on_check=on_check,
                            prior_checks=prior, max_baseline_ne=args.max_baseline_ne or None)
     except BaselineNotLearnedError as e:
-        out["error"] = str(e)
-        write()
-        sys.exit(f"stopped: {e}")
+        stop(e, out, write)
     first = result.checks[0] if result.checks else None
     out["default_plan"] = first
     n_kept = len(fp8_site_roles(result.plan))

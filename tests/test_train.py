@@ -373,53 +373,42 @@ def test_the_fallbacks_of_a_run_survive_its_resume(tmp_path, faulty_kernel):
     assert model.over_arch.mlp[2].config == LinearConfig.uniform(FP8)
 
 
-def test_warmup_scales_each_steps_learning_rate_and_then_holds_it():
-    """With ``warmup_steps=4`` step k (1-based) updates at ``lr * min(1, k / 4)``: recorded
-    from inside the optimizer, and a run with warm-up differs from one without."""
-    seen = []
-    model, data, _ = _setup()
-    orig = torch.optim.AdamW.step
+def _lr_per_step(monkeypatch, **kw):
+    """``(result, the learning rate of each AdamW step)`` of the tiny Wukong trained 6 steps
+    at lr 1e-2 with ``train``'s options ``kw``, read from inside the optimizer."""
+    seen, orig = [], torch.optim.AdamW.step
 
     def spy(self, *a, **k):
         seen.append(self.param_groups[0]["lr"])
         return orig(self, *a, **k)
 
-    torch.optim.AdamW.step = spy
-    try:
-        warm = train(model, data, 6, lr=1e-2, warmup_steps=4, progress=False)
-    finally:
-        torch.optim.AdamW.step = orig
+    with monkeypatch.context() as m:
+        m.setattr(torch.optim.AdamW, "step", spy)
+        model, data, _ = _setup()
+        result = train(model, data, 6, lr=1e-2, progress=False, **kw)
+    return result, seen
+
+
+def test_warmup_scales_each_steps_learning_rate_and_then_holds_it(monkeypatch):
+    """With ``warmup_steps=4`` step k (1-based) updates at ``lr * min(1, k / 4)``: recorded
+    from inside the optimizer, and a run with warm-up differs from one without."""
+    warm, seen = _lr_per_step(monkeypatch, warmup_steps=4)
     assert seen == pytest.approx([2.5e-3, 5e-3, 7.5e-3, 1e-2, 1e-2, 1e-2], rel=1e-12)
     model, data, _ = _setup()
     cold = train(model, data, 6, lr=1e-2, progress=False)
     assert warm.losses[0] == cold.losses[0] and warm.losses[1] != cold.losses[1]
 
 
-def test_a_run_resumed_mid_warmup_follows_the_schedule_it_is_resumed_with(tmp_path):
+def test_a_run_resumed_mid_warmup_follows_the_schedule_it_is_resumed_with(tmp_path,
+                                                                          monkeypatch):
     """Resumed at step 2 of a 4-step warm-up: with the same warm-up the rates go on
     rising; without one every later step is at the full rate, not at the checkpoint's."""
-    orig = torch.optim.AdamW.step
-
-    def rates(**kw):
-        seen = []
-
-        def spy(self, *a, **k):
-            seen.append(self.param_groups[0]["lr"])
-            return orig(self, *a, **k)
-
-        torch.optim.AdamW.step = spy
-        try:
-            model, data, _ = _setup()
-            train(model, data, 6, lr=1e-2, progress=False, **kw)
-        finally:
-            torch.optim.AdamW.step = orig
-        return seen
-
     for warm, want in ((4, [7.5e-3, 1e-2, 1e-2, 1e-2]), (0, [1e-2] * 4)):
         run = tmp_path / f"w{warm}"
         model, data, _ = _setup()
         train(model, data, 2, lr=1e-2, warmup_steps=4, checkpoint_dir=str(run), progress=False)
-        got = rates(warmup_steps=warm, checkpoint_dir=str(run), resume=True)
+        _, got = _lr_per_step(monkeypatch, warmup_steps=warm, checkpoint_dir=str(run),
+                              resume=True)
         assert got == pytest.approx(want, rel=1e-12)
 
 

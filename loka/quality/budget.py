@@ -53,8 +53,8 @@ from ..train import predict, train
 from .check import QualityResult, _compare, deterministic
 from .stats import example_log_losses
 
-__all__ = ["DEFAULT_MAX_NE_CHANGE", "BaselineNotLearnedError", "PairedArms", "SiteRoleCost", "NEBudgetResult",
-           "second_order_cost", "fp8_site_roles", "only", "without", "site_role_costs",
+__all__ = ["DEFAULT_MAX_NE_CHANGE", "BaselineNotLearnedError", "PairedArms", "SiteRoleCost",
+           "NEBudgetResult", "second_order_cost", "fp8_site_roles", "only", "without", "site_role_costs",
            "ne_budget"]
 
 DEFAULT_MAX_NE_CHANGE = 2e-4
