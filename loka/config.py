@@ -228,10 +228,18 @@ class DispatchConfig:
     """per-site budget by regular expression on the site name, overriding both"""
     baseline: str = "bf16"
     """kernel used where no FP8 kernel qualifies"""
+    head_sites: int = 3
+    """the sites nearest the loss, this many, stay on the baseline in every role: the last
+    to run in the Probe's forward order (``SiteReport.order``). In a paired NE check of
+    Wukong ``paper`` from a trained checkpoint, the top MLP's three Linears held 6 of the
+    9 costliest FP8 site-roles (bench/BENCHMARKS.md, "NE budget"). 0 keeps none back."""
 
     def __post_init__(self) -> None:
         if self.metric not in ("mere", "relfro", "neg_sqnr"):
             raise ValueError(f"unknown metric {self.metric!r}")
+        if isinstance(self.head_sites, bool) or not isinstance(self.head_sites, int) \
+                or self.head_sites < 0:
+            raise ValueError(f"head_sites must be an integer >= 0, got {self.head_sites!r}")
         if self.min_speedup <= 0:
             raise ValueError("min_speedup must be positive")
         for r in self.role_budgets:

@@ -1317,3 +1317,44 @@ def test_adam_restart_script_pairs_continued_and_fresh_optimizers(tmp_path):
     assert arms["continued"]["ne"] != arms["fresh"]["ne"]
     with pytest.raises(SystemExit):
         script.main(["--steps", "0", "--out", str(out)])
+
+
+def test_profile_plan_derives_family_and_drop_rows_from_the_first_plan(tmp_path):
+    """bench/profile_plan.py's rows: the baseline, each named plan, each --family (every
+    FP8 role of the first plan on one kernel) and each --drop (the matching sites back on
+    the baseline); a derivation without a plan, a bad LABEL=PATH and a regex that matches
+    no site stop with one line."""
+    import argparse
+
+    from loka.config import ROLES, LinearConfig
+    from loka.dispatch.schema import RoleChoice, SitePlan
+    pp = _load("profile_plan")
+    path = tmp_path / "plan.json"
+    kernels = {"a.proj": ("cublas-rowwise",) * 3,
+               "b.mlp": ("cublas-rowwise", "bf16", "triton-rowwise"),
+               "c.head": ("bf16",) * 3}
+    sites = {}
+    for name, ks in kernels.items():
+        sites[name] = SitePlan(name, 64, 32, 128)
+        for role, k in zip(ROLES, ks):
+            sites[name].roles[role] = RoleChoice(k, None, None, None, 0.2, "test")
+    plan = Plan(sites=sites, device="cuda")
+    plan.save(path)
+    args = argparse.Namespace(plan=[f"p={path}"], family=["cublas-tensorwise"], drop=["proj"])
+    rows = pp.plans_from(args)
+    assert [label for label, _ in rows] == ["baseline", "p", "family cublas-tensorwise",
+                                             "drop /proj/ (1 sites)"]
+    assert rows[0][1] is None
+    fam, drop = rows[2][1], rows[3][1]
+    assert fam.config("b.mlp") == LinearConfig("cublas-tensorwise", "bf16", "cublas-tensorwise")
+    assert fam.config("c.head") == LinearConfig.uniform("bf16")
+    assert drop.fp8_sites() == ["b.mlp"]
+    assert drop.config("b.mlp") == plan.config("b.mlp")
+    for bad, message in [(argparse.Namespace(plan=[], family=["cublas-tensorwise"], drop=[]),
+                          "derive from the first --plan"),
+                         (argparse.Namespace(plan=[str(path)], family=[], drop=[]),
+                          "give LABEL=PATH"),
+                         (argparse.Namespace(plan=[f"p={path}"], family=[], drop=["nope"]),
+                          "matches no site")]:
+        with pytest.raises(SystemExit, match=message):
+            pp.plans_from(bad)

@@ -508,7 +508,7 @@ def cmd_optimize(args) -> int:
     result = optimize(model, batches, _autocast_loss(device), inference=args.inference,
                       forward=forward, config=config,
                       max_error=args.max_error, min_speedup=args.min_speedup,
-                      compile=not args.no_compile, compile_mode=args.compile_mode,
+                      head_sites=args.head_sites, compile=not args.no_compile, compile_mode=args.compile_mode,
                       rounds=args.rounds, max_trials=args.max_trials,
                       progress=lambda line: print(f"  {line}"),
                       delayed_scaling=delayed_option(args))
@@ -535,7 +535,8 @@ def cmd_plan(args) -> int:
                          role_budgets=parse_budgets(args.role_budget, "role-budget",
                                                     [r.value for r in ROLES]) or None,
                          site_budgets=parse_budgets(args.site_budget, "site-budget") or None,
-                         allowed_kernels=allowed, device=device, assume_fast=args.assume_fast)
+                         allowed_kernels=allowed, device=device, assume_fast=args.assume_fast,
+                         head_sites=args.head_sites)
     except KeyError as e:
         raise usage(f"--kernels: {e.args[0]}", "list them with 'loka kernels'") from None
     except ValueError as e:

@@ -350,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-role budget, e.g. wgrad=0.1 (repeatable)")
     p.add_argument("--site-budget", action="append", metavar="REGEX=X",
                    help="per-site budget by regular expression (repeatable; strictest wins)")
+    p.add_argument("--head-sites", type=positive(int, "--head-sites", 0), default=3,
+                   help="keep this many sites nearest the loss (the last to run) on bf16 "
+                        "(default 3; 0: none)")
     p.add_argument("--kernels", default=None, help="comma list of allowed kernels")
     p.add_argument("--assume-fast", action="store_true",
                    help="where no GPU timing decides (CPU reports), choose the lowest-error "
@@ -385,6 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="budget on the error's upper 95%% bound")
     p.add_argument("--min-speedup", type=speedup, default=1.05,
                    help="a kernel must beat bf16 by this factor alone to be tried")
+    p.add_argument("--head-sites", type=positive(int, "--head-sites", 0), default=3,
+                   help="keep this many sites nearest the loss (the last to run) on bf16 "
+                        "(default 3; 0: none)")
     p.add_argument("--inference", action="store_true", help="plan and time serving (forwards)")
     p.add_argument("--compile-mode", default=None,
                    help="torch.compile mode of the timed steps, e.g. reduce-overhead (CUDA graphs)")

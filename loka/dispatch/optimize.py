@@ -204,6 +204,7 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
              report: Optional[ProbeReport] = None,
              max_error: Optional[float] = None, min_speedup: Optional[float] = None,
              allowed_kernels: Optional[Sequence[str]] = None,
+             head_sites: Optional[int] = None,
              time_step: Optional[Callable[[nn.Module], float]] = None,
              forward: Optional[Callable[[nn.Module, object], object]] = None,
              compile: bool = True, compile_mode: Optional[str] = None,
@@ -222,7 +223,7 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
         inference: plan and time serving (forward only, weights quantized once).
         config: the Probe's settings (default :class:`~loka.ProbeConfig`).
         report: a Probe report of this model made before: the Probe is not run again.
-        max_error, min_speedup, allowed_kernels: passed to :func:`loka.plan`.
+        max_error, min_speedup, allowed_kernels, head_sites: passed to :func:`loka.plan`.
         time_step: ``time_step(model) -> ms`` of the caller's own (milliseconds, as the
             report's savings are subtracted from it for ``predicted_speedup``); default
             :func:`step_timer` on the first batch (on CUDA only: without a GPU and without
@@ -268,7 +269,8 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     # where the report has no decisive timing, a safe kernel is a candidate all the same:
     # the whole step decides (or, untimed, the plan is made on error alone, and says so)
     untuned = make_plan(report, max_error=max_error, min_speedup=min_speedup,
-                        allowed_kernels=allowed_kernels, inference=inference, assume_fast=True)
+                        allowed_kernels=allowed_kernels, inference=inference, assume_fast=True,
+                        head_sites=head_sites)
     say(f"plan from the report: {len(untuned.fp8_sites())} FP8 site(s)")
     start = untuned if refine is None else refine(untuned.copy())
     if refine is not None:

@@ -7,6 +7,8 @@ its report with code of its own; :func:`override` edits a plan by hand.
 
 Selection rule for one (site, role):
 
+0. The ``head_sites`` sites nearest the loss (:func:`head_of`: the last to run in the
+   Probe's forward order) stay on the baseline in every role.
 1. A candidate is a registered kernel other than the baseline that the report measured
    there without failing, that runs on the target device, serves the role, fits the
    role's GEMM shape (alignment), and is in ``allowed_kernels`` if given. A reference
@@ -79,6 +81,24 @@ def resolve_budget(config: DispatchConfig, site: str, role: Role | str) -> float
     return float(config.max_error)
 
 
+def head_of(report: ProbeReport, n: int) -> Tuple[List[str], bool]:
+    """The ``n`` sites nearest the loss, and whether the report's forward order chose them.
+
+    They are the last ``n`` sites to run in the Probe's observed training forwards
+    (``SiteReport.order``), and never more than a quarter of the sites: a model of a few
+    Linears keeps its FP8 sites (three or fewer sites keep none back). A site with no
+    recorded order (it never ran there) is not among them. A report that records no order
+    at all (made before the Probe recorded it) gives its last sites in registration
+    order, and False."""
+    ordered = [s for s in report.sites.values() if s.order is not None]
+    n = min(n, len(report.sites) // 4)
+    if n <= 0:
+        return [], bool(ordered)
+    if ordered:
+        return [s.name for s in sorted(ordered, key=lambda s: (s.order, s.name))[-n:]], True
+    return list(report.sites)[-n:], False
+
+
 def _check_budgets(config: DispatchConfig) -> None:
     values = [("max_error", config.max_error)]
     values += [(f"role_budgets[{r!r}]", b) for r, b in config.role_budgets.items()]
@@ -102,14 +122,15 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
          config: Optional[DispatchConfig] = None,
          allowed_kernels: Optional[Iterable[str]] = None,
          device: "torch.device | str | None" = None, assume_fast: bool = False,
-         inference: bool = False) -> Plan:
+         inference: bool = False, head_sites: Optional[int] = None) -> Plan:
     """Choose per site and role the fastest kernel that meets the error budget.
 
     Args:
         report: a :class:`~loka.probe.report.ProbeReport` or the path of a saved one.
-        max_error, min_speedup, metric, role_budgets, site_budgets: override the fields of
-            ``config`` (a :class:`~loka.config.DispatchConfig`, default: its defaults:
-            MERE <= 0.2, speedup >= 1.05).
+        max_error, min_speedup, metric, role_budgets, site_budgets, head_sites: override
+            the fields of ``config`` (a :class:`~loka.config.DispatchConfig`, default: its
+            defaults: MERE <= 0.2, speedup >= 1.05, the 3 sites nearest the loss on the
+            baseline).
         allowed_kernels: consider only these kernel names (the baseline is always allowed).
         device: the device the plan is for; default: the report's.
         assume_fast: where no decisive timing exists (CPU or emulated timings, or none),
@@ -127,7 +148,8 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
         report = ProbeReport.load(report)
     overrides = {k: v for k, v in (("max_error", max_error), ("min_speedup", min_speedup),
                                    ("metric", metric), ("role_budgets", role_budgets),
-                                   ("site_budgets", site_budgets)) if v is not None}
+                                   ("site_budgets", site_budgets),
+                                   ("head_sites", head_sites)) if v is not None}
     cfg = dataclasses.replace(config or DispatchConfig(), **overrides)
     _check_budgets(cfg)
     allowed = None if allowed_kernels is None else set(allowed_kernels)
@@ -140,6 +162,12 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
     registry.get(cfg.baseline)  # the baseline must exist
 
     notes: List[str] = []
+    head, by_order = head_of(report, cfg.head_sites)
+    if head:
+        notes.append(f"head_sites={cfg.head_sites}: {', '.join(head)} stay on {cfg.baseline} "
+                     "in every role (the sites nearest the loss"
+                     + ("" if by_order else "; the report records no forward order, so "
+                        "the last in registration order") + ")")
     excluded: Dict[str, str] = {}  # kernel name -> why it was never considered
     undecided = 0  # safe site-roles left on the baseline for want of a decisive timing
 
@@ -171,6 +199,11 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
                 None if base_stat is None else base_stat.mean, None, budget,
                 "not measured" if rr is None else "no kernel meets the budget")
             if rr is None:
+                sp.roles[role] = baseline_choice
+                continue
+            if name in head:
+                baseline_choice.reason = ("head: among the sites nearest the loss "
+                                          f"(head_sites={cfg.head_sites})")
                 sp.roles[role] = baseline_choice
                 continue
             if inference and role is not Role.FWD:
@@ -325,6 +358,10 @@ def audit(plan: Plan, report: "ProbeReport | str | os.PathLike") -> dict:
         return bool(kern.fits(*role_shape(role, kern.padded_tokens(site.tokens), site.in_features,
                                           site.out_features), role=role))
 
+    # rule 0 as the plan had it (a plan from before head_sites kept none back)
+    n_head = cfg.get("head_sites", 0)  # not a count (a plan edited by hand): none back
+    n_head = n_head if isinstance(n_head, int) and not isinstance(n_head, bool) else 0
+    head = set(head_of(report, n_head)[0])
     checked, violations = 0, []
     mismatched = set()
     for m in plan_report_mismatches(plan, report):
@@ -350,8 +387,8 @@ def audit(plan: Plan, report: "ProbeReport | str | os.PathLike") -> dict:
                 violations.append({**row, "kind": "error", "why": "chosen kernel's error bound "
                                    f"is outside the budget {budget} (or was not measured)"})
                 continue
-            if not speeds_count:
-                continue
+            if not speeds_count or (name in head and chosen == plan.baseline):
+                continue  # rule 0: a head site on the baseline is the plan's own choice
             cands = [(speed(rr, k), k) for k in rr.kernels
                      if k != plan.baseline and within(rr, k, budget)
                      and speed(rr, k) >= min_speedup and runs(site, role, k)]

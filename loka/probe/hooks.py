@@ -117,6 +117,8 @@ class SiteCollector:
             raise ValueError(f"no nn.Linear{what} in {type(model).__name__}")
         self._step = 0
         self._forwards = 0
+        self._ran = 0
+        """sites seen running so far (the next site's ``SiteStats.order``)"""
         self._manual = False
         self._attached = False
         self._root_handle = None
@@ -221,6 +223,9 @@ class SiteCollector:
         if not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor):
             return
         site = self.sites[name]
+        if site.order is None:  # forward execution order: which sites are nearest the loss
+            site.order = self._ran
+            self._ran += 1
         # producers from every call (a shared Linear may be fed differently each time)
         site.producers["x"] = merge_kinds(site.producers.get("x"), producer_of(x))
         if (self._in_root and output.requires_grad and output.grad_fn is not None

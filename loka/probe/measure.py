@@ -403,7 +403,7 @@ class _Measurement:
         stats = site.summary()
         sr = SiteReport(name, site.in_features, site.out_features, site.tokens,
                         str(dtype).replace("torch.", ""), stats,
-                        producers=dict(site.producers))
+                        producers=dict(site.producers), order=site.order)
         skipped = {}
         for role in self.config.roles:
             if role in GRAD_ROLES and site.grad.updates == 0:

@@ -278,6 +278,9 @@ class SiteReport:
     producers: Dict[str, str] = field(default_factory=dict)
     """'x' and 'dy' -> the kind of op that makes that operand in the training step
     (:mod:`loka.probe.producers`); absent where the Probe did not see it"""
+    order: Optional[int] = None
+    """when it first ran in the observed training forwards (0 first; None: not recorded):
+    the last to run are nearest the loss (``DispatchConfig.head_sites``)"""
 
     @property
     def shape(self) -> Tuple[int, int, int]:
@@ -290,7 +293,7 @@ class SiteReport:
              "roles": {r.value: rr.to_dict() for r, rr in self.roles.items()}}
         if self.producers:
             d["producers"] = dict(self.producers)
-        return d
+        return d if self.order is None else {**d, "order": self.order}
 
     @classmethod
     def from_dict(cls, d: Mapping, where: str = "site report") -> "SiteReport":
@@ -309,7 +312,8 @@ class SiteReport:
         return cls(field_str(d, "name", where), field_int(d, "in_features", where, 1),
                    field_int(d, "out_features", where, 1), field_int(d, "tokens", where),
                    field_str(d, "dtype", where, "bfloat16"), dict(field_mapping(d, "stats", where, {})),
-                   roles, producers)
+                   roles, producers,
+                   field_int(d, "order", where) if d.get("order") is not None else None)
 
 
 @dataclass

@@ -539,6 +539,9 @@ class SiteStats:
         self.producers: Dict[str, str] = {}
         """'x' and 'dy' -> the kind of op that makes that operand
         (:mod:`loka.probe.producers`), where the Probe saw it"""
+        self.order: Optional[int] = None
+        """when the site first ran in the observed training forwards: 0 for the first site
+        to run, counting sites (a shared Linear counts at its first call)"""
 
     def summary(self) -> Dict[str, object]:
         return {"act": self.act.summary(), "grad": self.grad.summary(),

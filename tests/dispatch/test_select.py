@@ -57,12 +57,16 @@ def test_random_reports_match_brute_force(seed, metric, make_report, fake_kernel
     budget, min_speed = rng.uniform(0.05, 0.35), rng.uniform(1.0, 1.5)
     p = plan(report, max_error=budget, min_speedup=min_speed, metric=metric)
     scale = 1.0 if metric == "mere" else 0.25
+    # rule 0: the report records no forward order, so the head is the last quarter of
+    # the sites in registration order (3 of 12, within the default head_sites)
+    head = list(sites)[-3:]
     chosen_fp8 = 0
     for name, (_, _, _, roles) in sites.items():
         for role, kernels in roles.items():
             ok = {k: s for k, (hi, s) in kernels.items()
                   if hi * scale <= budget and s is not None and s >= min_speed}
-            want = max(ok, key=lambda k: (ok[k], -kernels[k][0])) if ok else "bf16"
+            want = max(ok, key=lambda k: (ok[k], -kernels[k][0])) if ok and name not in head \
+                else "bf16"
             choice = p.sites[name].roles[role]
             assert choice.kernel == want, (name, role, kernels)
             if want != "bf16":
@@ -84,7 +88,7 @@ def test_per_site_budget_by_regex_strictest_match_wins(make_report, three):
              for name in ("over.0", "over.1", "inter.proj", "top")}
     report = make_report(sites)
     p = plan(report, max_error=0.35, role_budgets={"wgrad": 0.2},
-             site_budgets={r"^over\.": 0.16, r"over\.1$": 0.06, "proj": 0.02})
+             site_budgets={r"^over\.": 0.16, r"over\.1$": 0.06, "proj": 0.02}, head_sites=0)
     assert p.config("over.0") == LinearConfig.uniform("t-mid")          # site beats role
     assert p.config("over.1") == LinearConfig.uniform("t-slow-exact")   # strictest of two
     assert p.config("inter.proj") == LinearConfig.uniform("bf16")

@@ -1,0 +1,158 @@
+"""Rule 0 of the selection: the sites nearest the loss (the last to run in the Probe's
+forward order) stay on the baseline (``DispatchConfig.head_sites``)."""
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+import loka
+from loka.config import DispatchConfig, Role
+from loka.dispatch.select import audit, head_of, plan
+from loka.probe.report import ProbeReport, ReportError
+
+pytestmark = pytest.mark.usefixtures("fake_kernels")
+
+
+class Gelu2(nn.Module):
+    """An activation of the model's own."""
+
+    def forward(self, x):
+        return 0.5 * x * (1 + torch.tanh(0.8 * x))
+
+
+class OutOfOrder(nn.Module):
+    """Eight Linears whose registration order is not the order they run in: the head is
+    registered first and runs last; a shared Linear runs twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(32, 1)          # registered first, runs last
+        self.pre_head = nn.Linear(64, 32)     # runs second to last
+        self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+        self.shared = nn.Linear(64, 64)       # runs first (and again later)
+        self.embed = nn.Linear(16, 64)        # registered last, runs second
+        self.act = Gelu2()
+
+    def forward(self, x):
+        h = self.act(self.shared(self.act(self.embed(x)) * 0 + 1) * 0 + self.embed(x))
+        for b in self.blocks:
+            h = self.act(b(h)) + h
+        h = self.shared(h)
+        return self.head(self.act(self.pre_head(h)))
+
+
+RUN_ORDER = ["embed", "shared", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "pre_head", "head"]
+
+
+@pytest.fixture(scope="module")
+def probed():
+    torch.manual_seed(0)
+    model = OutOfOrder()
+    batches = [(torch.randn(64, 16), torch.randn(64, 1)) for _ in range(2)]
+
+    def loss_fn(m, b):
+        return ((m(b[0]) - b[1]) ** 2).mean()
+
+    config = loka.ProbeConfig(timing=False, num_samples=4, bootstrap=20, compare_naive=False,
+                              kernels=("bf16", "emulated-rowwise-e4m3"))
+    return model, loka.probe(model, batches, loss_fn, config=config)
+
+
+def test_the_probe_records_the_forward_order_not_the_registration_order(probed):
+    _, report = probed
+    assert list(report.sites) != RUN_ORDER  # registration order differs
+    assert sorted(report.sites, key=lambda n: report.sites[n].order) == RUN_ORDER
+    assert [report.sites[n].order for n in RUN_ORDER] == list(range(8))
+    # the order survives the JSON round trip
+    again = ProbeReport.from_dict(json.loads(json.dumps(report.to_dict())))
+    assert {n: s.order for n, s in again.sites.items()} == {n: i for i, n in enumerate(RUN_ORDER)}
+
+
+def test_the_last_sites_to_run_stay_on_the_baseline(probed):
+    _, report = probed
+    assert head_of(report, 3) == (["pre_head", "head"], True)  # a quarter of 8 sites: 2
+    assert head_of(report, 1) == (["head"], True)
+    assert head_of(report, 0) == ([], True)
+    p = plan(report, assume_fast=True)  # the default: DispatchConfig().head_sites == 3
+    assert DispatchConfig().head_sites == 3
+    assert p.budget["head_sites"] == 3
+    for name in ("pre_head", "head"):
+        for role in Role:
+            choice = p.sites[name].roles[role]
+            assert choice.kernel == "bf16" and choice.reason.startswith("head:")
+    assert set(p.fp8_sites()) == set(RUN_ORDER[:6])
+    assert any("head_sites=3: pre_head, head stay on bf16" in n for n in p.notes)
+    none_back = plan(report, assume_fast=True, head_sites=0)
+    assert "pre_head" in none_back.fp8_sites()  # 64 -> 32: FP8 where nothing holds it back
+    assert not any("head_sites" in n for n in none_back.notes)
+    one = plan(report, assume_fast=True, config=DispatchConfig(head_sites=1))
+    assert "pre_head" in one.fp8_sites() and "head" not in one.fp8_sites()
+
+
+def test_a_report_without_orders_falls_back_to_registration_order_and_says_so(probed):
+    _, report = probed
+    d = report.to_dict()
+    for s in d["sites"].values():
+        s.pop("order")
+    old = ProbeReport.from_dict(d)
+    assert all(s.order is None for s in old.sites.values())
+    assert head_of(old, 3) == (["shared", "embed"], False)  # the last two registered
+    p = plan(old, assume_fast=True)
+    assert {"shared", "embed"}.isdisjoint(p.fp8_sites())
+    assert any("no forward order" in n for n in p.notes)
+
+
+def test_a_model_of_three_sites_keeps_none_back(make_report, three):
+    report = make_report({f"l{i}": (64, 64, 128, {"fwd": three}) for i in range(3)})
+    assert head_of(report, 3) == ([], False)
+    assert len(plan(report).fp8_sites()) == 3
+    four = make_report({f"l{i}": (64, 64, 128, {"fwd": three}) for i in range(4)})
+    assert plan(four).fp8_sites() == ["l0", "l1", "l2"]
+
+
+@pytest.mark.parametrize("bad", [-1, "2", True, 1.5])
+def test_bad_head_sites_are_refused(bad, make_report, three):
+    with pytest.raises(ValueError, match="head_sites must be an integer >= 0"):
+        DispatchConfig(head_sites=bad)
+    with pytest.raises(ValueError, match="head_sites"):
+        plan(make_report({"s": (64, 64, 128, {"fwd": three})}), head_sites=bad)
+
+
+@pytest.mark.parametrize("bad", [-1, "x", True, 2.0])
+def test_a_corrupt_order_is_a_one_line_report_error(bad, probed):
+    _, report = probed
+    d = report.to_dict()
+    d["sites"]["head"]["order"] = bad
+    with pytest.raises(ReportError, match=r"sites\['head'\].order"):
+        ProbeReport.from_dict(d)
+
+
+def test_audit_takes_the_head_as_the_plans_own_choice(make_report, three):
+    """GPU-timed report: the head's fast kernels are not a speed violation of a plan that
+    kept them back, and are one of a plan that claims no head."""
+    report = make_report({f"l{i}": (64, 64, 128, {r: three for r in Role}) for i in range(8)})
+    p = plan(report)
+    assert p.fp8_sites() == [f"l{i}" for i in range(6)]
+    assert audit(p, report)["ok"]
+    p.budget["head_sites"] = 0  # edited by hand: nothing justifies l6 and l7 on bf16
+    bad = audit(p, report)
+    assert {(v["site"], v["kind"]) for v in bad["violations"]} == {
+        ("l6", "speed"), ("l7", "speed")}
+    p.budget["head_sites"] = "three"  # not a count: no head either
+    assert not audit(p, report)["ok"]
+
+
+def test_the_cli_takes_head_sites(tmp_path, probed, capsys):
+    from loka.cli import main
+    _, report = probed
+    path = tmp_path / "report.json"
+    report.save(path)
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(path), "--assume-fast", "--head-sites", "0", "-o", str(out)]) == 0
+    assert "pre_head" in loka.Plan.load(out).fp8_sites()
+    assert main(["plan", str(path), "--assume-fast", "-o", str(out)]) == 0
+    assert {"pre_head", "head"}.isdisjoint(loka.Plan.load(out).fp8_sites())
+    assert main(["plan", str(path), "--head-sites", "-1", "-o", str(out)]) == 2
+    assert "--head-sites must be >= 0" in capsys.readouterr().err
