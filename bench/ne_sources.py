@@ -518,12 +518,14 @@ def default_plan(name, preset, args, device, out, write, spec, resume=None) -> N
         report = probe(model, batches, loss_fn,
                        config=ProbeConfig(every_n_steps=1, num_samples=16, timing=False,
                                           kernels=("bf16", args.plan_kernel)))
-        plan = make_plan(report, max_error=args.max_error, assume_fast=True)
+        plan = make_plan(report, max_error=args.max_error, assume_fast=True,
+                         head_sites=args.head_sites)
         del model, report
     pairs = fp8_site_roles(plan)
     out["plan"] = {"fp8_sites": len(plan.fp8_sites()), "fp8_site_roles": len(pairs),
                    "site_roles_total": 3 * len(plan.sites),
                    "kernel": None if args.plan_in else args.plan_kernel,
+                   "head_sites": None if args.plan_in else plan.budget.get("head_sites"),
                    "max_error": None if args.plan_in else args.max_error,
                    "from": args.plan_in or "probe",
                    "probe_seconds": None if args.plan_in else round(time.time() - t0, 1),
@@ -668,6 +670,8 @@ def main(argv=None) -> int:
     p.add_argument("--plan-out", default=None, help="--mode plan: write the default plan here")
     p.add_argument("--plan-in", default=None,
                    help="--mode plan: this plan instead of the Probe's default one")
+    p.add_argument("--head-sites", type=int, default=None,
+                   help="--mode plan: loka.plan's head_sites (default: DispatchConfig's)")
     p.add_argument("--resume", default=None,
                    help="--mode plan: an earlier run's JSON (same terms and plan): its costs "
                         "and paired checks are reused")

@@ -49,6 +49,7 @@ def test_plan_mode_writes_the_default_plan_its_check_and_the_budget(tmp_path, ca
     row = json.loads(out.read_text())["models"]["wukong:tiny"]
     plan, within = Plan.load(plan_out), Plan.load(budget_out)
     assert row["plan"]["fp8_site_roles"] == len(fp8_site_roles(plan)) > 0
+    assert row["plan"]["head_sites"] == plan.budget["head_sites"] == 3  # loka.plan's default
     budget = row["budget"]
     # the default plan's paired change is the budget's first check (nothing moved back),
     # kept in full as it was made
