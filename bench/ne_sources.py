@@ -23,8 +23,10 @@ correlation between the groups' summed costs and, from the paired check's own ar
 second-order cost and their paired change; then ``loka.quality.ne_budget`` on the plan at
 ``--max-ne-change`` (``--interval``: the interval whose upper end is held to it).
 
-``--mode plan``: the default plan (the Probe's statistics, ``loka.plan(assume_fast=True)``
-on ``--plan-kernel``, or ``--plan-in``), its site-roles' costs, the NE budget's paired
+``--mode plan``: the default plan (the Probe with ``--plan-kernel`` and ``loka.plan``: on a
+GPU the kernel is timed, so its roofline bound and speed decide as in any timed report;
+on the CPU, or with ``--untimed-plan``, ``assume_fast=True`` puts every role it fits on it;
+or ``--plan-in``), its site-roles' costs, the NE budget's paired
 checks and, on a GPU with ``--speed-steps``, the compiled step speed of the baseline, the
 plan and the plan within the budget; every cost and check is kept as it is made and
 ``--resume`` continues a run cut short. ``--start-steps S``: every arm starts from the
@@ -499,8 +501,9 @@ def _resumed(doc: Optional[dict], spec: str, plan) -> tuple:
 
 
 def default_plan(name, preset, args, device, out, write, spec, resume=None) -> None:
-    """``--mode plan``: the plan a user gets by default (the Probe's statistics and
-    ``loka.plan(report, assume_fast=True)`` on ``--plan-kernel``, or ``--plan-in``), its
+    """``--mode plan``: the plan a user gets by default (the Probe on ``--plan-kernel`` and
+    ``loka.plan(report)``: timed on a GPU, ``assume_fast`` on the CPU or with
+    ``--untimed-plan``; or ``--plan-in``), its
     paired NE change (the budget's first check), the NE budget at ``--max-ne-change``, and,
     with ``--speed-steps`` on a GPU, the compiled training step of the baseline, the plan
     and the plan within the budget, side by side. ``out`` is filled and ``write()`` called
@@ -515,16 +518,18 @@ def default_plan(name, preset, args, device, out, write, spec, resume=None) -> N
         model = build(0)
         stream = SyntheticCTR(model.feature_spec, args.batch_size, seed=0)
         batches = [stream.batch(i).to(device) for i in range(8)]
+        timed = device.type == "cuda" and not args.untimed_plan
         report = probe(model, batches, loss_fn,
-                       config=ProbeConfig(every_n_steps=1, num_samples=16, timing=False,
+                       config=ProbeConfig(every_n_steps=1, num_samples=16, timing=timed,
                                           kernels=("bf16", args.plan_kernel)))
-        plan = make_plan(report, max_error=args.max_error, assume_fast=True,
+        plan = make_plan(report, max_error=args.max_error, assume_fast=not timed,
                          head_sites=args.head_sites)
         del model, report
     pairs = fp8_site_roles(plan)
     out["plan"] = {"fp8_sites": len(plan.fp8_sites()), "fp8_site_roles": len(pairs),
                    "site_roles_total": 3 * len(plan.sites),
                    "kernel": None if args.plan_in else args.plan_kernel,
+                   "timed": None if args.plan_in else plan.budget.get("assume_fast") is False,
                    "head_sites": None if args.plan_in else plan.budget.get("head_sites"),
                    "max_error": None if args.plan_in else args.max_error,
                    "from": args.plan_in or "probe",
@@ -670,6 +675,9 @@ def main(argv=None) -> int:
     p.add_argument("--plan-out", default=None, help="--mode plan: write the default plan here")
     p.add_argument("--plan-in", default=None,
                    help="--mode plan: this plan instead of the Probe's default one")
+    p.add_argument("--untimed-plan", action="store_true",
+                   help="--mode plan on a GPU: do not time --plan-kernel; put every role it "
+                        "fits on it (assume_fast), as the CPU does")
     p.add_argument("--head-sites", type=int, default=None,
                    help="--mode plan: loka.plan's head_sites (default: DispatchConfig's)")
     p.add_argument("--resume", default=None,
