@@ -643,6 +643,17 @@ def step_speed(name, preset, args, device, plan) -> dict:
     return row
 
 
+def _count(text: str) -> int:
+    """An argparse ``type``: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mode", choices=("sources", "budget", "plan", "horizon"), default="sources")
@@ -678,7 +689,7 @@ def main(argv=None) -> int:
     p.add_argument("--untimed-plan", action="store_true",
                    help="--mode plan on a GPU: do not time --plan-kernel; put every role it "
                         "fits on it (assume_fast), as the CPU does")
-    p.add_argument("--head-sites", type=int, default=None,
+    p.add_argument("--head-sites", type=_count, default=None,
                    help="--mode plan: loka.plan's head_sites (default: DispatchConfig's)")
     p.add_argument("--resume", default=None,
                    help="--mode plan: an earlier run's JSON (same terms and plan): its costs "

@@ -34,6 +34,7 @@ from loka.data import SyntheticCTR  # noqa: E402
 from loka.dispatch import Plan  # noqa: E402
 from loka.dispatch.select import override  # noqa: E402
 from loka.jsonio import atomic_write_text, json_safe  # noqa: E402
+from loka.kernels import registry  # noqa: E402
 from loka.train import loss_fn  # noqa: E402
 
 
@@ -52,7 +53,7 @@ def plans_from(args) -> list:
         sys.exit("--family and --drop derive from the first --plan: give one")
     for k in args.family:
         old = {c.kernel for sp in first.sites.values() for c in sp.roles.values()
-               if c.kernel != first.baseline and c.kernel != k}
+               if c.kernel != k and registry.get(c.kernel).is_fp8}
         rows.append((f"family {k}", override(first, replace={o: k for o in old})))
     for rx in args.drop:
         names = [n for n in first.sites if re.search(rx, n)]
@@ -71,23 +72,33 @@ def profile_row(label, plan, args, device, graphs: bool) -> dict:
 
     name, _, preset = args.model.partition(":")
     torch._dynamo.reset()
-    model = build_reference(name, preset or "paper", None, device, seed=0,
-                            table_rows=args.table_rows)
-    if plan is not None:
-        loka.apply(model, plan)
-    batch = cast_batch(SyntheticCTR(model.feature_spec, args.batch_size, seed=0).batch(0)
-                       .to(device), torch.bfloat16)
-    compiled = torch.compile(model, mode="reduce-overhead" if graphs else None)
-    step = make_step(compiled, model, "train", batch, graphs, device, loss_fn)
-    row = {"label": label, "graphs": graphs,
-           "fp8_sites": 0 if plan is None else len(plan.fp8_sites())}
-    row.update(time_steps(step, device, warmup=3, steps=args.steps))
-    prof = profile_breakdown(step, args.profile_steps, top=args.top, ops=True)
-    row.update(prof)
-    del model, compiled, step
-    gc.collect()
-    torch.cuda.empty_cache()
-    return row
+    model = compiled = step = None
+    try:
+        model = build_reference(name, preset or "paper", None, device, seed=0,
+                                table_rows=args.table_rows)
+        if plan is not None:
+            loka.apply(model, plan)
+        batch = cast_batch(SyntheticCTR(model.feature_spec, args.batch_size, seed=0).batch(0)
+                           .to(device), torch.bfloat16)
+        compiled = torch.compile(model, mode="reduce-overhead" if graphs else None)
+        step = make_step(compiled, model, "train", batch, graphs, device, loss_fn)
+        row = {"label": label, "graphs": graphs,
+               "fp8_sites": 0 if plan is None else len(plan.fp8_sites())}
+        row.update(time_steps(step, device, warmup=3, steps=args.steps))
+        row.update(profile_breakdown(step, args.profile_steps, top=args.top, ops=True))
+        return row
+    finally:  # a row that fails frees its model too
+        del model, compiled, step
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _graphs(text: str) -> list:
+    """An argparse ``type``: '0', '1' or '0,1' -> [False], [True], [False, True]."""
+    parts = text.split(",")
+    if not parts or any(x not in ("0", "1") for x in parts) or len(set(parts)) != len(parts):
+        raise argparse.ArgumentTypeError(f"expected 0, 1 or 0,1, got {text!r}")
+    return [x == "1" for x in parts]
 
 
 def main(argv=None) -> int:
@@ -98,7 +109,7 @@ def main(argv=None) -> int:
     p.add_argument("--plan", action="append", default=[], help="LABEL=PATH (repeatable)")
     p.add_argument("--family", action="append", default=[], help="KERNEL (repeatable)")
     p.add_argument("--drop", action="append", default=[], help="REGEX (repeatable)")
-    p.add_argument("--graphs", default="0", type=lambda v: [bool(int(x)) for x in v.split(",")],
+    p.add_argument("--graphs", default="0", type=_graphs,
                    help="0, 1 or 0,1: compile without and/or with CUDA graphs (reduce-overhead)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--profile-steps", type=int, default=3)

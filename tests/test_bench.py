@@ -1332,7 +1332,7 @@ def test_profile_plan_derives_family_and_drop_rows_from_the_first_plan(tmp_path)
     path = tmp_path / "plan.json"
     kernels = {"a.proj": ("cublas-rowwise",) * 3,
                "b.mlp": ("cublas-rowwise", "bf16", "triton-rowwise"),
-               "c.head": ("bf16",) * 3}
+               "c.head": ("bf16", "bf16", "tf32")}
     sites = {}
     for name, ks in kernels.items():
         sites[name] = SitePlan(name, 64, 32, 128)
@@ -1347,7 +1347,7 @@ def test_profile_plan_derives_family_and_drop_rows_from_the_first_plan(tmp_path)
     assert rows[0][1] is None
     fam, drop = rows[2][1], rows[3][1]
     assert fam.config("b.mlp") == LinearConfig("cublas-tensorwise", "bf16", "cublas-tensorwise")
-    assert fam.config("c.head") == LinearConfig.uniform("bf16")
+    assert fam.config("c.head") == LinearConfig("bf16", "bf16", "tf32")  # not FP8: kept
     assert drop.fp8_sites() == ["b.mlp"]
     assert drop.config("b.mlp") == plan.config("b.mlp")
     for bad, message in [(argparse.Namespace(plan=[], family=["cublas-tensorwise"], drop=[]),
@@ -1358,3 +1358,7 @@ def test_profile_plan_derives_family_and_drop_rows_from_the_first_plan(tmp_path)
                           "matches no site")]:
         with pytest.raises(SystemExit, match=message):
             pp.plans_from(bad)
+    assert pp._graphs("0") == [False] and pp._graphs("0,1") == [False, True]
+    for bad in ("2", "0,0", "", "yes"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            pp._graphs(bad)

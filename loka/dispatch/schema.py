@@ -367,7 +367,7 @@ _BUDGET_FIELDS = {"max_error": "number", "min_speedup": "number", "metric": "str
                   "baseline": "string", "assume_fast": "bool", "inference": "bool",
                   "role_budgets": "numbers", "site_budgets": "numbers",
                   "allowed_kernels": "names", "uniform": "names-by-role",
-                  "max_ne_change": "number"}
+                  "max_ne_change": "number", "head_sites": "count"}
 """the fields of a plan's ``budget`` LoKA reads, and their JSON types (others are kept)"""
 
 
@@ -391,6 +391,8 @@ def _budget(d: Mapping) -> Dict[str, Any]:
                                   f"of {list(_METRICS)}")
         elif kind == "bool":
             field_bool(budget, key, "budget")
+        elif kind == "count":
+            field_int(budget, key, "budget")
         elif kind == "numbers":
             for k in field_mapping(budget, key, "budget"):
                 field_number(budget[key], k, where)

@@ -7,8 +7,9 @@ its report with code of its own; :func:`override` edits a plan by hand.
 
 Selection rule for one (site, role):
 
-0. The ``head_sites`` sites nearest the loss (:func:`head_of`: the last to run in the
-   Probe's forward order) stay on the baseline in every role.
+0. In a training plan, the ``head_sites`` sites nearest the loss (:func:`head_of`: the
+   last to run in the Probe's forward order) stay on the baseline in every role. Serving
+   plans keep no head back: the evidence for the rule is the NE of training.
 1. A candidate is a registered kernel other than the baseline that the report measured
    there without failing, that runs on the target device, serves the role, fits the
    role's GEMM shape (alignment), and is in ``allowed_kernels`` if given. A reference
@@ -162,7 +163,7 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
     registry.get(cfg.baseline)  # the baseline must exist
 
     notes: List[str] = []
-    head, by_order = head_of(report, cfg.head_sites)
+    head, by_order = ([], True) if inference else head_of(report, cfg.head_sites)
     if head:
         notes.append(f"head_sites={cfg.head_sites}: {', '.join(head)} stay on {cfg.baseline} "
                      "in every role (the sites nearest the loss"
@@ -293,8 +294,9 @@ def audit(plan: Plan, report: "ProbeReport | str | os.PathLike") -> dict:
     For every site and role the report measured: the chosen kernel's error bound must be
     within the plan's budget, and no other kernel that the report shows within the budget
     may be faster by the plan's ``min_speedup`` rule (a role left on the baseline is at
-    speed 1.0; a candidate must reach ``min_speedup`` to count). Speeds are the report's
-    (``speedup_weight_q`` for an inference plan). Only timings taken on a GPU count; a
+    speed 1.0; a candidate must reach ``min_speedup`` to count), except that a training
+    plan's head sites (rule 0, the plan's ``head_sites``) on the baseline are its own
+    choice. Speeds are the report's (``speedup_weight_q`` for an inference plan). Only timings taken on a GPU count; a
     plan made with ``assume_fast`` is checked for the budget only. Speeds count as in
     :func:`plan` (rule 3): taken on the plan's device type, not by the CPU wall clock, and
     not of an emulated kernel. A kernel the report timed ran where the report was
@@ -361,7 +363,7 @@ def audit(plan: Plan, report: "ProbeReport | str | os.PathLike") -> dict:
     # rule 0 as the plan had it (a plan from before head_sites kept none back)
     n_head = cfg.get("head_sites", 0)  # not a count (a plan edited by hand): none back
     n_head = n_head if isinstance(n_head, int) and not isinstance(n_head, bool) else 0
-    head = set(head_of(report, n_head)[0])
+    head = set() if inference else set(head_of(report, n_head)[0])
     checked, violations = 0, []
     mismatched = set()
     for m in plan_report_mismatches(plan, report):

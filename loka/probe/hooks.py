@@ -217,15 +217,20 @@ class SiteCollector:
         return gen
 
     def _on_forward(self, name: str, module: nn.Linear, args, kwargs, output) -> None:
-        if not (module.training and torch.is_grad_enabled()):
+        if not module.training:
+            return
+        site = self.sites[name]
+        if site.order is None and self._in_root:
+            # forward execution order (which sites are nearest the loss): inside the root's
+            # forward, with or without grad (a reentrant checkpoint runs its forward without
+            # grad), never in a checkpoint's recompute during the backward
+            site.order = self._ran
+            self._ran += 1
+        if not torch.is_grad_enabled():
             return
         x = args[0] if args else kwargs.get("input", kwargs.get("x"))
         if not isinstance(x, torch.Tensor) or not isinstance(output, torch.Tensor):
             return
-        site = self.sites[name]
-        if site.order is None:  # forward execution order: which sites are nearest the loss
-            site.order = self._ran
-            self._ran += 1
         # producers from every call (a shared Linear may be fed differently each time)
         site.producers["x"] = merge_kinds(site.producers.get("x"), producer_of(x))
         if (self._in_root and output.requires_grad and output.grad_fn is not None

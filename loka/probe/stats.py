@@ -560,6 +560,8 @@ class SiteStats:
         self.dtype = self.dtype or other.dtype
         for operand, kind in other.producers.items():
             self.producers[operand] = merge_kinds(self.producers.get(operand), kind)
+        if other.order is not None and (self.order is None or other.order < self.order):
+            self.order = other.order  # a rank that never ran the site recorded none
         return self
 
     def to(self, device: "torch.device | str") -> "SiteStats":

@@ -156,3 +156,85 @@ def test_the_cli_takes_head_sites(tmp_path, probed, capsys):
     assert {"pre_head", "head"}.isdisjoint(loka.Plan.load(out).fp8_sites())
     assert main(["plan", str(path), "--head-sites", "-1", "-o", str(out)]) == 2
     assert "--head-sites must be >= 0" in capsys.readouterr().err
+
+
+class Checkpointed(nn.Module):
+    """Two blocks under reentrant activation checkpointing, then a head that is not: the
+    blocks' forward runs without grad and again in the backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(32, 1)
+        self.b0, self.b1, self.b2 = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        h = checkpoint(lambda t: torch.relu(self.b1(torch.relu(self.b0(t)))), x,
+                       use_reentrant=True)
+        h = checkpoint(lambda t: torch.relu(self.b2(t)), h, use_reentrant=True)
+        return self.head(h)
+
+
+def test_the_order_under_reentrant_checkpointing_is_the_forwards_not_the_recompute():
+    torch.manual_seed(0)
+    model = Checkpointed()
+    x = torch.randn(64, 16, requires_grad=True)  # reentrant checkpoints need an input with grad
+    config = loka.ProbeConfig(timing=False, num_samples=4, bootstrap=20, compare_naive=False,
+                              kernels=("bf16", "emulated-rowwise-e4m3"))
+    report = loka.probe(model, [x, x], lambda m, b: m(b).pow(2).mean(), config=config)
+    assert {n: s.order for n, s in report.sites.items()} == {"b0": 0, "b1": 1, "b2": 2, "head": 3}
+    assert head_of(report, 3) == (["head"], True)
+
+
+def test_eval_forwards_record_no_order_and_merging_keeps_the_earliest():
+    from loka.probe.hooks import SiteCollector
+    from loka.probe.stats import SiteStats
+    model = OutOfOrder()
+    collector = SiteCollector(model, loka.ProbeConfig(timing=False)).attach()
+    model.eval()
+    model(torch.randn(4, 16))  # serving forwards are not the training step's order
+    assert all(s.order is None for s in collector.sites.values())
+    model.train()
+    with torch.no_grad():  # a training forward without grad (a reentrant checkpoint's) is
+        model(torch.randn(4, 16))
+    assert sorted(collector.sites, key=lambda n: collector.sites[n].order) == RUN_ORDER
+    collector.detach()
+    a, b, c = (SiteStats("s", 8, 8) for _ in range(3))
+    b.order, c.order = 5, 2
+    assert a.merge(b).order == 5          # a rank that never ran the site takes the other's
+    assert a.merge(c).order == 2          # the earliest wins
+    assert a.merge(SiteStats("s", 8, 8)).order == 2
+
+
+def test_serving_plans_keep_no_head_back(probed):
+    _, report = probed
+    p = plan(report, assume_fast=True, inference=True)
+    assert "head" not in p.sites["pre_head"].roles[Role.FWD].reason
+    assert p.sites["pre_head"].kernel("fwd") != "bf16"
+    assert not any("head_sites" in n for n in p.notes)
+
+
+def test_a_plan_from_before_head_sites_audits_its_head_sites(probed, make_report, three):
+    """A plan without ``head_sites`` in its budget (made before the rule) kept no head: its
+    head sites are checked like any other; a recorded forward order is what decides."""
+    _, ordered = probed
+    timed = make_report({n: (s.in_features, s.out_features, s.tokens, {r: three for r in Role})
+                         for n, s in ordered.sites.items()})
+    for n, s in timed.sites.items():
+        s.order = ordered.sites[n].order
+    p = plan(timed)
+    assert {"pre_head", "head"}.isdisjoint(p.fp8_sites()) and audit(p, timed)["ok"]
+    del p.budget["head_sites"]
+    flagged = {v["site"] for v in audit(p, timed)["violations"]}
+    assert flagged == {"pre_head", "head"}
+
+
+@pytest.mark.parametrize("bad", [-1, "3", True, 2.5])
+def test_a_plan_file_with_a_bad_head_sites_is_refused(bad, probed, tmp_path):
+    _, report = probed
+    d = plan(report, assume_fast=True).to_dict()
+    d["budget"]["head_sites"] = bad
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ReportError, match="budget.head_sites"):
+        loka.Plan.load(path)

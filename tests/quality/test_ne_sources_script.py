@@ -267,3 +267,11 @@ def test_plan_mode_stops_on_a_baseline_that_did_not_learn(tmp_path):
     assert not any(": cost " in line for line in row.get("progress", []))
     with pytest.raises(SystemExit):
         script.main(args + ["--warmup-steps", "-1"])
+
+
+def test_head_sites_must_be_a_count(capsys):
+    script = _script()
+    with pytest.raises(SystemExit) as e:
+        script.main(["--mode", "plan", "--head-sites", "-1", "--out", "x.json"])
+    assert e.value.code == 2
+    assert "expected an integer >= 0" in capsys.readouterr().err
