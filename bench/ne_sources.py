@@ -538,6 +538,11 @@ def default_plan(name, preset, args, device, out, write, spec, resume=None) -> N
     if args.plan_out:
         plan.save(args.plan_out)
     print(f"  plan: {len(plan.fp8_sites())} FP8 sites, {len(pairs)} FP8 site-roles", flush=True)
+    if not pairs:  # e.g. a timed Probe found --plan-kernel fast nowhere: nothing to check
+        out["stopped"] = "the default plan has no FP8 site-role: no NE to check"
+        print(f"  {out['stopped']}", flush=True)
+        write()
+        return
     # what a resumed run keeps is checked, and put back into out, before anything is written
     # (--out may be the file it resumes)
     known, prior, start_then = _resumed(resume, spec, plan)

@@ -275,3 +275,20 @@ def test_head_sites_must_be_a_count(capsys):
         script.main(["--mode", "plan", "--head-sites", "-1", "--out", "x.json"])
     assert e.value.code == 2
     assert "expected an integer >= 0" in capsys.readouterr().err
+
+
+def test_a_default_plan_without_fp8_stops_before_any_arm(tmp_path):
+    import torch
+
+    from loka.assembly import build_reference
+    from loka.config import LinearConfig
+    script = _script()
+    model = build_reference("wukong", "tiny", None, torch.device("cpu"), seed=0, table_rows=100)
+    path, out = tmp_path / "bf16.json", tmp_path / "ne.json"
+    Plan.uniform(model, LinearConfig.uniform("bf16")).save(path)
+    assert script.main(["--mode", "plan", "--models", "wukong:tiny", "--steps", "2",
+                        "--plan-in", str(path), "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["models"]["wukong:tiny"]
+    assert row["plan"]["fp8_site_roles"] == 0
+    assert row["stopped"] == "the default plan has no FP8 site-role: no NE to check"
+    assert "costs" not in row and "budget" not in row
