@@ -130,7 +130,8 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 - keep the other rows
             r = {"label": label, "graphs": graphs, "error": f"{type(e).__name__}: {e}"[:2000]}
         out["rows"].append(r)
-        print(f"{label}{' (graphs)' if graphs else ''}: {r.get('step_ms', float('nan')):.3f} ms wall, "
+        name = f"{label}{' (graphs)' if graphs else ''}"
+        print(f"{name}: {r.get('step_ms', float('nan')):.3f} ms wall, "
               f"{r.get('gpu_us_per_step', float('nan')) / 1e3:.3f} ms GPU, "
               f"{ {k: round(v / 1e3, 3) for k, v in (r.get('by_class_us') or {}).items()} }"
               f"{' ' + r['error'] if 'error' in r else ''}", flush=True)

@@ -508,7 +508,8 @@ def cmd_optimize(args) -> int:
     result = optimize(model, batches, _autocast_loss(device), inference=args.inference,
                       forward=forward, config=config,
                       max_error=args.max_error, min_speedup=args.min_speedup,
-                      head_sites=args.head_sites, compile=not args.no_compile, compile_mode=args.compile_mode,
+                      head_sites=args.head_sites, compile=not args.no_compile,
+                      compile_mode=args.compile_mode,
                       rounds=args.rounds, max_trials=args.max_trials,
                       progress=lambda line: print(f"  {line}"),
                       delayed_scaling=delayed_option(args))

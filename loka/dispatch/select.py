@@ -296,8 +296,9 @@ def audit(plan: Plan, report: "ProbeReport | str | os.PathLike") -> dict:
     may be faster by the plan's ``min_speedup`` rule (a role left on the baseline is at
     speed 1.0; a candidate must reach ``min_speedup`` to count), except that a training
     plan's head sites (rule 0, the plan's ``head_sites``) on the baseline are its own
-    choice. Speeds are the report's (``speedup_weight_q`` for an inference plan). Only timings taken on a GPU count; a
-    plan made with ``assume_fast`` is checked for the budget only. Speeds count as in
+    choice. Speeds are the report's (``speedup_weight_q`` for an inference plan). Only
+    timings taken on a GPU count; a plan made with ``assume_fast`` is checked for the
+    budget only. Speeds count as in
     :func:`plan` (rule 3): taken on the plan's device type, not by the CPU wall clock, and
     not of an emulated kernel. A kernel the report timed ran where the report was
     measured, so the check needs no GPU: it runs anywhere.
