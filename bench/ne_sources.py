@@ -625,25 +625,32 @@ def default_plan(name, preset, args, device, out, write, spec, resume=None) -> N
         write()
 
 
-def step_speed(name, preset, args, device, plan) -> dict:
-    """Median wall time and profiled GPU time of one compiled training step (fused AdamW)
-    of the reference model in bf16, with ``plan`` applied (None: the baseline), on one
-    batch of ``--batch-size``."""
+def compiled_step(name, preset, args, device, plan, graphs: bool = False):
+    """``(step, model)``: one compiled training step (``torch.compile``, with CUDA graphs
+    when ``graphs``; fused AdamW) of the reference model in bf16, with ``plan`` applied
+    (None: the baseline), on one batch of ``--batch-size`` (also bench/profile_plan.py's)."""
     import loka
     from loka.bench import cast_batch
-    from loka.bench.evalset import make_step, profile_gpu, time_steps
+    from loka.bench.evalset import make_step
 
     model = build_reference(name, preset, None, device, seed=0, table_rows=args.table_rows)
     if plan is not None:
         loka.apply(model, plan)
     batch = cast_batch(SyntheticCTR(model.feature_spec, args.batch_size, seed=0).batch(0)
                        .to(device), torch.bfloat16)
-    compiled = torch.compile(model)
-    step = make_step(compiled, model, "train", batch, False, device, loss_fn)
+    compiled = torch.compile(model, mode="reduce-overhead" if graphs else None)
+    return make_step(compiled, model, "train", batch, graphs, device, loss_fn), model
+
+
+def step_speed(name, preset, args, device, plan) -> dict:
+    """Median wall time and profiled GPU time of :func:`compiled_step` (no CUDA graphs)."""
+    from loka.bench.evalset import profile_gpu, time_steps
+
+    step, model = compiled_step(name, preset, args, device, plan)
     row = time_steps(step, device, warmup=3, steps=args.speed_steps)
     row["gpu_ms"] = profile_gpu(step, 5)["gpu_ms_per_step"]
     row["fp8_sites"] = 0 if plan is None else len(plan.fp8_sites())
-    del model, compiled, step
+    del model, step
     torch.cuda.empty_cache()
     return row
 

@@ -26,16 +26,16 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
 import loka.kernels.adapters  # noqa: E402,F401 - registers the torchao and FBGEMM kernels
-from loka.assembly import build_reference  # noqa: E402
-from loka.data import SyntheticCTR  # noqa: E402
 from loka.dispatch import Plan  # noqa: E402
 from loka.dispatch.select import override  # noqa: E402
 from loka.jsonio import atomic_write_text, json_safe  # noqa: E402
 from loka.kernels import registry  # noqa: E402
-from loka.train import loss_fn  # noqa: E402
+from ne_sources import compiled_step  # noqa: E402 - the step ne_sources.py times
 
 
 def plans_from(args) -> list:
@@ -65,30 +65,21 @@ def plans_from(args) -> list:
 
 
 def profile_row(label, plan, args, device, graphs: bool) -> dict:
-    import loka
-    from loka.bench import cast_batch
-    from loka.bench.evalset import make_step, time_steps
+    from loka.bench.evalset import time_steps
     from loka.bench.profiling import profile_breakdown
 
     name, _, preset = args.model.partition(":")
     torch._dynamo.reset()
-    model = compiled = step = None
+    model = step = None
     try:
-        model = build_reference(name, preset or "paper", None, device, seed=0,
-                                table_rows=args.table_rows)
-        if plan is not None:
-            loka.apply(model, plan)
-        batch = cast_batch(SyntheticCTR(model.feature_spec, args.batch_size, seed=0).batch(0)
-                           .to(device), torch.bfloat16)
-        compiled = torch.compile(model, mode="reduce-overhead" if graphs else None)
-        step = make_step(compiled, model, "train", batch, graphs, device, loss_fn)
+        step, model = compiled_step(name, preset or "paper", args, device, plan, graphs)
         row = {"label": label, "graphs": graphs,
                "fp8_sites": 0 if plan is None else len(plan.fp8_sites())}
         row.update(time_steps(step, device, warmup=3, steps=args.steps))
         row.update(profile_breakdown(step, args.profile_steps, top=args.top, ops=True))
         return row
     finally:  # a row that fails frees its model too
-        del model, compiled, step
+        del model, step
         gc.collect()
         torch.cuda.empty_cache()
 
