@@ -106,16 +106,24 @@ class ProbeConfig:
     measures it)"""
     weight_ema: float = 0.9
     """exponential moving-average factor of the matrix-normal weight model"""
-    num_samples: int = 64
-    """synthetic (A, B) pairs drawn per site and role (the paper uses 50-100)"""
+    num_samples: int = 16
+    """synthetic (A, B) pairs drawn per site and role. Each pair holds ``sample_rows`` rows
+    (up to 4096): 16 pairs are 65536 rows per site and role, where the paper draws 50-100
+    samples per layer"""
     sample_rows: Optional[int] = None
     """rows M of each synthetic sample; None: the site's observed row count, capped at 4096"""
     source: str = "learned"
     """'learned' (sample from statistics), 'captured' (use real captured tensors)"""
-    compare_naive: bool = True
-    """also measure every kernel on N(0, 1) inputs, for the learned-vs-naive comparison"""
+    compare_naive: bool = False
+    """also measure every kernel on N(0, 1) inputs, for the learned-vs-naive comparison
+    (a diagnostic: it costs as much as the errors themselves)"""
     kernels: Optional[Tuple[str, ...]] = None
-    """restrict measurement to these kernel names; None: every available kernel"""
+    """restrict measurement to these kernel names; None: on a GPU the default set
+    (:data:`loka.kernels.registry.PROBE_DEFAULT`, those available), on the CPU every
+    available kernel"""
+    all_kernels: bool = False
+    """with ``kernels`` None, measure every available kernel on a GPU too (23 on an H200,
+    about 4x the Probe's time of the default set)"""
     roles: Tuple[Role, ...] = ROLES
     """roles to measure"""
     max_error: float = 0.2

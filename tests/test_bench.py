@@ -354,7 +354,6 @@ def test_uniform_rows_put_one_kernel_on_every_eligible_linear(tmp_path):
     ("sm90_xmma_gemm_e4m3e4m3_e4m3f32_f32_tn_n_tilesize128x128x128", "gemm-fp8"),
     ("void f8f8bf16_rowwise_impl<128, 128>(...)", "gemm-fp8"),
     ("rowwise_quant_kernel", "quantize"),
-    ("rowwise_dual_kernel", "quantize"),
     ("rowwise_cast_split_kernel", "quantize"),
     ("norm_act_quant_kernel", "quantize"),
     ("rowwise_gemm_kernel", "gemm-fp8"),

@@ -196,6 +196,33 @@ def profile_gpu(step: Callable[[], object], steps: int) -> dict:
             "profiled_steps": steps}
 
 
+HOST_SKIP = ("ProfilerStep", "cudaDeviceSynchronize", "cudaStreamSynchronize",
+             "cudaEventSynchronize")
+"""host events that wait for the GPU rather than work for the step"""
+
+
+def profile_host(step: Callable[[], object], device: torch.device, steps: int,
+                 top: int = 12) -> dict:
+    """Where the host's time goes in ``steps`` steps of an already warmed-up ``step``, on its
+    own (the CPU side alone, so that the GPU profile is not slowed by it): the self CPU
+    time per step of every host event (operators, compiled-graph calls, Dynamo's cache
+    lookup, CUDA API calls), the total, and the ``top`` largest. A step without CUDA graphs
+    is host-bound when this total approaches its wall time."""
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+        synchronize(device)
+    own: Dict[str, float] = {}
+    for evt in prof.key_averages():
+        if evt.key.startswith(HOST_SKIP) or not evt.self_cpu_time_total:
+            continue
+        own[evt.key] = own.get(evt.key, 0.0) + evt.self_cpu_time_total / steps
+    ranked = sorted(own.items(), key=lambda kv: -kv[1])[:top]
+    return {"host_us_per_step": sum(own.values()),
+            "host_top_us": [[k[:120], round(v, 1)] for k, v in ranked]}
+
+
 # ---------------------------------------------------------------------------- variants
 
 def dims_fit_fp8(mod: nn.Module) -> bool:
@@ -505,6 +532,7 @@ def run_row(case: Case, variant: str, mode: str, graphs: bool, args, device) -> 
                    samples_per_s=case.batch_size / (timing["step_ms"] / 1e3))
         if mode == "train":
             row["loss_first_step"] = timing["first_value"]
+        row.update(profile_host(step, device, args.profile_steps))
         if device.type == "cuda":
             prof = profile_gpu(step, args.profile_steps)
             row.update(gpu_ms=prof["gpu_ms_per_step"], profile_ms=prof["by_class_ms"],

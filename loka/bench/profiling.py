@@ -14,7 +14,7 @@ __all__ = ["KERNEL_CLASSES", "QUANTIZE_KERNELS", "kernel_class", "op_breakdown",
            "profile_breakdown"]
 
 KERNEL_CLASSES = ("gemm", "gemm-fp8", "quantize", "triton", "embedding", "optimizer", "other")
-QUANTIZE_KERNELS = ("rowwise_quant_kernel", "rowwise_dual_kernel", "rowwise_amax_split_kernel",
+QUANTIZE_KERNELS = ("rowwise_quant_kernel", "rowwise_amax_split_kernel",
                     "rowwise_cast_split_kernel", "tensor_amax_kernel", "tensor_cast_kernel",
                     "block_quant_kernel", "norm_act_quant_kernel")
 """LoKA's Triton kernels that quantize (loka/kernels/triton/); the fused norm -> quantize

@@ -154,7 +154,7 @@ def inventory(code: str) -> List[Launch]:
     for m in re.finditer(r"^def (\w+)\(([^)]*)\):", code, re.M):
         params[m.group(1)] = [a.split(":")[0].strip() for a in m.group(2).split(",")]
     # the wrapper's variable for a kernel -> the kernel's own name (what a profiler shows):
-    # user kernels get a suffix (rowwise_dual_kernel_0 = async_compile.triton('rowwise_dual_kernel', ...))
+    # user kernels get a suffix (rowwise_quant_kernel_0 = async_compile.triton('rowwise_quant_kernel', ...))
     compiled = dict(re.findall(r"^(\w+) = async_compile\.triton\('(\w+)'", code, re.M))
     # buffer name -> (shape, stride, element bytes or None when unknown)
     buffers: Dict[str, Tuple[List[int], List[int], Optional[int]]] = {}

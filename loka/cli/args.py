@@ -220,7 +220,7 @@ def probe_config(args) -> ProbeConfig:
     try:
         return ProbeConfig(
             every_n_steps=args.every_n_steps, num_samples=args.num_samples,
-            sample_rows=args.sample_rows, source=args.source, compare_naive=not args.no_naive,
+            sample_rows=args.sample_rows, source=args.source, compare_naive=args.naive,
             kernels=kernels, roles=roles, max_error=args.max_error, min_speedup=args.min_speedup,
             bootstrap=args.bootstrap, timing=not args.no_timing, seed=args.seed,
             module_filter=args.module_filter, time_unsafe=getattr(args, "time_unsafe", False),

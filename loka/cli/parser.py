@@ -307,13 +307,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start from these weights (a loka train checkpoint.pt)")
     p.add_argument("--every-n-steps", type=positive(int, "--every-n-steps"), default=5,
                    help="take statistics every N steps")
-    p.add_argument("--num-samples", type=positive(int, "--num-samples", 2), default=64,
+    p.add_argument("--num-samples", type=positive(int, "--num-samples", 2), default=16,
                    help="synthetic operand pairs per site and role")
     p.add_argument("--sample-rows", type=positive(int, "--sample-rows"), default=None,
                    help="rows per synthetic sample (default: the site's, up to 4096)")
     p.add_argument("--source", choices=("learned", "captured"), default="learned",
                    help="operands drawn from learned statistics, or real captured tensors")
-    p.add_argument("--kernels", default=None, help="comma list of kernels (default: all available)")
+    p.add_argument("--kernels", default=None, help="comma list of kernels (default: on a GPU the "
+                   "default set, loka.kernels.registry.PROBE_DEFAULT; on the CPU all available)")
     p.add_argument("--roles", default=None, help="comma list of fwd,dgrad,wgrad (default: all)")
     p.add_argument("--module-filter", default=None,
                    help="regular expression on Linear names to probe")
@@ -321,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bootstrap resamples of the confidence intervals")
     p.add_argument("--max-error", type=budget, default=0.2, help="the report's safe flag: MERE bound")
     p.add_argument("--min-speedup", type=speedup, default=1.05, help="the report's fast flag")
-    p.add_argument("--no-naive", action="store_true", help="skip the N(0, 1) comparison")
+    p.add_argument("--naive", action=argparse.BooleanOptionalAction, default=False,
+                   help="also measure every kernel on N(0, 1) operands (a diagnostic)")
     p.add_argument("--no-timing", action="store_true", help="errors only, no speed measurement")
     p.add_argument("--time-unsafe", action="store_true",
                    help="also time kernels over --max-error (default: they are no candidates "
@@ -383,7 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start from these weights (a loka train checkpoint.pt)")
     p.add_argument("--num-samples", type=positive(int, "--num-samples", 2), default=16,
                    help="synthetic operand pairs per site and role")
-    p.add_argument("--kernels", default=None, help="comma list of kernels (default: all available)")
+    p.add_argument("--kernels", default=None, help="comma list of kernels (default: on a GPU the "
+                   "default set, loka.kernels.registry.PROBE_DEFAULT; on the CPU all available)")
     p.add_argument("--max-error", type=budget, default=0.2,
                    help="budget on the error's upper 95%% bound")
     p.add_argument("--min-speedup", type=speedup, default=1.05,

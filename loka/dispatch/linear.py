@@ -21,9 +21,8 @@ without the producer (a rowwise ``q`` has its scales along the other axis of the
 gradient's operand: dequantized and quantized again, it would be rounded twice), and the
 gradients are those of ``linear(x)``.
 
-Rowwise kernels with a fused quantizer (``Kernel.quantize_dual``: LoKA's Triton rowwise
-kernels) make the two layouts each tensor needs from one call, two reads instead of
-three, with the same bits: x (the forward's a, the weight gradient's xᵀ, kept in FP8 for
+Rowwise kernels with a two-layout quantizer (``Kernel.quantize_dual``: LoKA's Triton rowwise
+kernels) make the two layouts each tensor needs in one call, with the same bits: x (the forward's a, the weight gradient's xᵀ, kept in FP8 for
 the backward instead of x), W (the forward's and the input gradient's b) and dy (both
 gradients' a; no transposed copy of dy).
 
@@ -242,7 +241,7 @@ class _LinearFunction(torch.autograd.Function):
                       and weight.is_contiguous() and kd.name != BASELINE
                       and not ctx.check_grads else None)
             if dual_x is not None:
-                # rowwise: x and xᵀ from one fused quantizer (two reads of x, not three);
+                # rowwise: x and xᵀ from one two-layout quantizer;
                 # the backward keeps the FP8 xᵀ instead of x
                 a, x_t = dual_x(x2d)
                 ctx.x_q = _as_b(x_t)
@@ -292,7 +291,7 @@ class _LinearFunction(torch.autograd.Function):
             _, eg, ready, decay = ctx.delayed
             dy_q = _delayed_cast(dy, eg, fg, ready, decay)  # one FP8 dy for both GEMMs
         elif dual_dy is not None:
-            dy_q, dy_t = dual_dy(dy)  # dy for dgrad, dyᵀ for wgrad: two reads, no transpose
+            dy_q, dy_t = dual_dy(dy)  # dy for dgrad, dyᵀ for wgrad: no transposed copy
         elif _shares(kd, 0, kw, 0):
             dy_q = kd.quantize_a(dy)  # one FP8 copy of dy for both gradient GEMMs
         if ctx.needs_input_grad[0]:

@@ -227,6 +227,18 @@ def all_kernels() -> List[Kernel]:
     return list(_REGISTRY.values())
 
 
+PROBE_DEFAULT = ("bf16", "cublas-rowwise", "cublas-rowwise-fastacc", "cublas-tensorwise",
+                 "cublas-tensorwise-fastacc", "triton-rowwise-cublas-fastacc",
+                 "triton-tensorwise-cublas-fastacc")
+"""the kernels a Probe measures on a GPU by default (``ProbeConfig.kernels`` None): the two
+quantization families Inductor fuses into producers (cuBLAS rowwise and tensorwise, their
+fast-accumulation twins derived from them, not compiled again) and the two whose
+quantization is LoKA's own Triton kernels. The rest (torchao's, which quantize as cuBLAS's
+do; blockwise; LoKA's own Triton GEMMs; e5m2; FBGEMM) came out slower in the plans of the
+evaluation set and cost the Probe most of its time (``ProbeConfig.all_kernels`` measures
+them)"""
+
+
 def available(device: "torch.device | str" = "cpu", shape: Optional[Tuple[int, int, int]] = None,
               role: "Role | str | None" = None, fp8_only: bool = False,
               names: Optional[Iterable[str]] = None) -> List[Kernel]:

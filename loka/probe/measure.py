@@ -59,7 +59,7 @@ from .sampler import OperandSampler, error_rows, naive_pair, seed_for
 from .stats import SiteStats
 
 __all__ = ["Failure", "SampleErrors", "error_metrics", "run_samples", "bootstrap_stat",
-           "KernelTimer", "compiled_call", "compiles_for_timing", "measure_report",
+           "KernelTimer", "compiled_call", "compiles_for_timing", "kernel_names", "measure_report",
            "COMPILE_ENTRIES", "COMPILED_LIBRARIES"]
 
 COMPILE_ENTRIES = 256
@@ -251,6 +251,17 @@ def gemm_layouts(a, b):
             dataclasses.replace(b, data=col_major(b.data)))
 
 
+def kernel_names(config: ProbeConfig, device: torch.device) -> Optional[Tuple[str, ...]]:
+    """The kernel names a Probe measures on ``device`` (None: every available kernel):
+    ``config.kernels`` where given; else on a GPU the default set
+    (:data:`loka.kernels.registry.PROBE_DEFAULT`) unless ``config.all_kernels``."""
+    if config.kernels is not None:
+        return tuple(config.kernels)
+    if torch.device(device).type != "cpu" and not config.all_kernels:
+        return registry.PROBE_DEFAULT
+    return None
+
+
 def compiles_for_timing(kern: Kernel, dev: torch.device, mode: str) -> bool:
     """Whether the Probe times ``kern`` under ``torch.compile`` on ``dev``, for
     ``ProbeConfig.timing_compile`` ``mode`` ('on', 'off' or 'auto': on CUDA only)."""
@@ -436,7 +447,7 @@ class _Measurement:
             return (role_shape(role, kern.padded_tokens(m_time), k_in, n_out)
                     if role is Role.WGRAD else shape)
 
-        kernels = [k for k in registry.available(dev, role=role, names=cfg.kernels)
+        kernels = [k for k in registry.available(dev, role=role, names=kernel_names(cfg, dev))
                    if k.supports(dev, *timed_shape(k), role=role)
                    and k.supports(dev, *err_shape, role=role)]
         if cfg.kernels is None and dev.type != "cpu":
@@ -448,7 +459,7 @@ class _Measurement:
         if not kernels:
             return Failure("no kernel supports this shape")
         try:
-            with self.phase("errors", dev):
+            with self.phase("errors", dev), _untuned(kernels):
                 sampler = OperandSampler(site, role, dev, dtype, source=cfg.source,
                                          weight_source=cfg.weight_source, weight=module.weight,
                                          seed=cfg.seed)
@@ -559,6 +570,32 @@ class _Measurement:
         return run_samples(pairs, kernels, dtype)
 
 
+@contextlib.contextmanager
+def _untuned(kernels: Sequence[Kernel]):
+    """The error samples' calls of LoKA's Triton kernels launch one config and leave no
+    autotuning behind (:func:`loka.kernels.triton.common.untuned`): every config computes
+    the same errors, and these shapes (``sample_rows``) are never timed."""
+    if not any(k.library is Library.TRITON for k in kernels):
+        yield
+        return
+    from ..kernels.triton import common
+
+    with common.untuned():
+        yield
+
+
+def _spent() -> Dict[str, float]:
+    """Seconds spent so far in this process by Dynamo and Inductor compiling, and by LoKA's
+    Triton autotuners (with the configs' own compiles), and the configs benchmarked."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    out = {"compile_s": float(sum(compilation_time_metrics.get("_compile.compile_inner", ())))}
+    common = sys.modules.get("loka.kernels.triton.common")
+    configs, seconds = common.tuning_spent() if common is not None else (0, 0.0)
+    out.update(autotune_s=float(seconds), autotune_configs=float(configs))
+    return out
+
+
 def _autotune_choices() -> Dict[str, Dict[str, str]]:
     """The configs LoKA's Triton autotuners chose (kept in the report, so that a run can
     see what was tuned); empty where the kernels were never loaded."""
@@ -600,7 +637,7 @@ def measure_report(sites: Mapping[str, SiteStats], modules: Mapping[str, nn.Line
         :class:`~loka.probe.report.ProbeReport`; sites never observed are listed in
         ``meta['unobserved_sites']``.
     """
-    start = time.perf_counter()
+    start, spent = time.perf_counter(), _spent()
     seeded = _seed_autotune(config.autotune_from) if config.autotune_from else None
     bar = tqdm(sites, desc="probe", unit="site", disable=not config.progress, dynamic_ncols=True)
     run = _Measurement(config, status=bar.set_postfix_str)
@@ -619,7 +656,8 @@ def measure_report(sites: Mapping[str, SiteStats], modules: Mapping[str, nn.Line
             "reference": "float64" if used.type == "cpu" else "float32 (TF32 off)",
             "baseline": BASELINE, "unobserved_sites": unobserved,
             "report_s": time.perf_counter() - start, "phases_s": dict(run.phases),
-            "not_timed": dict(run.not_timed), "autotuned": _autotune_choices()}
+            "not_timed": dict(run.not_timed), "autotuned": _autotune_choices(),
+            "spent": {k: round(v - spent[k], 3) for k, v in _spent().items()}}
     if seeded is not None:
         meta["autotune_seeded"] = seeded
     return ProbeReport(sites=reports, device=str(used), device_name=_device_name(used),

@@ -235,6 +235,24 @@ def test_dual_quantization_with_nan_and_inf_columns_and_a_strided_input(Q):
         Q.quantize_rowwise_dual(torch.zeros(4, 0, device=DEVICE))
 
 
+def test_untuned_calls_launch_one_config_and_leave_no_autotuning_behind(Q):
+    """Inside ``untuned()`` a new shape is launched with one config and forgotten on exit;
+    a shape tuned before stays tuned; the outputs are the same bits."""
+    from loka.kernels.triton import common
+    tuner = Q.rowwise_quant_kernel
+    x_kept, x_new = heavy_tailed(24, 40), heavy_tailed(40, 24)
+    Q.quantize_rowwise(x_kept)
+    before = set(tuner.cache)
+    with common.untuned():
+        from loka.kernels.roofline import max_autotune_configs
+        assert max_autotune_configs() == 1
+        Q.quantize_rowwise(x_kept)
+        q, s = Q.quantize_rowwise(x_new)
+        assert len(tuner.cache) == len(before) + 1  # tuned inside, at one config
+    assert set(tuner.cache) == before and max_autotune_configs() is None
+    assert_same(q, s, quantize(x_new, "e4m3", "rowwise", "a"))
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("layout,shape", [("row", (37, 300)), ("col", (37, 300)), ("row", (512, 96))])
 def test_tensorwise_two_stage_is_exact(Q, fmt, layout, shape):

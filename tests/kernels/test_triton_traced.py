@@ -120,7 +120,7 @@ def test_a_rowwise_linear_reads_each_tensor_twice_for_both_of_its_layouts():
         return [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__
                 for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target)]
 
-    pair = ["rowwise_dual_kernel", "rowwise_cast_split_kernel"]
+    pair = ["rowwise_quant_kernel", "rowwise_amax_split_kernel", "rowwise_cast_split_kernel"]
     assert names(fw) == pair + pair + ["rowwise_gemm_kernel"]
     assert names(bw) == pair + ["rowwise_gemm_kernel"] * 2
     assert not any(str(n.target) == "aten.clone.default" for n in bw.graph.nodes

@@ -117,7 +117,7 @@ def test_a_failed_timing_is_recorded_as_its_report_string(flaky):
     rep = loka.probe(model, [torch.randn(64, 16)], lambda m, x: m(x).square().mean(),
                      config=ProbeConfig(num_samples=4, naive_samples=4, bootstrap=50,
                                         sample_rows=32, progress=False, roles=("fwd",),
-                                        kernels=(name, BASELINE), **TIMING))
+                                        kernels=(name, BASELINE), compare_naive=True, **TIMING))
     ks = rep.sites[""].roles[Role.FWD].kernels
     kr = ks[name]
     assert kr.error == "timing failed: RuntimeError: no kernel image for 64 rows"

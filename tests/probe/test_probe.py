@@ -14,7 +14,7 @@ from loka.probe.measure import compiles_for_timing
 TW = "emulated-tensorwise-e4m3"
 KERNELS = ("bf16", "fp32", TW, "cublas-tensorwise", "emulated-rowwise-e4m3")
 FAST = dict(num_samples=8, naive_samples=6, bootstrap=200, sample_rows=64, timing=False,
-            progress=False, kernels=KERNELS)
+            compare_naive=True, progress=False, kernels=KERNELS)
 OUTLIER_CHANNELS = [3, 17]
 OUTLIER_SCALE = 1e5
 """Outlier channels 1e5 larger than the rest set the tensorwise scale so that the other
@@ -278,6 +278,22 @@ def test_kernels_with_pytorch_quantization_are_timed_compiled_when_asked():
     assert _fwd_timing({"timing_compile": "off"})["cublas-tensorwise"].timing == "cpu-wallclock"
 
 
+def test_the_report_says_what_compiling_and_autotuning_cost():
+    """meta['spent']: the seconds Dynamo and Inductor spent compiling during the report, and
+    LoKA's Triton autotuners (none here: no Triton kernel is measured)."""
+    def spent(mode):
+        torch._dynamo.reset()  # a compile cached by an earlier test would cost nothing
+        rep = loka.probe(TwoSites(), two_site_batches(1), loss_fn, config=ProbeConfig(
+            **{**FAST, "kernels": ("bf16", "cublas-tensorwise"), "timing": True,
+               "timing_iters": 3, "timing_warmup": 1, "roles": ("fwd",),
+               "timing_compile": mode}))
+        return rep.meta["spent"]
+    on, off = spent("on"), spent("off")
+    assert set(on) == set(off) == {"compile_s", "autotune_s", "autotune_configs"}
+    assert on["compile_s"] > 0.05 and off["compile_s"] == 0.0
+    assert on["autotune_configs"] == off["autotune_configs"] == 0 and off["autotune_s"] == 0
+
+
 def test_a_kernel_that_does_not_compile_is_timed_eagerly(monkeypatch):
     def broken_compile(fn, **kw):
         def run(*a, **k):
@@ -294,3 +310,22 @@ def test_a_kernel_that_does_not_compile_is_timed_eagerly(monkeypatch):
 def test_timing_compile_is_validated():
     with pytest.raises(ValueError, match="timing_compile"):
         ProbeConfig(timing_compile="sometimes")
+
+
+def test_the_kernels_a_probe_measures_by_default():
+    """On a GPU the default set, every name of it registered; on the CPU, or with
+    ``all_kernels``, every available kernel; a given list as it is."""
+    from loka.kernels.registry import PROBE_DEFAULT
+    from loka.probe.measure import kernel_names
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert kernel_names(ProbeConfig(), cuda) == PROBE_DEFAULT
+    assert kernel_names(ProbeConfig(), cpu) is None
+    assert kernel_names(ProbeConfig(all_kernels=True), cuda) is None
+    assert kernel_names(ProbeConfig(kernels=("bf16", TW)), cuda) == ("bf16", TW)
+    names = {k.name for k in registry.all_kernels()}
+    assert set(PROBE_DEFAULT) <= names and "bf16" in PROBE_DEFAULT
+    # every fast-accumulation kernel of the set comes with the kernel it derives from,
+    # or quantizes in Triton (timed as it is)
+    for name in PROBE_DEFAULT:
+        twin = registry.get(name).quantizes_as
+        assert twin is None or twin in PROBE_DEFAULT, name

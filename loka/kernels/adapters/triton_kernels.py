@@ -101,7 +101,7 @@ def _dual_fake(x, fmt):
 @triton_kernel_op("loka::triton_quantize_dual", _dual_fake)
 def _quantize_dual_op(x: torch.Tensor, fmt: str
                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(q (R, C), scale (R, 1), qt (C, R), scale_t (C, 1)): x and xᵀ rowwise, two reads."""
+    """(q (R, C), scale (R, 1), qt (C, R), scale_t (C, 1)): x and xᵀ rowwise."""
     with _op_body():
         return _tk()[0].quantize_rowwise_dual(x, fmt)
 

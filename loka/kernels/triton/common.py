@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 
 import numpy as np
@@ -30,7 +31,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from ...numerics import AMAX_EPS, get_format
-from ..roofline import max_autotune_configs
+from ..roofline import autotune_limit, max_autotune_configs
 
 _FP8_DTYPES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 AMAX_EPS_CONST = tl.constexpr(AMAX_EPS)
@@ -107,11 +108,33 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else triton.next_power_of_2(int(n))
 
 
+_TUNING = {"configs": 0, "seconds": 0.0}
+"""configs benchmarked by LoKA's autotuners in this process, and the wall time it took
+(each config's first launch compiles it, so this holds those compiles too)"""
+
+
+def tuning_spent() -> Tuple[int, float]:
+    """(configs benchmarked, seconds) by LoKA's autotuners so far in this process."""
+    return _TUNING["configs"], _TUNING["seconds"]
+
+
+_PRUNED = threading.local()
+"""how many configs the autotuner of this thread kept for the shape it is tuning"""
+
+
 def _bench(kernel_call, quantiles=None):
-    """Autotuning benchmark: short (the sweep tunes many shapes); a no-op when interpreted."""
-    if interpreted():
+    """Autotuning benchmark: short, 1 ms of warm-up and 5 of timing (the Probe tunes dozens
+    of shapes; a config's time at these sizes is tens of microseconds, so 5 ms are hundreds
+    of calls); a no-op when interpreted or when only one config is left to choose from
+    (Triton benchmarks even that one: it is compiled at its launch instead)."""
+    if interpreted() or getattr(_PRUNED, "kept", 2) == 1:
         return [0.0, 0.0, 0.0] if quantiles else 0.0
-    return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+    t0 = time.perf_counter()
+    try:
+        return triton.testing.do_bench(kernel_call, warmup=1, rep=5, quantiles=quantiles)
+    finally:
+        _TUNING["configs"] += 1
+        _TUNING["seconds"] += time.perf_counter() - t0
 
 
 def _tile_area(cfg: triton.Config) -> int:
@@ -139,10 +162,12 @@ def autotune(configs: List[triton.Config], key: List[str], prune=None,
         kept = prune(cfgs, named_args, **kwargs) if prune is not None else list(cfgs)
         kept = kept or list(cfgs[:1])
         if interpreted() or os.environ.get("LOKA_TRITON_AUTOTUNE", "1") == "0":
+            _PRUNED.kept = 1
             return [max(kept, key=_tile_area)]
         limit = max_autotune_configs()  # loka.kernels.roofline.autotune_limit
         if limit is not None and len(kept) > limit:
             kept = sorted(kept, key=_tile_area, reverse=True)[:limit]
+        _PRUNED.kept = len(kept)
         return kept
 
     return triton.autotune(configs=configs, key=key, do_bench=_bench,
@@ -339,6 +364,24 @@ def _autotuners(load: bool = False):
         for attr, obj in (vars(mod).items() if mod is not None else ()):
             if isinstance(obj, Autotuner):
                 yield attr, obj
+
+
+@contextlib.contextmanager
+def untuned() -> Iterator[None]:
+    """Inside, each of LoKA's autotuners launches a new shape with one config (the largest
+    tile that fits), and forgets the shapes it met inside on exit: for calls whose results
+    matter but whose speed does not (the Probe's error samples, which every config computes
+    alike), so that no config is benchmarked for them and a later timed call at the same
+    shape still tunes."""
+    before = {id(t): set(t.cache) for _, t in _autotuners()}
+    try:
+        with autotune_limit(1):
+            yield
+    finally:
+        for _, tuner in _autotuners():
+            known = before.get(id(tuner), set())
+            for key in [k for k in tuner.cache if k not in known]:
+                del tuner.cache[key]
 
 
 def _key_part(text: str):

@@ -33,8 +33,6 @@ MAX_ROW = 16384
 """longest contiguous row quantized in one pass (BLOCK_R x MAX_ROW values in registers)"""
 _PARTS_CHUNK = tl.constexpr(32)
 """partial amaxes per row that stage 2 of the two-stage path loads at once"""
-_NAN_BITS = tl.constexpr(0x7FC00000)
-"""the bits of a positive quiet NaN: above every finite float's and +inf's as an int32"""
 _TARGET_PROGRAMS = 528
 """programs the two-stage rowwise path aims for: four waves of an H100/H200 (132 SMs), so
 that enough loads are in flight on every SM (two waves left the transposed dgrad and wgrad
@@ -69,8 +67,7 @@ def rowwise_quant_kernel(x_ptr, q_ptr, scale_ptr, R, C, stride_xr, stride_xc,
 def _quantize_rows(x_ptr, q_ptr, scale_ptr, R, C, stride_xr, stride_xc, FMT_MAX: tl.constexpr,
                    MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr, SOFT_ROUND: tl.constexpr,
                    BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
-    """The program's rows of x quantized and stored; returns them (float32, rows past R
-    zero) and their columns, for a caller that reduces them further."""
+    """The program's rows of x quantized and stored."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_C)
@@ -83,25 +80,6 @@ def _quantize_rows(x_ptr, q_ptr, scale_ptr, R, C, stride_xr, stride_xc, FMT_MAX:
                         x_ptr.dtype.element_ty != tl.float32)
     tl.store(q_ptr + r64 * C + cols[None, :], y.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + rows, scale, mask=rows < R)
-    return x, cols
-
-
-@autotune(configs=[triton.Config({"BLOCK_R": r}, num_warps=w)
-                   for r in (1, 2, 4, 8, 16, 32, 64) for w in (4, 8)],
-          key=["R", "C"], prune=_prune_rows)
-@triton.jit
-def rowwise_dual_kernel(x_ptr, q_ptr, scale_ptr, colmax_ptr, R, C, stride_xr, stride_xc,
-                        FMT_MAX: tl.constexpr, MANT_BITS: tl.constexpr, MIN_EXP: tl.constexpr,
-                        SOFT_ROUND: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr):
-    """:func:`rowwise_quant_kernel`, and from the same read the amax of every column over
-    the program's rows, folded into ``colmax`` (C,) as int32 bits by atomic max (the bits of
-    a non-negative float order as the float does; NaN is the largest): stage 1 of the
-    transposed operand's quantization, with no read of its own."""
-    x, cols = _quantize_rows(x_ptr, q_ptr, scale_ptr, R, C, stride_xr, stride_xc, FMT_MAX,
-                             MANT_BITS, MIN_EXP, SOFT_ROUND, BLOCK_C, BLOCK_R)
-    col = abs_amax(x, 0)  # rows past R were loaded as 0
-    bits = tl.where(col != col, _NAN_BITS, col.to(tl.int32, bitcast=True))
-    tl.atomic_max(colmax_ptr + cols, bits, mask=cols < C)
 
 
 # -- rowwise, two stages (long rows, transposed views) ----------------------------------
@@ -349,44 +327,26 @@ def quantize_rowwise(x: torch.Tensor, fmt="e4m3") -> Tuple[torch.Tensor, torch.T
 
 def quantize_rowwise_dual(x: torch.Tensor, fmt="e4m3"
                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``quantize_rowwise(x)`` and ``quantize_rowwise(x.t())`` with two reads of ``x``
-    instead of three: the one-pass rowwise kernel also folds each column's amax, and one
-    more pass casts the transpose. Bit-identical to the two calls.
+    """``quantize_rowwise(x)`` and ``quantize_rowwise(x.t())``: the two layouts a Linear's
+    rowwise kernels need of one tensor: of its input ``x`` (M, K), the forward's ``a``
+    (rowwise over K) and the weight gradient's ``b`` (``xᵀ`` rowwise over M); of the output
+    gradient ``dy`` (M, N), the input gradient's ``a`` and the weight gradient's ``a``
+    (``dyᵀ``); of the weight, the forward's and the input gradient's ``b``.
 
-    The two layouts a Linear's rowwise kernels need of one tensor: of its input ``x``
-    (M, K), the forward's ``a`` (rowwise over K) and the weight gradient's ``b``
-    (``xᵀ`` rowwise over M); of the output gradient ``dy`` (M, N), the input gradient's
-    ``a`` and the weight gradient's ``a`` (``dyᵀ``).
+    Two calls, three reads of ``x``. A kernel that also folded each column's amax into
+    the one-pass rowwise read (two reads) ran at 0.25-0.48 of a copy's rate on an H100, and
+    the two calls at 0.68-0.80, at every Wukong shape timed
+    (``bench/bench_quantizers.py``), so it was removed.
 
     Args:
-        x: (R, C) float, rows contiguous (else, or for rows over :data:`MAX_ROW`, the two
-            calls are made as they are).
+        x: (R, C) float, any strides.
         fmt: 'e4m3' or 'e5m2'.
 
     Returns:
         q (R, C) row-major FP8, scale (R, 1), qt (C, R) row-major FP8, scale_t (C, 1).
     """
-    check_float_input(x)
-    r, c = x.shape
-    if x.stride(1) != 1 or c > MAX_ROW or r == 0 or c == 0:
-        q, s = quantize_rowwise(x, fmt)
-        qt, st = quantize_rowwise(x.t(), fmt)
-        return q, s, qt, st
-    meta = fp8_meta(fmt)
-    q = _empty_out(r, c, fmt, "row", x.device)
-    scale = torch.empty((r, 1), dtype=torch.float32, device=x.device)
-    colmax = torch.zeros((1, c), dtype=torch.int32, device=x.device)
-    grid = lambda meta_: (triton.cdiv(r, meta_["BLOCK_R"]),)  # noqa: E731
-    launch(rowwise_dual_kernel)[grid](x, q, scale, colmax, r, c, x.stride(0), x.stride(1),
-                                      BLOCK_C=next_pow2(c), **meta)
-    xt = x.t()
-    qt = _empty_out(c, r, fmt, "row", x.device)
-    scale_t = torch.empty((c, 1), dtype=torch.float32, device=x.device)
-    nsplit, span = split_plan(c, r, transposed=True)
-    grid = lambda meta_: (triton.cdiv(c, meta_["BLOCK_R"]), nsplit)  # noqa: E731
-    # stage 2 of the two-stage path, its partials the one row of column amaxes
-    launch(rowwise_cast_split_kernel)[grid](xt, qt, scale_t, colmax.view(torch.float32), c, r,
-                                            xt.stride(0), xt.stride(1), span, 1, **meta)
+    q, scale = quantize_rowwise(x, fmt)
+    qt, scale_t = quantize_rowwise(x.t(), fmt)
     return q, scale, qt, scale_t
 
 

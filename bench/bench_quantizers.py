@@ -1,0 +1,130 @@
+"""LoKA's standalone Triton quantizers against a copy of the same tensor, at Wukong's shapes.
+
+A quantizer reads a bf16 tensor and writes FP8 (plus scales): at best it runs at the rate
+of a copy. Per shape, timed with CUDA graphs and the L2 cache flushed before every call
+(``loka.timing.time_fn(flush_l2=True)``: in a step the operand was written by another
+kernel long before, and a weight of 8192 x 2048 fits in the L2 of an H100):
+
+* ``copy``: ``x.clone()`` (reads 2 bytes and writes 2 per element): the reference rate;
+* ``rowwise``: :func:`~loka.kernels.triton.quantize.quantize_rowwise` of x (one pass);
+* ``rowwise_t``: the same of ``x.t()`` (a transposed view, the weight gradient's layout:
+  two stages, so x is read twice);
+* ``dual``: :func:`~loka.kernels.triton.quantize.quantize_rowwise_dual` (both layouts);
+* ``tensorwise``: :func:`~loka.kernels.triton.quantize.quantize_tensorwise` (two passes).
+
+``dual`` is first checked bit for bit against the two rowwise calls. Each row gives the
+median time, the bytes it must move at least (one read of 2 bytes and one write of 1 per
+element and layout; scales ignored) and that rate as a fraction of the copy's.
+
+    PYTHONPATH=. python bench/bench_quantizers.py [--shapes 8192x2048,4096x8192] [--out q.json]
+
+Without a GPU it runs under Triton's interpreter (``TRITON_INTERPRET=1``) at the given
+(small) shapes, for its tests; the times are then CPU wall clock and mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+DEFAULT_SHAPES = "8192x2048,2048x2048,4096x2048,4096x8192,2048x16384"
+"""the Wukong `paper` operands: fm.mlp.3's and fm.mlp.0's weights, the FM MLP's input and
+fm.mlp.3's output gradient at batch 4096, the top MLP's first weight"""
+
+
+def parse_shapes(text: str) -> List[Tuple[int, int]]:
+    """'RxC,RxC' -> [(R, C), ...]; one-line ValueError on anything else."""
+    shapes = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            r, c = (int(v) for v in part.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"--shapes: {part!r} is not RxC (e.g. 4096x2048)") from None
+        if r < 1 or c < 1:
+            raise ValueError(f"--shapes: {part!r} needs positive sizes")
+        shapes.append((r, c))
+    if not shapes:
+        raise ValueError("--shapes: no shape given")
+    return shapes
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8),
+                                              b.contiguous().view(torch.uint8))
+
+
+def run(shapes: List[Tuple[int, int]], device: str, iters: int = 50) -> Dict[str, object]:
+    """Time every row at every shape; returns the JSON document's ``cases``."""
+    from loka.kernels.triton import quantize as Q
+    from loka.timing import time_fn
+
+    cases = []
+    for r, c in shapes:
+        gen = torch.Generator(device="cpu").manual_seed(r * 31 + c)
+        x = (torch.randn(r, c, generator=gen) * 3).to(torch.bfloat16).to(device)
+        n = r * c
+        rows: Dict[str, Dict[str, object]] = {}
+
+        def timed(name: str, fn: Callable[[], object], nbytes: int) -> None:
+            t = time_fn(fn, device, warmup=3, iters=iters, flush_l2=device != "cpu")
+            rows[name] = {"us": t.median_us, "method": t.method, "mbytes": nbytes / 1e6,
+                          "gb_per_s": nbytes / t.median_us / 1e3}
+
+        timed("copy", x.clone, 4 * n)
+        timed("rowwise", lambda: Q.quantize_rowwise(x), 3 * n)
+        timed("rowwise_t", lambda: Q.quantize_rowwise(x.t()), 3 * n)
+        timed("dual", lambda: Q.quantize_rowwise_dual(x), 6 * n)
+        timed("tensorwise", lambda: Q.quantize_tensorwise(x), 3 * n)
+        q, s = Q.quantize_rowwise(x)
+        qt, st = Q.quantize_rowwise(x.t())
+        d = Q.quantize_rowwise_dual(x)
+        rows["dual"]["bit_exact"] = bool(_same(d[0], q) and _same(d[2], qt)
+                                         and torch.equal(d[1], s) and torch.equal(d[3], st))
+        copy_rate = rows["copy"]["gb_per_s"]
+        for row in rows.values():
+            row["of_copy_rate"] = row["gb_per_s"] / copy_rate
+        cases.append({"shape": [r, c], "rows": rows})
+        print(f"{r}x{c}: " + ", ".join(f"{k} {v['us']:.1f} us ({v['of_copy_rate']:.2f})"
+                                       for k, v in rows.items()), flush=True)
+    return {"cases": cases}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma list of RxC (bf16 inputs)")
+    p.add_argument("--iters", type=int, default=50, help="timed graph replays per row")
+    p.add_argument("--out", default=None, help="JSON path")
+    args = p.parse_args(argv)
+    try:
+        shapes = parse_shapes(args.shapes)
+    except ValueError as e:
+        p.error(str(e))
+    if args.iters < 1:
+        p.error("--iters must be >= 1")
+    gpu = torch.cuda.is_available()
+    if not gpu:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    device = "cuda" if gpu else "cpu"
+    doc = {"schema": "loka.bench.quantizers", "version": 1,
+           "command": " ".join(["bench/bench_quantizers.py"] + (argv if argv is not None
+                                                                 else sys.argv[1:])),
+           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+           "torch": torch.__version__, "python": platform.python_version(),
+           "device_name": torch.cuda.get_device_name() if gpu else "cpu (Triton interpreter)",
+           **run(shapes, device, args.iters)}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
