@@ -480,3 +480,33 @@ def test_the_code_inventory_of_a_row_is_a_diagnostic_that_never_fails_the_row():
     assert code_launches(["not wrapper code"]) is None
     assert kernel_rates({"k": 1.0}, None) is None
     assert kernel_rates({"k": 1.0}, ["not a launch"]) is None
+
+
+# ------------------------------------------------------------------ bench/ab_steps.py
+
+def test_ab_steps_alternates_the_two_compiled_steps(probed, tmp_path):
+    """bf16 (A) and the plan (B) timed in rounds A B, B A, ...; the ratios and each
+    variant's own spread from the round medians; the host's time of each (CPU: the times
+    mean nothing, the plan is made with assume_fast)."""
+    sys.path.insert(0, str(BENCH))
+    import ab_steps
+
+    assert ab_steps.round_order(3) == ["A", "B", "B", "A", "A", "B"]
+    s = ab_steps.summarize({"A": [2.0, 4.0], "B": [1.0, 4.0]})
+    assert s["ratio_a_over_b"] == pytest.approx(1.5) and s["a_spread"] == 2.0
+    assert (s["ratio_min"], s["ratio_max"], s["b_spread"]) == (1.0, 2.0, 4.0)
+    report = tmp_path / "r.json"
+    probed["dlrm"][2].save(report)
+    out = tmp_path / "ab.json"
+    args = ["--model", "dlrm", "--scale", "tiny", "--batch-size", "64", "--mode", "serve",
+            "--report", str(report), "--assume-fast", "--rounds", "2", "--steps", "2",
+            "--warmup", "1", "--device", "cpu", "--out", str(out)]
+    assert ab_steps.main(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["order"] == ["A", "B", "B", "A"] and doc["fp8_site_roles"] > 0
+    assert len(doc["round_ms"]["A"]) == len(doc["round_ms"]["B"]) == 2
+    assert doc["ratio_a_over_b"] > 0 and doc["a_ms"] > 0 and "gpu_ms" not in doc
+    assert set(doc["host"]) == {"A", "B"} and doc["host"]["B"]["host_us_per_step"] > 0
+    with pytest.raises(SystemExit) as e:
+        ab_steps.main(args[:1] + ["nope"] + args[2:])
+    assert e.value.code == 2

@@ -1,0 +1,139 @@
+"""Two compiled steps of one evaluation-set model timed in alternation: bf16 against LoKA's plan.
+
+Steps whose wall time is mostly host time (the evaluation-set DCNv2 and DLRM at batch 4096:
+about 3x their GPU time without CUDA graphs) move by a third from one run of the same rows
+to the next (bench/results/2026-12-05-h100-evalset-more/NOTE.md). Timing one variant's
+steps, then the other's, mixes that drift into the ratio. Here both compiled models stay
+alive and are timed in rounds, in the order A B B A A B ..., so that each variant sees the
+same conditions; each round's median of ``--steps`` synchronized steps is kept, and the
+spread of A's own rounds says how large a difference must be to be more than noise.
+
+    PYTHONPATH=. python bench/ab_steps.py --model dlrm --mode serve \
+        --report runs_carry/eval_set.dlrm.b4096.report.json --out ab.json [--graphs]
+
+A is the model as written (bf16 on a GPU); B is ``loka.apply(model, loka.plan(report))``
+(``inference=True`` for ``--mode serve``). After the rounds, each variant's host time per
+step (:func:`loka.bench.evalset.profile_host`) and, on a GPU, its GPU time
+(:func:`loka.bench.evalset.profile_gpu`). On the CPU it runs the same way (float32, its
+times mean nothing; the tests use it so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import loka  # noqa: E402
+from loka.bench.evalset import load_eval_set, make_step, profile_gpu, profile_host  # noqa: E402
+from loka.timing import synchronize  # noqa: E402
+
+
+def round_order(rounds: int) -> List[str]:
+    """A B, B A, A B, ...: each variant goes first in half the rounds."""
+    return [v for r in range(rounds) for v in (("A", "B") if r % 2 == 0 else ("B", "A"))]
+
+
+def time_round(step: Callable[[], object], device: torch.device, steps: int) -> float:
+    """Median wall time (ms) of ``steps`` synchronized steps."""
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def summarize(medians: Dict[str, List[float]]) -> dict:
+    """Per-round ratios A/B, their median and range, and A's and B's own spread (max over
+    min of their round medians)."""
+    ratios = [a / b for a, b in zip(medians["A"], medians["B"])]
+    return {"ratio_a_over_b": statistics.median(ratios),
+            "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "a_spread": max(medians["A"]) / min(medians["A"]),
+            "b_spread": max(medians["B"]) / min(medians["B"]),
+            "a_ms": statistics.median(medians["A"]), "b_ms": statistics.median(medians["B"])}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--eval-set", default=str(ROOT / "bench" / "evalset"))
+    p.add_argument("--model", required=True)
+    p.add_argument("--scale", default="paper", choices=("paper", "tiny"))
+    p.add_argument("--batch-size", type=int, default=4096)
+    p.add_argument("--mode", default="train", choices=("train", "serve"))
+    p.add_argument("--report", required=True, help="the model's Probe report (JSON)")
+    p.add_argument("--graphs", action="store_true", help="compile with CUDA graphs")
+    p.add_argument("--assume-fast", action="store_true",
+                   help="plan as loka.plan(..., assume_fast=True) (a report without GPU timings)")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--steps", type=int, default=30, help="timed steps per round")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    if args.rounds < 2 or args.steps < 1 or args.warmup < 1 or args.batch_size < 1:
+        p.error("--rounds must be >= 2, --steps, --warmup and --batch-size >= 1")
+    try:
+        es = load_eval_set(args.eval_set)
+        if args.model not in es.EVAL_MODELS:
+            raise ValueError(f"unknown model {args.model!r}; choose from {list(es.EVAL_MODELS)}")
+        report = loka.ProbeReport.load(args.report)
+    except (ValueError, OSError) as e:
+        p.error(str(e).splitlines()[0])
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    base = es.EVAL_MODELS[args.model](args.scale).to(device=device, dtype=dtype)
+    batch = base.make_batch(args.batch_size, device, dtype, seed=0)
+    serve = args.mode == "serve"
+    plan = loka.plan(report, inference=serve, device=device, assume_fast=args.assume_fast)
+    models = {"A": copy.deepcopy(base), "B": copy.deepcopy(base)}
+    loka.apply(models["B"], plan, inference=serve)
+    mode = "reduce-overhead" if args.graphs else None
+    steps = {}
+    for name, m in models.items():
+        m.train(not serve)
+        steps[name] = make_step(torch.compile(m, mode=mode), m, args.mode, batch, args.graphs,
+                                device, es.loss_fn)
+        for _ in range(args.warmup):
+            steps[name]()
+        synchronize(device)
+    medians: Dict[str, List[float]] = {"A": [], "B": []}
+    for v in round_order(args.rounds):
+        medians[v].append(time_round(steps[v], device, args.steps))
+    doc = {"schema": "loka.bench.ab_steps", "version": 1,
+           "command": " ".join(["bench/ab_steps.py"] + (argv if argv is not None else sys.argv[1:])),
+           "torch": torch.__version__,
+           "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "model": args.model, "scale": args.scale, "batch_size": args.batch_size,
+           "mode": args.mode, "graphs": args.graphs,
+           "fp8_site_roles": sum(c.kernel != plan.baseline for sp in plan.sites.values()
+                                 for c in sp.roles.values()),
+           "order": round_order(args.rounds), "round_ms": medians, **summarize(medians),
+           "host": {v: profile_host(steps[v], device, 3) for v in ("A", "B")}}
+    if device.type == "cuda":
+        doc["gpu_ms"] = {v: profile_gpu(steps[v], 3)["gpu_ms_per_step"] for v in ("A", "B")}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"{args.model} {args.mode} graphs={args.graphs}: A {doc['a_ms']:.3f} ms, B "
+          f"{doc['b_ms']:.3f} ms, A/B {doc['ratio_a_over_b']:.3f} "
+          f"[{doc['ratio_min']:.3f}, {doc['ratio_max']:.3f}], A's own spread "
+          f"{doc['a_spread']:.3f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
