@@ -115,7 +115,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     for v in round_order(args.rounds):
         medians[v].append(time_round(steps[v], device, args.steps))
     doc = {"schema": "loka.bench.ab_steps", "version": 1,
-           "command": " ".join(["bench/ab_steps.py"] + (argv if argv is not None else sys.argv[1:])),
+           "command": " ".join(["bench/ab_steps.py"]
+                               + (argv if argv is not None else sys.argv[1:])),
            "torch": torch.__version__,
            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "model": args.model, "scale": args.scale, "batch_size": args.batch_size,

@@ -6,7 +6,7 @@ dense embedding gradients, tables capped in rows; batch 4096, bf16) or, with
 AdamW) is timed as a whole, without and with a Probe attached (statistics every
 ``--every`` steps), ``--reps`` times alternating; the overhead is the ratio of the median
 totals (target: <= 1 %). One statistics step is also timed alone, and then a full
-``report()`` (every available kernel, site and role) on what the Probe learned.
+``report()`` (the Probe's default kernels, every site and role) on what the Probe learned.
 
     python bench/bench_probe.py                      # GPU
     python bench/bench_probe.py --device cpu --small # a CPU smoke run
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     p.add_argument("--graph-updates", action=argparse.BooleanOptionalAction,
                    default=ProbeConfig.graph_updates,
                    help="ProbeConfig.graph_updates: replay statistics updates as CUDA graphs")
-    p.add_argument("--num-samples", type=int, default=64)
+    p.add_argument("--num-samples", type=int, default=16)
     p.add_argument("--sample-rows", type=int, default=None)
     p.add_argument("--no-report", action="store_true", help="skip timing probe.report()")
     p.add_argument("--out", default=None)

@@ -391,6 +391,21 @@ def test_the_probes_pruning_switches_reach_its_config():
     assert default.autotune_from is None and cfg.autotune_from == "old.json"
 
 
+def test_the_probes_kernel_set_reaches_its_config():
+    """--kernels: a list as given; 'all' every available kernel (on a GPU too); none: the
+    default set on a GPU, every kernel on the CPU; --naive turns the N(0, 1) comparison on."""
+    parse = cli.build_parser().parse_args
+    default = cli_args.probe_config(parse(["probe", "wukong"]))
+    assert default.kernels is None and default.all_kernels is False
+    assert default.compare_naive is False and default.num_samples == 16
+    every = cli_args.probe_config(parse(["probe", "wukong", "--kernels", "all", "--naive"]))
+    assert every.kernels is None and every.all_kernels is True and every.compare_naive is True
+    some = cli_args.probe_config(parse(["probe", "wukong", "--kernels", "bf16, cublas-rowwise"]))
+    assert some.kernels == ("bf16", "cublas-rowwise") and some.all_kernels is False
+    assert cli_args.probe_kernels("all") == (None, True)
+    assert cli_args.probe_kernels(None) == (None, False)
+
+
 @pytest.fixture(scope="module")
 def workflow(tmp_path_factory):
     """probe -> plan on Wukong tiny with the cheapest settings, through the CLI."""

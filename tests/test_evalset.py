@@ -510,3 +510,25 @@ def test_ab_steps_alternates_the_two_compiled_steps(probed, tmp_path):
     with pytest.raises(SystemExit) as e:
         ab_steps.main(args[:1] + ["nope"] + args[2:])
     assert e.value.code == 2
+
+
+def test_guard_cost_counts_and_times_the_guards_a_plan_adds(probed, tmp_path):
+    """bench/guard_cost.py: the compiled frame's guards, as written and with a serving plan
+    applied; the plan's traced path adds guards (its kernels, the loka modules read)."""
+    sys.path.insert(0, str(BENCH))
+    import guard_cost
+
+    plan = loka.plan(probed["dlrm"][2], inference=True, assume_fast=True)
+    assert sum(c.kernel != plan.baseline for sp in plan.sites.values() for c in sp.roles.values())
+    plan_path, out = tmp_path / "p.json", tmp_path / "g.json"
+    plan.save(plan_path)
+    args = ["--model", "dlrm", "--scale", "tiny", "--plan", str(plan_path), "--repeats", "2",
+            "--out", str(out)]
+    assert guard_cost.main(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"as written", "plan"} and rows["plan"]["fp8_site_roles"] > 0
+    assert rows["plan"]["guard_lines"] > rows["as written"]["guard_lines"] > 0
+    assert all(r["check_us"] > 0 for r in rows.values())
+    with pytest.raises(SystemExit) as e:
+        guard_cost.main(args[:1] + ["nope"] + args[2:])
+    assert e.value.code == 2

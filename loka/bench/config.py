@@ -44,7 +44,8 @@ class BenchConfig:
     probe_steps: int = 3
     probe_samples: int = 16
     probe_kernels: Optional[Tuple[str, ...]] = PROBE_KERNELS
-    """kernels the LoKA variants' Probe measures (None: every available kernel; the
+    """kernels the LoKA variants' Probe measures (None: every available kernel, on a GPU too
+    (``ProbeConfig.all_kernels``); the
     default is a shortlist of one kernel per library and scaling, which keeps the Probe
     short on the paper preset)"""
     plan: Optional[str] = None

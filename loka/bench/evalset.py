@@ -532,7 +532,11 @@ def run_row(case: Case, variant: str, mode: str, graphs: bool, args, device) -> 
                    samples_per_s=case.batch_size / (timing["step_ms"] / 1e3))
         if mode == "train":
             row["loss_first_step"] = timing["first_value"]
-        row.update(profile_host(step, device, args.profile_steps))
+        try:  # a diagnostic: it never fails the row
+            row.update(profile_host(step, device, args.profile_steps))
+        except Exception as e:  # noqa: BLE001
+            row.update(host_us_per_step=None, host_top_us=None,
+                       host_profile_error=f"{type(e).__name__}: {e}"[:300])
         if device.type == "cuda":
             prof = profile_gpu(step, args.profile_steps)
             row.update(gpu_ms=prof["gpu_ms_per_step"], profile_ms=prof["by_class_ms"],

@@ -79,7 +79,8 @@ def probe_and_plan(model: nn.Module, batch: Batch, cfg: BenchConfig, device: tor
     if cfg.probe_kernels is not None:
         kernels = tuple(k.name for k in registry.available(device, names=cfg.probe_kernels))
     pcfg = ProbeConfig(every_n_steps=1, num_samples=cfg.probe_samples, bootstrap=200,
-                       seed=cfg.seed, kernels=kernels, compare_naive=False)
+                       seed=cfg.seed, kernels=kernels, all_kernels=kernels is None,
+                       compare_naive=False)
     t0 = time.perf_counter()
     report = run_probe(model, [batch] * cfg.probe_steps, loss_fn, config=pcfg, optimizer=opt)
     log["probe_s"] = time.perf_counter() - t0

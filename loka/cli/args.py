@@ -202,10 +202,18 @@ def parse_kernels(text: Optional[str]) -> Optional[Tuple[str, ...]]:
     return kernels
 
 
+def probe_kernels(text: Optional[str]) -> Tuple[Optional[Tuple[str, ...]], bool]:
+    """The Probe's ``--kernels``: ``(kernels, all_kernels)``; ``all`` measures every available
+    kernel, on a GPU too (``ProbeConfig.all_kernels``); a list as :func:`parse_kernels`."""
+    if text is not None and text.strip() == "all":
+        return None, True
+    return parse_kernels(text), False
+
+
 def probe_config(args) -> ProbeConfig:
     """The ``loka probe`` options as a ProbeConfig (kernels, roles and the module filter
     checked)."""
-    kernels = parse_kernels(args.kernels)
+    kernels, all_kernels = probe_kernels(args.kernels)
     roles = ROLES
     if args.roles:
         try:
@@ -221,7 +229,8 @@ def probe_config(args) -> ProbeConfig:
         return ProbeConfig(
             every_n_steps=args.every_n_steps, num_samples=args.num_samples,
             sample_rows=args.sample_rows, source=args.source, compare_naive=args.naive,
-            kernels=kernels, roles=roles, max_error=args.max_error, min_speedup=args.min_speedup,
+            kernels=kernels, all_kernels=all_kernels, roles=roles, max_error=args.max_error,
+            min_speedup=args.min_speedup,
             bootstrap=args.bootstrap, timing=not args.no_timing, seed=args.seed,
             module_filter=args.module_filter, time_unsafe=getattr(args, "time_unsafe", False),
             roofline_prune=not getattr(args, "no_roofline", False),

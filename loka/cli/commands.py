@@ -44,7 +44,7 @@ from ..train import (CHECKPOINT_NAME, CheckpointError, EmptyEvaluationError, Pla
                      checkpoint_plan, evaluate, loss_fn, make_optimizers, train)
 from .args import (EXIT_FAILURE, EXIT_OK, EXIT_USAGE, CliError, demo_config, kernel_hint,
                    parse_budgets, parse_kernels, parse_mods, parse_pairs, probe_config,
-                   resolve_device, unknown_kernels, usage)
+                   probe_kernels, resolve_device, unknown_kernels, usage)
 from .files import (DAMAGED_HINT, check_plan_kernels, load_any, load_checkpoint, load_curves,
                     load_plan, load_report, load_weights, read_checkpoint_file)
 
@@ -494,10 +494,11 @@ def delayed_option(args) -> Optional[float]:
 def cmd_optimize(args) -> int:
     delayed_option(args)  # refuse bad combinations before any work
     device = resolve_device(args)
-    kernels = parse_kernels(args.kernels)
+    kernels, all_kernels = probe_kernels(args.kernels)
     model, desc, mods, batch_size, stream = _model_and_stream(args, device)
     batches = [b for _, b in zip(range(args.steps), device_batches(stream, device))]
-    config = ProbeConfig(num_samples=args.num_samples, kernels=kernels, seed=args.seed,
+    config = ProbeConfig(num_samples=args.num_samples, kernels=kernels,
+                         all_kernels=all_kernels, seed=args.seed,
                          every_n_steps=1, max_error=args.max_error, min_speedup=args.min_speedup)
     print(f"optimizing {desc} for {'serving' if args.inference else 'training'} on {device}")
 

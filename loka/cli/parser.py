@@ -313,8 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows per synthetic sample (default: the site's, up to 4096)")
     p.add_argument("--source", choices=("learned", "captured"), default="learned",
                    help="operands drawn from learned statistics, or real captured tensors")
-    p.add_argument("--kernels", default=None, help="comma list of kernels (default: on a GPU the "
-                   "default set, loka.kernels.registry.PROBE_DEFAULT; on the CPU all available)")
+    p.add_argument("--kernels", default=None,
+                   help="comma list of kernels, or 'all' (default: on a GPU the default set, "
+                        "loka.kernels.registry.PROBE_DEFAULT; on the CPU all available)")
     p.add_argument("--roles", default=None, help="comma list of fwd,dgrad,wgrad (default: all)")
     p.add_argument("--module-filter", default=None,
                    help="regular expression on Linear names to probe")
@@ -385,8 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start from these weights (a loka train checkpoint.pt)")
     p.add_argument("--num-samples", type=positive(int, "--num-samples", 2), default=16,
                    help="synthetic operand pairs per site and role")
-    p.add_argument("--kernels", default=None, help="comma list of kernels (default: on a GPU the "
-                   "default set, loka.kernels.registry.PROBE_DEFAULT; on the CPU all available)")
+    p.add_argument("--kernels", default=None,
+                   help="comma list of kernels, or 'all' (default: on a GPU the default set, "
+                        "loka.kernels.registry.PROBE_DEFAULT; on the CPU all available)")
     p.add_argument("--max-error", type=budget, default=0.2,
                    help="budget on the error's upper 95%% bound")
     p.add_argument("--min-speedup", type=speedup, default=1.05,

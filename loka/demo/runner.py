@@ -87,6 +87,7 @@ def run(cfg: DemoConfig = DemoConfig(), device="cpu",
     # statistics cost stays a small share of the demo
     pcfg = ProbeConfig(every_n_steps=max(1, cfg.probe_steps // 10), max_rows_per_update=1024,
                        num_samples=cfg.num_samples, naive_samples=cfg.num_samples,
+                       compare_naive=True,
                        sample_rows=cfg.sample_rows, bootstrap=cfg.bootstrap,
                        kernels=_kernels(cfg, device),
                        max_error=cfg.max_error, min_speedup=cfg.min_speedup, seed=cfg.seed,

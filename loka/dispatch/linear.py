@@ -21,10 +21,11 @@ without the producer (a rowwise ``q`` has its scales along the other axis of the
 gradient's operand: dequantized and quantized again, it would be rounded twice), and the
 gradients are those of ``linear(x)``.
 
-Rowwise kernels with a two-layout quantizer (``Kernel.quantize_dual``: LoKA's Triton rowwise
-kernels) make the two layouts each tensor needs in one call, with the same bits: x (the forward's a, the weight gradient's xᵀ, kept in FP8 for
-the backward instead of x), W (the forward's and the input gradient's b) and dy (both
-gradients' a; no transposed copy of dy).
+Rowwise kernels with a two-layout quantizer (``Kernel.quantize_dual``: LoKA's Triton
+rowwise kernels) make the two layouts each tensor needs in one call, with the same bits:
+x (the forward's a, the weight gradient's xᵀ, kept in FP8 for the backward instead of x),
+W (the forward's and the input gradient's b) and dy (both gradients' a; no transposed copy
+of dy).
 
 Graph-safety: the hot path has no host synchronization and no branch on tensor values
 (branches are on shapes and on the config, fixed between calls), so ``torch.compile(...,
@@ -110,7 +111,7 @@ def _shares(producer: Kernel, p_operand: int, consumer: Kernel, c_operand: int) 
 
 
 def _dual(first: Kernel, f_operand: int, second: Kernel, s_operand: int, rows: int):
-    """The fused quantizer of ``first`` when one call of it can make operand ``f_operand``
+    """The two-layout quantizer of ``first`` when one call of it can make operand ``f_operand``
     of ``first`` from a tensor t and operand ``s_operand`` of ``second`` from tᵀ (both
     rowwise, one library, one format; ``second`` needs no zero rows appended to t's
     ``rows``): the forward's x and the weight gradient's xᵀ, the input gradient's dy and
@@ -118,7 +119,7 @@ def _dual(first: Kernel, f_operand: int, second: Kernel, s_operand: int, rows: i
     the two need separate quantizations."""
     if (first.quantize_dual is None or second.quantize_dual is None
             or first.library != second.library or rows % second.align
-            # the fused quantizer makes its kernel's a format
+            # the two-layout quantizer makes its kernel's a format
             or not first.formats[0] == first.formats[f_operand] == second.formats[s_operand]):
         return None
     return first.quantize_dual
@@ -250,7 +251,7 @@ class _LinearFunction(torch.autograd.Function):
                 # N is the input gradient's b (W, reduced over N)
                 w_rows, w_cols = dual_w(weight)
                 b, ctx.w_b = _as_b(w_rows), _as_b(w_cols)
-            if share_w or share_x:  # tensorwise: never with the rowwise fused quantizer
+            if share_w or share_x:  # tensorwise: never with the rowwise two-layout quantizer
                 # tensorwise: one scale per tensor whatever the GEMM, so the FP8 copies of x
                 # and W made here serve the gradient GEMMs too (no requantization)
                 a = a if isinstance(a, QTensor) else kf.quantize_a(a)

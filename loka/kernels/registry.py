@@ -99,9 +99,9 @@ class Kernel:
     quantize_b: Optional[Callable[[torch.Tensor], QTensor]] = None
     """quantizes a b operand the way ``fn`` would (weights quantized once)"""
     quantize_dual: Optional[Callable[[torch.Tensor], Tuple[QTensor, QTensor]]] = None
-    """rowwise kernels with a fused quantizer: ``t (R, C) -> (quantize_a(t),
-    quantize_a(tᵀ))`` from fewer reads of ``t`` than the two calls (the layouts a Linear's
-    kernels need of its input and of its output gradient); None: make the two calls"""
+    """rowwise kernels with a two-layout quantizer: ``t (R, C) -> (quantize_a(t),
+    quantize_a(tᵀ))`` in one call, the same bits as the two (the layouts a Linear's kernels
+    need of its input and of its output gradient); None: make the two calls"""
     emulates: Optional[str] = None
     """for an emulated kernel: the name of the real kernel whose numerics it reproduces"""
     fast_accum: bool = False

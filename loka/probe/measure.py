@@ -1,13 +1,14 @@
-"""What the Probe does after training: measure every available kernel at every observed
-site and role on operands drawn from the learned statistics, and assemble the
+"""What the Probe does after training: measure the kernels (:func:`kernel_names`: on a GPU
+the default set, on the CPU every available kernel) at every observed site and role on
+operands drawn from the learned statistics, and assemble the
 :class:`~loka.probe.report.ProbeReport` (:func:`measure_report`).
 
 Per site and role: ``num_samples`` synthetic operand pairs (:mod:`loka.probe.sampler`) of
-``sample_rows`` rows, each run through every available kernel and compared with one
+``sample_rows`` rows, each run through every measured kernel and compared with one
 reference per sample (float64 on the CPU, float32 with TF32 off on GPUs); MERE, SQNR and
-relative Frobenius error get bootstrap 95% CIs. The same with N(0, 1) operands gives
-``naive_mere``. Times are taken at the site's real row count M with CUDA graphs
-(:mod:`loka.timing`), once per distinct (role, shape, dtype, kernel), against the
+relative Frobenius error get bootstrap 95% CIs. With ``compare_naive`` the same with
+N(0, 1) operands gives ``naive_mere``. Times are taken at the site's real row count M with
+CUDA graphs (:mod:`loka.timing`), once per distinct (role, shape, dtype, kernel), against the
 :data:`~loka.config.BASELINE` kernel (the GEMM in the site's own dtype). Forward kernels
 are timed twice: with both operands quantized per call (training, where the weight
 changes every step) and with the weight quantized beforehand (inference,
@@ -466,7 +467,7 @@ class _Measurement:
                 errors = run_samples(sampler.pairs(cfg.num_samples, m_err), kernels, dtype)
         except ValueError as e:  # too little data to build the sampler
             return Failure.of(e)
-        with self.phase("naive", dev):  # phases are entered (and reported) even when off
+        with self.phase("naive", dev), _untuned(kernels):  # entered (and reported) when off
             naive = self.naive(site, role, dev, dtype, kernels, m_err) if cfg.compare_naive else {}
         with self.phase("timing", dev):
             baseline = self.timer.time(BASELINE, role, shape, dev, dtype) if cfg.timing else None
@@ -657,7 +658,7 @@ def measure_report(sites: Mapping[str, SiteStats], modules: Mapping[str, nn.Line
             "baseline": BASELINE, "unobserved_sites": unobserved,
             "report_s": time.perf_counter() - start, "phases_s": dict(run.phases),
             "not_timed": dict(run.not_timed), "autotuned": _autotune_choices(),
-            "spent": {k: round(v - spent[k], 3) for k, v in _spent().items()}}
+            "spent": {k: round(max(v - spent[k], 0.0), 3) for k, v in _spent().items()}}
     if seeded is not None:
         meta["autotune_seeded"] = seeded
     return ProbeReport(sites=reports, device=str(used), device_name=_device_name(used),

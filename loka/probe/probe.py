@@ -84,7 +84,9 @@ class Probe:
 
     # -- afterwards (loka.probe.measure) -------------------------------------------------
     def report(self, device: "torch.device | str | None" = None) -> ProbeReport:
-        """Measure every available kernel at every observed site and role.
+        """Measure the kernels (``ProbeConfig.kernels``; by default on a GPU
+        :data:`~loka.kernels.registry.PROBE_DEFAULT`, on the CPU every available kernel) at
+        every observed site and role.
 
         Args:
             device: where to measure (default: each site's weight device).

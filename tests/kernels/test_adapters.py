@@ -229,8 +229,8 @@ def test_prequantized_operands_are_used_as_is_and_checked():
                                     "triton-rowwise-e5m2")])
 def test_a_linear_quantizes_x_and_dy_once_for_both_layouts(names, monkeypatch):
     """Rowwise kernels need x and xᵀ (forward, weight gradient), W and Wᵀ (forward, input
-    gradient) and dy and dyᵀ (input and weight gradients): the fused quantizer makes each
-    pair from two reads, with the same bits as two separate quantizations, so the step is
+    gradient) and dy and dyᵀ (input and weight gradients): the two-layout quantizer makes each
+    pair in one call, with the same bits as two separate quantizations, so the step is
     bit-identical."""
     kernels_run_here()
     import loka

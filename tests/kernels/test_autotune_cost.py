@@ -21,23 +21,20 @@ def fake_gpu(monkeypatch):
     return calls
 
 
-def test_a_shape_with_several_configs_is_benchmarked_briefly_and_counted(fake_gpu):
+def test_a_shape_with_several_configs_is_benchmarked_briefly_and_counted(fake_gpu, monkeypatch):
     configs, seconds = common.tuning_spent()
-    common._PRUNED.kept = 3
+    monkeypatch.setattr(common._PRUNED, "kept", 3, raising=False)
     assert common._bench(lambda: None) == 0.5
     assert fake_gpu == [(1, 5)]
     after = common.tuning_spent()
     assert after[0] == configs + 1 and after[1] >= seconds
 
 
-def test_a_shape_with_one_config_left_is_not_benchmarked(fake_gpu):
+def test_a_shape_with_one_config_left_is_not_benchmarked(fake_gpu, monkeypatch):
     configs = common.tuning_spent()[0]
-    common._PRUNED.kept = 1
-    try:
-        assert common._bench(lambda: None) == 0.0
-        assert common._bench(lambda: None, quantiles=[0.5, 0.2, 0.8]) == [0.0, 0.0, 0.0]
-    finally:
-        common._PRUNED.kept = 2
+    monkeypatch.setattr(common._PRUNED, "kept", 1, raising=False)
+    assert common._bench(lambda: None) == 0.0
+    assert common._bench(lambda: None, quantiles=[0.5, 0.2, 0.8]) == [0.0, 0.0, 0.0]
     assert fake_gpu == [] and common.tuning_spent()[0] == configs
 
 
@@ -51,10 +48,9 @@ def test_the_pruning_records_how_many_configs_are_left(monkeypatch):
     monkeypatch.delenv("LOKA_TRITON_AUTOTUNE", raising=False)
     prune = Q.rowwise_quant_kernel.early_config_prune
     args = {"R": 4096, "C": 2048}
-    common._PRUNED.kept = 0
+    monkeypatch.setattr(common._PRUNED, "kept", 0, raising=False)
     assert len(prune(Q.rowwise_quant_kernel.configs, args, BLOCK_C=2048)) > 1
     assert common._PRUNED.kept > 1
     with autotune_limit(1):
         assert len(prune(Q.rowwise_quant_kernel.configs, args, BLOCK_C=2048)) == 1
     assert common._PRUNED.kept == 1
-    common._PRUNED.kept = 2

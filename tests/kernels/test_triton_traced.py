@@ -102,10 +102,11 @@ def test_a_planned_linear_training_step_launches_kernels_and_dispatches_no_op(na
     assert fw_kernels >= 2 and bw_kernels >= 2  # at least the quantization launches
 
 
-def test_a_rowwise_linear_reads_each_tensor_twice_for_both_of_its_layouts():
+def test_a_rowwise_linear_quantizes_each_tensor_once_per_layout():
     """x, W and dy are each quantized for both of their layouts by the two-layout quantizer
-    (one fused pass and one cast of the transpose), and dy needs no transposed copy: the
-    forward launches two pairs and the GEMM, the backward one pair and two GEMMs."""
+    (the one-pass rowwise kernel for the tensor, the two-stage amax and cast for its
+    transpose), and dy needs no transposed copy: the forward launches two such triples and
+    the GEMM, the backward one triple and two GEMMs."""
     from torch import nn
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 

@@ -329,3 +329,43 @@ def test_the_kernels_a_probe_measures_by_default():
     for name in PROBE_DEFAULT:
         twin = registry.get(name).quantizes_as
         assert twin is None or twin in PROBE_DEFAULT, name
+
+
+def test_error_samples_run_untuned_and_only_triton_kernels_need_it(monkeypatch):
+    """The error (and N(0, 1)) samples of every site-role run inside ``_untuned`` with the
+    role's kernels; it enters the autotuners' ``untuned()`` only when a Triton kernel is
+    among them."""
+    import contextlib
+
+    from loka.kernels.registry import Library
+    from loka.probe import measure
+
+    seen = []
+    real = measure._untuned
+
+    @contextlib.contextmanager
+    def recorder(kernels):
+        seen.append(tuple(k.name for k in kernels))
+        with real(kernels):
+            yield
+    monkeypatch.setattr(measure, "_untuned", recorder)
+    loka.probe(TwoSites(), two_site_batches(1), loss_fn, config=ProbeConfig(
+        **{**FAST, "kernels": ("bf16", TW), "roles": ("fwd",)}))
+    assert len(seen) == 2 * 2 and all(set(s) == {"bf16", TW} for s in seen)  # 2 sites, 2 phases
+
+    pytest.importorskip("triton")
+    from loka.kernels.triton import common
+    entered = []
+
+    @contextlib.contextmanager
+    def untuned():
+        entered.append(True)
+        yield
+    monkeypatch.setattr(common, "untuned", untuned)
+    with real([registry.get("bf16"), registry.get(TW)]):
+        pass
+    assert entered == []
+    triton = next(k for k in registry.all_kernels() if k.library is Library.TRITON)
+    with real([registry.get("bf16"), triton]):
+        pass
+    assert entered == [True]

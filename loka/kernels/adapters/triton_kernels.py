@@ -229,7 +229,7 @@ def make_quantizers(granularity: Granularity, a_format: str, b_format: str
 
 
 def make_dual_quantizer(a_format: str) -> Callable[[torch.Tensor], Tuple[QTensor, QTensor]]:
-    """``t (R, C) -> (t's rowwise a operand, tᵀ's rowwise a operand)`` by the fused
+    """``t (R, C) -> (t's rowwise a operand, tᵀ's rowwise a operand)`` by the two-layout
     quantizer (:func:`triton_quantize_dual`): the same QTensors as two ``quantize_a`` calls."""
     fa = get_format(a_format)
 

@@ -372,7 +372,8 @@ def untuned() -> Iterator[None]:
     tile that fits), and forgets the shapes it met inside on exit: for calls whose results
     matter but whose speed does not (the Probe's error samples, which every config computes
     alike), so that no config is benchmarked for them and a later timed call at the same
-    shape still tunes."""
+    shape still tunes. For one thread at a time: the autotuners' caches are shared, and
+    Triton's autotuner is not thread-safe either."""
     before = {id(t): set(t.cache) for _, t in _autotuners()}
     try:
         with autotune_limit(1):

@@ -334,8 +334,8 @@ def quantize_rowwise_dual(x: torch.Tensor, fmt="e4m3"
     (``dyᵀ``); of the weight, the forward's and the input gradient's ``b``.
 
     Two calls, three reads of ``x``. A kernel that also folded each column's amax into
-    the one-pass rowwise read (two reads) ran at 0.25-0.48 of a copy's rate on an H100, and
-    the two calls at 0.68-0.80, at every Wukong shape timed
+    the one-pass rowwise read (two reads) ran at 0.21-0.48 of a copy's rate on an H100, and
+    the two calls at 0.67-0.80, at every Wukong shape timed
     (``bench/bench_quantizers.py``), so it was removed.
 
     Args:

@@ -1,0 +1,104 @@
+"""What Dynamo checks before every call of a compiled model: its guards, with and without a plan.
+
+A compiled model's every call first runs the guards of its cached frame (the
+``TorchDynamo Cache Lookup`` event of a host profile). ``loka.apply`` adds the guards of
+the traced LoKA path: the Linear's kernels and their closures, and the globals of the loka
+modules the trace read. This compiles an evaluation-set model for serving (as written, then
+with a plan applied for inference), and reports per variant the number of guard lines
+Dynamo prints and the time of one check of the cached frame's guards (the median of
+``--repeats`` batches of 200 checks). Guards are host work, the same on any device: it runs
+on the CPU (the plan's kernels must run there: cuBLAS names without ``-fastacc``).
+
+    PYTHONPATH=. python bench/guard_cost.py --model dcnv2 --plan plan.serve.json --out g.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import loka  # noqa: E402
+from loka.bench.evalset import load_eval_set  # noqa: E402
+
+
+def measure(model: torch.nn.Module, inputs, repeats: int) -> dict:
+    """Compile ``model``, call it once, and time its cached frame's guard check."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    with torch.inference_mode():
+        compiled(*inputs)
+        entries = _debug_get_cache_entry_list(type(model).forward.__code__)
+        if len(entries) != 1:
+            raise RuntimeError(f"expected one compiled frame, found {len(entries)}")
+        guards = entries[0].guard_manager
+        names = list(inspect.signature(type(model).forward).parameters)
+        f_locals = dict(zip(names, (model,) + tuple(inputs)))
+        if not guards.check(f_locals):
+            raise RuntimeError("the compiled frame's guards fail on the inputs it was made for")
+        per_call = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            for _ in range(200):
+                guards.check(f_locals)
+            per_call.append((time.perf_counter() - t) / 200 * 1e6)
+    text = str(guards)
+    return {"guard_lines": len(text.splitlines()),
+            "lambda_guards": text.count("LAMBDA_GUARD"),
+            "check_us": statistics.median(per_call)}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--eval-set", default=str(ROOT / "bench" / "evalset"))
+    p.add_argument("--model", required=True)
+    p.add_argument("--scale", default="paper", choices=("paper", "tiny"))
+    p.add_argument("--plan", required=True, help="a serving plan for the model (JSON)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    if args.batch_size < 1 or args.repeats < 1:
+        p.error("--batch-size and --repeats must be >= 1")
+    try:
+        es = load_eval_set(args.eval_set)
+        if args.model not in es.EVAL_MODELS:
+            raise ValueError(f"unknown model {args.model!r}; choose from {list(es.EVAL_MODELS)}")
+        plan = loka.Plan.load(args.plan)
+    except (ValueError, OSError) as e:
+        p.error(str(e).splitlines()[0])
+    torch.manual_seed(0)
+    model = es.EVAL_MODELS[args.model](args.scale).eval()
+    inputs = model.make_batch(args.batch_size, "cpu", torch.float32, seed=0)[0]
+    rows = {"as written": measure(model, inputs, args.repeats)}
+    loka.apply(model, plan, inference=True)
+    rows["plan"] = measure(model, inputs, args.repeats)
+    rows["plan"]["fp8_site_roles"] = sum(c.kernel != plan.baseline for sp in plan.sites.values()
+                                         for c in sp.roles.values())
+    doc = {"schema": "loka.bench.guard_cost", "version": 1,
+           "command": " ".join(["bench/guard_cost.py"]
+                               + (argv if argv is not None else sys.argv[1:])),
+           "torch": torch.__version__, "model": args.model, "scale": args.scale, "rows": rows}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    for name, r in rows.items():
+        print(f"{args.model} {name}: {r['guard_lines']} guard lines ({r['lambda_guards']} "
+              f"in Python), one check {r['check_us']:.1f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
