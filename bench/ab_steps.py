@@ -25,7 +25,6 @@ import copy
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
@@ -36,7 +35,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import loka  # noqa: E402
-from loka.bench.evalset import load_eval_set, make_step, profile_gpu, profile_host  # noqa: E402
+from loka.bench.evalset import (eval_set_with, make_step, profile_gpu, profile_host,  # noqa: E402
+                                time_steps)
 from loka.timing import synchronize  # noqa: E402
 
 
@@ -46,14 +46,9 @@ def round_order(rounds: int) -> List[str]:
 
 
 def time_round(step: Callable[[], object], device: torch.device, steps: int) -> float:
-    """Median wall time (ms) of ``steps`` synchronized steps."""
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        step()
-        synchronize(device)
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
+    """Median wall time (ms) of ``steps`` synchronized steps, after one untimed step (the
+    first after the other variant's round)."""
+    return time_steps(step, device, 1, steps)["step_ms"]
 
 
 def summarize(medians: Dict[str, List[float]]) -> dict:
@@ -87,9 +82,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.rounds < 2 or args.steps < 1 or args.warmup < 1 or args.batch_size < 1:
         p.error("--rounds must be >= 2, --steps, --warmup and --batch-size >= 1")
     try:
-        es = load_eval_set(args.eval_set)
-        if args.model not in es.EVAL_MODELS:
-            raise ValueError(f"unknown model {args.model!r}; choose from {list(es.EVAL_MODELS)}")
+        es = eval_set_with(args.eval_set, args.model)
         report = loka.ProbeReport.load(args.report)
     except (ValueError, OSError) as e:
         p.error(str(e).splitlines()[0])

@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import loka  # noqa: E402
-from loka.bench.evalset import load_eval_set  # noqa: E402
+from loka.bench.evalset import eval_set_with  # noqa: E402
 
 
 def measure(model: torch.nn.Module, inputs, repeats: int) -> dict:
@@ -74,9 +74,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.batch_size < 1 or args.repeats < 1:
         p.error("--batch-size and --repeats must be >= 1")
     try:
-        es = load_eval_set(args.eval_set)
-        if args.model not in es.EVAL_MODELS:
-            raise ValueError(f"unknown model {args.model!r}; choose from {list(es.EVAL_MODELS)}")
+        es = eval_set_with(args.eval_set, args.model)
         plan = loka.Plan.load(args.plan)
     except (ValueError, OSError) as e:
         p.error(str(e).splitlines()[0])

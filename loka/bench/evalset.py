@@ -741,6 +741,15 @@ def load_eval_set(path: "str | os.PathLike") -> types.ModuleType:
     return module
 
 
+def eval_set_with(path: "str | os.PathLike", model: str) -> types.ModuleType:
+    """:func:`load_eval_set` for a script that runs one of its models: EvalSetError also
+    where ``model`` is not one of them."""
+    module = load_eval_set(path)
+    if model not in module.EVAL_MODELS:
+        raise EvalSetError(f"unknown model {model!r}; choose from {list(module.EVAL_MODELS)}")
+    return module
+
+
 def parse_args(argv, eval_set: "str | os.PathLike | types.ModuleType"):
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
