@@ -5,8 +5,10 @@ A compiled model's every call first runs the guards of its cached frame (the
 the traced LoKA path: the Linear's kernels and their closures, and the globals of the loka
 modules the trace read. This compiles an evaluation-set model for serving (as written, then
 with a plan applied for inference), and reports per variant the number of guard lines
-Dynamo prints and the time of one check of the cached frame's guards (the median of
-``--repeats`` batches of 200 checks). Guards are host work, the same on any device: it runs
+Dynamo prints, the time of one check of the cached frame's guards (the median of
+``--repeats`` batches of 200 checks), and what a host profile of 10 calls puts under
+Dynamo's ``TorchDynamo Cache Lookup`` event per call (``profiled_lookup_us``: the event a
+GPU run's host profile shows; the profiler's own cost is in it). Guards are host work, the same on any device: it runs
 on the CPU (the plan's kernels must run there: cuBLAS names without ``-fastacc``).
 
     PYTHONPATH=. python bench/guard_cost.py --model dcnv2 --plan plan.serve.json --out g.json
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import List, Optional
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -31,6 +34,10 @@ if str(ROOT) not in sys.path:
 
 import loka  # noqa: E402
 from loka.bench.evalset import eval_set_with  # noqa: E402
+
+
+PROFILED_CALLS = 10
+"""calls of the compiled model under torch.profiler, for its cache-lookup event"""
 
 
 def measure(model: torch.nn.Module, inputs, repeats: int) -> dict:
@@ -55,10 +62,15 @@ def measure(model: torch.nn.Module, inputs, repeats: int) -> dict:
             for _ in range(200):
                 guards.check(f_locals)
             per_call.append((time.perf_counter() - t) / 200 * 1e6)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(PROFILED_CALLS):
+                compiled(*inputs)
+    lookup = sum(e.self_cpu_time_total for e in prof.key_averages()
+                 if e.key == "TorchDynamo Cache Lookup") / PROFILED_CALLS
     text = str(guards)
     return {"guard_lines": len(text.splitlines()),
             "lambda_guards": text.count("LAMBDA_GUARD"),
-            "check_us": statistics.median(per_call)}
+            "check_us": statistics.median(per_call), "profiled_lookup_us": lookup}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -94,7 +106,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     for name, r in rows.items():
         print(f"{args.model} {name}: {r['guard_lines']} guard lines ({r['lambda_guards']} "
-              f"in Python), one check {r['check_us']:.1f} us")
+              f"in Python), one check {r['check_us']:.1f} us, profiled cache lookup "
+              f"{r['profiled_lookup_us']:.1f} us")
     return 0
 
 

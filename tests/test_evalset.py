@@ -528,7 +528,7 @@ def test_guard_cost_counts_and_times_the_guards_a_plan_adds(probed, tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert set(rows) == {"as written", "plan"} and rows["plan"]["fp8_site_roles"] > 0
     assert rows["plan"]["guard_lines"] > rows["as written"]["guard_lines"] > 0
-    assert all(r["check_us"] > 0 for r in rows.values())
+    assert all(r["check_us"] > 0 and r["profiled_lookup_us"] > 0 for r in rows.values())
     with pytest.raises(SystemExit) as e:
         guard_cost.main(args[:1] + ["nope"] + args[2:])
     assert e.value.code == 2
