@@ -1361,3 +1361,18 @@ def test_profile_plan_derives_family_and_drop_rows_from_the_first_plan(tmp_path)
     for bad in ("2", "0,0", "", "yes"):
         with pytest.raises(argparse.ArgumentTypeError):
             pp._graphs(bad)
+
+
+def test_host_self_us_sums_cpu_events_per_step_and_leaves_out_the_skipped():
+    from types import SimpleNamespace as E
+
+    from torch.autograd import DeviceType
+
+    from loka.bench.profiling import host_self_us
+    events = [E(key="aten::mm", device_type=DeviceType.CPU, self_cpu_time_total=30.0),
+              E(key="aten::mm", device_type=DeviceType.CPU, self_cpu_time_total=6.0),
+              E(key="ProfilerStep#1", device_type=DeviceType.CPU, self_cpu_time_total=90.0),
+              E(key="gemm_kernel", device_type=DeviceType.CUDA, self_cpu_time_total=50.0),
+              E(key="aten::view", device_type=DeviceType.CPU, self_cpu_time_total=0.0)]
+    assert host_self_us(events, 3) == {"aten::mm": 12.0, "ProfilerStep#1": 30.0}
+    assert host_self_us(events, 3, skip=("ProfilerStep",)) == {"aten::mm": 12.0}

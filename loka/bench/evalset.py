@@ -90,7 +90,7 @@ from ..probe import ProbeReport
 from ..probe import probe as probe_model
 from ..timing import synchronize
 from . import stepcode
-from .profiling import QUANTIZE_KERNELS
+from .profiling import QUANTIZE_KERNELS, host_self_us
 
 try:  # torchao is optional: its rows are skipped, with this reason, where it is missing
     import torchao
@@ -213,11 +213,7 @@ def profile_host(step: Callable[[], object], device: torch.device, steps: int,
         for _ in range(steps):
             step()
         synchronize(device)
-    own: Dict[str, float] = {}
-    for evt in prof.key_averages():
-        if evt.key.startswith(HOST_SKIP) or not evt.self_cpu_time_total:
-            continue
-        own[evt.key] = own.get(evt.key, 0.0) + evt.self_cpu_time_total / steps
+    own = host_self_us(prof.key_averages(), steps, skip=HOST_SKIP)
     ranked = sorted(own.items(), key=lambda kv: -kv[1])[:top]
     return {"host_us_per_step": sum(own.values()),
             "host_top_us": [[k[:120], round(v, 1)] for k, v in ranked]}

@@ -4,14 +4,14 @@ by the operator and stack frame that launched them."""
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-__all__ = ["KERNEL_CLASSES", "QUANTIZE_KERNELS", "kernel_class", "op_breakdown",
-           "profile_breakdown"]
+__all__ = ["KERNEL_CLASSES", "QUANTIZE_KERNELS", "host_self_us", "kernel_class",
+           "op_breakdown", "profile_breakdown"]
 
 KERNEL_CLASSES = ("gemm", "gemm-fp8", "quantize", "triton", "embedding", "optimizer", "other")
 QUANTIZE_KERNELS = ("rowwise_quant_kernel", "rowwise_amax_split_kernel",
@@ -74,6 +74,20 @@ def op_breakdown(events, steps: int = 1, top: int = 20) -> List[list]:
     return [[op, frame, us] for (op, frame), us in ranked]
 
 
+def host_self_us(averages, steps: int, skip: Tuple[str, ...] = ()) -> Dict[str, float]:
+    """Host events' own CPU time per step (us) from a profiler's ``key_averages()`` over
+    ``steps`` steps: each CPU event's self time, keyed by name, those starting with one of
+    ``skip`` left out."""
+    own: Dict[str, float] = {}
+    for evt in averages:
+        if evt.device_type != DeviceType.CPU or not evt.self_cpu_time_total:
+            continue
+        if skip and evt.key.startswith(skip):
+            continue
+        own[evt.key] = own.get(evt.key, 0.0) + evt.self_cpu_time_total / steps
+    return own
+
+
 def profile_breakdown(step: Callable[[], object], steps: int = 5, top: int = 30,
                       ops: bool = False) -> dict:
     """GPU time per step by kernel class (and the ``top`` kernels) over ``steps`` steps of
@@ -86,13 +100,11 @@ def profile_breakdown(step: Callable[[], object], steps: int = 5, top: int = 30,
             step()
         torch.cuda.synchronize()
     per_kernel: Dict[str, float] = {}
-    cpu_self: Dict[str, float] = {}
-    for evt in prof.key_averages():
+    averages = prof.key_averages()
+    for evt in averages:
         if ops and evt.device_type != DeviceType.CUDA:
-            # with the CPU side recorded, its events also carry their kernels' time; keep
-            # their own host time instead: what a step without graphs waits on
-            if evt.device_type == DeviceType.CPU and evt.self_cpu_time_total:
-                cpu_self[evt.key] = cpu_self.get(evt.key, 0.0) + evt.self_cpu_time_total / steps
+            # with the CPU side recorded, its events also carry their kernels' time; their
+            # own host time (what a step without graphs waits on) is host_self_us's
             continue
         t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
         key = evt.key or ""
@@ -109,6 +121,7 @@ def profile_breakdown(step: Callable[[], object], steps: int = 5, top: int = 30,
            "top_kernels_us": [[k, v, kernel_class(k)] for k, v in ranked], "steps": steps}
     if ops:
         out["by_op_us"] = op_breakdown(prof.events(), steps)
+        cpu_self = host_self_us(averages, steps)
         out["host_us_per_step"] = sum(cpu_self.values())
         out["host_top_ops_us"] = sorted(([k, v] for k, v in cpu_self.items()),
                                         key=lambda kv: -kv[1])[:top]

@@ -11,6 +11,7 @@ import argparse
 from importlib import metadata
 
 from .. import bench
+from ..config import DispatchConfig
 from ..demo import DemoConfig
 from ..numerics.delayed import DEFAULT_DECAY
 from .args import EXIT_USAGE, budget, decay, positive, speedup
@@ -78,6 +79,19 @@ def _skip_bad_lines(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-bad-lines", action="store_true",
                    help="count and skip malformed lines of criteo data instead of stopping "
                         "at the first")
+
+
+def _head_sites(p: argparse.ArgumentParser) -> None:
+    default = DispatchConfig().head_sites
+    p.add_argument("--head-sites", type=positive(int, "--head-sites", 0), default=default,
+                   help="keep this many sites nearest the loss (the last to run) on bf16 "
+                        f"(default {default}; 0: none)")
+
+
+def _probe_kernels(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kernels", default=None,
+                   help="comma list of kernels, or 'all' (default: on a GPU the default set, "
+                        "loka.kernels.registry.PROBE_DEFAULT; on the CPU all available)")
 
 
 def _model_args(p: argparse.ArgumentParser, positional: bool = False) -> None:
@@ -313,9 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows per synthetic sample (default: the site's, up to 4096)")
     p.add_argument("--source", choices=("learned", "captured"), default="learned",
                    help="operands drawn from learned statistics, or real captured tensors")
-    p.add_argument("--kernels", default=None,
-                   help="comma list of kernels, or 'all' (default: on a GPU the default set, "
-                        "loka.kernels.registry.PROBE_DEFAULT; on the CPU all available)")
+    _probe_kernels(p)
     p.add_argument("--roles", default=None, help="comma list of fwd,dgrad,wgrad (default: all)")
     p.add_argument("--module-filter", default=None,
                    help="regular expression on Linear names to probe")
@@ -353,9 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-role budget, e.g. wgrad=0.1 (repeatable)")
     p.add_argument("--site-budget", action="append", metavar="REGEX=X",
                    help="per-site budget by regular expression (repeatable; strictest wins)")
-    p.add_argument("--head-sites", type=positive(int, "--head-sites", 0), default=3,
-                   help="keep this many sites nearest the loss (the last to run) on bf16 "
-                        "(default 3; 0: none)")
+    _head_sites(p)
     p.add_argument("--kernels", default=None, help="comma list of allowed kernels")
     p.add_argument("--assume-fast", action="store_true",
                    help="where no GPU timing decides (CPU reports), choose the lowest-error "
@@ -386,16 +396,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start from these weights (a loka train checkpoint.pt)")
     p.add_argument("--num-samples", type=positive(int, "--num-samples", 2), default=16,
                    help="synthetic operand pairs per site and role")
-    p.add_argument("--kernels", default=None,
-                   help="comma list of kernels, or 'all' (default: on a GPU the default set, "
-                        "loka.kernels.registry.PROBE_DEFAULT; on the CPU all available)")
+    _probe_kernels(p)
     p.add_argument("--max-error", type=budget, default=0.2,
                    help="budget on the error's upper 95%% bound")
     p.add_argument("--min-speedup", type=speedup, default=1.05,
                    help="a kernel must beat bf16 by this factor alone to be tried")
-    p.add_argument("--head-sites", type=positive(int, "--head-sites", 0), default=3,
-                   help="keep this many sites nearest the loss (the last to run) on bf16 "
-                        "(default 3; 0: none)")
+    _head_sites(p)
     p.add_argument("--inference", action="store_true", help="plan and time serving (forwards)")
     p.add_argument("--compile-mode", default=None,
                    help="torch.compile mode of the timed steps, e.g. reduce-overhead (CUDA graphs)")
