@@ -227,7 +227,7 @@ ROW_FIELDS = {"model", "scale", "batch_size", "mode", "variant", "graphs", "stat
 OK_FIELDS = {"fp8_sites", "output_rel_err_vs_bf16", "step_ms", "step_ms_min", "step_ms_max",
              "first_step_s", "samples_per_s", "gpu_ms", "profile_ms", "top_kernels_ms",
              "wall_over_gpu", "peak_mem_gib", "loss_first_step", "inductor_code", "kernel_rates",
-             "host_us_per_step", "host_top_us"}
+             "host_us_per_step", "host_top_us", "host_ms", "host_over_gpu"}
 
 
 def test_eval_set_script_runs_on_the_cpu(tmp_path):
@@ -258,6 +258,8 @@ def test_eval_set_script_runs_on_the_cpu(tmp_path):
         assert r["status"] == "ok", r["reason"]
         assert OK_FIELDS <= set(r), OK_FIELDS - set(r)
         assert r["step_ms"] > 0 and r["linears"] == 11 and r["gpu_ms"] is None
+        # on the CPU the work runs inside the call: the host's time is all of the step's
+        assert 0 < r["host_ms"] <= r["step_ms_max"] and r["host_over_gpu"] is None
         assert r["inductor_code"] is None and r["kernel_rates"] is None  # GPU rows only
         # the host's own time, on any device: the compiled graph's call among its events
         top = dict(r["host_top_us"])
@@ -532,3 +534,94 @@ def test_guard_cost_counts_and_times_the_guards_a_plan_adds(probed, tmp_path):
     with pytest.raises(SystemExit) as e:
         guard_cost.main(args[:1] + ["nope"] + args[2:])
     assert e.value.code == 2
+
+
+def test_time_steps_splits_the_hosts_time_from_the_wait_for_the_device(monkeypatch):
+    """host_ms is the step's call alone; the wall time adds the wait in synchronize (a
+    scripted device: each step's call takes 2 ms of host time, its sync 5 ms more)."""
+    import time as _time
+    from loka.bench import evalset as lev
+
+    clock = [0.0]
+    monkeypatch.setattr(_time, "perf_counter", lambda: clock[0])
+
+    def step():
+        clock[0] += 0.002
+        return torch.zeros(1)
+
+    def sync(device):
+        clock[0] += 0.005
+    monkeypatch.setattr(lev, "synchronize", sync)
+    t = lev.time_steps(step, torch.device("cpu"), warmup=2, steps=4)
+    assert t["host_ms"] == pytest.approx(2.0) and t["step_ms"] == pytest.approx(7.0)
+    assert t["step_ms_min"] == pytest.approx(7.0) and t["first_value"] == 0.0
+
+
+# ------------------------------------------------------------------ bench/reprice.py
+
+def _gpu_like(report, kernel="cublas-rowwise-fastacc"):
+    """``report`` as a GPU Probe would have written it for one compiled FP8 kernel: every
+    forward's bf16 100 us, the call 97 us, the GEMM alone 60 us, the weight-quantized
+    forward 85 us, all old producers 'pointwise' (as priced before 'blocked' existed)."""
+    from loka.probe.report import ErrorStat, KernelResult
+
+    rep = copy.deepcopy(report)
+    rep.device, ok = "cuda:0", ErrorStat(0.01, 0.009, 0.011, 16)
+    for site in rep.sites.values():
+        site.producers = {"x": "pointwise", "dy": "pointwise"}
+        rr = site.roles[loka.Role.FWD]
+        rr.baseline_us = 100.0
+        rr.kernels = {kernel: KernelResult(
+            kernel, mere=ok, time_us=97.0, speedup=100 / 97, timing="cuda-graph+compiled",
+            time_us_weight_q=85.0, speedup_weight_q=100 / 85, safe=True, fast=True,
+            time_us_gemm=60.0, step_us=97 - 25 * 2 / 3,
+            step_speedup=100 / (97 - 25 * 2 / 3))}
+        site.roles = {loka.Role.FWD: rr}
+    return rep
+
+
+def test_reprice_prices_recorded_timings_with_the_producers_read_now(probed, tmp_path):
+    """bench/reprice.py: the DCNv2's producers read again (a cross layer whose input adds a
+    GEMM's output to the block norm's fuses; the block norm's own output does not), the
+    report's timings priced with them, the plans compared, and each LoKA row's measured GPU
+    saving set beside both predictions."""
+    sys.path.insert(0, str(BENCH))
+    import reprice
+
+    model, batches, report = probed["dcnv2"]
+    producers = reprice.read_producers(model, batches[0], loss_fn)
+    assert producers["cross.0.weight"]["x"] == "blocked"
+    assert producers["cross.1.weight"]["x"] == "pointwise"
+    before = _gpu_like(report)
+    after = reprice.reprice(before, producers)
+    fused = after.sites["cross.1.weight"].roles[loka.Role.FWD].kernels["cublas-rowwise-fastacc"]
+    blocked = after.sites["cross.0.weight"].roles[loka.Role.FWD].kernels["cublas-rowwise-fastacc"]
+    assert fused.step_us == pytest.approx(97 - 25 * 2 / 3)  # x's pass: 85 - 60
+    assert fused.serve_us == pytest.approx(85 - 25 * 2 / 3)
+    assert blocked.step_us is blocked.serve_us is blocked.step_speedup is None
+    assert reprice.changed_kinds(before, after)["cross.0.weight"] == {"x": "pointwise -> blocked"}
+    with reprice.planning_off_device():
+        old, new = loka.plan(before), loka.plan(after)
+    changes = reprice.plan_changes(old, new)
+    assert changes["cross.0.weight:fwd"] == "cublas-rowwise-fastacc -> bf16"  # 100/97 < 1.05
+    assert "cross.1.weight:fwd" not in changes
+    # a measured pair of rows: bf16 at 2.0 ms of GPU time, LoKA at 1.9
+    rows = [{"status": "ok", "model": "dcnv2", "variant": v, "mode": "train", "graphs": False,
+             "batch_size": 64, "gpu_ms": ms} for v, ms in (("bf16", 2.0), ("loka", 1.9))]
+    (row,) = reprice.compare_rows(rows, "dcnv2", {"train": old}, before, after)
+    fp8 = sum(c.kernel != old.baseline for sp in old.sites.values() for c in sp.roles.values())
+    assert row["measured_saved_ms"] == pytest.approx(0.1)
+    assert row["recorded_saved_ms"] == pytest.approx(fp8 * (100 - (97 - 25 * 2 / 3)) / 1e3)
+    assert row["repriced_saved_ms"] < row["recorded_saved_ms"]
+    # the script: report and eval JSON in, one document out; bad input in one line
+    rpath, epath, out = tmp_path / "r.json", tmp_path / "e.json", tmp_path / "o.json"
+    before.save(rpath)
+    epath.write_text(json.dumps({"rows": rows}))
+    args = ["--model", "dcnv2", "--scale", "tiny", "--report", str(rpath), "--eval",
+            str(epath), "--out", str(out)]
+    assert reprice.main(args) == 0
+    doc = json.loads(out.read_text())
+    assert doc["plan_changes"]["train"] == changes and len(doc["rows"]) == 1
+    assert reprice.main(args[:1] + ["wukong"] + args[2:]) == 2  # not the report's model
+    epath.write_text("{not json")
+    assert reprice.main(args) == 2

@@ -447,7 +447,13 @@ def make_step(compiled: nn.Module, model: nn.Module, mode: str, batch, graphs: b
 
 
 def time_steps(step, device, warmup: int, steps: int) -> dict:
-    """Median wall time of ``steps`` synchronized steps after ``warmup`` (the first compiles)."""
+    """Median wall time of ``steps`` synchronized steps after ``warmup`` (the first compiles),
+    and the host's time of each: from the step's start (the device idle, every earlier
+    step synchronized) to the return of its call, before waiting for the device. On a GPU
+    that is the time the host takes to issue the step (Python, Dynamo's guards, the
+    compiled code's launches); a step whose ``host_ms`` is near its wall time is
+    host-bound, and GPU time saved there saves no wall time. On the CPU it equals the wall
+    time (the work runs in the call)."""
     t0 = time.perf_counter()
     first = step()
     first_value = float(first.detach().float().mean()) if first is not None else None
@@ -456,15 +462,18 @@ def time_steps(step, device, warmup: int, steps: int) -> dict:
     for _ in range(max(0, warmup - 1)):
         step()
     synchronize(device)
-    times = []
+    times, host = [], []
     for _ in range(steps):
         t = time.perf_counter()
         step()
+        issued = time.perf_counter()
         synchronize(device)
         times.append((time.perf_counter() - t) * 1e3)
+        host.append((issued - t) * 1e3)
     q = sorted(times)
     return {"step_ms": statistics.median(q), "step_ms_min": q[0], "step_ms_max": q[-1],
-            "first_step_s": compile_s, "first_value": first_value}
+            "host_ms": statistics.median(host), "first_step_s": compile_s,
+            "first_value": first_value}
 
 
 def code_launches(codes: List[str]) -> Optional[List["stepcode.Launch"]]:
@@ -524,7 +533,8 @@ def run_row(case: Case, variant: str, mode: str, graphs: bool, args, device) -> 
         row["inductor_code"] = (dict(stepcode.summarize(launches), graphs=len(codes))
                                 if launches else None)
         row.update(step_ms=timing["step_ms"], step_ms_min=timing["step_ms_min"],
-                   step_ms_max=timing["step_ms_max"], first_step_s=timing["first_step_s"],
+                   step_ms_max=timing["step_ms_max"], host_ms=timing["host_ms"],
+                   first_step_s=timing["first_step_s"],
                    samples_per_s=case.batch_size / (timing["step_ms"] / 1e3))
         if mode == "train":
             row["loss_first_step"] = timing["first_value"]
@@ -540,11 +550,11 @@ def run_row(case: Case, variant: str, mode: str, graphs: bool, args, device) -> 
                        # bytes (from the code) over time (from the profile), kernel by kernel
                        kernel_rates=kernel_rates(prof["kernels_ms"], launches),
                        wall_over_gpu=row["step_ms"] / max(prof["gpu_ms_per_step"], 1e-9),
+                       host_over_gpu=row["host_ms"] / max(prof["gpu_ms_per_step"], 1e-9),
                        peak_mem_gib=torch.cuda.max_memory_allocated(device) / 2**30)
         else:
             row.update(gpu_ms=None, profile_ms=None, top_kernels_ms=None, kernel_rates=None,
-                       wall_over_gpu=None,
-                       peak_mem_gib=None)
+                       wall_over_gpu=None, host_over_gpu=None, peak_mem_gib=None)
     except Skip as e:
         row.update(status="skipped", reason=str(e))
     except Exception as e:  # noqa: BLE001 - keep the other rows
@@ -679,7 +689,7 @@ def write(path: str, env: dict, rows: List[dict], probes: List[dict]) -> None:
 
 def table(rows: List[dict]) -> str:
     head = (f"{'model':7s} {'B':>6s} {'mode':5s} {'variant':27s} {'graphs':6s} {'ms':>9s} "
-            f"{'gpu ms':>8s} {'vs bf16':>7s} {'fp8':>4s} {'GiB':>6s}  status")
+            f"{'gpu ms':>8s} {'host ms':>8s} {'vs bf16':>7s} {'fp8':>4s} {'GiB':>6s}  status")
     lines = [head, "-" * len(head)]
 
     def f(x, spec):
@@ -689,6 +699,7 @@ def table(rows: List[dict]) -> str:
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {(r['reason'] or '')[:60]}"
         lines.append(f"{r['model']:7s} {r['batch_size']:6d} {r['mode']:5s} {r['variant']:27s} "
                      f"{str(r['graphs']):6s} {f(r.get('step_ms'), '9.3f')} {f(r.get('gpu_ms'), '8.3f')} "
+                     f"{f(r.get('host_ms'), '8.3f')} "
                      f"{f(v, '7.3f')} {f(r.get('fp8_sites'), '4d')} {f(r.get('peak_mem_gib'), '6.2f')}  {status}")
     return "\n".join(lines)
 

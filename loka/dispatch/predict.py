@@ -7,7 +7,9 @@ the report has one (:mod:`loka.probe.pricing`: the GEMM alone, plus each operand
 by where the operand comes from, so a quantization Inductor fuses into the activation or
 norm that produced the operand costs the share it keeps), else the isolated time of the
 whole kernel call (quantization as passes of its own); serving takes the forward timed
-with its weight quantized once, as the serving plan does. Both predictions are returned:
+with its weight quantized once, as the serving plan runs it, step-aware where the report
+has it (``serve_us``: x's quantization priced by its producer). Both predictions are
+returned:
 the evaluation harness (``loka bench --eval-set``) records them beside every measured LoKA
 row, so the gap of each is measured, not assumed.
 """
@@ -88,7 +90,7 @@ def predict_step(plan: Plan, report: ProbeReport, baseline_step_ms: float, *,
             if rr is None or rr.baseline_us is None or t is None:
                 untimed.append(key)
                 continue
-            step = None if inference else kr.step_us  # serving: the isolated forward
+            step = kr.serve_us if inference else kr.step_us
             if step is not None:
                 aware.append(key)
             per_role[key] = rr.baseline_us - (t if step is None else step)

@@ -58,10 +58,12 @@ _UNTRUSTED_TIMINGS = ("none", "cpu-wallclock")
 
 
 def kernel_speedup(kr, inference: bool = False) -> Optional[float]:
-    """The speedup a plan judges a kernel by: serving, the forward timed with its weight
-    quantized beforehand (``speedup_weight_q``); training, the step-aware speedup
-    (``step_speedup``: quantization priced by where each operand comes from,
-    :mod:`loka.probe.pricing`) where the report has one; else the isolated call's."""
+    """The speedup a plan judges a kernel by, step-aware where the report has it
+    (quantization priced by where each operand comes from, :mod:`loka.probe.pricing`):
+    serving, ``serve_speedup``, else the forward timed with its weight quantized beforehand
+    (``speedup_weight_q``); training, ``step_speedup``; else the isolated call's."""
+    if inference and kr.serve_speedup is not None:
+        return kr.serve_speedup
     if inference and kr.speedup_weight_q is not None:
         return kr.speedup_weight_q
     if not inference and kr.step_speedup is not None:
@@ -139,8 +141,9 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
             docstring.
         inference: plan for serving (``loka.apply(model, plan, inference=True)``): only
             the forward role is planned, and a kernel's speed is the one the Probe
-            measured with the weight quantized beforehand (``speedup_weight_q``), since
-            serving quantizes weights once; dgrad and wgrad stay on the baseline.
+            measured with the weight quantized beforehand, step-aware where the report
+            has it (``serve_speedup``, else ``speedup_weight_q``), since serving
+            quantizes weights once; dgrad and wgrad stay on the baseline.
 
     Returns:
         A :class:`Plan`; ``plan.notes`` says which kernels were excluded and why.
@@ -296,7 +299,7 @@ def audit(plan: Plan, report: "ProbeReport | str | os.PathLike") -> dict:
     may be faster by the plan's ``min_speedup`` rule (a role left on the baseline is at
     speed 1.0; a candidate must reach ``min_speedup`` to count), except that a training
     plan's head sites (rule 0, the plan's ``head_sites``) on the baseline are its own
-    choice. Speeds are the report's (``speedup_weight_q`` for an inference plan). Only
+    choice. Speeds are the report's (:func:`kernel_speedup`'s, as the plan judged them). Only
     timings taken on a GPU count; a plan made with ``assume_fast`` is checked for the
     budget only. Speeds count as in
     :func:`plan` (rule 3): taken on the plan's device type, not by the CPU wall clock, and

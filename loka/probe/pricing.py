@@ -24,9 +24,12 @@ memory traffic that remains (per element, bf16 operands):
 Rowwise scales of the weight gradient's operands run along the token dimension (a
 column amax of x and dy), which a row-at-a-time producer cannot finish: those keep their
 pass. Weights keep theirs too (they come from the optimizer, not from the step's ops).
-Operands of other kinds (a GEMM's output, an embedding, the model's input) pay the pass
-as timed. This prices training steps only: serving plans are judged by the forward timed
-with its weight quantized once (``time_us_weight_q``), as an isolated call.
+Operands of other kinds (a GEMM's output, an embedding, the model's input, a norm over
+blocks of the row: ``blocked``) pay the pass as timed.
+
+Serving (:func:`serve_time_us`) quantizes the weight once, when the plan is applied: the
+forward timed that way (``time_us_weight_q``) less the GEMM alone is x's quantization,
+priced the same way by x's producer.
 
 These shares are a model from byte counts, not a measurement: the evaluation harness
 records the prediction beside every measured step so that the gap is known.
@@ -40,7 +43,8 @@ from ..config import Role
 from ..kernels.registry import Kernel, Scaling
 from .producers import FUSIBLE
 
-__all__ = ["FUSED_SHARE", "OPERAND_SOURCES", "can_fuse", "split_quantization", "step_time_us"]
+__all__ = ["FUSED_SHARE", "OPERAND_SOURCES", "can_fuse", "split_quantization", "step_time_us",
+           "serve_time_us"]
 
 FUSED_SHARE = {Scaling.ROWWISE: 1 / 3, Scaling.BLOCKWISE: 1 / 3, Scaling.TENSORWISE: 3 / 5}
 """share of a separate quantization pass's traffic left when it fuses into its producer"""
@@ -117,3 +121,17 @@ def step_time_us(kernel: Kernel, role: Role, shape: Tuple[int, int, int], *,
         if _fuses(kernel, role, source, producers, compiled):
             total -= q * (1.0 - _fused_share(kernel, role, source))
     return total
+
+
+def serve_time_us(kernel: Kernel, *, time_us_weight_q: Optional[float],
+                  time_us_gemm: Optional[float], producers: Mapping[str, str] = {},
+                  compiled: bool = False) -> Optional[float]:
+    """What a compiled serving forward pays for ``kernel`` at one site (module docstring):
+    the forward timed with its weight quantized beforehand, less what fusing x's
+    quantization into its producer saves; None where x's quantization does not fuse (the
+    step pays ``time_us_weight_q``) or a timing is missing."""
+    if (time_us_weight_q is None or time_us_gemm is None
+            or not _fuses(kernel, Role.FWD, "x", producers, compiled)):
+        return None
+    qa = max(time_us_weight_q - time_us_gemm, 0.0)
+    return time_us_weight_q - qa * (1.0 - _fused_share(kernel, Role.FWD, "x"))

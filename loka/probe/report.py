@@ -12,6 +12,10 @@ The JSON layout (schema ``loka.probe-report``, version :data:`SCHEMA_VERSION`)::
 Loading validates every field (types, shapes, keys that must agree) and raises a
 one-line :class:`ReportError` naming the offending path, e.g.
 ``sites['top.0'].roles['fwd'].shape: expected 3 positive integers, got [4096, -1, 8]``.
+
+Length: each dataclass keeps its fields, their JSON and their checks together (a field
+and the rule that validates it change together); split by level, every field would be
+described in one file and checked in another.
 """
 
 from __future__ import annotations
@@ -140,6 +144,13 @@ class KernelResult:
     ``time_us``) or the split is missing"""
     step_speedup: Optional[float] = None
     """baseline time / ``step_us``"""
+    serve_us: Optional[float] = None
+    """forward role only: what a compiled serving forward is predicted to pay for this
+    kernel here: ``time_us_weight_q`` less what fusing x's quantization into its producer
+    saves (:func:`loka.probe.pricing.serve_time_us`); None where x's quantization does not
+    fuse or the split is missing"""
+    serve_speedup: Optional[float] = None
+    """baseline time / ``serve_us``"""
     roofline_bound: Optional[float] = None
     """where the roofline bound is why the kernel was not timed (``not_timed``): the
     speedup over the measured baseline that the timed call could reach at most at the
@@ -165,7 +176,8 @@ class KernelResult:
             d["speedup_weight_q"] = encode_number(self.speedup_weight_q)
         if self.not_timed is not None:
             d["not_timed"] = self.not_timed
-        for k in ("time_us_gemm", "step_us", "step_speedup", "roofline_bound"):
+        for k in ("time_us_gemm", "step_us", "step_speedup", "serve_us", "serve_speedup",
+                  "roofline_bound"):
             if getattr(self, k) is not None:
                 d[k] = encode_number(getattr(self, k))
         for k in ("mere", "sqnr", "relfro", "naive_mere"):
@@ -184,12 +196,13 @@ class KernelResult:
             raise ReportError(f"{field_path(where, 'kernel')}: empty kernel name")
         times = {k: _non_negative(d, k, where) for k in
                  ("time_us", "speedup", "time_us_weight_q", "speedup_weight_q",
-                  "time_us_gemm", "step_us", "step_speedup", "roofline_bound")}
+                  "time_us_gemm", "step_us", "step_speedup", "serve_us", "serve_speedup",
+                  "roofline_bound")}
         not_timed = field_str(d, "not_timed", where, optional=True)
         if times["roofline_bound"] is None:  # a report from before the field: its text
             m = _ROOFLINE_RE.match(not_timed or "")
             times["roofline_bound"] = float(m.group(1)) if m else None
-        for k in ("time_us_gemm", "step_us", "step_speedup"):
+        for k in ("time_us_gemm", "step_us", "step_speedup", "serve_us", "serve_speedup"):
             if times[k] is not None and not (math.isfinite(times[k]) and times[k] > 0):
                 raise ReportError(f"{field_path(where, k)}: expected a finite number > 0, "
                                   f"got {times[k]!r}")
@@ -197,6 +210,12 @@ class KernelResult:
                                              or times["step_us"] > times["time_us"] * (1 + 1e-9)):
             raise ReportError(f"{field_path(where, 'step_us')}: {times['step_us']!r} is not "
                               f"at most the timed call's time_us ({times['time_us']!r})")
+        if times["serve_us"] is not None and (
+                times["time_us_weight_q"] is None
+                or times["serve_us"] > times["time_us_weight_q"] * (1 + 1e-9)):
+            raise ReportError(f"{field_path(where, 'serve_us')}: {times['serve_us']!r} is not "
+                              "at most the weight-quantized forward's time_us_weight_q "
+                              f"({times['time_us_weight_q']!r})")
         return cls(kernel=name, time_us=times["time_us"], speedup=times["speedup"],
                    timing=field_str(d, "timing", where, "none"),
                    time_us_weight_q=times["time_us_weight_q"],
@@ -205,7 +224,8 @@ class KernelResult:
                    fast=field_bool(d, "fast", where), error=field_str(d, "error", where, optional=True),
                    not_timed=not_timed,
                    time_us_gemm=times["time_us_gemm"], step_us=times["step_us"],
-                   step_speedup=times["step_speedup"], roofline_bound=times["roofline_bound"],
+                   step_speedup=times["step_speedup"], serve_us=times["serve_us"],
+                   serve_speedup=times["serve_speedup"], roofline_bound=times["roofline_bound"],
                    **stats)
 
 

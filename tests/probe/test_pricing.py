@@ -13,7 +13,7 @@ from loka.jsonio import ReportError
 from loka.kernels import get
 from loka.probe import measure
 from loka.probe.hooks import SiteCollector
-from loka.probe.pricing import FUSED_SHARE, split_quantization, step_time_us
+from loka.probe.pricing import FUSED_SHARE, serve_time_us, split_quantization, step_time_us
 from loka.probe.producers import consumer_kind, consumers_of_outputs, producer_of
 from loka.probe.report import KernelResult, ProbeReport, RoleReport, SiteReport
 from loka.timing import TimingResult
@@ -105,6 +105,80 @@ def test_gradients_handed_on_unchanged_are_traced_to_the_op_that_made_them():
     assert probe.sites["b"].producers == {"x": "pointwise", "dy": "pointwise"}
 
 
+class BlockRms(nn.Module):
+    """A user's RMS norm over blocks of the row (as the paper's BlockNorm), in float32."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        b = x.float().unflatten(-1, (x.shape[-1] // self.block, self.block))
+        return (b * (b.square().mean(-1, keepdim=True) + 1e-6).rsqrt()).flatten(-2).to(x.dtype)
+
+
+def _x_kind(make_x, d=32):
+    """The producer kind of a Linear's input ``make_x(y)``, y out of a GEMM (a Probe over
+    a two-Linear model)."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(d, d), nn.Linear(d, d)
+
+        def forward(self, x):
+            return self.b(make_x(self.a(x))).sum()
+
+    model = Net()
+    with loka.Probe(model, ProbeConfig(progress=False)) as probe:
+        model(torch.randn(8, d)).backward()
+    return probe.sites["b"].producers["x"]
+
+
+def test_a_norm_over_blocks_of_the_row_is_not_a_producer_a_row_quantization_fuses_into():
+    """The row's amax cannot share a kernel that reduces over parts of the row (Inductor
+    splits it off into kernels that read x again); a norm over the whole row, batch
+    statistics and pointwise ops after them keep the amax in the producing kernel."""
+    hswish = nn.functional.hardswish
+    assert _x_kind(BlockRms(8)) == "blocked"                          # 4 blocks of 8
+    assert _x_kind(lambda y: hswish(BlockRms(8)(y)) * 2) == "blocked"  # pointwise after it
+    assert _x_kind(BlockRms(32)) == "pointwise"                       # one block: the row
+    assert _x_kind(lambda y: nn.functional.layer_norm(y, (32,))) == "pointwise"
+    assert _x_kind(lambda y: nn.functional.rms_norm(y, (32,))) == "pointwise"
+    assert _x_kind(lambda y: nn.functional.group_norm(y, 4)) == "blocked"
+    assert _x_kind(lambda y: nn.functional.group_norm(y, 1)) == "pointwise"
+    assert _x_kind(lambda y: nn.functional.batch_norm(y, None, None, training=True)) \
+        == "pointwise"
+    assert _x_kind(lambda y: y.softmax(-1)) == "pointwise"
+    # a norm of the row's transpose reduces along the other axis: x = norm(y)ᵀ's rows
+    # (length 8) were reduced over 32 at a time
+    assert _x_kind(lambda y: nn.functional.layer_norm(y.view(8, 4, 8).transpose(1, 2), (4,))
+                   .reshape(8, 32)) == "blocked"
+    # a region that also reads another GEMM's output: Inductor realizes the block
+    # statistics and fuses the amax into the kernel that reads both (DCNv2's cross layers)
+    other = nn.Linear(32, 32)
+    assert _x_kind(lambda y: BlockRms(8)(y) * other(y) + y) == "pointwise"
+    assert _x_kind(lambda y: BlockRms(8)(y + other(y))) == "blocked"  # the norm of both
+    # a reduction further back runs in a kernel of its own: the walk stops at the first
+    assert _x_kind(lambda y: torch.relu(y - y.mean(0)) * 3) == "pointwise"
+    assert _x_kind(lambda y: y * BlockRms(8)(y).sum(-1, keepdim=True)) == "pointwise"
+
+
+def test_block_norm_producers_are_priced_as_a_pass_of_their_own():
+    """The evaluation set's own block norm (written outside loka) makes x 'blocked'; the
+    step-aware price then keeps x's whole pass."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "evalset" / "common.py"
+    spec = importlib.util.spec_from_file_location("evalset_common_for_pricing", path)
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    assert _x_kind(common.RowBlockNorm(32, 8)) == "blocked"
+    assert _x_kind(lambda y: common.HSwish()(common.RowBlockNorm(32, 8)(y))) == "blocked"
+    blocked = {"x": "blocked", "dy": "pointwise"}
+    assert _price(ROWWISE, Role.FWD, blocked) == pytest.approx(16.0)
+    assert _price(ROWWISE, Role.DGRAD, blocked) < 16.0  # dy's pass still fuses
+
+
 def test_bad_producer_kinds_in_a_report_are_refused():
     d = SiteReport("s", 4, 4, 8, producers={"x": "pointwise"}).to_dict()
     d["producers"] = {"x": "fused-somehow"}
@@ -123,6 +197,14 @@ def test_bad_producer_kinds_in_a_report_are_refused():
             KernelResult.from_dict({**good, key: value})
     with pytest.raises(ReportError, match="at most the timed call"):
         KernelResult.from_dict({**good, "time_us": None})
+    served = {**good, "time_us_weight_q": 75.0, "speedup_weight_q": 1.2, "serve_us": 60.0,
+              "serve_speedup": 1.5}
+    assert KernelResult.from_dict(served).serve_us == 60.0
+    for key, value, why in (("serve_us", 76.0, "at most the weight-quantized"),
+                            ("time_us_weight_q", None, "at most the weight-quantized"),
+                            ("serve_us", "nan", "finite"), ("serve_speedup", 0, "finite")):
+        with pytest.raises(ReportError, match=why):
+            KernelResult.from_dict({**served, key: value})
 
 
 # -- pricing ---------------------------------------------------------------------------
@@ -166,6 +248,23 @@ def _scripted(monkeypatch, times):
     monkeypatch.setattr(measure.KernelTimer, "time", fake)
 
 
+def test_serving_prices_xs_quantization_by_its_producer():
+    """The weight is quantized once; x's pass (weight-quantized forward 13 us less the GEMM
+    alone 10 us) is what fuses, at the share its scaling keeps."""
+    def serve(kernel, producers, compiled=True, tq=13.0, tg=10.0):
+        return serve_time_us(get(kernel), time_us_weight_q=tq, time_us_gemm=tg,
+                             producers=producers, compiled=compiled)
+    assert serve(ROWWISE, {"x": "pointwise"}) == pytest.approx(13 - 3 * (1 - 1 / 3))
+    assert serve(TENSORWISE, {"x": "pointwise"}) == pytest.approx(13 - 3 * (1 - 3 / 5))
+    for producers, compiled in (({"x": "blocked"}, True), ({"x": "gemm"}, True),
+                                ({"x": "pointwise"}, False), ({}, True)):
+        assert serve(ROWWISE, producers, compiled) is None
+    assert serve(ROWWISE, {"x": "pointwise"}, tq=None) is None
+    assert serve(ROWWISE, {"x": "pointwise"}, tg=None) is None
+    # a GEMM alone timed slower than the call (noise): nothing to take off
+    assert serve(ROWWISE, {"x": "pointwise"}, tg=14.0) == pytest.approx(13.0)
+
+
 def test_the_step_aware_probe_flags_a_kernel_fast_where_its_quantization_fuses(monkeypatch):
     """The same FP8 kernel, slower than bf16 as an isolated call (105 vs 100 us), is fast
     behind an activation (its x pass fuses) and not behind another GEMM."""
@@ -201,8 +300,14 @@ def test_the_step_aware_probe_flags_a_kernel_fast_where_its_quantization_fuses(m
     # the report keeps the split (JSON round trip)
     back = ProbeReport.from_dict(rep.to_dict()).sites["b"].roles[Role.FWD].kernels[ROWWISE]
     assert (back.time_us_gemm, back.step_us) == (60.0, behind_relu.step_us)
+    # serving: the forward with the weight quantized once (85 us), x's pass (85 - 60)
+    # priced fused behind the activation, as timed behind the GEMM
+    assert behind_relu.serve_us == pytest.approx(85 - 25 * 2 / 3)
+    assert behind_relu.serve_speedup == pytest.approx(100 / behind_relu.serve_us)
+    assert behind_gemm.serve_us is behind_gemm.serve_speedup is None
+    assert back.serve_us == pytest.approx(behind_relu.serve_us)
     # the plan judges by the step-aware speedup (and its audit agrees); serving by the
-    # forward with the weight quantized once (100 / 85 at both sites)
+    # serving price (100 / 68.3 behind the activation, 100 / 85 behind the GEMM)
     plan = loka.plan(rep)
     assert plan.sites["b"].roles[Role.FWD].kernel == ROWWISE
     assert plan.sites["b"].roles[Role.FWD].speedup == pytest.approx(behind_relu.step_speedup)
@@ -211,6 +316,9 @@ def test_the_step_aware_probe_flags_a_kernel_fast_where_its_quantization_fuses(m
     serving = loka.plan(rep, inference=True)
     assert {s: serving.sites[s].roles[Role.FWD].kernel for s in "bc"} == {"b": ROWWISE,
                                                                           "c": ROWWISE}
+    assert serving.sites["b"].roles[Role.FWD].speedup == pytest.approx(behind_relu.serve_speedup)
+    assert serving.sites["c"].roles[Role.FWD].speedup == pytest.approx(100 / 85)
+    assert loka.dispatch.audit(serving, rep)["ok"]
 
 
 def test_the_gemm_alone_is_timed_without_a_compile_of_its_own():
@@ -307,9 +415,10 @@ def test_fast_accumulation_twins_name_kernels_that_quantize_the_same():
         assert t.fast_accum != k.fast_accum and t.quantizes_as is None
 
 
-def _report(step_us):
+def _report(step_us, serve_us=None):
     kr = KernelResult(ROWWISE, time_us=80.0, speedup=1.25, timing="cuda-graph+compiled",
-                      time_us_weight_q=70.0, time_us_gemm=50.0, step_us=step_us)
+                      time_us_weight_q=70.0, time_us_gemm=50.0, step_us=step_us,
+                      serve_us=serve_us)
     sr = SiteReport("s", 32, 32, 64, producers={"x": "pointwise", "dy": "gemm"},
                     roles={Role.FWD: RoleReport(Role.FWD, (64, 32, 32), 100.0, {ROWWISE: kr})})
     return ProbeReport(sites={"s": sr})
@@ -332,6 +441,12 @@ def test_the_predicted_step_uses_step_aware_times_and_keeps_the_isolated_one():
     pred = predict_step(plan, _report(step_us=70.0), baseline_step_ms=1.0, inference=True)
     assert pred.step_aware == []
     assert pred.predicted_step_ms == pred.isolated_step_ms == pytest.approx(1 - 30 / 1e3)
+    # ... step-aware where the report prices x's quantization fused into its producer
+    pred = predict_step(plan, _report(step_us=70.0, serve_us=56.0), baseline_step_ms=1.0,
+                        inference=True)
+    assert pred.step_aware == ["s:fwd"]
+    assert pred.predicted_step_ms == pytest.approx(1 - 44 / 1e3)
+    assert pred.isolated_step_ms == pytest.approx(1 - 30 / 1e3)
 
 
 def test_the_graph_is_walked_on_at_most_two_statistics_steps():
