@@ -162,15 +162,22 @@ def _reduced_range(node) -> Optional[Tuple[bool, int]]:
     return _dim_range(node, name)
 
 
-def _dim_range(node, name: str) -> Optional[Tuple[bool, int]]:
+def _input_sizes(node) -> Optional[Tuple[int, ...]]:
+    """The sizes of ``node``'s (first) input, from the metadata of the node that made it,
+    without unpacking a saved tensor (which would run a checkpoint's or an offload's
+    unpack hook)."""
     sizes = getattr(node, "_saved_self_sym_sizes", None)
-    for attr in ("_saved_self", "_saved_result"):
-        if sizes is None:
-            try:
-                t = getattr(node, attr, None)
-            except RuntimeError:  # freed by an earlier backward
-                t = None
-            sizes = None if not isinstance(t, torch.Tensor) else tuple(t.shape)
+    if sizes is not None:
+        return tuple(int(s) for s in sizes)
+    nxt = [(n, i) for n, i in node.next_functions if n is not None]
+    try:
+        return tuple(int(s) for s in nxt[0][0]._input_metadata[nxt[0][1]].shape)
+    except (AttributeError, IndexError, RuntimeError, TypeError):
+        return None
+
+
+def _dim_range(node, name: str) -> Optional[Tuple[bool, int]]:
+    sizes = _input_sizes(node)
     if sizes is None:
         return None
     sizes = [int(s) for s in sizes]

@@ -158,6 +158,12 @@ def test_a_norm_over_blocks_of_the_row_is_not_a_producer_a_row_quantization_fuse
     other = nn.Linear(32, 32)
     assert _x_kind(lambda y: BlockRms(8)(y) * other(y) + y) == "pointwise"
     assert _x_kind(lambda y: BlockRms(8)(y + other(y))) == "blocked"  # the norm of both
+    # under activation checkpointing the walk reads sizes, never a saved tensor (whose
+    # unpack hook would recompute the forward)
+    from torch.utils.checkpoint import checkpoint
+    assert _x_kind(lambda y: checkpoint(lambda t: BlockRms(8)(t).amax(-1, keepdim=True) * t,
+                                        y, use_reentrant=False)) == "pointwise"
+    assert _x_kind(lambda y: checkpoint(BlockRms(8), y, use_reentrant=False)) == "blocked"
     # a reduction further back runs in a kernel of its own: the walk stops at the first
     assert _x_kind(lambda y: torch.relu(y - y.mean(0)) * 3) == "pointwise"
     assert _x_kind(lambda y: y * BlockRms(8)(y).sum(-1, keepdim=True)) == "pointwise"
