@@ -32,16 +32,18 @@ import sys
 from typing import Dict, Iterator
 from unittest import mock
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
 import loka  # noqa: E402
-from loka.config import ProbeConfig, Role  # noqa: E402
+from loka.config import ProbeConfig  # noqa: E402
+from loka.bench.evalset import eval_set_with  # noqa: E402
 from loka.dispatch import Plan, predict_step  # noqa: E402
 from loka.jsonio import ReportError, atomic_write_text, json_safe  # noqa: E402
 from loka.kernels import registry  # noqa: E402
-from loka.probe.pricing import serve_time_us, step_time_us  # noqa: E402
+from loka.probe.pricing import price  # noqa: E402
 from loka.probe.report import ProbeReport  # noqa: E402
 
 
@@ -78,22 +80,7 @@ def reprice(report: ProbeReport, producers: Dict[str, Dict[str, str]]) -> ProbeR
                     continue
                 if not kern.is_fp8:
                     continue
-                compiled = kr.timing.endswith("+compiled")
-                kr.step_us = step_time_us(kern, role, rr.shape, time_us=kr.time_us,
-                                          time_us_gemm=kr.time_us_gemm,
-                                          time_us_weight_q=kr.time_us_weight_q,
-                                          producers=site.producers, compiled=compiled)
-                if kr.step_us is not None and kr.time_us is not None \
-                        and kr.step_us >= kr.time_us * (1 - 1e-12):
-                    kr.step_us = None  # nothing fuses: the step pays the timed call
-                kr.step_speedup = (rr.baseline_us / kr.step_us
-                                   if rr.baseline_us and kr.step_us else None)
-                if role is Role.FWD:
-                    kr.serve_us = serve_time_us(kern, time_us_weight_q=kr.time_us_weight_q,
-                                                time_us_gemm=kr.time_us_gemm,
-                                                producers=site.producers, compiled=compiled)
-                    kr.serve_speedup = (rr.baseline_us / kr.serve_us
-                                        if rr.baseline_us and kr.serve_us else None)
+                price(kr, kern, role, rr.shape, site.producers, rr.baseline_us)
     return out
 
 
@@ -161,14 +148,14 @@ def main(argv=None) -> int:
                     "--plan-train)")
     ap.add_argument("--batch-size", type=int, default=64,
                     help="rows of the one CPU training step that reads the producers")
+    ap.add_argument("--eval-set", default=os.path.join(ROOT, "bench", "evalset"),
+                    help="the evaluation set's package (its EVAL_MODELS and loss_fn)")
     ap.add_argument("--out", help="JSON file for the results")
     args = ap.parse_args(argv)
-    import bench.evalset as es
-    if args.model not in es.EVAL_MODELS:
-        ap.error(f"unknown model {args.model!r}; choose from {sorted(es.EVAL_MODELS)}")
     if args.batch_size < 1:
         ap.error("--batch-size must be positive")
     try:
+        es = eval_set_with(args.eval_set, args.model)
         before = ProbeReport.load(args.report)
         with planning_off_device():
             plans = {"train": (Plan.load(args.plan_train) if args.plan_train

@@ -53,7 +53,7 @@ from ..kernels.roofline import autotune_limit, device_peaks, max_speedup
 from ..kernels.registry import Kernel, Library
 from ..numerics import mere_denominator
 from ..timing import TimingResult, time_fn
-from .pricing import can_fuse, serve_time_us, step_time_us
+from .pricing import can_fuse, price
 from .report import (ROOFLINE_NOT_TIMED, ErrorStat, KernelResult, ProbeReport, RoleReport,
                      SiteReport)
 from .sampler import OperandSampler, error_rows, naive_pair, seed_for
@@ -554,18 +554,7 @@ class _Measurement:
                 tg = self.timer.time(k.name, role, shape, dev, dtype, gemm_only=True)
             if isinstance(tg, TimingResult):
                 kr.time_us_gemm = tg.median_us
-                kr.step_us = step_time_us(
-                    k, role, shape, time_us=kr.time_us, time_us_gemm=kr.time_us_gemm,
-                    time_us_weight_q=kr.time_us_weight_q, producers=producers,
-                    compiled=kr.timing.endswith("+compiled"))
-                if base_us is not None and kr.step_us and kr.step_us > 0:
-                    kr.step_speedup = base_us / kr.step_us
-                if role is Role.FWD:  # serving: the weight quantized once, x as priced
-                    kr.serve_us = serve_time_us(
-                        k, time_us_weight_q=kr.time_us_weight_q, time_us_gemm=kr.time_us_gemm,
-                        producers=producers, compiled=kr.timing.endswith("+compiled"))
-                    if base_us is not None and kr.serve_us and kr.serve_us > 0:
-                        kr.serve_speedup = base_us / kr.serve_us
+                price(kr, k, role, shape, producers, base_us)
 
     def naive(self, site: SiteStats, role: Role, dev: torch.device, dtype: torch.dtype,
               kernels: Sequence[Kernel], rows: int) -> Dict[str, Union[SampleErrors, Failure]]:

@@ -42,9 +42,10 @@ from typing import Mapping, Optional, Tuple
 from ..config import Role
 from ..kernels.registry import Kernel, Scaling
 from .producers import FUSIBLE
+from .report import KernelResult
 
 __all__ = ["FUSED_SHARE", "OPERAND_SOURCES", "can_fuse", "split_quantization", "step_time_us",
-           "serve_time_us"]
+           "serve_time_us", "price"]
 
 FUSED_SHARE = {Scaling.ROWWISE: 1 / 3, Scaling.BLOCKWISE: 1 / 3, Scaling.TENSORWISE: 3 / 5}
 """share of a separate quantization pass's traffic left when it fuses into its producer"""
@@ -135,3 +136,25 @@ def serve_time_us(kernel: Kernel, *, time_us_weight_q: Optional[float],
         return None
     qa = max(time_us_weight_q - time_us_gemm, 0.0)
     return time_us_weight_q - qa * (1.0 - _fused_share(kernel, Role.FWD, "x"))
+
+
+def price(kr: KernelResult, kernel: Kernel, role: Role, shape: Tuple[int, int, int],
+          producers: Mapping[str, str], baseline_us: Optional[float]) -> None:
+    """Set ``kr``'s step-aware prices from its own timings: ``step_us`` and
+    ``step_speedup`` where an operand's quantization fuses into its producer
+    (:func:`can_fuse`), and for the forward ``serve_us`` and ``serve_speedup`` where x's
+    does; None elsewhere. The Probe prices each kernel it times this way, and a report
+    made earlier can be priced again with other producers (``bench/reprice.py``)."""
+    compiled = kr.timing.endswith("+compiled")
+    kr.step_us = (step_time_us(kernel, role, shape, time_us=kr.time_us,
+                               time_us_gemm=kr.time_us_gemm,
+                               time_us_weight_q=kr.time_us_weight_q, producers=producers,
+                               compiled=compiled)
+                  if can_fuse(kernel, role, producers, compiled) else None)
+    kr.serve_us = (serve_time_us(kernel, time_us_weight_q=kr.time_us_weight_q,
+                                 time_us_gemm=kr.time_us_gemm, producers=producers,
+                                 compiled=compiled)
+                   if role is Role.FWD else None)
+    kr.step_speedup, kr.serve_speedup = (
+        baseline_us / t if baseline_us is not None and t and t > 0 else None
+        for t in (kr.step_us, kr.serve_us))

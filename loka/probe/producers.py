@@ -156,10 +156,10 @@ def _reduced_range(node) -> Optional[Tuple[bool, int]]:
             return None
         return (True, int(c) // int(group) * int(hw))
     if name in _NORMS:  # batch statistics: over the batch, not along a row
-        return (False, 0) if "Batch" in name else _dim_range(node, name)
+        return (False, 0) if "Batch" in name else _dim_range(node)
     if name not in _REDUCTIONS and name not in ("Max", "Min", "Logsumexp", "Amin"):
         return None
-    return _dim_range(node, name)
+    return _dim_range(node)
 
 
 def _input_sizes(node) -> Optional[Tuple[int, ...]]:
@@ -176,7 +176,7 @@ def _input_sizes(node) -> Optional[Tuple[int, ...]]:
         return None
 
 
-def _dim_range(node, name: str) -> Optional[Tuple[bool, int]]:
+def _dim_range(node) -> Optional[Tuple[bool, int]]:
     sizes = _input_sizes(node)
     if sizes is None:
         return None
@@ -195,7 +195,7 @@ def _region(node) -> Tuple[set, list]:
     """The pointwise region that ends at ``node``: walked back through views, parts and
     pointwise ops, it stops at reductions and at anything else. Returns (its data
     sources: the nodes it stops at that are neither reductions nor parameters, its
-    reductions)."""
+    reductions as ``(node, range)``, :func:`_reduced_range`)."""
     sources, reductions, seen = set(), [], set()
     stack = [node]
     while stack and len(seen) < _WALK_LIMIT:
@@ -204,8 +204,9 @@ def _region(node) -> Tuple[set, list]:
             continue
         seen.add(n)
         name = op_name(n)
-        if _reduced_range(n) is not None:
-            reductions.append(n)
+        reduced = _reduced_range(n)
+        if reduced is not None:
+            reductions.append((n, reduced))
         elif name in _VIEWS or name in _PIECES or name in _POINTWISE:
             stack.extend(child for child, _ in n.next_functions if child is not None)
         elif name != "AccumulateGrad":  # a parameter is a broadcast operand, not a source
@@ -223,16 +224,13 @@ def _blocked(node, row: int) -> bool:
     in a kernel of their own and fuses the row's amax into the kernel that reads both, as
     the evaluation-set DCNv2's cross layers show."""
     sources, reductions = _region(node)
-    blocked = [r for r in reductions
-               if (lambda rr: rr is not None and rr[0] and rr[1] != row)(_reduced_range(r))]
-    if not blocked:
-        return False
+    blocked = [r for r, (last, extent) in reductions if last and extent != row]
     fed = set()
     for r in blocked:
         for child, _ in r.next_functions:
             if child is not None:
                 fed |= _region(child)[0]
-    return sources <= fed
+    return bool(blocked) and sources <= fed
 
 
 def producer_of(t: torch.Tensor) -> str:

@@ -206,16 +206,13 @@ class KernelResult:
             if times[k] is not None and not (math.isfinite(times[k]) and times[k] > 0):
                 raise ReportError(f"{field_path(where, k)}: expected a finite number > 0, "
                                   f"got {times[k]!r}")
-        if times["step_us"] is not None and (times["time_us"] is None
-                                             or times["step_us"] > times["time_us"] * (1 + 1e-9)):
-            raise ReportError(f"{field_path(where, 'step_us')}: {times['step_us']!r} is not "
-                              f"at most the timed call's time_us ({times['time_us']!r})")
-        if times["serve_us"] is not None and (
-                times["time_us_weight_q"] is None
-                or times["serve_us"] > times["time_us_weight_q"] * (1 + 1e-9)):
-            raise ReportError(f"{field_path(where, 'serve_us')}: {times['serve_us']!r} is not "
-                              "at most the weight-quantized forward's time_us_weight_q "
-                              f"({times['time_us_weight_q']!r})")
+        for price, timed, what in (("step_us", "time_us", "the timed call's"),
+                                   ("serve_us", "time_us_weight_q",
+                                    "the weight-quantized forward's")):
+            if times[price] is not None and (times[timed] is None
+                                             or times[price] > times[timed] * (1 + 1e-9)):
+                raise ReportError(f"{field_path(where, price)}: {times[price]!r} is not at "
+                                  f"most {what} {timed} ({times[timed]!r})")
         return cls(kernel=name, time_us=times["time_us"], speedup=times["speedup"],
                    timing=field_str(d, "timing", where, "none"),
                    time_us_weight_q=times["time_us_weight_q"],
