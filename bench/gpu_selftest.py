@@ -228,7 +228,9 @@ def register_registry_checks():
     w = torch.randn(n, k, device=DEV).bfloat16()
     dy = (torch.randn(m, n, device=DEV) * 1e-3).bfloat16()
     operands = {"fwd": (x, w.t()), "dgrad": (dy, w), "wgrad": (dy.t().contiguous(), x)}
-    for kern in [k_ for k_ in loka.kernels.all_kernels() if k_.library == "triton"]:
+    # LoKA's Triton kernels, and the cuBLAS ones (PyTorch quantization around
+    # ``torch._scaled_mm`` / ``F.scaled_mm``, whose scale layouts the library checks)
+    for kern in [k_ for k_ in loka.kernels.all_kernels() if k_.library in ("triton", "cublas")]:
         for role, (a, b) in operands.items():
             if Role.parse(role) not in kern.roles:
                 continue

@@ -625,3 +625,23 @@ def test_reprice_prices_recorded_timings_with_the_producers_read_now(probed, tmp
     assert reprice.main(args[:1] + ["wukong"] + args[2:]) == 2  # not the report's model
     epath.write_text("{not json")
     assert reprice.main(args) == 2
+
+
+# ------------------------------------------------------------------ bench/blockwise_fusion.py
+def test_blockwise_fusion_regions_run_on_the_cpu_and_agree_with_float64(tmp_path):
+    """bench/blockwise_fusion.py's CPU smoke run: each region's output (block norm, Hard
+    Swish, then the GEMM) against the float64 product of the same producer output: bf16
+    within bf16 rounding, FP8 within e4m3's; a 1x256 scale (the norm's block) expanded to
+    the 1x128 the GEMM reads gives the same product as its own 1x256 dequantization."""
+    sys.path.insert(0, str(BENCH))
+    import blockwise_fusion as bf
+    out = tmp_path / "bf.json"
+    assert bf.main(["--device", "cpu", "--batch", "64", "--sites", "top.1.0", "--variants",
+                    "bf16,g256-emul,g256-nothing", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["sites"]["top.1.0"]["variants"]
+    assert rows["bf16"]["rel_err"] < 8e-3
+    assert 5e-3 < rows["g256-emul"]["rel_err"] < 0.06
+    assert "unknown variant" in rows["g256-nothing"]["error"]  # recorded, the run went on
+    scale = torch.tensor([[2.0, 0.5]])
+    assert torch.equal(bf.expand_scales(scale, 256), torch.tensor([[2.0, 2.0, 0.5, 0.5]]))
+    assert bf.expand_scales(scale, 128) is scale

@@ -49,7 +49,8 @@ def _probe_scaled_mm(dev: str, scaling: str, a_dtype: torch.dtype, b_dtype: torc
     device = torch.device(dev)
     if device.type == "cuda" and not torch.cuda.is_available():
         return False
-    m, k, n = 16, 128, 128
+    # K of four 128-blocks: the weight's blockwise scales then have one layout only
+    m, k, n = 16, 512, 128
     try:
         a = torch.ones(m, k, device=device).to(a_dtype)
         b = torch.ones(n, k, device=device).to(b_dtype).t()
@@ -66,7 +67,7 @@ def _probe_scaled_mm(dev: str, scaling: str, a_dtype: torch.dtype, b_dtype: torc
             if not hasattr(F, "scaled_mm"):
                 return False
             sa = torch.ones(k // 128, m, device=device).t()
-            sb = torch.ones(k // 128, n // 128, device=device)
+            sb = torch.ones(n // 128, k // 128, device=device).t()  # K-major
             F.scaled_mm(a, b, sa, F.ScalingType.BlockWise1x128, sb,
                         F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
         else:

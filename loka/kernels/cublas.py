@@ -38,9 +38,12 @@ def _scaled_mm(qa: QTensor, qb: QTensor, out_dtype: torch.dtype, fast_accum: boo
     if scaling is Granularity.BLOCKWISE:
         import torch.nn.functional as F
 
-        # 1x128 scales must be outer-dim-major: (M, K/128) stored column-major.
+        # 1x128 scales must be outer-dim-major, (M, K/128) stored column-major, and the
+        # weight's 128x128 scales K-major, (K/128, N/128) stored column-major too (torch
+        # 2.11 on an H100 refuses row-major ones: "scale_b must have strides (1, K/128)")
         sa = qa.scale.t().contiguous().t()
-        return F.scaled_mm(a, b, sa, F.ScalingType.BlockWise1x128, qb.scale,
+        sb = qb.scale.t().contiguous().t()
+        return F.scaled_mm(a, b, sa, F.ScalingType.BlockWise1x128, sb,
                            F.ScalingType.BlockWise128x128, output_dtype=out_dtype,
                            use_fast_accum=fast_accum)
     sa, sb = qa.scale, qb.scale

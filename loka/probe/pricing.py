@@ -24,12 +24,28 @@ memory traffic that remains (per element, bf16 operands):
 Rowwise scales of the weight gradient's operands run along the token dimension (a
 column amax of x and dy), which a row-at-a-time producer cannot finish: those keep their
 pass. Weights keep theirs too (they come from the optimizer, not from the step's ops).
-Operands of other kinds (a GEMM's output, an embedding, the model's input, a norm over
-blocks of the row: ``blocked``) pay the pass as timed.
+
+A norm over blocks of the row (``blocked``) takes a tensorwise quantization but not a
+rowwise or blockwise one: a tensor's amax is a reduction over every block, which the
+norm's kernel carries beside its block statistics, and the cast kernel recomputes the
+norm from its input (x read twice, no high-precision copy written); a row's amax reduces
+over a range the norm's blocks do not match, so Inductor writes the statistics, reduces
+the row in kernels of its own and casts, reading x three times (the CUDA code of
+``bench/blockwise_fusion.py``'s regions, and its H100 timings:
+``bench/results/2026-12-05-h100-blockwise-fusion/``). ``blocked`` is therefore fusible for
+tensorwise kernels (priced like ``pointwise``) and a pass of its own for the others.
+Operands of other kinds (a GEMM's output, an embedding, the model's input) pay the pass
+as timed.
 
 Serving (:func:`serve_time_us`) quantizes the weight once, when the plan is applied: the
 forward timed that way (``time_us_weight_q``) less the GEMM alone is x's quantization,
-priced the same way by x's producer.
+priced by x's producer as above, except that a fused tensorwise quantization keeps
+``1/5`` of its pass (:data:`SERVE_FUSED_SHARE`): a serving forward keeps no
+high-precision copy of x for a backward, so the cast kernel that recomputes the producer
+(reads 2 bytes, writes 1) replaces the producer's own bf16 write (2 bytes), one byte left of
+the separate passes' five. The four Wukong-shaped regions of
+``bench/blockwise_fusion.py`` (a block norm, perhaps a Hard Swish, then the GEMM; H100)
+kept 0.13-0.6 of it, 0.32 on average, against a timed separate pass.
 
 These shares are a model from byte counts, not a measurement: the evaluation harness
 records the prediction beside every measured step so that the gap is known.
@@ -44,11 +60,19 @@ from ..kernels.registry import Kernel, Scaling
 from .producers import FUSIBLE
 from .report import KernelResult
 
-__all__ = ["FUSED_SHARE", "OPERAND_SOURCES", "can_fuse", "split_quantization", "step_time_us",
+__all__ = ["FUSED_SHARE", "SERVE_FUSED_SHARE", "FUSIBLE_BY_SCALING", "OPERAND_SOURCES", "can_fuse", "split_quantization", "step_time_us",
            "serve_time_us", "price"]
 
 FUSED_SHARE = {Scaling.ROWWISE: 1 / 3, Scaling.BLOCKWISE: 1 / 3, Scaling.TENSORWISE: 3 / 5}
 """share of a separate quantization pass's traffic left when it fuses into its producer"""
+
+SERVE_FUSED_SHARE = {**FUSED_SHARE, Scaling.TENSORWISE: 1 / 5}
+"""the same in a serving forward, where no high-precision copy of x is kept (module
+docstring)"""
+
+FUSIBLE_BY_SCALING = {Scaling.TENSORWISE: FUSIBLE + ("blocked",)}
+"""producer kinds whose quantization fuses, by the kernel's scaling where they differ
+from :data:`~loka.probe.producers.FUSIBLE` (module docstring)"""
 
 OPERAND_SOURCES = {Role.FWD: ("x", "weight"), Role.DGRAD: ("dy", "weight"),
                    Role.WGRAD: ("dy", "x")}
@@ -71,18 +95,18 @@ def split_quantization(role: Role, shape: Tuple[int, int, int], time_us: float,
     return qa, quant - qa
 
 
-def _fused_share(kernel: Kernel, role: Role, source: str) -> float:
+def _fused_share(kernel: Kernel, role: Role, source: str, serve: bool = False) -> float:
     if source == "weight":
         return 1.0
     if role is Role.WGRAD and kernel.scaling is not Scaling.TENSORWISE:
         return 1.0  # column amaxes: the producer cannot finish them
-    return FUSED_SHARE.get(kernel.scaling, 1.0)
+    return (SERVE_FUSED_SHARE if serve else FUSED_SHARE).get(kernel.scaling, 1.0)
 
 
 def _fuses(kernel: Kernel, role: Role, source: str, producers: Mapping[str, str],
            compiled: bool) -> bool:
     """Whether the quantization of the operand from ``source`` fuses into its producer."""
-    return (compiled and producers.get(source) in FUSIBLE
+    return (compiled and producers.get(source) in FUSIBLE_BY_SCALING.get(kernel.scaling, FUSIBLE)
             and _fused_share(kernel, role, source) < 1.0)
 
 
@@ -135,7 +159,7 @@ def serve_time_us(kernel: Kernel, *, time_us_weight_q: Optional[float],
             or not _fuses(kernel, Role.FWD, "x", producers, compiled)):
         return None
     qa = max(time_us_weight_q - time_us_gemm, 0.0)
-    return time_us_weight_q - qa * (1.0 - _fused_share(kernel, Role.FWD, "x"))
+    return time_us_weight_q - qa * (1.0 - _fused_share(kernel, Role.FWD, "x", serve=True))
 
 
 def price(kr: KernelResult, kernel: Kernel, role: Role, shape: Tuple[int, int, int],

@@ -171,7 +171,8 @@ def test_a_norm_over_blocks_of_the_row_is_not_a_producer_a_row_quantization_fuse
 
 def test_block_norm_producers_are_priced_as_a_pass_of_their_own():
     """The evaluation set's own block norm (written outside loka) makes x 'blocked'; the
-    step-aware price then keeps x's whole pass."""
+    step-aware price then keeps x's whole pass for rowwise and blockwise kernels, and fuses
+    a tensorwise kernel's (its amax rides in the norm's kernel)."""
     import importlib.util
     import pathlib
     path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "evalset" / "common.py"
@@ -183,6 +184,16 @@ def test_block_norm_producers_are_priced_as_a_pass_of_their_own():
     blocked = {"x": "blocked", "dy": "pointwise"}
     assert _price(ROWWISE, Role.FWD, blocked) == pytest.approx(16.0)
     assert _price(ROWWISE, Role.DGRAD, blocked) < 16.0  # dy's pass still fuses
+    assert _price("cublas-blockwise", Role.FWD, blocked) == pytest.approx(16.0)
+    fused = _price(TENSORWISE, Role.FWD, {"x": "pointwise", "dy": "pointwise"})
+    assert _price(TENSORWISE, Role.FWD, blocked) == pytest.approx(fused)
+    assert fused == pytest.approx(16 - 3 * (1 - 3 / 5))
+    assert _price(TENSORWISE, Role.FWD, blocked, compiled=False) == 16.0  # eager: no fusion
+    # serving: x's pass of the weight-quantized forward (13 - 10 us)
+    assert serve_time_us(get(TENSORWISE), time_us_weight_q=13.0, time_us_gemm=10.0,
+                         producers=blocked, compiled=True) == pytest.approx(13 - 3 * (1 - 1 / 5))
+    assert serve_time_us(get(ROWWISE), time_us_weight_q=13.0, time_us_gemm=10.0,
+                         producers=blocked, compiled=True) is None  # pays its timed pass
 
 
 def test_bad_producer_kinds_in_a_report_are_refused():
@@ -256,12 +267,14 @@ def _scripted(monkeypatch, times):
 
 def test_serving_prices_xs_quantization_by_its_producer():
     """The weight is quantized once; x's pass (weight-quantized forward 13 us less the GEMM
-    alone 10 us) is what fuses, at the share its scaling keeps."""
+    alone 10 us) is what fuses, at the share its scaling keeps: a fifth for tensorwise,
+    whose cast kernel replaces the producer's own bf16 write in a serving forward."""
     def serve(kernel, producers, compiled=True, tq=13.0, tg=10.0):
         return serve_time_us(get(kernel), time_us_weight_q=tq, time_us_gemm=tg,
                              producers=producers, compiled=compiled)
     assert serve(ROWWISE, {"x": "pointwise"}) == pytest.approx(13 - 3 * (1 - 1 / 3))
-    assert serve(TENSORWISE, {"x": "pointwise"}) == pytest.approx(13 - 3 * (1 - 3 / 5))
+    assert serve(TENSORWISE, {"x": "pointwise"}) == pytest.approx(13 - 3 * (1 - 1 / 5))
+    assert serve(TENSORWISE, {"x": "blocked"}) == pytest.approx(13 - 3 * (1 - 1 / 5))
     for producers, compiled in (({"x": "blocked"}, True), ({"x": "gemm"}, True),
                                 ({"x": "pointwise"}, False), ({}, True)):
         assert serve(ROWWISE, producers, compiled) is None
