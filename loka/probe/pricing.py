@@ -60,8 +60,8 @@ from ..kernels.registry import Kernel, Scaling
 from .producers import FUSIBLE
 from .report import KernelResult
 
-__all__ = ["FUSED_SHARE", "SERVE_FUSED_SHARE", "FUSIBLE_BY_SCALING", "OPERAND_SOURCES", "can_fuse", "split_quantization", "step_time_us",
-           "serve_time_us", "price"]
+__all__ = ["FUSED_SHARE", "SERVE_FUSED_SHARE", "FUSIBLE_BY_SCALING", "OPERAND_SOURCES",
+           "can_fuse", "split_quantization", "step_time_us", "serve_time_us", "price"]
 
 FUSED_SHARE = {Scaling.ROWWISE: 1 / 3, Scaling.BLOCKWISE: 1 / 3, Scaling.TENSORWISE: 3 / 5}
 """share of a separate quantization pass's traffic left when it fuses into its producer"""
