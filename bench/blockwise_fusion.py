@@ -58,7 +58,8 @@ def expand_scales(scale: torch.Tensor, group: int) -> torch.Tensor:
     return scale.repeat_interleave(group // 128, dim=1) if group > 128 else scale
 
 
-VARIANT = re.compile(r"bf16|(rowwise|tensorwise)-fastacc|g(128|256|512)-(triton|cublas|cublasT|emul)")
+VARIANT = re.compile(
+    r"bf16|(rowwise|tensorwise)-fastacc|g(128|256|512)-(triton|cublas|cublasT|emul)")
 
 
 def make_variant(name: str, block: int, act: bool, w: torch.Tensor):
