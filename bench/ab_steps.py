@@ -12,7 +12,9 @@ spread of A's own rounds says how large a difference must be to be more than noi
         --report runs_carry/eval_set.dlrm.b4096.report.json --out ab.json [--graphs]
 
 A is the model as written (bf16 on a GPU); B is ``loka.apply(model, loka.plan(report))``
-(``inference=True`` for ``--mode serve``). After the rounds, each variant's host time per
+(``inference=True`` for ``--mode serve``). ``--plan-a`` / ``--plan-b`` apply saved plans
+instead (two plans of one model compared side by side: ``--plan-a old.json --plan-b
+new.json``). After the rounds, each variant's host time per
 step (:func:`loka.bench.evalset.profile_host`) and, on a GPU, its GPU time
 (:func:`loka.bench.evalset.profile_gpu`). On the CPU it runs the same way (float32, its
 times mean nothing; the tests use it so).
@@ -70,6 +72,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--batch-size", type=int, default=4096)
     p.add_argument("--mode", default="train", choices=("train", "serve"))
     p.add_argument("--report", required=True, help="the model's Probe report (JSON)")
+    p.add_argument("--plan-a", help="a plan JSON applied to A (default: none, the model as written)")
+    p.add_argument("--plan-b", help="a plan JSON applied to B (default: loka.plan(report))")
     p.add_argument("--graphs", action="store_true", help="compile with CUDA graphs")
     p.add_argument("--assume-fast", action="store_true",
                    help="plan as loka.plan(..., assume_fast=True) (a report without GPU timings)")
@@ -84,6 +88,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         es = eval_set_with(args.eval_set, args.model)
         report = loka.ProbeReport.load(args.report)
+        plans = {v: loka.Plan.load(path) for v, path in (("A", args.plan_a), ("B", args.plan_b))
+                 if path}
     except (ValueError, OSError) as e:
         p.error(str(e).splitlines()[0])
     device = torch.device(args.device)
@@ -92,9 +98,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     base = es.EVAL_MODELS[args.model](args.scale).to(device=device, dtype=dtype)
     batch = base.make_batch(args.batch_size, device, dtype, seed=0)
     serve = args.mode == "serve"
-    plan = loka.plan(report, inference=serve, device=device, assume_fast=args.assume_fast)
+    plans.setdefault("B", loka.plan(report, inference=serve, device=device,
+                                    assume_fast=args.assume_fast))
     models = {"A": copy.deepcopy(base), "B": copy.deepcopy(base)}
-    loka.apply(models["B"], plan, inference=serve)
+    for v, plan in plans.items():
+        loka.apply(models[v], plan, inference=serve)
     mode = "reduce-overhead" if args.graphs else None
     steps = {}
     for name, m in models.items():
@@ -114,8 +122,8 @@ def main(argv: Optional[List[str]] = None) -> int:
            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "model": args.model, "scale": args.scale, "batch_size": args.batch_size,
            "mode": args.mode, "graphs": args.graphs,
-           "fp8_site_roles": sum(c.kernel != plan.baseline for sp in plan.sites.values()
-                                 for c in sp.roles.values()),
+           "fp8_site_roles": {v: sum(c.kernel != plan.baseline for sp in plan.sites.values()
+                                     for c in sp.roles.values()) for v, plan in plans.items()},
            "order": round_order(args.rounds), "round_ms": medians, **summarize(medians),
            "host": {v: profile_host(steps[v], device, 3) for v in ("A", "B")}}
     if device.type == "cuda":

@@ -505,8 +505,18 @@ def test_ab_steps_alternates_the_two_compiled_steps(probed, tmp_path):
             "--warmup", "1", "--device", "cpu", "--out", str(out)]
     assert ab_steps.main(args) == 0
     doc = json.loads(out.read_text())
-    assert doc["order"] == ["A", "B", "B", "A"] and doc["fp8_site_roles"] > 0
+    assert doc["order"] == ["A", "B", "B", "A"] and doc["fp8_site_roles"]["B"] > 0
+    assert "A" not in doc["fp8_site_roles"]  # the model as written
     assert len(doc["round_ms"]["A"]) == len(doc["round_ms"]["B"]) == 2
+    # two saved plans side by side: B's plan on A too, and a plan with no FP8 role on B
+    plan = loka.plan(probed["dlrm"][2], inference=True, assume_fast=True)
+    plan.save(tmp_path / "p.json")
+    none = loka.plan(probed["dlrm"][2], inference=True)  # untimed on the CPU: all bf16
+    none.save(tmp_path / "none.json")
+    assert ab_steps.main(args + ["--plan-a", str(tmp_path / "p.json"),
+                                 "--plan-b", str(tmp_path / "none.json")]) == 0
+    two = json.loads(out.read_text())
+    assert two["fp8_site_roles"] == {"A": doc["fp8_site_roles"]["B"], "B": 0}
     assert doc["ratio_a_over_b"] > 0 and doc["a_ms"] > 0 and "gpu_ms" not in doc
     assert set(doc["host"]) == {"A", "B"} and doc["host"]["B"]["host_us_per_step"] > 0
     with pytest.raises(SystemExit) as e:
