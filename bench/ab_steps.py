@@ -14,7 +14,9 @@ spread of A's own rounds says how large a difference must be to be more than noi
 A is the model as written (bf16 on a GPU); B is ``loka.apply(model, loka.plan(report))``
 (``inference=True`` for ``--mode serve``). ``--plan-a`` / ``--plan-b`` apply saved plans
 instead (two plans of one model compared side by side: ``--plan-a old.json --plan-b
-new.json``). After the rounds, each variant's host time per
+new.json``); ``--static-b`` serves B with static activation scales, each site's input amax
+as the report observed it (``loka.dispatch.swap.amax_from_report``), so that B's casts
+need no amax pass. After the rounds, each variant's host time per
 step (:func:`loka.bench.evalset.profile_host`) and, on a GPU, its GPU time
 (:func:`loka.bench.evalset.profile_gpu`). On the CPU it runs the same way (float32, its
 times mean nothing; the tests use it so).
@@ -39,6 +41,7 @@ if str(ROOT) not in sys.path:
 import loka  # noqa: E402
 from loka.bench.evalset import (eval_set_with, make_step, profile_gpu, profile_host,  # noqa: E402
                                 time_steps)
+from loka.dispatch.swap import amax_from_report  # noqa: E402
 from loka.timing import synchronize  # noqa: E402
 
 
@@ -74,6 +77,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--report", required=True, help="the model's Probe report (JSON)")
     p.add_argument("--plan-a", help="a plan JSON applied to A (default: none, the model as written)")
     p.add_argument("--plan-b", help="a plan JSON applied to B (default: loka.plan(report))")
+    p.add_argument("--static-b", action="store_true",
+                   help="serve B with static activation scales from the report's amax")
     p.add_argument("--graphs", action="store_true", help="compile with CUDA graphs")
     p.add_argument("--assume-fast", action="store_true",
                    help="plan as loka.plan(..., assume_fast=True) (a report without GPU timings)")
@@ -85,6 +90,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.rounds < 2 or args.steps < 1 or args.warmup < 1 or args.batch_size < 1:
         p.error("--rounds must be >= 2, --steps, --warmup and --batch-size >= 1")
+    if args.static_b and args.mode != "serve":
+        p.error("--static-b is for --mode serve (training takes dynamic scales)")
     try:
         es = eval_set_with(args.eval_set, args.model)
         report = loka.ProbeReport.load(args.report)
@@ -101,8 +108,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     plans.setdefault("B", loka.plan(report, inference=serve, device=device,
                                     assume_fast=args.assume_fast))
     models = {"A": copy.deepcopy(base), "B": copy.deepcopy(base)}
+    static = {"B": amax_from_report(report)} if args.static_b else {}
     for v, plan in plans.items():
-        loka.apply(models[v], plan, inference=serve)
+        scales = {k: a for k, a in static.get(v, {}).items() if k in plan.sites}
+        loka.apply(models[v], plan, inference=serve, static_scales=scales or None)
     mode = "reduce-overhead" if args.graphs else None
     steps = {}
     for name, m in models.items():
@@ -121,7 +130,7 @@ def main(argv: Optional[List[str]] = None) -> int:
            "torch": torch.__version__,
            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "model": args.model, "scale": args.scale, "batch_size": args.batch_size,
-           "mode": args.mode, "graphs": args.graphs,
+           "mode": args.mode, "graphs": args.graphs, "static_b": args.static_b,
            "fp8_site_roles": {v: sum(c.kernel != plan.baseline for sp in plan.sites.values()
                                      for c in sp.roles.values()) for v, plan in plans.items()},
            "order": round_order(args.rounds), "round_ms": medians, **summarize(medians),

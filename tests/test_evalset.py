@@ -517,6 +517,10 @@ def test_ab_steps_alternates_the_two_compiled_steps(probed, tmp_path):
                                  "--plan-b", str(tmp_path / "none.json")]) == 0
     two = json.loads(out.read_text())
     assert two["fp8_site_roles"] == {"A": doc["fp8_site_roles"]["B"], "B": 0}
+    assert ab_steps.main(args + ["--plan-b", str(tmp_path / "p.json"), "--static-b"]) == 0
+    assert json.loads(out.read_text())["static_b"] is True
+    with pytest.raises(SystemExit):  # training takes dynamic scales
+        ab_steps.main([a if a != "serve" else "train" for a in args] + ["--static-b"])
     assert doc["ratio_a_over_b"] > 0 and doc["a_ms"] > 0 and "gpu_ms" not in doc
     assert set(doc["host"]) == {"A", "B"} and doc["host"]["B"]["host_us_per_step"] > 0
     with pytest.raises(SystemExit) as e:
