@@ -10,7 +10,10 @@ Variants: ``bf16`` (no plan), the plan given with ``--plan``, and one variant pe
 of ``--families``: the plan's FP8 site-roles all moved to that kernel, so that the same
 sites and roles compare by how their operands are quantized. ``--delayed`` adds, for the
 plan and each family, a twin with delayed tensorwise scaling (``loka.apply(...,
-delayed_scaling=True)``; only roles that scale tensorwise change). ``--inductor-config
+delayed_scaling=True)``; only roles that scale tensorwise change). ``--static-report
+REPORT`` adds, for serving, a twin with static activation scales: each site's input amax
+as the Probe report observed it (``loka.apply(..., static_scales=amax_from_report(...))``;
+the cast then needs no amax pass). ``--inductor-config
 KEY=VALUE`` (repeatable) sets ``torch._inductor.config`` options for every variant (how
 Inductor's own choices move the bytes, bf16's included). A variant that fails is
 recorded with its error and the others go on. Without a GPU, serving plans whose weights
@@ -42,7 +45,7 @@ import loka  # noqa: E402
 from loka.bench import evalset as lev  # noqa: E402
 from loka.bench.stepcode import (cuda_step_code, inductor_options, inventory, output_code,  # noqa: E402
                                  summarize)
-from loka.dispatch import Plan, RoleChoice  # noqa: E402
+from loka.dispatch import Plan, RoleChoice, amax_from_report  # noqa: E402
 from loka.jsonio import atomic_write_text  # noqa: E402
 import json  # noqa: E402
 
@@ -58,7 +61,8 @@ def variant_plan(plan: Plan, kernel: str) -> Plan:
 
 
 def measure(model_cls, scale: str, batch_size: int, plan, mode: str, on_cuda: bool,
-            save_dir: str | None, tag: str, delayed: bool = False, steps: int = 0) -> dict:
+            save_dir: str | None, tag: str, delayed: bool = False, steps: int = 0,
+            static_scales=None) -> dict:
     import bench.evalset as es
     torch.manual_seed(0)
     model = model_cls(scale).to(torch.bfloat16)
@@ -73,7 +77,9 @@ def measure(model_cls, scale: str, batch_size: int, plan, mode: str, on_cuda: bo
     if plan is not None:
         # a CPU model takes CUDA kernels here: the code is generated for a CUDA device
         with mock.patch("loka.dispatch.swap._device_problem", lambda *a: None):
-            loka.apply(model, plan, inference=(mode == "serve"), delayed_scaling=delayed)
+            scales = {k: a for k, a in (static_scales or {}).items() if k in plan.sites}
+            loka.apply(model, plan, inference=(mode == "serve"), delayed_scaling=delayed,
+                       static_scales=scales or None)
     if mode == "serve":
         model.eval()
     inputs, labels = model.make_batch(batch_size, device=device, dtype=torch.bfloat16, seed=0)
@@ -153,6 +159,9 @@ def main(argv=None) -> int:
                     help="comma-separated kernels: one variant each, the plan's FP8 roles on it")
     ap.add_argument("--delayed", action="store_true",
                     help="add a delayed-scaling twin of the plan and of each family")
+    ap.add_argument("--static-report", metavar="REPORT",
+                    help="serving: add a twin of the plan and of each family with static "
+                         "activation scales from this Probe report's observed input amax")
     ap.add_argument("--inductor-config", action="append", default=[], metavar="KEY=VALUE",
                     help="a torch._inductor.config option for every variant (repeatable; "
                          "VALUE is read as JSON, e.g. realize_reads_threshold=3)")
@@ -200,13 +209,23 @@ def main(argv=None) -> int:
         loka.kernels.registry.get(k)  # an unknown kernel fails here, in one line
     if args.delayed and args.mode != "train":
         ap.error("--delayed is for training (serving takes static scales)")
-    variants = [("bf16", None, False)]
+    static = None
+    if args.static_report:
+        if args.mode != "serve" or plan is None:
+            ap.error("--static-report is for --mode serve with --plan or --uniform")
+        try:
+            static = amax_from_report(loka.ProbeReport.load(args.static_report))
+        except (ValueError, OSError, KeyError) as e:
+            ap.error(f"--static-report: {str(e).splitlines()[0]}")
+    variants = [("bf16", None, False, None)]
     if plan is not None:
         planned = [("plan", plan)] + [(k, variant_plan(plan, k)) for k in families]
         for tag, p in planned:
-            variants.append((tag, p, False))
+            variants.append((tag, p, False, None))
             if args.delayed:
-                variants.append((tag + "+delayed", p, True))
+                variants.append((tag + "+delayed", p, True, None))
+            if static:
+                variants.append((tag + "+static", p, False, static))
     on_cuda = torch.cuda.is_available()
     rows = {}
 
@@ -220,13 +239,13 @@ def main(argv=None) -> int:
                     "plan": args.plan or (f"uniform:{args.uniform}" if args.uniform else None),
                     "inductor_config": inductor, "variants": rows}
             atomic_write_text(args.out, json.dumps(meta, indent=1) + "\n")
-    for tag, p, delayed in variants:
+    for tag, p, delayed, scales in variants:
         print(f"[step_code] {tag} ...", file=sys.stderr, flush=True)
         try:
             with inductor_config.patch(inductor):
                 rows[tag] = measure(es.EVAL_MODELS[args.model], args.scale, args.batch_size,
                                     p, args.mode, on_cuda, args.save_code, tag, delayed,
-                                    args.steps)
+                                    args.steps, scales)
         except Exception as e:  # noqa: BLE001 - one variant's failure keeps the others
             rows[tag] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
             print(f"[step_code] {tag} failed: {rows[tag]['error']}", file=sys.stderr)

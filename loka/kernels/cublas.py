@@ -49,6 +49,8 @@ def _scaled_mm(qa: QTensor, qb: QTensor, out_dtype: torch.dtype, fast_accum: boo
     sa, sb = qa.scale, qb.scale
     if scaling is Granularity.TENSORWISE:
         sa, sb = sa.reshape(()), sb.reshape(())
+    else:  # rowwise scales must be contiguous: a static scale broadcast over rows is not
+        sa, sb = sa.contiguous(), sb.contiguous()
     return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype,
                             use_fast_accum=fast_accum)
 

@@ -139,8 +139,11 @@ def test_static_scales_equal_dynamic_ones_at_the_observed_amax():
 
 
 @pytest.mark.parametrize("kernel", ["emulated-rowwise-e4m3", "cublas-tensorwise",
-                                    "emulated-blockwise-e4m3", "emulated-mx-e4m3"])
+                                    "cublas-rowwise", "emulated-blockwise-e4m3",
+                                    "emulated-mx-e4m3"])
 def test_static_scales_saturate_beyond_the_amax(kernel):
+    """Also on a real rowwise GEMM, whose library wants contiguous row scales (a static
+    scale is one value broadcast over the rows)."""
     amax = 448 * 2.0 ** -8  # 1.75: its scale is a power of two, so MX does not round it
     model = MLP()
     loka.apply(model, Plan.uniform(model, kernel, module_filter="layers.0"), inference=True,
