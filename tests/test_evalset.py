@@ -659,3 +659,32 @@ def test_blockwise_fusion_regions_run_on_the_cpu_and_agree_with_float64(tmp_path
     scale = torch.tensor([[2.0, 0.5]])
     assert torch.equal(bf.expand_scales(scale, 256), torch.tensor([[2.0, 2.0, 0.5, 0.5]]))
     assert bf.expand_scales(scale, 128) is scale
+
+
+def test_the_static_row_serves_the_plan_with_the_amax_the_probe_saw(probed):
+    """``loka-static``: the serving plan of the ``loka`` row, each FP8 forward whose kernel
+    takes a static scale quantizing x with the input amax the report observed."""
+    from loka.bench import evalset as lev
+    from loka.dispatch.swap import amax_from_report
+
+    model, batches, report = probed["dlrm"]
+    plan = loka.plan(report, inference=True, assume_fast=True)
+    scales = lev.static_scales(report, plan)
+    fp8 = {n for n, sp in plan.sites.items()
+           if sp.roles[loka.Role.FWD].kernel != plan.baseline}
+    assert scales and set(scales) <= fp8
+    observed = amax_from_report(report)
+    assert all(scales[n] == observed[n] > 0 for n in scales)
+    case = lev.Case("dlrm", 64, model, batches[0], {}, 0, report=report,
+                    plans={"train": plan, "serve": plan})
+    served = copy.deepcopy(model)
+    sites, _, extra = lev.convert(served, "loka-static", "serve", case, torch.device("cpu"))
+    assert sites == len(fp8) and extra["static_sites"] == sorted(scales)
+    for name in scales:
+        assert float(served.get_submodule(name).input_amax) == pytest.approx(scales[name])
+    inputs = batches[0][0]
+    with torch.no_grad():
+        assert 0 < _rel(served.eval()(*inputs), model.eval()(*inputs)) < 0.15
+    none = lev.Case("dlrm", 64, model, batches[0], {}, 0)  # no Probe ran
+    with pytest.raises(lev.Skip, match="no plan"):
+        lev.convert(copy.deepcopy(model), "loka-static", "serve", none, torch.device("cpu"))

@@ -24,6 +24,11 @@ only in what its Linears run:
   ``loka.plan(report, inference=True)``) -> ``loka.apply(model, plan)`` (serving:
   ``inference=True``), then the same compile. The Probe runs once per model and batch size
   and both plans come from its report;
+- ``loka-static`` (serving): the ``loka`` row's serving plan applied with static
+  activation scales (``loka.apply(..., static_scales=amax_from_report(report))``, the
+  input amax the Probe observed at each site whose forward kernel takes one): the casts
+  need no amax pass and fuse into the kernels that make x; values beyond the observed amax
+  saturate. Its prediction is the dynamic plan's (the Probe does not price static scales);
 - ``loka-delayed`` (training): ``loka.plan(report, allowed_kernels=<the tensorwise kernels
   the report measured>)`` with ``plan.delayed_scaling`` set (``loka plan --kernels ...
   --delayed-scaling``): the same report, every FP8 role on a tensorwise kernel whose casts
@@ -77,12 +82,13 @@ import importlib.metadata
 import importlib.util
 import types
 
-from ..config import ProbeConfig
+from ..config import ProbeConfig, Role
 from ..dispatch import apply as apply_plan
 from ..dispatch import optimize as optimize_plan
 from ..dispatch import plan as make_plan
 from ..dispatch import predict_step
-from ..dispatch.linear import delayable
+from ..dispatch.linear import delayable, takes_static_input_scale
+from ..dispatch.swap import amax_from_report
 from ..jsonio import atomic_write_text, json_safe
 from ..kernels import registry
 from ..numerics.delayed import DEFAULT_DECAY
@@ -115,7 +121,7 @@ VARIANTS = {
     "train": ("bf16",) + tuple(f"torchao-{r}" for r in TORCHAO_TRAIN_RECIPES)
     + ("loka", "loka-optimize", "loka-delayed"),
     "serve": ("bf16",) + tuple(f"torchao-{r}" for r in TORCHAO_SERVE_RECIPES)
-    + ("loka", "loka-optimize"),
+    + ("loka", "loka-optimize", "loka-static"),
 }
 KERNEL_CLASSES = ("gemm_bf16", "gemm_fp8", "quantization", "copies", "triton", "optimizer",
                   "other")
@@ -355,6 +361,22 @@ def _case_report(case: Case) -> ProbeReport:
     return case.report
 
 
+def static_scales(report: ProbeReport, plan) -> Dict[str, float]:
+    """The ``loka-static`` row's static scales: the report's observed input amax
+    (:func:`~loka.dispatch.swap.amax_from_report`) of each site whose planned forward kernel
+    takes a static input scale."""
+    known = {k.name: k for k in registry.all_kernels()}
+    amax = amax_from_report(report)
+    out = {}
+    for name, site in plan.sites.items():
+        choice = site.roles.get(Role.FWD)
+        kernel = known.get(choice.kernel) if choice is not None else None
+        if (kernel is not None and choice.kernel != plan.baseline and name in amax
+                and takes_static_input_scale(kernel)):
+            out[name] = amax[name]
+    return out
+
+
 def delayed_plan(report: ProbeReport, **plan_kwargs):
     """The ``loka-delayed`` row's plan: ``loka.plan`` on the report's tensorwise kernels that
     delayed scaling serves (PyTorch quantizers), with ``delayed_scaling`` at its default."""
@@ -387,6 +409,19 @@ def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch
         extra = {"probe_wall_s": case.probe_s, "plan": chosen, "_plan": plan,
                  "apply_notes": list(getattr(applied, "notes", []) or []),
                  "probe_files": case.probe_files}
+        return len(chosen), [], extra
+    if variant == "loka-static":
+        if case.plans is None:
+            raise Skip(f"no plan: the Probe failed ({case.probe_error})" if case.probe_error
+                       else "no plan: the time budget was spent before the Probe")
+        plan = case.plans["serve"]
+        scales = static_scales(_case_report(case), plan)
+        if not scales:
+            raise Skip("no FP8 forward of the serving plan takes a static input scale")
+        applied = apply_plan(model, plan, inference=True, static_scales=scales)
+        chosen = fp8_sites(plan)
+        extra = {"plan": chosen, "_plan": plan, "static_sites": sorted(scales),
+                 "apply_notes": list(getattr(applied, "notes", []) or [])}
         return len(chosen), [], extra
     if variant == "loka-delayed":
         plan = delayed_plan(_case_report(case), **(getattr(args, "plan_kwargs", None) or {}))
@@ -627,6 +662,7 @@ def summarize(rows: List[dict]) -> List[dict]:
         best = min(tao, key=lambda r: r["step_ms"]) if tao else None
         lk = next((r for r in ok if r["variant"] == "loka"), None)
         opt = next((r for r in ok if r["variant"] == "loka-optimize"), None)
+        static = next((r for r in ok if r["variant"] == "loka-static"), None)
 
         def cell(r):
             if r is None:
@@ -641,7 +677,7 @@ def summarize(rows: List[dict]) -> List[dict]:
             return c
         out.append({"model": k[0], "batch_size": k[1], "mode": k[2], "graphs": k[3],
                     "bf16": cell(bf16), "best_torchao": cell(best), "loka": cell(lk),
-                    "loka_optimize": cell(opt)})
+                    "loka_optimize": cell(opt), "loka_static": cell(static)})
     return out
 
 
@@ -768,8 +804,8 @@ def parse_args(argv, eval_set: "str | os.PathLike | types.ModuleType"):
     ap.add_argument("--scale", default=scales[0], choices=scales)
     ap.add_argument("--modes", default="train,serve")
     ap.add_argument("--variants", default=None,
-                    help="comma list of bf16, torchao-<recipe>, loka, loka-optimize (default: all "
-                         "of the mode)")
+                    help="comma list of bf16, torchao-<recipe>, loka, loka-optimize, "
+                         "loka-static, loka-delayed (default: all of the mode)")
     ap.add_argument("--optimize-trials", type=int, default=8,
                     help="loka-optimize: at most this many whole-step timings while tuning")
     ap.add_argument("--optimize-rounds", type=int, default=2,
