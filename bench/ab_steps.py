@@ -15,8 +15,8 @@ A is the model as written (bf16 on a GPU); B is ``loka.apply(model, loka.plan(re
 (``inference=True`` for ``--mode serve``). ``--plan-a`` / ``--plan-b`` apply saved plans
 instead (two plans of one model compared side by side: ``--plan-a old.json --plan-b
 new.json``); ``--static-b`` serves B with static activation scales, each site's input amax
-as the report observed it (``loka.dispatch.swap.amax_from_report``), so that B's casts
-need no amax pass. After the rounds, each variant's host time per
+as the report observed it (:func:`loka.bench.evalset.static_scales`: the sites whose
+forward kernel takes one), so that B's casts need no amax pass. After the rounds, each variant's host time per
 step (:func:`loka.bench.evalset.profile_host`) and, on a GPU, its GPU time
 (:func:`loka.bench.evalset.profile_gpu`). On the CPU it runs the same way (float32, its
 times mean nothing; the tests use it so).
@@ -40,8 +40,7 @@ if str(ROOT) not in sys.path:
 
 import loka  # noqa: E402
 from loka.bench.evalset import (eval_set_with, make_step, profile_gpu, profile_host,  # noqa: E402
-                                time_steps)
-from loka.dispatch.swap import amax_from_report  # noqa: E402
+                                static_scales, time_steps)
 from loka.timing import synchronize  # noqa: E402
 
 
@@ -108,9 +107,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     plans.setdefault("B", loka.plan(report, inference=serve, device=device,
                                     assume_fast=args.assume_fast))
     models = {"A": copy.deepcopy(base), "B": copy.deepcopy(base)}
-    static = {"B": amax_from_report(report)} if args.static_b else {}
     for v, plan in plans.items():
-        scales = {k: a for k, a in static.get(v, {}).items() if k in plan.sites}
+        scales = static_scales(report, plan) if args.static_b and v == "B" else None
         loka.apply(models[v], plan, inference=serve, static_scales=scales or None)
     mode = "reduce-overhead" if args.graphs else None
     steps = {}

@@ -63,6 +63,8 @@ def variant_plan(plan: Plan, kernel: str) -> Plan:
 def measure(model_cls, scale: str, batch_size: int, plan, mode: str, on_cuda: bool,
             save_dir: str | None, tag: str, delayed: bool = False, steps: int = 0,
             static_scales=None) -> dict:
+    """One variant's kernels and bytes (and, on a GPU with ``steps``, its times);
+    ``static_scales``: a Probe report whose observed input amax serves as static scales."""
     import bench.evalset as es
     torch.manual_seed(0)
     model = model_cls(scale).to(torch.bfloat16)
@@ -77,7 +79,7 @@ def measure(model_cls, scale: str, batch_size: int, plan, mode: str, on_cuda: bo
     if plan is not None:
         # a CPU model takes CUDA kernels here: the code is generated for a CUDA device
         with mock.patch("loka.dispatch.swap._device_problem", lambda *a: None):
-            scales = {k: a for k, a in (static_scales or {}).items() if k in plan.sites}
+            scales = lev.static_scales(static_scales, plan) if static_scales else None
             loka.apply(model, plan, inference=(mode == "serve"), delayed_scaling=delayed,
                        static_scales=scales or None)
     if mode == "serve":
@@ -214,7 +216,8 @@ def main(argv=None) -> int:
         if args.mode != "serve" or plan is None:
             ap.error("--static-report is for --mode serve with --plan or --uniform")
         try:
-            static = amax_from_report(loka.ProbeReport.load(args.static_report))
+            static = loka.ProbeReport.load(args.static_report)
+            amax_from_report(static)  # one line here where no site has an observed amax
         except (ValueError, OSError, KeyError) as e:
             ap.error(f"--static-report: {str(e).splitlines()[0]}")
     variants = [("bf16", None, False, None)]

@@ -361,6 +361,14 @@ def _case_report(case: Case) -> ProbeReport:
     return case.report
 
 
+def _case_plans(case: Case) -> dict:
+    """The case's plans (mode -> Plan); Skip, saying why, where there are none."""
+    if case.plans is None:
+        raise Skip(f"no plan: the Probe failed ({case.probe_error})" if case.probe_error
+                   else "no plan: the time budget was spent before the Probe")
+    return case.plans
+
+
 def static_scales(report: ProbeReport, plan) -> Dict[str, float]:
     """The ``loka-static`` row's static scales: the report's observed input amax
     (:func:`~loka.dispatch.swap.amax_from_report`) of each site whose planned forward kernel
@@ -400,10 +408,7 @@ def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch
         sites, notes = (torchao_train if mode == "train" else torchao_serve)(model, recipe, device)
         return sites, notes, {}
     if variant == "loka":
-        if case.plans is None:
-            raise Skip(f"no plan: the Probe failed ({case.probe_error})" if case.probe_error
-                       else "no plan: the time budget was spent before the Probe")
-        plan = case.plans[mode]
+        plan = _case_plans(case)[mode]
         applied = apply_plan(model, plan, inference=(mode == "serve"))
         chosen = fp8_sites(plan)
         extra = {"probe_wall_s": case.probe_s, "plan": chosen, "_plan": plan,
@@ -411,10 +416,7 @@ def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch
                  "probe_files": case.probe_files}
         return len(chosen), [], extra
     if variant == "loka-static":
-        if case.plans is None:
-            raise Skip(f"no plan: the Probe failed ({case.probe_error})" if case.probe_error
-                       else "no plan: the time budget was spent before the Probe")
-        plan = case.plans["serve"]
+        plan = _case_plans(case)["serve"]
         scales = static_scales(_case_report(case), plan)
         if not scales:
             raise Skip("no FP8 forward of the serving plan takes a static input scale")
