@@ -12,6 +12,8 @@ median) beside its GEMM alone:
 * ``rowwise-fastacc``: a row's amax (``loka.numerics.quantize``), ``torch._scaled_mm``
   rowwise with fast accumulation (``cublas-rowwise-fastacc``);
 * ``tensorwise-fastacc``: the same, one scale for x;
+* ``tensorwise-static-fastacc``: one static scale for x, its amax taken once ahead (as a
+  serving plan's static scale): a cast with no amax pass;
 * ``g{G}-triton``: x's scales over 1xG blocks (``quantize(..., block=(1, G))``), repeated
   to 1x128, weight 128x128 blocks, LoKA's Triton blockwise GEMM (``loka::triton_gemm``);
 * ``g{G}-cublas``: the same operands through cuBLAS blockwise (``F.scaled_mm``
@@ -58,12 +60,15 @@ def expand_scales(scale: torch.Tensor, group: int) -> torch.Tensor:
     return scale.repeat_interleave(group // 128, dim=1) if group > 128 else scale
 
 
-VARIANT = re.compile(
-    r"bf16|(rowwise|tensorwise)-fastacc|g(128|256|512)-(triton|cublas|cublasT|emul)")
+VARIANT = re.compile(r"bf16|(rowwise|tensorwise)-fastacc|tensorwise-static-fastacc"
+                     r"|g(128|256|512)-(triton|cublas|cublasT|emul)")
 
 
-def make_variant(name: str, block: int, act: bool, w: torch.Tensor):
-    """(producer, quantization + GEMM) of one variant: functions of x and of y = producer(x)."""
+def make_variant(name: str, block: int, act: bool, w: torch.Tensor,
+                 x: "torch.Tensor | None" = None):
+    """(producer, quantization + GEMM) of one variant: functions of x and of y = producer(x).
+    ``tensorwise-static-fastacc`` takes its scale from ``producer(x)``'s amax, computed here
+    once (a serving plan's static scale): its cast needs no amax pass."""
     if not VARIANT.fullmatch(name):
         raise ValueError(f"unknown variant {name!r}")
     norm, hs = RowBlockNorm(w.shape[1], block), HSwish()
@@ -83,6 +88,16 @@ def make_variant(name: str, block: int, act: bool, w: torch.Tensor):
 
     if name == "bf16":
         return producer, lambda y: y @ wt
+    if name == "tensorwise-static-fastacc":
+        with torch.no_grad():
+            scale = producer(x).float().abs().amax().clamp(min=1e-12) / 448.0
+
+        def static_gemm(y):
+            qa = quantize(y, "e4m3", "tensorwise", "a", scale=scale, check_scale=False)
+            return torch._scaled_mm(qa.data, bdata, scale_a=qa.scale.reshape(()),
+                                    scale_b=bscale.reshape(()), out_dtype=torch.bfloat16,
+                                    use_fast_accum=True)
+        return producer, static_gemm
     if name in ("rowwise-fastacc", "tensorwise-fastacc"):
         gran = name.split("-")[0]
 
@@ -148,7 +163,7 @@ def main(argv=None) -> int:
         for name in args.variants.split(","):
             t0 = time.perf_counter()
             try:
-                producer, gemm = make_variant(name, args.block, act, w)
+                producer, gemm = make_variant(name, args.block, act, w, x)
                 torch._dynamo.reset()
                 whole = torch.compile(lambda x: gemm(producer(x)))
                 gemm_c = torch.compile(gemm)

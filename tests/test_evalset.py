@@ -651,10 +651,11 @@ def test_blockwise_fusion_regions_run_on_the_cpu_and_agree_with_float64(tmp_path
     import blockwise_fusion as bf
     out = tmp_path / "bf.json"
     assert bf.main(["--device", "cpu", "--batch", "64", "--sites", "top.1.0", "--variants",
-                    "bf16,g256-emul,g256-nothing", "--out", str(out)]) == 0
+                    "bf16,g256-emul,tensorwise-static-fastacc,g256-nothing", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["sites"]["top.1.0"]["variants"]
     assert rows["bf16"]["rel_err"] < 8e-3
     assert 5e-3 < rows["g256-emul"]["rel_err"] < 0.06
+    assert 5e-3 < rows["tensorwise-static-fastacc"]["rel_err"] < 0.06
     assert "unknown variant" in rows["g256-nothing"]["error"]  # recorded, the run went on
     scale = torch.tensor([[2.0, 0.5]])
     assert torch.equal(bf.expand_scales(scale, 256), torch.tensor([[2.0, 2.0, 0.5, 0.5]]))
