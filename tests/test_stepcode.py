@@ -322,3 +322,43 @@ def test_a_reduction_one_program_does_alone_is_flagged_whatever_its_bytes():
     assert split["serial_mbytes"] == 0
     assert alone["serial_mbytes"] >= 2048 * 1024 * 2 / 1e6
     assert alone["non_gemm_mbytes"] <= split["non_gemm_mbytes"]  # the trap: fewer bytes
+
+
+class _UserBlockNorm(nn.Module):
+    """A user's RMS norm over blocks of the row (not a class LoKA knows)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        blocks = x.float().unflatten(-1, (-1, self.block))
+        return (blocks * torch.rsqrt(blocks.square().mean(-1, keepdim=True) + 1e-6)
+                ).flatten(-2).to(x.dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("block, rowwise", [(256, 3), (128, 2)])
+def test_a_tensors_amax_fuses_into_a_block_norm_and_a_rows_may_not(block, rowwise):
+    """The premise of pricing a ``blocked`` producer as fused for tensorwise kernels and as
+    a pass of its own for rowwise ones (loka/probe/pricing.py): in a compiled serving
+    forward, the kernels that read all of x are the norm alone in bf16, two with a
+    tensorwise cast (the norm with the amax, the cast recomputing the norm), and with a
+    rowwise cast three over 256-feature blocks (the evaluation set's). Over 128-feature
+    blocks Inductor reduces the row's amax from per-block partials in the norm's kernel:
+    two, where the Probe's price is then a pass too many. Should Inductor change either,
+    this fails and the pricing must follow."""
+    m, k = 4096, 1024
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    full_reads = {}
+    for kernel in (None, "cublas-tensorwise", "cublas-rowwise"):
+        torch.manual_seed(0)
+        model = nn.Sequential(_UserBlockNorm(block), nn.Linear(k, 512, bias=False)
+                              ).to(torch.bfloat16).eval()
+        if kernel is not None:
+            loka.apply(model, Plan.uniform(model, kernel), inference=True)
+        with torch.no_grad():
+            launches = _launches(cuda_step_code(model, (x,), train=False))
+        full_reads[kernel] = sum(1 for launch in launches
+                                 if launch.kind == "inductor" and launch.bytes >= m * k * 2)
+    assert full_reads == {None: 1, "cublas-tensorwise": 2, "cublas-rowwise": rowwise}

@@ -33,7 +33,10 @@ over a range the norm's blocks do not match, so Inductor writes the statistics, 
 the row in kernels of its own and casts, reading x three times (the CUDA code of
 ``bench/blockwise_fusion.py``'s regions, and its H100 timings:
 ``bench/results/2026-12-05-h100-blockwise-fusion/``). ``blocked`` is therefore fusible for
-tensorwise kernels (priced like ``pointwise``) and a pass of its own for the others.
+tensorwise kernels (priced like ``pointwise``) and a pass of its own for the others. That
+holds for 256-feature blocks (the evaluation set's); over 128-feature blocks Inductor
+reduces the row's amax from per-block partials in the norm's kernel, and the rowwise
+price is a pass too many (``tests/test_stepcode.py`` checks both in generated code).
 Operands of other kinds (a GEMM's output, an embedding, the model's input) pay the pass
 as timed.
 
