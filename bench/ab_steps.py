@@ -16,8 +16,8 @@ A is the model as written (bf16 on a GPU); B is ``loka.apply(model, loka.plan(re
 instead (two plans of one model compared side by side: ``--plan-a old.json --plan-b
 new.json``); ``--static-b`` serves B with static activation scales, each site's input amax
 as the report observed it (:func:`loka.bench.evalset.static_scales`: the sites whose
-forward kernel takes one), so that B's casts need no amax pass. After the rounds, each variant's host time per
-step (:func:`loka.bench.evalset.profile_host`) and, on a GPU, its GPU time
+forward kernel takes one), so that B's casts need no amax pass. After the rounds, each
+variant's host time per step (:func:`loka.bench.evalset.profile_host`) and, on a GPU, its GPU time
 (:func:`loka.bench.evalset.profile_gpu`). On the CPU it runs the same way (float32, its
 times mean nothing; the tests use it so).
 """
@@ -74,7 +74,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--batch-size", type=int, default=4096)
     p.add_argument("--mode", default="train", choices=("train", "serve"))
     p.add_argument("--report", required=True, help="the model's Probe report (JSON)")
-    p.add_argument("--plan-a", help="a plan JSON applied to A (default: none, the model as written)")
+    p.add_argument("--plan-a",
+                   help="a plan JSON applied to A (default: none, the model as written)")
     p.add_argument("--plan-b", help="a plan JSON applied to B (default: loka.plan(report))")
     p.add_argument("--static-b", action="store_true",
                    help="serve B with static activation scales from the report's amax")

@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from ..config import ProbeConfig
-from .producers import consumer_kind, consumers_of_outputs, merge_kinds, producer_of
+from .producers import (X_USERS, consumer_kind, consumers_of_outputs, merge_kinds,
+                        producer_of, x_users)
 from .stats import SiteStats
 
 __all__ = ["SiteCollector", "WRAPPER_NAMES", "canonical_name", "full_weight"]
@@ -126,6 +127,9 @@ class SiteCollector:
         self._site_handles: List = []
         self._outputs: Dict[str, List[object]] = {}
         """site -> its outputs' autograd nodes, this step, until the root's forward ends"""
+        self._inputs: Dict[str, List[object]] = {}
+        """site -> its inputs' autograd nodes, this step, until the root's forward ends (who
+        else reads x: ``producers['x_users']``)"""
         self._walks: Dict[str, int] = {n: 0 for n in self.sites}
         """per site: graph walks that looked for its output gradient's producer"""
         self._in_root = False
@@ -198,12 +202,13 @@ class SiteCollector:
         for h in self._site_handles:
             h.remove()
         self._site_handles = []
-        self._outputs = {}  # nodes are held until the root's forward ends or the hooks go
+        # nodes are held until the root's forward ends or the hooks go
+        self._outputs, self._inputs = {}, {}
         self._in_root = False
 
     def _on_root_forward(self, module: nn.Module, args) -> None:
         # output nodes are recorded only inside the root's forward, and none outlives it
-        self._outputs, self._in_root = {}, True
+        self._outputs, self._inputs, self._in_root = {}, {}, True
         if self._manual or not (module.training and torch.is_grad_enabled()):
             return
         self._set_step(self._forwards)
@@ -233,6 +238,11 @@ class SiteCollector:
             return
         # producers from every call (a shared Linear may be fed differently each time)
         site.producers["x"] = merge_kinds(site.producers.get("x"), producer_of(x))
+        if (self._in_root and x.grad_fn is not None and "x_users" not in site.producers
+                and self._walks[name] < self.MAX_WALKS):
+            inputs = self._inputs.setdefault(name, [])
+            if len(inputs) < self.MAX_CALLS:
+                inputs.append(x.grad_fn)
         if (self._in_root and output.requires_grad and output.grad_fn is not None
                 and "dy" not in site.producers and self._walks[name] < self.MAX_WALKS):
             nodes = self._outputs.setdefault(name, [])
@@ -265,9 +275,16 @@ class SiteCollector:
         """Who consumes each site's output (the producer of its gradient): one walk of the
         step's autograd graph, on the statistics steps where a site's is not yet known."""
         pending, self._outputs, self._in_root = self._outputs, {}, False
-        if not pending:
+        inputs, self._inputs = self._inputs, {}
+        if not pending and not inputs:
             return
         consumers = consumers_of_outputs(output)
+        for name, nodes in inputs.items():  # any call whose x is shared makes it shared
+            found = {x_users(node, consumers) for node in nodes} - {None}
+            if found:
+                self.sites[name].producers["x_users"] = max(found, key=X_USERS.index)
+            elif name not in pending:
+                self._walks[name] += 1
         for name, nodes in pending.items():
             self._walks[name] += 1
             kind = None

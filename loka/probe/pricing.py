@@ -46,7 +46,9 @@ priced by x's producer as above, except that a fused tensorwise quantization kee
 ``1/5`` of its pass (:data:`SERVE_FUSED_SHARE`): a serving forward keeps no
 high-precision copy of x for a backward, so the cast kernel that recomputes the producer
 (reads 2 bytes, writes 1) replaces the producer's own bf16 write (2 bytes), one byte left of
-the separate passes' five. The four Wukong-shaped regions of
+the separate passes' five. Where other ops read x too (the report's
+``producers['x_users']`` is 'shared': a residual, another Linear), that bf16 copy is
+written anyway and the training share applies. The four Wukong-shaped regions of
 ``bench/blockwise_fusion.py`` (a block norm, perhaps a Hard Swish, then the GEMM; H100)
 kept 0.13-0.6 of it, 0.32 on average, against a timed separate pass.
 
@@ -162,7 +164,9 @@ def serve_time_us(kernel: Kernel, *, time_us_weight_q: Optional[float],
             or not _fuses(kernel, Role.FWD, "x", producers, compiled)):
         return None
     qa = max(time_us_weight_q - time_us_gemm, 0.0)
-    return time_us_weight_q - qa * (1.0 - _fused_share(kernel, Role.FWD, "x", serve=True))
+    # a shared x is written in bf16 for its other readers: the cast replaces no write
+    alone = producers.get("x_users") != "shared"
+    return time_us_weight_q - qa * (1.0 - _fused_share(kernel, Role.FWD, "x", serve=alone))
 
 
 def price(kr: KernelResult, kernel: Kernel, role: Role, shape: Tuple[int, int, int],

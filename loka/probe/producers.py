@@ -49,8 +49,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["KINDS", "FUSIBLE", "producer_of", "op_name", "consumers_of_outputs",
-           "consumer_kind", "merge_kinds"]
+__all__ = ["KINDS", "FUSIBLE", "X_USERS", "producer_of", "op_name", "consumers_of_outputs",
+           "consumer_kind", "merge_kinds", "x_users"]
 
 KINDS = ("pointwise", "gemm", "input", "output", "blocked", "other")
 FUSIBLE = ("pointwise",)
@@ -298,6 +298,31 @@ def consumer_kind(node, consumers: Dict[object, List[object]]) -> Optional[str]:
         # gradients of several users are summed: Inductor's add kernel, fusible
         return "pointwise"
     return kinds[0]
+
+
+def x_users(node, consumers: Dict[object, List[object]]) -> Optional[str]:
+    """'single' where the tensor that ``node`` (the producer of a site's x, as
+    :func:`producer_of` sees it, through views) produced is read by one op only, the
+    site's GEMM, seen through views; 'shared' where other ops read it too (a residual, a
+    second Linear), so that its high-precision copy is written whatever the GEMM's
+    quantization does; None where the walked graph does not hold ``node``."""
+    node = _through_views(node)
+    if node is None or node not in consumers:
+        return None
+    users, seen, stack = set(), {node}, [node]
+    while stack and len(seen) < 10_000:
+        for user in consumers.get(stack.pop(), []):
+            if op_name(user) in _VIEWS:
+                if user not in seen:
+                    seen.add(user)
+                    stack.append(user)
+            else:
+                users.add(user)
+    return "shared" if len(users) > 1 else "single"
+
+
+X_USERS = ("single", "shared")
+"""values of a report's ``producers['x_users']`` (:func:`x_users`)"""
 
 
 def merge_kinds(a: Optional[str], b: Optional[str]) -> Optional[str]:

@@ -32,7 +32,7 @@ from ..config import BASELINE, Role
 from ..jsonio import (MAX_INT, ReportError, atomic_write_text, encode_number,
                       field_bool, field_device, field_int, field_mapping, field_number, field_path,
                       field_str, json_safe, read_json, require_fields)
-from .producers import KINDS
+from .producers import KINDS, X_USERS
 
 SCHEMA = "loka.probe-report"
 SCHEMA_VERSION = 1
@@ -294,7 +294,8 @@ class SiteReport:
     roles: Dict[Role, RoleReport] = field(default_factory=dict)
     producers: Dict[str, str] = field(default_factory=dict)
     """'x' and 'dy' -> the kind of op that makes that operand in the training step
-    (:mod:`loka.probe.producers`); absent where the Probe did not see it"""
+    (:mod:`loka.probe.producers`); 'x_users' -> 'single' or 'shared' (whether ops other
+    than this GEMM read x); absent where the Probe did not see it"""
     order: Optional[int] = None
     """when it first ran in the observed training forwards (0 first; None: not recorded):
     the last to run are nearest the loss (``DispatchConfig.head_sites``)"""
@@ -323,7 +324,11 @@ class SiteReport:
             roles[rr.role] = rr
         producers = dict(field_mapping(d, "producers", where, {}))
         for operand, kind in producers.items():
-            if operand not in ("x", "dy") or kind not in KINDS:
+            if operand == "x_users":
+                if kind not in X_USERS:
+                    raise ReportError(f"{field_path(where, 'producers')}['x_users']: expected "
+                                      f"one of {X_USERS}, got {kind!r}")
+            elif operand not in ("x", "dy") or kind not in KINDS:
                 raise ReportError(f"{field_path(where, 'producers')}[{operand!r}]: expected "
                                   f"'x' or 'dy' -> one of {KINDS}, got {kind!r}")
         return cls(field_str(d, "name", where), field_int(d, "in_features", where, 1),

@@ -44,6 +44,11 @@ class UserModel(nn.Module):
         return self.l3(self.norm(y) + y).sum(-1)
 
 
+def _kinds(producers):
+    """The producer kinds of x and dy, without ``x_users``."""
+    return {k: v for k, v in producers.items() if k != "x_users"}
+
+
 def _ids(n=16):
     return torch.randint(0, 50, (n, 3), generator=torch.Generator().manual_seed(0))
 
@@ -53,17 +58,58 @@ def test_producers_are_read_from_a_user_models_autograd_graph():
     with loka.Probe(model, ProbeConfig(progress=False)) as probe:
         model(_ids()).pow(2).mean().backward()
     got = {name: site.producers for name, site in probe.sites.items()}
+    one = {"x_users": "single"}  # each x is read by its Linear alone
     assert got == {
-        "l0": {"x": "other", "dy": "pointwise"},      # embedding bag; Hard Swish's backward
-        "l1": {"x": "pointwise", "dy": "gemm"},       # l2's input gradient, through a view
-        "l2": {"x": "gemm", "dy": "pointwise"},       # norm and residual: two users, summed
-        "l3": {"x": "pointwise", "dy": "pointwise"},  # the sum over the last dim
+        "l0": {"x": "other", "dy": "pointwise", **one},      # embedding bag; Hard Swish's backward
+        "l1": {"x": "pointwise", "dy": "gemm", **one},       # l2's input gradient, through a view
+        "l2": {"x": "gemm", "dy": "pointwise", **one},       # norm and residual: two users, summed
+        "l3": {"x": "pointwise", "dy": "pointwise", **one},  # the sum over the last dim
     }
     # the kinds travel in the report and survive its JSON
     rep = probe.report()
-    assert rep.sites["l1"].producers == {"x": "pointwise", "dy": "gemm"}
+    assert rep.sites["l1"].producers == {"x": "pointwise", "dy": "gemm", **one}
     again = ProbeReport.from_dict(rep.to_dict())
     assert {n: s.producers for n, s in again.sites.items()} == got
+
+
+class SharedInputs(nn.Module):
+    """h feeds two Linears (a and b); z, a norm's output, feeds c and the residual; d's
+    input is read by d alone, through a view."""
+
+    def __init__(self, d=32):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(d, d) for _ in range(4))
+        self.norm = OwnNorm()
+        self.gain = nn.Parameter(torch.full((d,), 2.0))
+
+    def forward(self, x):
+        h = torch.relu(x * self.gain)
+        z = self.norm(self.a(h) + self.b(h))
+        u = self.c(z) + z
+        return self.d(torch.tanh(u).view(2, -1, u.shape[-1])).sum()
+
+
+def test_whether_ops_besides_its_linear_read_x_is_read_from_the_graph():
+    """A residual or a second Linear makes x 'shared' (its bf16 copy is written whatever
+    the GEMM's quantization does); a serving price then keeps the training share."""
+    model = SharedInputs()
+    with loka.Probe(model, ProbeConfig(progress=False)) as probe:
+        model(torch.randn(16, 32)).backward()
+    got = {n: s.producers.get("x_users") for n, s in probe.sites.items()}
+    assert got == {"a": "shared", "b": "shared", "c": "shared", "d": "single"}
+    again = ProbeReport.from_dict(probe.report().to_dict())
+    assert again.sites["c"].producers["x_users"] == "shared"
+    d = again.sites["d"].to_dict()
+    d["producers"]["x_users"] = "twice"
+    with pytest.raises(ReportError, match="x_users"):
+        SiteReport.from_dict(d)
+    fused = {"x": "pointwise", "x_users": "single"}
+    alone = serve_time_us(get(TENSORWISE), time_us_weight_q=13.0, time_us_gemm=10.0,
+                          producers=fused, compiled=True)
+    shared = serve_time_us(get(TENSORWISE), time_us_weight_q=13.0, time_us_gemm=10.0,
+                           producers={**fused, "x_users": "shared"}, compiled=True)
+    assert (alone, shared) == (pytest.approx(13 - 3 * (1 - 1 / 5)),
+                               pytest.approx(13 - 3 * (1 - 3 / 5)))
 
 
 def test_a_model_output_and_plain_tensors_are_their_own_kinds():
@@ -80,8 +126,8 @@ def test_a_model_output_and_plain_tensors_are_their_own_kinds():
     loka.apply(model, Plan.uniform(model, "emulated-rowwise-e4m3"))
     with loka.Probe(model, ProbeConfig(progress=False)) as probe:
         model(torch.randn(16, 32)).sum().backward()
-    assert probe.sites["1"].producers == {"x": "gemm", "dy": "output"}
-    assert probe.sites["0"].producers == {"x": "input", "dy": "gemm"}
+    assert _kinds(probe.sites["1"].producers) == {"x": "gemm", "dy": "output"}
+    assert _kinds(probe.sites["0"].producers) == {"x": "input", "dy": "gemm"}
 
 
 def test_gradients_handed_on_unchanged_are_traced_to_the_op_that_made_them():
@@ -101,8 +147,8 @@ def test_gradients_handed_on_unchanged_are_traced_to_the_op_that_made_them():
     model = Net()
     with loka.Probe(model, ProbeConfig(progress=False)) as probe:
         model(_ids()).pow(2).mean().backward()
-    assert probe.sites["a"].producers == {"x": "other", "dy": "gemm"}
-    assert probe.sites["b"].producers == {"x": "pointwise", "dy": "pointwise"}
+    assert _kinds(probe.sites["a"].producers) == {"x": "other", "dy": "gemm"}
+    assert _kinds(probe.sites["b"].producers) == {"x": "pointwise", "dy": "pointwise"}
 
 
 class BlockRms(nn.Module):
@@ -484,7 +530,7 @@ def test_the_graph_is_walked_on_at_most_two_statistics_steps():
     with loka.Probe(model, ProbeConfig(progress=False, every_n_steps=1)) as probe:
         for _ in range(4):
             model(torch.randn(8, 16)).sum().backward()
-    assert probe.sites["a"].producers == {"x": "input", "dy": "pointwise"}  # the sum's
+    assert _kinds(probe.sites["a"].producers) == {"x": "input", "dy": "pointwise"}  # the sum's
     assert "dy" not in probe.sites["side"].producers
     walks = probe._hooks._walks  # noqa: SLF001
     assert walks == {"a": 1, "side": SiteCollector.MAX_WALKS} and SiteCollector.MAX_WALKS == 2
@@ -500,8 +546,8 @@ def test_no_autograd_node_is_kept_when_the_root_forward_never_runs():
             model[0](torch.randn(8, 16)).sum().backward()
             probe.step()
             assert probe._hooks._outputs == {}  # noqa: SLF001
-    assert probe.sites["0.0"].producers == {"x": "input"}
-    assert probe.sites["0.2"].producers == {"x": "pointwise"}
+    assert _kinds(probe.sites["0.0"].producers) == {"x": "input"}
+    assert _kinds(probe.sites["0.2"].producers) == {"x": "pointwise"}
 
 
 def test_the_gradient_walk_visits_each_node_once_and_parts_make_other():
@@ -548,5 +594,5 @@ def test_a_linear_called_twice_needs_a_pass_if_either_call_does():
     model = Net()
     with loka.Probe(model, ProbeConfig(progress=False)) as probe:
         model(torch.randn(8, 16, requires_grad=True)).sum().backward()
-    assert probe.sites["shared"].producers == {"x": "gemm", "dy": "gemm"}
+    assert _kinds(probe.sites["shared"].producers) == {"x": "gemm", "dy": "gemm"}
     assert probe.sites["shared"].act.updates == 1  # statistics: still the first call only
