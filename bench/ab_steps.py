@@ -17,9 +17,9 @@ instead (two plans of one model compared side by side: ``--plan-a old.json --pla
 new.json``); ``--static-b`` serves B with static activation scales, each site's input amax
 as the report observed it (:func:`loka.bench.evalset.static_scales`: the sites whose
 forward kernel takes one), so that B's casts need no amax pass. After the rounds, each
-variant's host time per step (:func:`loka.bench.evalset.profile_host`) and, on a GPU, its GPU time
-(:func:`loka.bench.evalset.profile_gpu`). On the CPU it runs the same way (float32, its
-times mean nothing; the tests use it so).
+variant's host time per step (:func:`loka.bench.evalset.profile_host`) and, on a GPU, its
+GPU time (:func:`loka.bench.evalset.profile_gpu`). On the CPU it runs the same way
+(float32, its times mean nothing; the tests use it so).
 """
 
 from __future__ import annotations
