@@ -15,7 +15,8 @@ that does the same for the output gradient in the backward pass. Nothing syncs w
 host. On the next step the site hooks are removed, so off-steps cost one pre-hook call
 per forward of the whole model. On statistics steps where a site's output gradient's
 producer is not yet known (at most ``MAX_WALKS`` walks per site), a forward hook on the
-root walks the step's autograd graph once from the model's outputs; sites called outside
+root walks the step's autograd graph once from the model's outputs (the same walk says
+whether ops besides a site's Linear read its input); sites called outside
 the root's forward are not looked for (host work that grows with the graph's size; see
 :mod:`loka.probe.producers`). A statistics step's cost is GPU work that scales with
 ``max_rows_per_update`` (``bench/bench_probe.py`` measures it). Each site is updated at most

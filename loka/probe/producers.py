@@ -21,6 +21,10 @@ its gradient comes from the loss, outside the model), ``blocked`` (x is made by 
 that reduces over parts of its row, below), ``other`` (anything else: gathers,
 concatenations, embedding bags, custom functions; priced as a pass of its own).
 
+:func:`x_users` says, from the same walk, whether x is read by the site's GEMM alone
+('single') or by other ops too ('shared': a residual, a second Linear), whose bf16 copy of
+x is then written whatever the GEMM's quantization does (the serving price reads it).
+
 ``blocked``: a row's amax fuses into the kernel that makes x only where that kernel's loop
 can hold the row. A pointwise chain out of a GEMM can (Inductor turns it into a row
 reduction that also casts); so can a norm over the whole row (the amax is a second
