@@ -62,9 +62,9 @@ def variant_plan(plan: Plan, kernel: str) -> Plan:
 
 def measure(model_cls, scale: str, batch_size: int, plan, mode: str, on_cuda: bool,
             save_dir: str | None, tag: str, delayed: bool = False, steps: int = 0,
-            static_scales=None) -> dict:
+            static_report=None) -> dict:
     """One variant's kernels and bytes (and, on a GPU with ``steps``, its times);
-    ``static_scales``: a Probe report whose observed input amax serves as static scales."""
+    ``static_report``: a Probe report whose observed input amax serves as static scales."""
     import bench.evalset as es
     torch.manual_seed(0)
     model = model_cls(scale).to(torch.bfloat16)
@@ -79,7 +79,7 @@ def measure(model_cls, scale: str, batch_size: int, plan, mode: str, on_cuda: bo
     if plan is not None:
         # a CPU model takes CUDA kernels here: the code is generated for a CUDA device
         with mock.patch("loka.dispatch.swap._device_problem", lambda *a: None):
-            scales = lev.static_scales(static_scales, plan) if static_scales else None
+            scales = lev.static_scales(static_report, plan) if static_report else None
             loka.apply(model, plan, inference=(mode == "serve"), delayed_scaling=delayed,
                        static_scales=scales or None)
     if mode == "serve":
@@ -242,13 +242,13 @@ def main(argv=None) -> int:
                     "plan": args.plan or (f"uniform:{args.uniform}" if args.uniform else None),
                     "inductor_config": inductor, "variants": rows}
             atomic_write_text(args.out, json.dumps(meta, indent=1) + "\n")
-    for tag, p, delayed, scales in variants:
+    for tag, p, delayed, static_report in variants:
         print(f"[step_code] {tag} ...", file=sys.stderr, flush=True)
         try:
             with inductor_config.patch(inductor):
                 rows[tag] = measure(es.EVAL_MODELS[args.model], args.scale, args.batch_size,
                                     p, args.mode, on_cuda, args.save_code, tag, delayed,
-                                    args.steps, scales)
+                                    args.steps, static_report)
         except Exception as e:  # noqa: BLE001 - one variant's failure keeps the others
             rows[tag] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
             print(f"[step_code] {tag} failed: {rows[tag]['error']}", file=sys.stderr)

@@ -271,31 +271,36 @@ def consumers_of_outputs(outputs) -> Dict[object, List[object]]:
     return consumers
 
 
+def _users_through(node, consumers: Dict[object, List[object]], through: frozenset
+                   ) -> Tuple[List[object], List[object]]:
+    """The walk from ``node`` to the ops that read its result, seen through the ops named
+    in ``through``: (the nodes walked, ``node`` first; the other users reached, once per
+    edge). Each node is walked once (pass-through ops can reach a node along several
+    paths, and a walk along paths would grow with their number)."""
+    walked, users, seen, stack = [], [], {node}, [node]
+    while stack and len(seen) < 10_000:
+        n = stack.pop()
+        walked.append(n)
+        for user in consumers.get(n, []):
+            if op_name(user) in through:
+                if user not in seen:
+                    seen.add(user)
+                    stack.append(user)
+            else:
+                users.append(user)
+    return walked, users
+
+
 def consumer_kind(node, consumers: Dict[object, List[object]]) -> Optional[str]:
     """The kind of op whose backward makes the gradient of the tensor ``node`` produced
     (the module docstring's ``dy``), or None when ``node`` is not in the walked graph."""
     outputs = set(consumers.get("__outputs__", ()))
     if node not in consumers and node not in outputs:
         return None
-    kinds: List[str] = []
-    seen = {node}
-    stack = [node]
-    # each node once (pass-through ops can reach a node along several paths, and a walk
-    # along paths would grow with their number)
-    while stack and len(seen) < 10_000:
-        n = stack.pop()
-        if n in outputs:
-            kinds.append("output")
-        for user in consumers.get(n, []):
-            name = op_name(user)
-            if name in _VIEWS or name in _PASS_GRAD:
-                if user not in seen:
-                    seen.add(user)
-                    stack.append(user)
-            elif name in _PIECES:
-                kinds.append("other")
-            else:
-                kinds.append(_kind(name, consumer=True))
+    walked, users = _users_through(node, consumers, _VIEWS | _PASS_GRAD)
+    kinds = ["output" for n in walked if n in outputs]
+    kinds += ["other" if op_name(user) in _PIECES else _kind(op_name(user), consumer=True)
+              for user in users]
     if not kinds:
         return None
     if len(kinds) > 1:
@@ -313,16 +318,7 @@ def x_users(node, consumers: Dict[object, List[object]]) -> Optional[str]:
     node = _through_views(node)
     if node is None or node not in consumers:
         return None
-    users, seen, stack = set(), {node}, [node]
-    while stack and len(seen) < 10_000:
-        for user in consumers.get(stack.pop(), []):
-            if op_name(user) in _VIEWS:
-                if user not in seen:
-                    seen.add(user)
-                    stack.append(user)
-            else:
-                users.add(user)
-    return "shared" if len(users) > 1 else "single"
+    return "shared" if len(set(_users_through(node, consumers, _VIEWS)[1])) > 1 else "single"
 
 
 X_USERS = ("single", "shared")
