@@ -185,6 +185,10 @@ class ProbeConfig:
     call (``loka.timing.time_fn(flush_l2=True)``): operands come from memory, as in a step
     where other work ran between their producer and the GEMM; False: the operands stay in
     L2 between calls, which favours memory-bound quantization passes"""
+    precompile_workers: Optional[int] = None
+    """child processes that compile the timing pass's compiled calls while the errors are
+    sampled (:mod:`loka.probe.precompile`; the report's ``meta['precompile']`` says what
+    they did); None: half the CPU cores, at most 8, on CUDA, and none on the CPU; 0: none"""
     autotune_from: Optional[str] = None
     """a Probe report of an earlier run (best: on the same GPU type) whose Triton
     autotuning choices (``meta['autotuned']``) are loaded before timing: shapes it tuned
@@ -215,6 +219,8 @@ class ProbeConfig:
             raise ValueError("ProbeConfig.sample_rows must be >= 1 or None")
         if self.timing_rows is not None and self.timing_rows < 1:
             raise ValueError("ProbeConfig.timing_rows must be >= 1 or None")
+        if self.precompile_workers is not None and self.precompile_workers < 0:
+            raise ValueError("ProbeConfig.precompile_workers must be >= 0 or None")
         if self.autotune_configs is not None and self.autotune_configs < 1:
             raise ValueError("ProbeConfig.autotune_configs must be >= 1 or None")
         object.__setattr__(self, "roles", tuple(Role.parse(r) for r in self.roles))

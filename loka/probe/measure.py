@@ -53,6 +53,7 @@ from ..kernels.roofline import autotune_limit, device_peaks, max_speedup
 from ..kernels.registry import Kernel, Library
 from ..numerics import mere_denominator
 from ..timing import TimingResult, time_fn
+from . import precompile
 from .pricing import can_fuse, price
 from .report import (ROOFLINE_NOT_TIMED, ErrorStat, KernelResult, ProbeReport, RoleReport,
                      SiteReport)
@@ -382,6 +383,50 @@ def _device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+@dataclass
+class _RoleWork:
+    """One role of one site between the Probe's passes: what it measures, and what it
+    measured so far."""
+
+    role: Role
+    shape: Tuple[int, int, int]
+    """the timed GEMM shape (M, K, N) at the site's row count"""
+    err_shape: Tuple[int, int, int]
+    m_time: int
+    m_err: int
+    kernels: List[Kernel]
+    dtype: torch.dtype
+    dev: torch.device
+    errors: Dict[str, Union[SampleErrors, Failure]] = dataclasses.field(default_factory=dict)
+    naive: Dict[str, Union[SampleErrors, Failure]] = dataclasses.field(default_factory=dict)
+    baseline: Union[TimingResult, Failure, None] = None
+
+    def timed_shape(self, kern: Kernel) -> Tuple[int, int, int]:
+        """The shape ``kern`` is timed at: the weight gradient runs at the kernel's padded
+        token count, as loka.Linear runs it."""
+        if self.role is Role.WGRAD:
+            k_in, n_out = self.shape[2], self.shape[0]
+            return role_shape(self.role, kern.padded_tokens(self.m_time), k_in, n_out)
+        return self.shape
+
+    @property
+    def base_us(self) -> Optional[float]:
+        return self.baseline.median_us if isinstance(self.baseline, TimingResult) else None
+
+
+@dataclass
+class _SiteWork:
+    """One observed site between the Probe's passes."""
+
+    name: str
+    site: SiteStats
+    module: nn.Linear
+    dev: torch.device
+    dtype: torch.dtype
+    roles: List[_RoleWork] = dataclasses.field(default_factory=list)
+    skipped: Dict[str, str] = dataclasses.field(default_factory=dict)
+
+
 class _Measurement:
     """The state of one :func:`measure_report`: its timer and its wall time per phase."""
 
@@ -408,33 +453,11 @@ class _Measurement:
                 torch.cuda.synchronize(dev)
             self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t0
 
-    def site(self, name: str, site: SiteStats, module: nn.Linear, dev: torch.device
-             ) -> SiteReport:
-        """Every configured role of one observed site."""
-        dtype = site.dtype or module.weight.dtype
-        stats = site.summary()
-        sr = SiteReport(name, site.in_features, site.out_features, site.tokens,
-                        str(dtype).replace("torch.", ""), stats,
-                        producers=dict(site.producers), order=site.order)
-        skipped = {}
-        for role in self.config.roles:
-            if role in GRAD_ROLES and site.grad.updates == 0:
-                skipped[role.value] = "no output gradient observed"
-                continue
-            rr = self.role(site, module, role, dev, dtype)
-            if isinstance(rr, Failure):
-                skipped[role.value] = rr.reason
-            else:
-                sr.roles[role] = rr
-        if skipped:
-            stats["skipped_roles"] = skipped
-        return sr
-
-    def role(self, site: SiteStats, module: nn.Linear, role: Role, dev: torch.device,
-             dtype: torch.dtype) -> Union[RoleReport, Failure]:
-        """Every kernel that supports the role's shapes, or why none was measured."""
+    def plan_role(self, site: SiteStats, module: nn.Linear, role: Role, dev: torch.device,
+                  dtype: torch.dtype) -> Union["_RoleWork", Failure]:
+        """What one role will measure (its shapes and kernels), or why nothing: no work on
+        the device yet."""
         cfg = self.config
-        self.where = f"{site.name} {role.value}"
         k_in, n_out = site.in_features, site.out_features
         m_time = cfg.timing_rows or site.tokens
         m_err = error_rows(site, cfg.source, cfg.sample_rows)
@@ -442,14 +465,9 @@ class _Measurement:
             return Failure("nothing captured")
         shape = role_shape(role, m_time, k_in, n_out)
         err_shape = role_shape(role, m_err, k_in, n_out)
-
-        def timed_shape(kern: Kernel) -> Tuple[int, int, int]:
-            # the weight gradient runs at the kernel's padded token count, as loka.Linear runs it
-            return (role_shape(role, kern.padded_tokens(m_time), k_in, n_out)
-                    if role is Role.WGRAD else shape)
-
+        work = _RoleWork(role, shape, err_shape, m_time, m_err, [], dtype, dev)
         kernels = [k for k in registry.available(dev, role=role, names=kernel_names(cfg, dev))
-                   if k.supports(dev, *timed_shape(k), role=role)
+                   if k.supports(dev, *work.timed_shape(k), role=role)
                    and k.supports(dev, *err_shape, role=role)]
         if cfg.kernels is None and dev.type != "cpu":
             # off the CPU the reference *is* the fp32 kernel: measuring it would say nothing
@@ -459,39 +477,141 @@ class _Measurement:
                 kernels = [k for k in kernels if not (k.is_emulated and k.emulates in real)]
         if not kernels:
             return Failure("no kernel supports this shape")
-        try:
-            with self.phase("errors", dev), _untuned(kernels):
-                sampler = OperandSampler(site, role, dev, dtype, source=cfg.source,
-                                         weight_source=cfg.weight_source, weight=module.weight,
-                                         seed=cfg.seed)
-                errors = run_samples(sampler.pairs(cfg.num_samples, m_err), kernels, dtype)
-        except ValueError as e:  # too little data to build the sampler
-            return Failure.of(e)
-        with self.phase("naive", dev), _untuned(kernels):  # entered (and reported) when off
-            naive = self.naive(site, role, dev, dtype, kernels, m_err) if cfg.compare_naive else {}
-        with self.phase("timing", dev):
-            baseline = self.timer.time(BASELINE, role, shape, dev, dtype) if cfg.timing else None
-        base_us = baseline.median_us if isinstance(baseline, TimingResult) else None
-        rr = RoleReport(role, shape, base_us)
+        work.kernels = kernels
+        return work
+
+    def plan_site(self, name: str, site: SiteStats, module: nn.Linear, dev: torch.device
+                  ) -> "_SiteWork":
+        """Every configured role of one observed site, planned (:meth:`plan_role`)."""
+        dtype = site.dtype or module.weight.dtype
+        work = _SiteWork(name, site, module, dev, dtype)
+        for role in self.config.roles:
+            if role in GRAD_ROLES and site.grad.updates == 0:
+                work.skipped[role.value] = "no output gradient observed"
+                continue
+            rw = self.plan_role(site, module, role, dev, dtype)
+            if isinstance(rw, Failure):
+                work.skipped[role.value] = rw.reason
+            else:
+                work.roles.append(rw)
+        return work
+
+    def baselines(self, works: Sequence["_SiteWork"]) -> None:
+        """Time the baseline at every planned role's shape (the roofline bounds of
+        :meth:`compile_plan` and the speedups need it; cached by the timer)."""
+        if not self.config.timing:
+            return
+        for work in works:
+            self.where = work.name
+            for rw in work.roles:
+                with self.phase("timing", work.dev):
+                    rw.baseline = self.timer.time(BASELINE, rw.role, rw.shape, work.dev,
+                                                  work.dtype)
+
+    def compile_plan(self, works: Sequence["_SiteWork"]) -> List["precompile.Entry"]:
+        """The calls the timing pass will compile (:func:`compiles_for_timing`): each
+        kernel whose time is not derived from a twin's (``Kernel.quantizes_as``) and that
+        the roofline does not rule out, at its timed shape, and forwards with the weight
+        quantized beforehand too. Kernels over the error budget are in it: the errors are
+        not known yet."""
+        cfg = self.config
+        out: Dict[tuple, precompile.Entry] = {}
+        if not cfg.timing:
+            return []
+        for work in works:
+            for rw in work.roles:
+                names = {k.name for k in rw.kernels}
+                for k in rw.kernels:
+                    if not compiles_for_timing(k, work.dev, cfg.timing_compile) or (
+                            k.quantizes_as in names):
+                        continue
+                    shape = rw.timed_shape(k)
+                    if self._roofline_bound(k, rw.role, shape, work.dev, work.dtype,
+                                            rw.base_us) is not None:
+                        continue
+                    variants = (False, True) if (rw.role is Role.FWD
+                                                 and k.quantize_b is not None) else (False,)
+                    for weight_q in variants:
+                        e = precompile.Entry(k.name, rw.role.value, tuple(shape),
+                                             str(work.dtype).replace("torch.", ""), weight_q)
+                        out[e] = e
+        return list(out)
+
+    def errors(self, work: "_SiteWork") -> None:
+        """The error samples of every planned role of one site."""
+        cfg = self.config
+        site, dev, dtype = work.site, work.dev, work.dtype
+        kept = []
+        for rw in work.roles:
+            self.where = f"{site.name} {rw.role.value}"
+            try:
+                with self.phase("errors", dev), _untuned(rw.kernels):
+                    sampler = OperandSampler(site, rw.role, dev, dtype, source=cfg.source,
+                                             weight_source=cfg.weight_source,
+                                             weight=work.module.weight, seed=cfg.seed)
+                    rw.errors = run_samples(sampler.pairs(cfg.num_samples, rw.m_err),
+                                            rw.kernels, dtype)
+            except ValueError as e:  # too little data to build the sampler
+                work.skipped[rw.role.value] = Failure.of(e).reason
+                continue
+            # entered (and reported) when off
+            with self.phase("naive", dev), _untuned(rw.kernels):
+                rw.naive = (self.naive(site, rw.role, dev, dtype, rw.kernels, rw.m_err)
+                            if cfg.compare_naive else {})
+            kept.append(rw)
+        work.roles = kept
+
+    def finish(self, work: "_SiteWork") -> SiteReport:
+        """Time what :meth:`errors` found worth timing and assemble the site's report."""
+        site = work.site
+        stats = site.summary()
+        sr = SiteReport(work.name, site.in_features, site.out_features, site.tokens,
+                        str(work.dtype).replace("torch.", ""), stats,
+                        producers=dict(site.producers), order=site.order)
+        for rw in work.roles:
+            sr.roles[rw.role] = self.role_report(work, rw)
+        if work.skipped:
+            stats["skipped_roles"] = {r.value: work.skipped[r.value] for r in self.config.roles
+                                      if r.value in work.skipped}
+        return sr
+
+    def site(self, name: str, site: SiteStats, module: nn.Linear, dev: torch.device
+             ) -> SiteReport:
+        """Every configured role of one observed site, in one pass."""
+        work = self.plan_site(name, site, module, dev)
+        self.errors(work)
+        self.baselines([work])
+        return self.finish(work)
+
+    def role_report(self, work: "_SiteWork", rw: "_RoleWork") -> RoleReport:
+        """Every kernel of one role: its errors (measured) and its times."""
+        cfg, site, dev, dtype, role = self.config, work.site, work.dev, work.dtype, rw.role
+        self.where = f"{site.name} {role.value}"
+        if cfg.timing and rw.baseline is None:
+            with self.phase("timing", dev):
+                rw.baseline = self.timer.time(BASELINE, role, rw.shape, dev, dtype)
+        base_us = rw.base_us
+        rr = RoleReport(role, rw.shape, base_us)
         seed = seed_for(cfg.seed, site.name, role.value, "bootstrap")
-        for k in kernels:
+        for k in rw.kernels:
             kr = KernelResult(k.name)
-            measured = errors[k.name]
+            measured = rw.errors[k.name]
             if isinstance(measured, Failure):
                 kr.error = measured.reason
             else:
                 kr.mere, kr.sqnr, kr.relfro = (
                     bootstrap_stat(v, cfg.bootstrap, seed)
                     for v in (measured.mere, measured.sqnr, measured.relfro))
-            naive_k = naive.get(k.name)
+            naive_k = rw.naive.get(k.name)
             if isinstance(naive_k, SampleErrors):
                 kr.naive_mere = bootstrap_stat(naive_k.mere, cfg.bootstrap, seed)
             kr.safe = (kr.error is None and kr.mere is not None and math.isfinite(kr.mere.hi)
                        and kr.mere.hi < cfg.max_error)
             if cfg.timing and kr.error is None:
-                kr.not_timed = self._not_timed(kr, k, role, timed_shape(k), dev, dtype, base_us)
+                kr.not_timed = self._not_timed(kr, k, role, rw.timed_shape(k), dev, dtype,
+                                               base_us)
                 if kr.not_timed is None:
-                    self._time_kernel(kr, k, role, timed_shape(k), dev, dtype, base_us,
+                    self._time_kernel(kr, k, role, rw.timed_shape(k), dev, dtype, base_us,
                                       site.producers)
                     kr.safe = kr.safe and kr.error is None
                 else:
@@ -516,16 +636,24 @@ class _Measurement:
             return None
         if not kr.safe and not cfg.time_unsafe:
             return f"unsafe: MERE upper bound over {cfg.max_error:g}"
-        peaks = device_peaks(dev) if cfg.roofline_prune and base_us else None
+        bound = self._roofline_bound(k, role, shape, dev, dtype, base_us)
+        if bound is not None:
+            kr.roofline_bound = float(bound)
+            return ROOFLINE_NOT_TIMED.format(bound=bound)
+        return None
+
+    def _roofline_bound(self, k: Kernel, role: Role, shape, dev: torch.device,
+                        dtype: torch.dtype, base_us: Optional[float]) -> Optional[float]:
+        """The roofline bound of FP8 kernel ``k``'s speedup where it rules the kernel out
+        (below ``min_speedup``), else None."""
+        cfg = self.config
+        peaks = device_peaks(dev) if cfg.roofline_prune and base_us and k.is_fp8 else None
         if peaks is None:
             return None
         # the forward is also timed with its weight quantized beforehand: the kinder bound
         bound = max_speedup(base_us, shape, peaks, quantizes_b=role is not Role.FWD,
                             in_bytes=dtype.itemsize, out_bytes=dtype.itemsize)
-        if bound < cfg.min_speedup:
-            kr.roofline_bound = float(bound)
-            return ROOFLINE_NOT_TIMED.format(bound=bound)
-        return None
+        return bound if bound < cfg.min_speedup else None
 
     def _time_kernel(self, kr: KernelResult, k: Kernel, role: Role, shape, dev, dtype,
                      base_us: Optional[float], producers: Mapping[str, str] = {}) -> None:
@@ -635,18 +763,35 @@ def measure_report(sites: Mapping[str, SiteStats], modules: Mapping[str, nn.Line
     """
     start, spent = time.perf_counter(), _spent()
     seeded = _seed_autotune(config.autotune_from) if config.autotune_from else None
-    bar = tqdm(sites, desc="probe", unit="site", disable=not config.progress, dynamic_ncols=True)
+    unobserved = [name for name in sites if sites[name].act.updates == 0]
+    observed = [name for name in sites if sites[name].act.updates > 0]
+    # two passes over the sites: errors, then timings (each site's bar step once per pass)
+    bar = tqdm(total=2 * len(observed), desc="probe", unit="step",
+               disable=not config.progress, dynamic_ncols=True)
     run = _Measurement(config, status=bar.set_postfix_str)
-    reports: Dict[str, SiteReport] = {}
-    unobserved, used = [], None
-    for name in bar:
-        site, module = sites[name], modules[name]
-        if site.act.updates == 0:
-            unobserved.append(name)
-            continue
+    works = []
+    for name in observed:
+        module = modules[name]
         dev = torch.device(device) if device is not None else module.weight.device
-        used = used or dev
-        reports[name] = run.site(name, site, module, dev)
+        works.append(run.plan_site(name, sites[name], module, dev))
+    used = works[0].dev if works else None
+    # the baselines first: their times rule kernels out (roofline) before anything compiles
+    run.baselines(works)
+    pre = precompile.start(run.compile_plan(works), used, config) if works else None
+    precompiled = None
+    try:
+        for work in works:
+            run.errors(work)
+            bar.update()
+        precompiled = pre.wait(status=bar.set_postfix_str) if pre is not None else None
+    finally:
+        if pre is not None:
+            pre.stop()
+    reports: Dict[str, SiteReport] = {}
+    for work in works:
+        reports[work.name] = run.finish(work)
+        bar.update()
+    bar.close()
     used = used or torch.device(device or "cpu")
     meta = {**(meta or {}),
             "reference": "float64" if used.type == "cpu" else "float32 (TF32 off)",
@@ -656,5 +801,7 @@ def measure_report(sites: Mapping[str, SiteStats], modules: Mapping[str, nn.Line
             "spent": {k: round(max(v - spent[k], 0.0), 3) for k, v in _spent().items()}}
     if seeded is not None:
         meta["autotune_seeded"] = seeded
+    if precompiled is not None:
+        meta["precompile"] = precompiled
     return ProbeReport(sites=reports, device=str(used), device_name=_device_name(used),
                        torch_version=torch.__version__, config=config_to_dict(config), meta=meta)
