@@ -307,6 +307,19 @@ class KernelTimer:
                                                           weight_q, gemm_only)
         return self._results[key]
 
+    def estimate(self, kernel: str, role: Role, shape: Tuple[int, int, int], dev: torch.device,
+                 dtype: torch.dtype) -> Optional[float]:
+        """A kernel's median time (us) from a short timing (2 calls of warm-up, 5 timed),
+        not kept (:meth:`time` times it in full when asked); None where it failed."""
+        try:
+            a, b = self._pair(role, shape, dev, dtype)
+            kern = registry.get(kernel)
+            with torch.no_grad():
+                return time_fn(lambda: kern(a, b, dtype), device=dev, warmup=2, iters=5,
+                               budget_ms=None).median_us
+        except Exception:  # noqa: BLE001 - no estimate: nothing is ruled out
+            return None
+
     def _derive(self, kernel, role, shape, dev, dtype, weight_q) -> Optional[TimingResult]:
         """The compiled call of a kernel that quantizes as another one does
         (``Kernel.quantizes_as``), from that kernel's compiled call, less its GEMM, plus
@@ -400,6 +413,8 @@ class _RoleWork:
     errors: Dict[str, Union[SampleErrors, Failure]] = dataclasses.field(default_factory=dict)
     naive: Dict[str, Union[SampleErrors, Failure]] = dataclasses.field(default_factory=dict)
     baseline: Union[TimingResult, Failure, None] = None
+    est_base_us: Optional[float] = None
+    """the baseline's time from a short timing before the errors (what to compile ahead)"""
 
     def timed_shape(self, kern: Kernel) -> Tuple[int, int, int]:
         """The shape ``kern`` is timed at: the weight gradient runs at the kernel's padded
@@ -496,17 +511,23 @@ class _Measurement:
                 work.roles.append(rw)
         return work
 
-    def baselines(self, works: Sequence["_SiteWork"]) -> None:
-        """Time the baseline at every planned role's shape (the roofline bounds of
-        :meth:`compile_plan` and the speedups need it; cached by the timer)."""
+    def estimate_baselines(self, works: Sequence["_SiteWork"]) -> None:
+        """A short timing of the baseline at every planned role's shape, for the roofline
+        bounds of :meth:`compile_plan` only. It is not kept: GEMMs timed back to back run
+        slower as the GPU heats (up to a sixth at these shapes), so the timing pass times
+        the baseline again beside the kernels it is compared with."""
         if not self.config.timing:
             return
+        seen: Dict[tuple, Optional[float]] = {}
         for work in works:
             self.where = work.name
             for rw in work.roles:
-                with self.phase("timing", work.dev):
-                    rw.baseline = self.timer.time(BASELINE, rw.role, rw.shape, work.dev,
-                                                  work.dtype)
+                key = (rw.role, rw.shape, work.dtype, str(work.dev))
+                if key not in seen:
+                    with self.phase("timing", work.dev):
+                        seen[key] = self.timer.estimate(BASELINE, rw.role, rw.shape,
+                                                        work.dev, work.dtype)
+                rw.est_base_us = seen[key]
 
     def compile_plan(self, works: Sequence["_SiteWork"]) -> List["precompile.Entry"]:
         """The calls the timing pass will compile (:func:`compiles_for_timing`): each
@@ -527,7 +548,7 @@ class _Measurement:
                         continue
                     shape = rw.timed_shape(k)
                     if self._roofline_bound(k, rw.role, shape, work.dev, work.dtype,
-                                            rw.base_us) is not None:
+                                            rw.est_base_us) is not None:
                         continue
                     variants = (False, True) if (rw.role is Role.FWD
                                                  and k.quantize_b is not None) else (False,)
@@ -580,7 +601,6 @@ class _Measurement:
         """Every configured role of one observed site, in one pass."""
         work = self.plan_site(name, site, module, dev)
         self.errors(work)
-        self.baselines([work])
         return self.finish(work)
 
     def role_report(self, work: "_SiteWork", rw: "_RoleWork") -> RoleReport:
@@ -775,8 +795,8 @@ def measure_report(sites: Mapping[str, SiteStats], modules: Mapping[str, nn.Line
         dev = torch.device(device) if device is not None else module.weight.device
         works.append(run.plan_site(name, sites[name], module, dev))
     used = works[0].dev if works else None
-    # the baselines first: their times rule kernels out (roofline) before anything compiles
-    run.baselines(works)
+    # the baselines' estimates first: they rule kernels out (roofline) before anything compiles
+    run.estimate_baselines(works)
     pre = precompile.start(run.compile_plan(works), used, config) if works else None
     precompiled = None
     try:

@@ -1,0 +1,182 @@
+"""loka/probe/precompile.py: the timing pass's compiled calls compiled ahead in children."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import loka
+from loka.config import ProbeConfig, Role
+from loka.probe import precompile
+from loka.probe.measure import KernelTimer, _Measurement
+from loka.probe.precompile import Entry, Precompile
+
+KERNELS = ("bf16", "cublas-tensorwise", "cublas-rowwise")
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+
+
+def _probe(workers, roles=("fwd",), kernels=KERNELS, **kw):
+    batches = [torch.randn(64, 32, generator=torch.Generator().manual_seed(i))
+               for i in range(3)]
+    cfg = ProbeConfig(timing_compile="on", precompile_workers=workers, kernels=kernels,
+                      roles=roles, num_samples=2, bootstrap=0, timing_iters=2,
+                      timing_warmup=1, timing_budget_ms=None, progress=False, **kw)
+    return loka.probe(_model(), batches, lambda m, b: m(b).square().mean(), config=cfg)
+
+
+def test_workers_default_to_none_on_the_cpu_and_are_capped():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert precompile.workers_for(ProbeConfig(), cpu, 10) == 0
+    n = precompile.workers_for(ProbeConfig(), cuda, 100)
+    assert 1 <= n <= precompile.MAX_WORKERS
+    assert precompile.workers_for(ProbeConfig(), cuda, 1) == 1  # never more than entries
+    assert precompile.workers_for(ProbeConfig(precompile_workers=3), cpu, 10) == 3
+    assert precompile.workers_for(ProbeConfig(precompile_workers=3), cpu, 2) == 2
+    assert precompile.workers_for(ProbeConfig(precompile_workers=0), cuda, 10) == 0
+    with pytest.raises(ValueError, match="precompile_workers"):
+        ProbeConfig(precompile_workers=-1)
+    assert precompile.start([], cpu, ProbeConfig(precompile_workers=2)) is None
+
+
+def test_the_compile_plan_is_what_the_timing_pass_compiles():
+    """Each compiled kernel once per timed shape, forwards also with the weight quantized;
+    no baseline, no kernel that times eagerly, no duplicate for repeated shapes."""
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 64))
+    batches = [torch.randn(64, 32) for _ in range(2)]
+    cfg = ProbeConfig(timing_compile="on", precompile_workers=0, kernels=KERNELS,
+                      num_samples=2, bootstrap=0, progress=False)
+    probe = loka.Probe(model, config=cfg)
+    with probe:
+        for b in batches:
+            model(b).square().mean().backward()
+    run = _Measurement(cfg)
+    works = [run.plan_site(n, probe.sites[n], probe.modules[n], torch.device("cpu"))
+             for n in probe.sites]
+    entries = run.compile_plan(works)
+    assert len(set(entries)) == len(entries)
+    assert {e.kernel for e in entries} == {"cublas-tensorwise", "cublas-rowwise"}
+    # two distinct (role, shape) per role of the 32->64 and 64->64 Linears: 2 x 3 = 6,
+    # the 64->64 twice (one entry); forwards once more with the weight quantized
+    shapes = {(e.role, e.shape) for e in entries}
+    assert ("fwd", (64, 32, 64)) in shapes and ("wgrad", (64, 64, 64)) in shapes
+    per_kernel = [e for e in entries if e.kernel == "cublas-tensorwise"]
+    fwd = [e for e in per_kernel if e.role == "fwd"]
+    assert sorted(e.weight_q for e in fwd) == [False, False, True, True]
+    assert len(per_kernel) == len({(e.role, e.shape, e.weight_q) for e in per_kernel})
+    assert all(e.dtype == "float32" for e in entries)
+    off = _Measurement(ProbeConfig(timing_compile="off", kernels=KERNELS, progress=False))
+    assert off.compile_plan([off.plan_site(n, probe.sites[n], probe.modules[n],
+                                           torch.device("cpu")) for n in probe.sites]) == []
+
+
+_RUN = """
+import json, sys
+from torch._dynamo.utils import counters
+from loka.config import Role
+from tests.probe.test_precompile import _probe
+report = _probe(int(sys.argv[1]), kernels=("bf16", "cublas-tensorwise"))
+kinds = sorted({kr.timing for s in report.sites.values()
+                for name, kr in s.roles[Role.FWD].kernels.items() if name != "bf16"})
+print(json.dumps({"pre": report.meta.get("precompile"), "inductor": dict(counters["inductor"]),
+                  "timings": kinds, "sites": sorted(report.sites)}))
+"""
+
+
+def _run_probe(workers: int, cache) -> dict:
+    """A Probe in a process of its own (as a user runs it) on a fresh compile cache."""
+    import os
+
+    from tests.conftest import ROOT
+
+    out = subprocess.run([sys.executable, "-c", _RUN, str(workers)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_children_compile_what_the_parent_then_loads(tmp_path):
+    """A fresh cache: with one child, every graph the timing pass compiles is an FX graph
+    cache hit in the parent; without, the parent compiles (misses) the same graphs."""
+    got = _run_probe(1, tmp_path / "cache")
+    pre = got["pre"]
+    assert pre["workers"] == 1 and pre["failed"] == 0 and pre["timed_out"] == 0
+    # 2 Linears (32->64, 64->32) x (fwd, fwd with the weight quantized)
+    assert pre["compiled"] == pre["entries"] == 4
+    assert got["inductor"].get("fxgraph_cache_hit") == 4
+    assert got["inductor"].get("fxgraph_cache_miss", 0) == 0
+    assert got["timings"] == ["cpu-wallclock+compiled"]  # every FP8 kernel timed compiled
+    alone = _run_probe(0, tmp_path / "cache2")
+    assert alone["pre"] is None
+    assert alone["inductor"].get("fxgraph_cache_miss") == 4
+    assert alone["inductor"].get("fxgraph_cache_hit", 0) == 0
+    assert alone["sites"] == got["sites"] == ["0", "2"]
+
+
+def test_warm_reports_what_failed_and_goes_on():
+    done, failed = precompile.warm(
+        [Entry("no-such-kernel", "fwd", (16, 16, 16), "float32", False),
+         Entry("bf16", "fwd", (16, 32, 16), "float32", False)], torch.device("cpu"))
+    assert done == 1 and len(failed) == 1 and "no-such-kernel" in failed[0]
+
+
+def test_wait_reports_a_crashed_child_and_stops_a_slow_one(tmp_path):
+    bad = subprocess.Popen([sys.executable, "-c", "print('boom'); raise SystemExit(3)"],
+                           stdout=open(tmp_path / "out0.log", "w"), stderr=subprocess.STDOUT)
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    ok = tmp_path / "out2.json"
+    ok.write_text(json.dumps({"compiled": 2, "failed": ["x fwd: E"], "seconds": 1.0}))
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    pre = Precompile([Entry("k", "fwd", (1, 1, 1), "float32", False)] * 4,
+                     [(bad, tmp_path / "out0.json"), (slow, tmp_path / "out1.json"),
+                      (done, ok)], str(tmp_path / "work"))
+    out = pre.wait(timeout=3.0)
+    assert out["workers"] == 3 and out["timed_out"] == 1
+    assert out["compiled"] == 2 and out["failed"] == 1
+    assert any(e.startswith("child exited 3: boom") for e in out["errors"])
+    assert slow.poll() is not None  # stopped
+    pre.stop()
+    pre.stop()  # idempotent
+
+
+def test_cache_off_skips_the_children(monkeypatch):
+    from torch._inductor import config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    pre = precompile.start([Entry("cublas-tensorwise", "fwd", (16, 16, 16), "float32", False)],
+                           torch.device("cpu"), ProbeConfig(precompile_workers=2))
+    out = pre.wait()
+    assert out["workers"] == 0 and "FX graph cache is off" in out["skipped"]
+    pre.stop()
+
+
+def test_process_state_carries_changed_options_to_a_child():
+    from torch._inductor import config as inductor_config
+
+    with inductor_config.patch(realize_reads_threshold=3):
+        state = precompile.process_state()
+    assert state["inductor"]["realize_reads_threshold"] == 3
+    json.dumps(state)  # what the spec file carries
+    child = ("import json, sys; from loka.probe import precompile as p; "
+             "from torch._inductor import config as c; "
+             "p._apply_state(json.loads(sys.argv[1])); print(c.realize_reads_threshold)")
+    out = subprocess.run([sys.executable, "-c", child, json.dumps(state)], check=True,
+                         capture_output=True, text=True).stdout
+    assert out.strip().splitlines()[-1] == "3"
+
+
+def test_the_timer_estimate_is_not_kept():
+    timer = KernelTimer(ProbeConfig(progress=False))
+    us = timer.estimate("bf16", Role.FWD, (16, 32, 16), torch.device("cpu"), torch.float32)
+    assert us is not None and us > 0
+    assert timer._results == {}
+    assert timer.estimate("no-such-kernel", Role.FWD, (16, 32, 16), torch.device("cpu"),
+                          torch.float32) is None
