@@ -448,6 +448,31 @@ def test_plan_with_delayed_scaling_writes_it_and_says_so(workflow, tmp_path, cap
     assert Plan.load(workflow / "plan.json").delayed_scaling is None
 
 
+def test_plan_for_serving_with_static_scales(workflow, tmp_path, capsys):
+    """``--inference --static-scales [--static-margin X]``: a serving plan carrying the
+    observed input amax (times X) of each FP8 forward; bad combinations are usage errors."""
+    report = ProbeReport.load(workflow / "report.json")
+    out = tmp_path / "static.json"
+    code = cli.main(["plan", str(workflow / "report.json"), "-o", str(out), "--assume-fast",
+                     "--kernels", "emulated-rowwise-e4m3", "--inference", "--static-scales",
+                     "--static-margin", "2"])
+    assert code == 0 and "static input scales" in capsys.readouterr().out
+    plan = Plan.load(out)
+    assert plan.budget["inference"] is True and plan.budget["static_margin"] == 2.0
+    fp8 = [n for n, sp in plan.sites.items() if sp.kernel("fwd") != "bf16"]
+    assert fp8 and sorted(plan.static_scales) == sorted(fp8)
+    for n in fp8:
+        assert plan.static_scales[n] == pytest.approx(2 * report.sites[n].stats["act"]["amax"])
+    for bad in (["--static-scales"], ["--inference", "--static-margin", "2"],
+                ["--inference", "--static-scales", "--static-margin", "0.5"]):
+        try:  # argparse's own refusals exit; the command's return the usage status
+            code = cli.main(["plan", str(workflow / "report.json"), "-o", str(out), *bad])
+        except SystemExit as e:
+            code = e.code
+        assert code == 2
+        assert "static" in capsys.readouterr().err
+
+
 def test_a_reference_model_with_torchrec_tables_is_probed_and_its_plan_applies(workflow,
                                                                                 tmp_path, capsys):
     """``--tables torchrec``: the same model with its tables in one torchrec

@@ -666,21 +666,25 @@ def test_blockwise_fusion_regions_run_on_the_cpu_and_agree_with_float64(tmp_path
 
 
 def test_the_static_row_serves_the_plan_with_the_amax_the_probe_saw(probed):
-    """``loka-static``: the serving plan of the ``loka`` row, each FP8 forward whose kernel
-    takes a static scale quantizing x with the input amax the report observed."""
+    """``loka-static``: ``loka.plan(report, inference=True, static_scales=True)``, each FP8
+    forward whose kernel takes a static scale quantizing x with the input amax the report
+    observed, as the plan carries it; the same as ``evalset.static_scales`` gives the
+    dynamic serving plan's sites."""
     from loka.bench import evalset as lev
     from loka.dispatch.swap import amax_from_report
 
     model, batches, report = probed["dlrm"]
     plan = loka.plan(report, inference=True, assume_fast=True)
-    scales = lev.static_scales(report, plan)
-    fp8 = {n for n, sp in plan.sites.items()
-           if sp.roles[loka.Role.FWD].kernel != plan.baseline}
+    static = loka.plan(report, inference=True, assume_fast=True, static_scales=True)
+    scales = static.static_scales
+    fp8 = {n for n, sp in static.sites.items()
+           if sp.roles[loka.Role.FWD].kernel != static.baseline}
     assert scales and set(scales) <= fp8
     observed = amax_from_report(report)
     assert all(scales[n] == observed[n] > 0 for n in scales)
+    assert lev.static_scales(report, plan) == scales  # (untimed: the same kernels)
     case = lev.Case("dlrm", 64, model, batches[0], {}, 0, report=report,
-                    plans={"train": plan, "serve": plan})
+                    plans={"train": plan, "serve": plan, "static": static})
     served = copy.deepcopy(model)
     sites, _, extra = lev.convert(served, "loka-static", "serve", case, torch.device("cpu"))
     assert sites == len(fp8) and extra["static_sites"] == sorted(scales)

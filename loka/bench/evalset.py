@@ -24,11 +24,11 @@ only in what its Linears run:
   ``loka.plan(report, inference=True)``) -> ``loka.apply(model, plan)`` (serving:
   ``inference=True``), then the same compile. The Probe runs once per model and batch size
   and both plans come from its report;
-- ``loka-static`` (serving): the ``loka`` row's serving plan applied with static
-  activation scales (``loka.apply(..., static_scales=amax_from_report(report))``, the
-  input amax the Probe observed at each site whose forward kernel takes one): the casts
-  need no amax pass and fuse into the kernels that make x; values beyond the observed amax
-  saturate. Its prediction is the dynamic plan's (the Probe does not price static scales);
+- ``loka-static`` (serving): ``loka.plan(report, inference=True, static_scales=True)``,
+  the same report planned for static activation scales (the input amax the Probe observed
+  at each site whose forward kernel takes one; kernels judged by that price), applied as
+  the plan says: the casts need no amax pass and fuse into the kernels that make x; values
+  beyond the observed amax saturate;
 - ``loka-delayed`` (training): ``loka.plan(report, allowed_kernels=<the tensorwise kernels
   the report measured>)`` with ``plan.delayed_scaling`` set (``loka plan --kernels ...
   --delayed-scaling``): the same report, every FP8 role on a tensorwise kernel whose casts
@@ -317,7 +317,9 @@ def run_probe(case: Case, args, device, dtype, out_stem: Optional[str]) -> None:
         report = case.report = ProbeReport.load(path)
         case.probe_files = {"report": path}
         case.plans = {"train": make_plan(report, **args.plan_kwargs),
-                      "serve": make_plan(report, inference=True, **args.plan_kwargs)}
+                      "serve": make_plan(report, inference=True, **args.plan_kwargs),
+                      "static": make_plan(report, inference=True, static_scales=True,
+                                          **args.plan_kwargs)}
         return
     model = copy.deepcopy(case.base).to(device)
     batches = [model.make_batch(case.batch_size, device, dtype, seed=1 + i)
@@ -328,15 +330,18 @@ def run_probe(case: Case, args, device, dtype, out_stem: Optional[str]) -> None:
     synchronize(device)
     case.probe_s = time.perf_counter() - t0
     case.plans = {"train": make_plan(report, **args.plan_kwargs),
-                  "serve": make_plan(report, inference=True, **args.plan_kwargs)}
+                  "serve": make_plan(report, inference=True, **args.plan_kwargs),
+                  "static": make_plan(report, inference=True, static_scales=True,
+                                      **args.plan_kwargs)}
     if out_stem:
         stem = f"{out_stem}.{case.name}.b{case.batch_size}"
         case.probe_files = {"report": stem + ".report.json",
                             "plan_train": stem + ".plan.train.json",
-                            "plan_serve": stem + ".plan.serve.json"}
+                            "plan_serve": stem + ".plan.serve.json",
+                            "plan_static": stem + ".plan.static.json"}
         report.save(case.probe_files["report"])
-        case.plans["train"].save(case.probe_files["plan_train"])
-        case.plans["serve"].save(case.probe_files["plan_serve"])
+        for mode in ("train", "serve", "static"):
+            case.plans[mode].save(case.probe_files["plan_" + mode])
     del model, batches, report
 
 
@@ -416,13 +421,12 @@ def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch
                  "probe_files": case.probe_files}
         return len(chosen), [], extra
     if variant == "loka-static":
-        plan = _case_plans(case)["serve"]
-        scales = static_scales(_case_report(case), plan)
-        if not scales:
-            raise Skip("no FP8 forward of the serving plan takes a static input scale")
-        applied = apply_plan(model, plan, inference=True, static_scales=scales)
+        plan = _case_plans(case)["static"]
+        if not plan.static_scales:
+            raise Skip("no FP8 forward of the static serving plan takes a static input scale")
+        applied = apply_plan(model, plan, inference=True)
         chosen = fp8_sites(plan)
-        extra = {"plan": chosen, "_plan": plan, "static_sites": sorted(scales),
+        extra = {"plan": chosen, "_plan": plan, "static_sites": sorted(plan.static_scales),
                  "apply_notes": list(getattr(applied, "notes", []) or [])}
         return len(chosen), [], extra
     if variant == "loka-delayed":

@@ -528,6 +528,8 @@ def cmd_optimize(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    if args.static_margin is not None and not args.static_scales:
+        raise usage("--static-margin needs --static-scales")
     report = load_report(args.report)
     allowed = parse_kernels(args.kernels)
     device = resolve_device(args) if args.device else None
@@ -538,7 +540,9 @@ def cmd_plan(args) -> int:
                                                     [r.value for r in ROLES]) or None,
                          site_budgets=parse_budgets(args.site_budget, "site-budget") or None,
                          allowed_kernels=allowed, device=device, assume_fast=args.assume_fast,
-                         head_sites=args.head_sites)
+                         head_sites=args.head_sites, inference=args.inference,
+                         static_scales=args.static_scales,
+                         static_margin=1.0 if args.static_margin is None else args.static_margin)
     except KeyError as e:
         raise usage(f"--kernels: {e.args[0]}", "list them with 'loka kernels'") from None
     except ValueError as e:

@@ -382,6 +382,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delayed-decay", type=decay, default=None, metavar="DECAY",
                    help="with --delayed-scaling: how fast an estimate above the amax seen "
                         f"shrinks per call, in (0, 1] (default {DEFAULT_DECAY})")
+    p.add_argument("--inference", action="store_true",
+                   help="plan serving: forwards only, judged with the weight quantized once")
+    p.add_argument("--static-scales", action="store_true",
+                   help="with --inference: static activation scales from the amax the Probe "
+                        "observed (no amax pass; values beyond it saturate)")
+    p.add_argument("--static-margin", type=positive(float, "--static-margin", 1.0), default=None,
+                   metavar="X",
+                   help="with --static-scales: multiply each observed amax by X (> 1 leaves "
+                        "headroom)")
 
     p = add("optimize", "probe, plan and keep only what makes the whole step faster")
     _model_args(p, positional=True)

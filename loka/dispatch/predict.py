@@ -8,8 +8,9 @@ by where the operand comes from, so a quantization Inductor fuses into the activ
 norm that produced the operand costs the share it keeps), else the isolated time of the
 whole kernel call (quantization as passes of its own); serving takes the forward timed
 with its weight quantized once, as the serving plan runs it, step-aware where the report
-has it (``serve_us``: x's quantization priced by its producer). Both predictions are
-returned:
+has it (``serve_us``: x's quantization priced by its producer), and at a site of the
+plan's ``static_scales`` the GEMM and what is left of a static cast
+(:func:`~loka.probe.pricing.serve_static_time_us`). Both predictions are returned:
 the evaluation harness (``loka bench --eval-set``) records them beside every measured LoKA
 row, so the gap of each is measured, not assumed.
 """
@@ -20,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Dict, List
 
 from ..config import Role
+from ..kernels import registry
+from ..probe.pricing import serve_static_time_us
 from ..probe.report import ProbeReport
 from .schema import Plan
 
@@ -91,6 +94,13 @@ def predict_step(plan: Plan, report: ProbeReport, baseline_step_ms: float, *,
                 untimed.append(key)
                 continue
             step = kr.serve_us if inference else kr.step_us
+            if inference and site in (getattr(plan, "static_scales", None) or {}):
+                # a static input scale: the GEMM and what is left of x's cast
+                static = serve_static_time_us(
+                    registry.get(choice.kernel), time_us_weight_q=kr.time_us_weight_q,
+                    time_us_gemm=kr.time_us_gemm, producers=sr.producers,
+                    compiled=(kr.timing or "").endswith("+compiled"))
+                step = static if static is not None else step
             if step is not None:
                 aware.append(key)
             per_role[key] = rr.baseline_us - (t if step is None else step)

@@ -16,11 +16,13 @@ The JSON layout (schema ``loka.plan``, version :data:`SCHEMA_VERSION`)::
                      "roles": {"fwd"|"dgrad"|"wgrad": {"kernel", "error", "error_mean",
                                "speedup", "budget", "reason", ["ne_cost"]}}}},
      "fallbacks": [{"site", "step", "reason", "previous": {"fwd", "dgrad", "wgrad"}}],
-     ["delayed_scaling": decay]}
+     ["delayed_scaling": decay], ["static_scales": {fqn: amax}]}
 
 ``delayed_scaling`` (absent: dynamic scaling) asks ``loka.apply`` to train with delayed
 tensorwise scales (:meth:`~loka.dispatch.linear.Linear.set_delayed_scaling`) with that
-decay in (0, 1].
+decay in (0, 1]. ``static_scales`` (absent: dynamic scales; ``loka.plan(...,
+inference=True, static_scales=True)`` writes it) gives serving sites a static input amax
+each, finite and positive, which ``loka.apply(..., inference=True)`` sets.
 """
 
 from __future__ import annotations
@@ -172,6 +174,8 @@ class Plan:
     created: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat())
     delayed_scaling: Optional[float] = None
     """training with delayed tensorwise scales at this decay (None: dynamic scaling)"""
+    static_scales: Dict[str, float] = field(default_factory=dict)
+    """serving: site -> static input amax (empty: dynamic scales)"""
 
     def __post_init__(self) -> None:
         self._check_delayed()
@@ -179,6 +183,13 @@ class Plan:
     def _check_delayed(self) -> None:
         if self.delayed_scaling is not None:
             check_decay(self.delayed_scaling, "delayed_scaling")
+        for site, amax in self.static_scales.items():
+            if site not in self.sites:
+                raise ValueError(f"static_scales names a site not in the plan: {site!r}")
+            if (isinstance(amax, bool) or not isinstance(amax, (int, float))
+                    or not 0 < amax < math.inf):
+                raise ValueError(f"static_scales[{site!r}] must be a finite positive amax, "
+                                 f"got {amax!r}")
 
     @property
     def baseline(self) -> str:
@@ -290,6 +301,8 @@ class Plan:
             how += f"; baseline {self.baseline} ran {str(self.source['dtype']).replace('float', 'fp')}"
         if self.delayed_scaling is not None:
             how += f"; delayed tensorwise scaling, decay {self.delayed_scaling:g}"
+        if self.static_scales:
+            how += f"; static input scales at {len(self.static_scales)} site(s)"
         lines = [f"plan for {self.device}: {len(self.fp8_sites())}/{len(self.sites)} sites "
                  f"with FP8 ({how})", fmt(header), "-" * len(fmt(header))]
         lines += [fmt(row) for row in rows]
@@ -309,6 +322,8 @@ class Plan:
                "fallbacks": [f.to_dict() for f in self.fallbacks]}
         if self.delayed_scaling is not None:
             out["delayed_scaling"] = self.delayed_scaling
+        if self.static_scales:
+            out["static_scales"] = {k: float(v) for k, v in self.static_scales.items()}
         return out
 
     @classmethod
@@ -331,11 +346,17 @@ class Plan:
                     delayed = check_decay(delayed, "delayed_scaling")
                 except ValueError as e:
                     raise ReportError(str(e)) from None
-            return cls(sites=sites, device=field_device(d, "device", ""), budget=_budget(d),
-                       source=dict(field_mapping(d, "source", "", {})),
-                       notes=list(field_list(d, "notes", "", [], item=str)),
-                       fallbacks=fallbacks, created=field_str(d, "created", "", ""),
-                       delayed_scaling=delayed)
+            scales = {}
+            for site, amax in field_mapping(d, "static_scales", "", {}).items():
+                scales[site] = field_number({"v": amax}, "v", f"static_scales[{site!r}]")
+            try:
+                return cls(sites=sites, device=field_device(d, "device", ""), budget=_budget(d),
+                           source=dict(field_mapping(d, "source", "", {})),
+                           notes=list(field_list(d, "notes", "", [], item=str)),
+                           fallbacks=fallbacks, created=field_str(d, "created", "", ""),
+                           delayed_scaling=delayed, static_scales=scales)
+            except ValueError as e:  # the fields' own checks (__post_init__)
+                raise ReportError(f"plan: {e}") from None
         except ReportError:
             raise
         except (TypeError, ValueError, KeyError, AttributeError, ArithmeticError,

@@ -71,6 +71,44 @@ def kernel_speedup(kr, inference: bool = False) -> Optional[float]:
     return kr.speedup
 
 
+def static_serve_speedup(kr, kernel, site, baseline_us: Optional[float]) -> Optional[float]:
+    """The serving speedup of ``kernel`` at ``site``'s forward with a static input scale
+    (:func:`loka.probe.pricing.serve_static_time_us`), or None where it has none: the
+    kernel takes no static scale, the site has no observed input amax, or the report has
+    no GEMM-alone timing there."""
+    from ..dispatch.linear import takes_static_input_scale
+    from ..probe.pricing import serve_static_time_us
+
+    if (baseline_us is None or not takes_static_input_scale(kernel)
+            or _site_amax(site) is None or kr.timing is None):
+        return None
+    t = serve_static_time_us(kernel, time_us_weight_q=kr.time_us_weight_q,
+                             time_us_gemm=kr.time_us_gemm, producers=site.producers,
+                             compiled=kr.timing.endswith("+compiled"))
+    return baseline_us / t if t and t > 0 else None
+
+
+def _site_amax(site) -> Optional[float]:
+    """The site's observed input amax (the Probe's ``stats['act']['amax']``), if finite and
+    positive."""
+    act = site.stats.get("act") if isinstance(site.stats, Mapping) else None
+    v = act.get("amax") if isinstance(act, Mapping) else None
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
+    return float(v) if ok else None
+
+
+def judged_speedup(kr, kernel, site, role: Role, baseline_us: Optional[float],
+                   inference: bool, static: bool) -> Optional[float]:
+    """The speedup :func:`plan` and :func:`audit` judge a kernel by: with static input scales
+    a serving forward's :func:`static_serve_speedup` where it has one, else
+    :func:`kernel_speedup`'s."""
+    if static and inference and role is Role.FWD:
+        s = static_serve_speedup(kr, kernel, site, baseline_us)
+        if s is not None:
+            return s
+    return kernel_speedup(kr, inference)
+
+
 def resolve_budget(config: DispatchConfig, site: str, role: Role | str) -> float:
     """The error budget of ``role`` at ``site``: the strictest matching site pattern, else
     the role's budget, else the global one."""
@@ -125,7 +163,8 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
          config: Optional[DispatchConfig] = None,
          allowed_kernels: Optional[Iterable[str]] = None,
          device: "torch.device | str | None" = None, assume_fast: bool = False,
-         inference: bool = False, head_sites: Optional[int] = None) -> Plan:
+         inference: bool = False, head_sites: Optional[int] = None,
+         static_scales: bool = False, static_margin: float = 1.0) -> Plan:
     """Choose per site and role the fastest kernel that meets the error budget.
 
     Args:
@@ -144,6 +183,16 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
             measured with the weight quantized beforehand, step-aware where the report
             has it (``serve_speedup``, else ``speedup_weight_q``), since serving
             quantizes weights once; dgrad and wgrad stay on the baseline.
+        static_scales: (serving) quantize each FP8 forward's activation with a static
+            scale, the report's observed input amax times ``static_margin``, where the
+            kernel takes one (PyTorch quantizers: ``cublas-*``, ``torchao-*``): no amax
+            pass, and the cast fuses into the op that makes x. Kernels are judged by that
+            price (:func:`static_serve_speedup`), and the plan carries the scales
+            (``Plan.static_scales``), which ``loka.apply(..., inference=True)`` sets.
+            Values beyond a scale saturate to the format's largest: check quality on the
+            data the model serves (the guard's ``saturation`` flag counts them).
+        static_margin: multiplies each observed amax (> 1 leaves headroom for unseen
+            outliers, at a little precision).
 
     Returns:
         A :class:`Plan`; ``plan.notes`` says which kernels were excluded and why.
@@ -156,6 +205,12 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
                                    ("head_sites", head_sites)) if v is not None}
     cfg = dataclasses.replace(config or DispatchConfig(), **overrides)
     _check_budgets(cfg)
+    if static_scales and not inference:
+        raise ValueError("static_scales is for serving plans (inference=True); training "
+                         "takes delayed scaling")
+    if not (isinstance(static_margin, (int, float)) and not isinstance(static_margin, bool)
+            and 0 < static_margin < math.inf):
+        raise ValueError(f"static_margin must be a finite positive number, got {static_margin!r}")
     allowed = None if allowed_kernels is None else set(allowed_kernels)
     if allowed is not None:
         unknown = sorted(n for n in allowed if n not in {k.name for k in registry.all_kernels()})
@@ -241,7 +296,8 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
                     slow.append(bound)
                     other += 1
                     continue
-                speedup = kernel_speedup(kr, inference)
+                speedup = judged_speedup(kr, kern, site, role, rr.baseline_us, inference,
+                                         static_scales)
                 decisive = (same_device_type and not kern.is_emulated
                             and kr.timing.split("+")[0] not in _UNTRUSTED_TIMINGS
                             and speedup is not None and math.isfinite(speedup))
@@ -284,11 +340,31 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
     budget_dict = config_to_dict(cfg)
     budget_dict.update(assume_fast=bool(assume_fast), inference=bool(inference),
                        allowed_kernels=None if allowed is None else sorted(allowed))
+    scales: Dict[str, float] = {}
+    if static_scales:
+        budget_dict.update(static_scales=True, static_margin=float(static_margin))
+        from .linear import takes_static_input_scale
+
+        for name, sp in sites.items():
+            choice = sp.roles.get(Role.FWD)
+            amax = _site_amax(report.sites[name])
+            if (choice is None or choice.kernel == cfg.baseline or amax is None
+                    or not takes_static_input_scale(registry.get(choice.kernel))):
+                continue
+            scales[name] = amax * float(static_margin)
+        fp8 = [n for n, sp in sites.items()
+               if sp.roles.get(Role.FWD) and sp.roles[Role.FWD].kernel != cfg.baseline]
+        dynamic = [n for n in fp8 if n not in scales]
+        if dynamic:
+            notes.append(f"static_scales: {len(dynamic)} FP8 forward(s) keep dynamic scales "
+                         f"(kernel takes no static scale, or no observed amax): "
+                         f"{', '.join(dynamic)}")
     dtypes = {site.dtype for site in report.sites.values()}
     source = {"report_created": report.created, "report_device": report.device,
               "device_name": report.device_name, "torch": report.torch_version,
               "dtype": dtypes.pop() if len(dtypes) == 1 else None}
-    return Plan(sites=sites, device=str(target), budget=budget_dict, source=source, notes=notes)
+    return Plan(sites=sites, device=str(target), budget=budget_dict, source=source, notes=notes,
+                static_scales=scales)
 
 
 def audit(plan: Plan, report: "ProbeReport | str | os.PathLike") -> dict:
@@ -330,6 +406,7 @@ def audit(plan: Plan, report: "ProbeReport | str | os.PathLike") -> dict:
     min_speedup = float(cfg.get("min_speedup", DispatchConfig().min_speedup))
     metric = str(cfg.get("metric", DispatchConfig().metric))
     inference = bool(cfg.get("inference", False))
+    static = bool(cfg.get("static_scales", False))
     speeds_count = not cfg.get("assume_fast", False)
     allowed = None if cfg.get("allowed_kernels") is None else set(cfg["allowed_kernels"])
     registered = {k.name: k for k in registry.all_kernels()}
@@ -340,7 +417,7 @@ def audit(plan: Plan, report: "ProbeReport | str | os.PathLike") -> dict:
         stat = None if kr is None or kr.error else kr.metric(metric)
         return stat is not None and stat.hi is not None and stat.hi <= budget
 
-    def speed(rr, kname: str) -> float:
+    def speed(rr, kname: str, site=None, role: Role = Role.FWD) -> float:
         # decisive only as plan() rule 3 has it: timed on the plan's device type, not on
         # the CPU's wall clock, and not an emulated kernel (a numerical reference)
         if kname == plan.baseline:
@@ -349,7 +426,8 @@ def audit(plan: Plan, report: "ProbeReport | str | os.PathLike") -> dict:
         if (kr is None or not same_device_type or kr.timing.split("+")[0] in _UNTRUSTED_TIMINGS
                 or kname not in registered or registered[kname].is_emulated):
             return math.nan
-        s = kernel_speedup(kr, inference)
+        s = (judged_speedup(kr, registered[kname], site, role, rr.baseline_us, inference,
+                            static) if site is not None else kernel_speedup(kr, inference))
         return math.nan if s is None else float(s)
 
     def runs(site, role: Role, kname: str) -> bool:
@@ -395,13 +473,13 @@ def audit(plan: Plan, report: "ProbeReport | str | os.PathLike") -> dict:
                 continue
             if not speeds_count or (name in head and chosen == plan.baseline):
                 continue  # rule 0: a head site on the baseline is the plan's own choice
-            cands = [(speed(rr, k), k) for k in rr.kernels
+            cands = [(speed(rr, k, site, role), k) for k in rr.kernels
                      if k != plan.baseline and within(rr, k, budget)
-                     and speed(rr, k) >= min_speedup and runs(site, role, k)]
+                     and speed(rr, k, site, role) >= min_speedup and runs(site, role, k)]
             if not cands:
                 continue
             best_speed, best = max(cands)
-            mine = speed(rr, chosen)
+            mine = speed(rr, chosen, site, role)
             if not mine >= best_speed:  # NaN (an untimed choice) counts as slower
                 violations.append({**row, "kind": "speed", "chosen_speedup": encode_number(mine),
                                    "best": best, "best_speedup": best_speed,

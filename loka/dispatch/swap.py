@@ -38,12 +38,12 @@ from typing import Dict, Iterator, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from ..config import LinearConfig
+from ..config import LinearConfig, Role
 from ..kernels import registry
 from ..numerics.delayed import (DEFAULT_DECAY, FUSING_TORCH, check_decay,
                                inductor_fuses_the_estimate)
 from ..probe.hooks import canonical_name
-from .linear import Linear
+from .linear import Linear, takes_static_input_scale
 from .schema import Plan, PlanMismatchError
 
 _STATE_ATTR = "_loka_dispatch"
@@ -258,7 +258,8 @@ def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = 
         strict: raise on sites the model lacks or whose shapes differ; False skips them.
         drop_weights: with ``inference``, free the high-precision weights.
         static_scales: with ``inference``, site -> input amax for static activation scales
-            (sites not listed stay dynamic).
+            (sites not listed stay dynamic); None: the plan's own (``Plan.static_scales``,
+            from ``loka.plan(..., static_scales=True)``), {}: dynamic everywhere.
         delayed_scaling: training only: True (default decay) or a decay in (0, 1] turns on
             delayed tensorwise scaling (module docstring), False turns it off; None: as the
             plan says (ignored with ``inference``).
@@ -267,6 +268,8 @@ def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = 
         An :class:`ApplyReport`. Applying again first undoes the previous apply.
     """
     root, compiled = root_module(model)
+    if static_scales is None and inference:
+        static_scales = dict(getattr(plan, "static_scales", None) or {})
     if (drop_weights or static_scales) and not inference:
         raise ValueError("drop_weights and static_scales need inference=True")
     decay = _delayed_decay(delayed_scaling)
@@ -282,6 +285,11 @@ def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = 
         if value.numel() != 1 or not bool(torch.isfinite(value)) or float(value) <= 0:
             raise ValueError(f"static_scales[{site!r}] must be one finite positive amax, "
                              f"got {value.tolist()}")
+        fwd = plan.sites[site].roles.get(Role.FWD)
+        kernel = plan.baseline if fwd is None else fwd.kernel
+        if kernel != plan.baseline and not takes_static_input_scale(registry.get(kernel)):
+            raise ValueError(f"static_scales[{site!r}]: the planned forward kernel {kernel!r} "
+                             "takes no static input scale")
     # validate everything before touching the model, so that a bad plan changes nothing
     changes, _ = _plan_changes(root, plan, inference, strict)
     if delayed_scaling is None and not inference:

@@ -52,6 +52,15 @@ written anyway and the training share applies. The four Wukong-shaped regions of
 ``bench/blockwise_fusion.py`` (a block norm, perhaps a Hard Swish, then the GEMM; H100)
 kept 0.13-0.6 of it, 0.32 on average, against a timed separate pass.
 
+Static input scales (:func:`serve_static_time_us`; ``loka.plan(..., inference=True,
+static_scales=True)``): a serving forward whose activation scale is fixed beforehand (the
+Probe's observed input amax) needs no amax pass, only a cast. Where x's producer is code
+Inductor makes (any fusible kind, ``blocked`` included: a cast is elementwise) the cast
+writes the FP8 copy in the producer's kernel instead of its bf16 one, and nothing is left
+of the separate passes when x has no other reader (a shared x is written in bf16 all the
+same: its FP8 copy is one byte more, :data:`STATIC_SHARED_SHARE` of the passes); elsewhere
+the cast is a pass of its own, reading 2 bytes and writing 1 (:data:`STATIC_PASS_SHARE`).
+
 These shares are a model from byte counts, not a measurement: the evaluation harness
 records the prediction beside every measured step so that the gap is known.
 """
@@ -66,7 +75,8 @@ from .producers import FUSIBLE
 from .report import KernelResult
 
 __all__ = ["FUSED_SHARE", "SERVE_FUSED_SHARE", "FUSIBLE_BY_SCALING", "OPERAND_SOURCES",
-           "can_fuse", "split_quantization", "step_time_us", "serve_time_us", "price"]
+           "STATIC_SHARED_SHARE", "STATIC_PASS_SHARE", "can_fuse", "split_quantization",
+           "step_time_us", "serve_time_us", "serve_static_time_us", "price"]
 
 FUSED_SHARE = {Scaling.ROWWISE: 1 / 3, Scaling.BLOCKWISE: 1 / 3, Scaling.TENSORWISE: 3 / 5}
 """share of a separate quantization pass's traffic left when it fuses into its producer"""
@@ -78,6 +88,14 @@ docstring)"""
 FUSIBLE_BY_SCALING = {Scaling.TENSORWISE: FUSIBLE + ("blocked",)}
 """producer kinds whose quantization fuses, by the kernel's scaling where they differ
 from :data:`~loka.probe.producers.FUSIBLE` (module docstring)"""
+
+STATIC_SHARED_SHARE = {Scaling.TENSORWISE: 1 / 5, Scaling.ROWWISE: 1 / 3,
+                       Scaling.BLOCKWISE: 1 / 3}
+"""a static cast fused into the producer of a shared x: one byte written per element, of
+the separate passes' five (tensorwise: amax read, cast read and write) or three (rowwise,
+blockwise: one pass that reads and writes)"""
+STATIC_PASS_SHARE = {Scaling.TENSORWISE: 3 / 5, Scaling.ROWWISE: 1.0, Scaling.BLOCKWISE: 1.0}
+"""a static cast as a pass of its own (reads 2 bytes, writes 1), of the separate passes"""
 
 OPERAND_SOURCES = {Role.FWD: ("x", "weight"), Role.DGRAD: ("dy", "weight"),
                    Role.WGRAD: ("dy", "x")}
@@ -167,6 +185,24 @@ def serve_time_us(kernel: Kernel, *, time_us_weight_q: Optional[float],
     # a shared x is written in bf16 for its other readers: the cast replaces no write
     alone = producers.get("x_users") != "shared"
     return time_us_weight_q - qa * (1.0 - _fused_share(kernel, Role.FWD, "x", serve=alone))
+
+
+def serve_static_time_us(kernel: Kernel, *, time_us_weight_q: Optional[float],
+                         time_us_gemm: Optional[float], producers: Mapping[str, str] = {},
+                         compiled: bool = False) -> Optional[float]:
+    """What a compiled serving forward pays for ``kernel`` at one site with a static input
+    scale (module docstring): the GEMM alone plus what is left of x's quantization, a cast
+    fused into its producer or a pass of its own; None where a timing is missing."""
+    if time_us_weight_q is None or time_us_gemm is None:
+        return None
+    qa = max(time_us_weight_q - time_us_gemm, 0.0)
+    fusible = compiled and producers.get("x") in FUSIBLE + ("blocked",)
+    if fusible:
+        share = (STATIC_SHARED_SHARE.get(kernel.scaling, 1.0)
+                 if producers.get("x_users") == "shared" else 0.0)
+    else:
+        share = STATIC_PASS_SHARE.get(kernel.scaling, 1.0)
+    return time_us_gemm + qa * share
 
 
 def price(kr: KernelResult, kernel: Kernel, role: Role, shape: Tuple[int, int, int],
