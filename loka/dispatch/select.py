@@ -51,7 +51,9 @@ import torch
 from ..config import ROLES, DispatchConfig, Role, config_to_dict, role_shape
 from ..jsonio import decode_number, encode_number
 from ..kernels import registry
+from ..probe.pricing import serve_static_time_us
 from ..probe.report import ProbeReport
+from .linear import takes_static_input_scale
 from .schema import Plan, RoleChoice, SitePlan
 
 _UNTRUSTED_TIMINGS = ("none", "cpu-wallclock")
@@ -76,9 +78,6 @@ def static_serve_speedup(kr, kernel, site, baseline_us: Optional[float]) -> Opti
     (:func:`loka.probe.pricing.serve_static_time_us`), or None where it has none: the
     kernel takes no static scale, the site has no observed input amax, or the report has
     no GEMM-alone timing there."""
-    from ..dispatch.linear import takes_static_input_scale
-    from ..probe.pricing import serve_static_time_us
-
     if (baseline_us is None or not takes_static_input_scale(kernel)
             or _site_amax(site) is None or kr.timing is None):
         return None
@@ -343,8 +342,6 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
     scales: Dict[str, float] = {}
     if static_scales:
         budget_dict.update(static_scales=True, static_margin=float(static_margin))
-        from .linear import takes_static_input_scale
-
         for name, sp in sites.items():
             choice = sp.roles.get(Role.FWD)
             amax = _site_amax(report.sites[name])

@@ -54,6 +54,7 @@ from ..kernels.registry import Kernel, Library
 from ..numerics import mere_denominator
 from ..timing import TimingResult, time_fn
 from . import precompile
+from .calls import COMPILE_ENTRIES, compiled_call, linear_dims
 from .pricing import can_fuse, price
 from .report import (ROOFLINE_NOT_TIMED, ErrorStat, KernelResult, ProbeReport, RoleReport,
                      SiteReport)
@@ -64,8 +65,6 @@ __all__ = ["Failure", "SampleErrors", "error_metrics", "run_samples", "bootstrap
            "KernelTimer", "compiled_call", "compiles_for_timing", "kernel_names", "measure_report",
            "COMPILE_ENTRIES", "COMPILED_LIBRARIES"]
 
-COMPILE_ENTRIES = 256
-"""Dynamo's recompile limit while the Probe times compiled kernels"""
 COMPILED_LIBRARIES = (Library.CUBLAS, Library.TORCHAO)
 """kernel libraries whose quantization is plain PyTorch, fused by Inductor when compiled"""
 
@@ -225,23 +224,6 @@ def bootstrap_stat(values, resamples: int = 1000, seed: int = 0, level: float = 
 
 
 # -- timing ------------------------------------------------------------------------------
-def compiled_call(kern: Kernel, dtype: torch.dtype) -> Callable:
-    """``call(a, b)``: the kernel under ``torch.compile``, as it runs inside a compiled
-    model, where Inductor fuses its PyTorch quantization; one compiled function, specialized
-    to each shape as a compiled model is: compiled once with dynamic shapes, the same
-    kernels time far slower (Inductor's dynamic-shape code for their quantization passes;
-    the Probe reports in bench/results/archive/2026-12-03-h200-wukong/ and
-    bench/results/archive/2026-12-03-h200-wukong-merge/ compare the two)."""
-    compiled = torch.compile(lambda a, b: kern(a, b, dtype), dynamic=False)
-
-    def call(a, b):
-        # one code object serves every shape, role layout and weight-q variant: each is a
-        # guarded entry of its own, more than Dynamo's default limit
-        with torch._dynamo.config.patch(recompile_limit=COMPILE_ENTRIES):
-            return compiled(a, b)
-    return call
-
-
 def gemm_layouts(a, b):
     """FP8 operands ``a`` and ``b`` (:class:`~loka.numerics.scaling.QTensor`) laid out as
     the library GEMMs of compiled kernels read them (``torch._scaled_mm``: a row-major, b
@@ -273,13 +255,6 @@ def compiles_for_timing(kern: Kernel, dev: torch.device, mode: str) -> bool:
     # own quantization kernels (Triton kernels, C++ libraries) gain no fusion from
     # Inductor; emulated kernels are references, not candidates for speed
     return kern.is_fp8 and kern.library in COMPILED_LIBRARIES and not ops.is_opaque(kern)
-
-
-def _linear_dims(role: Role, shape: Tuple[int, int, int]) -> Tuple[int, int, int]:
-    """(M, in_features, out_features) of the Linear whose ``role`` GEMM is ``shape``
-    (the inverse of :func:`~loka.config.role_shape`)."""
-    a, b, c = shape
-    return {Role.FWD: (a, b, c), Role.DGRAD: (a, c, b), Role.WGRAD: (b, c, a)}[role]
 
 
 class KernelTimer:
@@ -348,7 +323,7 @@ class KernelTimer:
         if key not in self._operands:
             gen = torch.Generator(device=dev)
             gen.manual_seed(self.config.seed)
-            self._operands[key] = naive_pair(role, *_linear_dims(role, shape), dev, dtype, gen)
+            self._operands[key] = naive_pair(role, *linear_dims(role, shape), dev, dtype, gen)
         return self._operands[key]
 
     def _compiled_call(self, kern: Kernel, dtype: torch.dtype) -> Callable:

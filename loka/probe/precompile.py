@@ -1,7 +1,7 @@
 """Compiling the Probe's timed calls ahead, in child processes, while it measures errors.
 
 The Probe times the kernels whose quantization is plain PyTorch under ``torch.compile``
-(:func:`loka.probe.measure.compiled_call`): one compiled graph per kernel, shape and
+(:func:`loka.probe.calls.compiled_call`): one compiled graph per kernel, shape and
 operand layout. On a machine whose compile caches are empty, compiling those graphs is most
 of the Probe's timing pass (its report's ``meta['spent']['compile_s']``), one graph at a
 time.
@@ -37,6 +37,12 @@ from pathlib import Path
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
+
+from ..config import Role
+from ..kernels import registry
+from ..kernels.roofline import autotune_limit
+from .calls import compiled_call, linear_dims
+from .sampler import naive_pair
 
 __all__ = ["Entry", "Precompile", "start", "workers_for", "warm", "WAIT_S", "MAX_WORKERS"]
 
@@ -243,12 +249,6 @@ def warm(entries: Sequence[Entry], device: torch.device, seed: int = 0,
     """Compile each entry's call as the timing pass does (the same function, operands of
     the same shapes, layouts and dtypes, the weight quantized beforehand where asked), by
     calling it once. Returns (calls compiled, one line per call that failed)."""
-    from ..config import Role
-    from ..kernels import registry
-    from ..kernels.roofline import autotune_limit
-    from .measure import _linear_dims, _one_line, compiled_call
-    from .sampler import naive_pair
-
     calls: Dict[tuple, Callable] = {}
     done, failed = 0, []
     for e in entries:
@@ -257,7 +257,7 @@ def warm(entries: Sequence[Entry], device: torch.device, seed: int = 0,
             role, dtype = Role.parse(e.role), getattr(torch, e.dtype)
             gen = torch.Generator(device=device)
             gen.manual_seed(seed)
-            a, b = naive_pair(role, *_linear_dims(role, tuple(e.shape)), device, dtype, gen)
+            a, b = naive_pair(role, *linear_dims(role, tuple(e.shape)), device, dtype, gen)
             with torch.no_grad(), autotune_limit(autotune_configs):
                 if e.weight_q:
                     b = kern.quantize_b(b)
@@ -269,7 +269,8 @@ def warm(entries: Sequence[Entry], device: torch.device, seed: int = 0,
                 torch.cuda.synchronize(device)
             done += 1
         except Exception as ex:  # noqa: BLE001 - the parent compiles it itself
-            failed.append(f"{e.kernel} {e.role} {tuple(e.shape)}: {_one_line(ex)}")
+            first = (str(ex).strip().splitlines() or [""])[0][:300]
+            failed.append(f"{e.kernel} {e.role} {tuple(e.shape)}: {type(ex).__name__}: {first}")
     return done, failed
 
 

@@ -147,12 +147,14 @@ def test_wait_reports_a_crashed_child_and_stops_a_slow_one(tmp_path):
     pre.stop()  # idempotent
 
 
-def test_cache_off_skips_the_children(monkeypatch):
+def test_cache_off_skips_the_children():
     from torch._inductor import config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
-    pre = precompile.start([Entry("cublas-tensorwise", "fwd", (16, 16, 16), "float32", False)],
-                           torch.device("cpu"), ProbeConfig(precompile_workers=2))
+    # (patch, not monkeypatch: setting the option back by hand would force the cache on)
+    with inductor_config.patch(fx_graph_cache=False):
+        pre = precompile.start([Entry("cublas-tensorwise", "fwd", (16, 16, 16), "float32",
+                                      False)], torch.device("cpu"),
+                               ProbeConfig(precompile_workers=2))
     out = pre.wait()
     assert out["workers"] == 0 and "FX graph cache is off" in out["skipped"]
     pre.stop()
