@@ -493,6 +493,7 @@ def delayed_option(args) -> Optional[float]:
 
 def cmd_optimize(args) -> int:
     delayed_option(args)  # refuse bad combinations before any work
+    static_option(args)
     device = resolve_device(args)
     kernels, all_kernels = probe_kernels(args.kernels)
     model, desc, mods, batch_size, stream = _model_and_stream(args, device)
@@ -513,7 +514,8 @@ def cmd_optimize(args) -> int:
                       compile_mode=args.compile_mode,
                       rounds=args.rounds, max_trials=args.max_trials,
                       progress=lambda line: print(f"  {line}"),
-                      delayed_scaling=delayed_option(args))
+                      delayed_scaling=delayed_option(args),
+                      **static_option(args))
     result.plan.save(args.out)
     if args.report:
         result.report.meta.update(model=desc, data=args.data, mods=dataclasses.asdict(mods),
@@ -527,9 +529,18 @@ def cmd_optimize(args) -> int:
     return EXIT_OK
 
 
-def cmd_plan(args) -> int:
+def static_option(args) -> dict:
+    """``--static-scales`` / ``--static-margin`` as ``loka.plan``'s keyword arguments."""
     if args.static_margin is not None and not args.static_scales:
         raise usage("--static-margin needs --static-scales")
+    if args.static_scales and not args.inference:
+        raise usage("--static-scales is for serving: add --inference")
+    return {"static_scales": bool(args.static_scales),
+            "static_margin": 1.0 if args.static_margin is None else args.static_margin}
+
+
+def cmd_plan(args) -> int:
+    static = static_option(args)
     report = load_report(args.report)
     allowed = parse_kernels(args.kernels)
     device = resolve_device(args) if args.device else None
@@ -540,9 +551,7 @@ def cmd_plan(args) -> int:
                                                     [r.value for r in ROLES]) or None,
                          site_budgets=parse_budgets(args.site_budget, "site-budget") or None,
                          allowed_kernels=allowed, device=device, assume_fast=args.assume_fast,
-                         head_sites=args.head_sites, inference=args.inference,
-                         static_scales=args.static_scales,
-                         static_margin=1.0 if args.static_margin is None else args.static_margin)
+                         head_sites=args.head_sites, inference=args.inference, **static)
     except KeyError as e:
         raise usage(f"--kernels: {e.args[0]}", "list them with 'loka kernels'") from None
     except ValueError as e:

@@ -201,6 +201,16 @@ delegates to loka.bench (the harness behind bench/run_all.py).""",
 }
 
 
+def _static_scales(p) -> None:
+    p.add_argument("--static-scales", action="store_true",
+                   help="with --inference: static activation scales from the amax the Probe "
+                        "observed (no amax pass; values beyond it saturate)")
+    p.add_argument("--static-margin", type=positive(float, "--static-margin", 1.0), default=None,
+                   metavar="X",
+                   help="with --static-scales: multiply each observed amax by X (> 1 leaves "
+                        "headroom)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``loka`` argument parser (every subcommand and option)."""
     parser = _Parser(
@@ -384,13 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"shrinks per call, in (0, 1] (default {DEFAULT_DECAY})")
     p.add_argument("--inference", action="store_true",
                    help="plan serving: forwards only, judged with the weight quantized once")
-    p.add_argument("--static-scales", action="store_true",
-                   help="with --inference: static activation scales from the amax the Probe "
-                        "observed (no amax pass; values beyond it saturate)")
-    p.add_argument("--static-margin", type=positive(float, "--static-margin", 1.0), default=None,
-                   metavar="X",
-                   help="with --static-scales: multiply each observed amax by X (> 1 leaves "
-                        "headroom)")
+    _static_scales(p)
 
     p = add("optimize", "probe, plan and keep only what makes the whole step faster")
     _model_args(p, positional=True)
@@ -424,6 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(training only)")
     p.add_argument("--delayed-decay", type=decay, default=None, metavar="DECAY",
                    help=f"with --delayed-scaling: the decay, in (0, 1] (default {DEFAULT_DECAY})")
+    _static_scales(p)
     _skip_bad_lines(p)
 
     p = add("audit", "check a plan against its Probe report: budgets kept, fastest chosen")

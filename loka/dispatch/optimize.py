@@ -211,7 +211,8 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
              max_trials: int = 16, rounds: int = 3, steps: int = 10, warmup: int = 3,
              progress: Optional[Callable[[str], None]] = None,
              refine: Optional[Callable[[Plan], Plan]] = None,
-             delayed_scaling: Optional[float] = None) -> OptimizeResult:
+             delayed_scaling: Optional[float] = None, static_scales: bool = False,
+             static_margin: float = 1.0) -> OptimizeResult:
     """Probe ``model`` on ``batches``, plan, and keep only what makes its step faster.
 
     Args:
@@ -239,6 +240,8 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
             ``lambda p: loka.quality.ne_budget(p, ...).plan``.
         delayed_scaling: train the plans timed, and the one returned, with delayed
             tensorwise scales at this decay (``Plan.delayed_scaling``; training only).
+        static_scales, static_margin: serve the plans timed, and the one returned, with
+            static activation scales (``loka.plan(..., static_scales=True)``; serving only).
 
     Returns:
         An :class:`OptimizeResult`; ``result.plan.budget["optimize"]`` records the rounds,
@@ -253,6 +256,9 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
         if inference:
             raise ValueError("delayed_scaling is for training; serving takes static scales")
         delayed_scaling = check_decay(delayed_scaling, "delayed_scaling")
+    if static_scales and not inference:
+        raise ValueError("static_scales is for serving (inference=True); training takes "
+                         "delayed_scaling")
     say = progress or (lambda _line: None)
     batches = list(batches)
     if not batches:
@@ -270,7 +276,8 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     # the whole step decides (or, untimed, the plan is made on error alone, and says so)
     untuned = make_plan(report, max_error=max_error, min_speedup=min_speedup,
                         allowed_kernels=allowed_kernels, inference=inference, assume_fast=True,
-                        head_sites=head_sites)
+                        head_sites=head_sites, static_scales=static_scales,
+                        static_margin=static_margin)
     say(f"plan from the report: {len(untuned.fp8_sites())} FP8 site(s)")
     start = untuned if refine is None else refine(untuned.copy())
     if refine is not None:

@@ -245,6 +245,19 @@ def check(model: nn.Module, plan: Plan, inference: bool = False,
     return _plan_changes(root, plan, inference, strict)[0]
 
 
+def _takes_static(plan: Plan, site: str) -> bool:
+    """Whether ``site``'s planned forward is an FP8 kernel that takes a static input scale
+    (False for the baseline, a site the plan lacks, or a kernel not registered here)."""
+    sp = plan.sites.get(site)
+    fwd = None if sp is None else sp.roles.get(Role.FWD)
+    if fwd is None or fwd.kernel == plan.baseline:
+        return False
+    try:
+        return takes_static_input_scale(registry.get(fwd.kernel))
+    except KeyError:
+        return False
+
+
 def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = True,
           drop_weights: bool = False,
           static_scales: Optional[Mapping[str, "float | torch.Tensor"]] = None,
@@ -269,7 +282,11 @@ def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = 
     """
     root, compiled = root_module(model)
     if static_scales is None and inference:
-        static_scales = dict(getattr(plan, "static_scales", None) or {})
+        # the plan's own, where its forward still takes one (a plan edited since, or tuned
+        # to other kernels, may have moved a site)
+        static_scales = {site: amax for site, amax in
+                         (getattr(plan, "static_scales", None) or {}).items()
+                         if _takes_static(plan, site)}
     if (drop_weights or static_scales) and not inference:
         raise ValueError("drop_weights and static_scales need inference=True")
     decay = _delayed_decay(delayed_scaling)
@@ -287,7 +304,7 @@ def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = 
                              f"got {value.tolist()}")
         fwd = plan.sites[site].roles.get(Role.FWD)
         kernel = plan.baseline if fwd is None else fwd.kernel
-        if kernel != plan.baseline and not takes_static_input_scale(registry.get(kernel)):
+        if kernel != plan.baseline and not _takes_static(plan, site):
             raise ValueError(f"static_scales[{site!r}]: the planned forward kernel {kernel!r} "
                              "takes no static input scale")
     # validate everything before touching the model, so that a bad plan changes nothing

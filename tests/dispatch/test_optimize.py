@@ -156,3 +156,32 @@ def test_delayed_scaling_is_carried_by_every_plan_timed_and_the_one_returned():
     for bad in (0.0, 1.5, True):
         with pytest.raises(ValueError, match="decay"):
             optimize(_model(), _batches(), _loss, config=_config(), delayed_scaling=bad)
+
+
+def test_static_scales_serve_every_plan_timed_and_the_one_returned():
+    """Serving with static scales: each timed step's FP8 forwards hold the plan's observed
+    amax; a site tuned back to the baseline loses its scale; training refuses them."""
+    model = _model()
+    seen = []
+
+    def time_step(m):
+        seen.append({id(x): x.input_amax for x in m.modules()
+                     if isinstance(x, Linear) and not x._all_baseline})
+        return 10.0 - 1.0 * _fp8_sites(m)
+    result = optimize(model, _batches(), _loss, config=_config(), time_step=time_step,
+                      rounds=2, inference=True, static_scales=True, static_margin=1.25)
+    plan = result.plan
+    assert plan.fp8_sites() and sorted(plan.static_scales) == sorted(plan.fp8_sites())
+    observed = loka.dispatch.amax_from_report(result.report)
+    assert all(plan.static_scales[s] == pytest.approx(1.25 * observed[s])
+               for s in plan.static_scales)
+    timed = [d for d in seen if d]
+    assert timed and all(a is not None and float(a) > 0 for d in timed for a in d.values())
+    # a plan whose site went back to the baseline: the scale stays in the JSON, unused
+    moved = loka.dispatch.tune.on_baseline(plan, plan.fp8_sites()[:1], "test")
+    served = _model()
+    loka.apply(served, moved, inference=True)
+    assert all(float(m.input_amax) > 0 for m in served.modules()
+               if isinstance(m, Linear) and not m._all_baseline)
+    with pytest.raises(ValueError, match="for serving"):
+        optimize(_model(), _batches(), _loss, config=_config(), static_scales=True)
