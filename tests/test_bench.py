@@ -1376,3 +1376,32 @@ def test_host_self_us_sums_cpu_events_per_step_and_leaves_out_the_skipped():
               E(key="aten::view", device_type=DeviceType.CPU, self_cpu_time_total=0.0)]
     assert host_self_us(events, 3) == {"aten::mm": 12.0, "ProfilerStep#1": 30.0}
     assert host_self_us(events, 3, skip=("ProfilerStep",)) == {"aten::mm": 12.0}
+
+
+def test_serve_static_quality_pairs_every_arm_with_the_float32_model(tmp_path):
+    """bench/serve_static_quality.py on a tiny Wukong: every arm's NE change is paired with
+    the float32 model (a real interval around it), static arms set scales at the FP8 sites,
+    a wider margin saturates no more, and an unlearned seed is kept out of the summary."""
+    ssq = _load("serve_static_quality")
+    out = tmp_path / "ssq.json"
+    assert ssq.main(["--models", "wukong:tiny", "--seeds", "0", "--steps", "10",
+                     "--eval-batches", "2", "--eval-batch", "128", "--batch-size", "64",
+                     "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    run = doc["models"]["wukong:tiny"]["seeds"][0]
+    assert set(run["arms"]) == {"dynamic", "static x1", "static x2"}
+    for name, arm in run["arms"].items():
+        lo, hi = arm["interval"]
+        assert lo <= arm["rel_ne_change"] <= hi and lo < hi
+        assert abs(arm["rel_ne_change"]) < 0.05  # FP8 serving of a tiny model: small
+        assert arm["static_sites"] == (0 if name == "dynamic" else run["fp8_sites"]) > -1
+    assert run["fp8_sites"] > 0
+    assert run["arms"]["static x2"]["saturation_max"] <= run["arms"]["static x1"]["saturation_max"]
+    summary = doc["models"]["wukong:tiny"]["summary"]
+    assert summary["seeds_learned"] == ([0] if run["ne_fp32"] < 1 else [])
+    strict = tmp_path / "strict.json"
+    ssq.main(["--models", "wukong:tiny", "--seeds", "0", "--steps", "2", "--eval-batches", "1",
+              "--eval-batch", "512", "--batch-size", "64", "--margins", "1",
+              "--max-baseline-ne", "0", "--out", str(strict)])
+    s = json.loads(strict.read_text())["models"]["wukong:tiny"]["summary"]
+    assert s["seeds_learned"] == [] and s["seeds_not_learned"] == [0] and "dynamic" not in s
