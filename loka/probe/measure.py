@@ -15,6 +15,12 @@ changes every step) and with the weight quantized beforehand (inference,
 ``time_us_weight_q``), so that ``loka.plan(..., inference=True)`` judges a serving plan by
 what serving costs.
 
+Two passes over the sites: every error sample first, then every timing. Between the
+baselines' short estimates (the roofline's input) and the first error sample, the calls
+the timing pass will compile go to child processes (:mod:`loka.probe.precompile`) that
+compile them into torch.compile's on-disk caches while the errors are sampled; the
+timing pass waits for them, then loads what they compiled.
+
 A kernel that fails is a result, not an error: it is carried as a :class:`Failure` and
 recorded in the report as :attr:`KernelResult.error <loka.probe.report.KernelResult.error>`
 (one line), and a role that cannot be measured as its reason in the site's
@@ -488,9 +494,11 @@ class _Measurement:
 
     def estimate_baselines(self, works: Sequence["_SiteWork"]) -> None:
         """A short timing of the baseline at every planned role's shape, for the roofline
-        bounds of :meth:`compile_plan` only. It is not kept: GEMMs timed back to back run
-        slower as the GPU heats (up to a sixth at these shapes), so the timing pass times
-        the baseline again beside the kernels it is compared with."""
+        bounds of :meth:`compile_plan` only. It is not kept: timed in a pass of their own
+        before the errors, the bf16 GEMMs ran up to 18% slower on an H100 than in a run
+        that timed each beside its kernels, while the FP8 kernels' times agreed within 2%
+        (bench/results/2026-12-06-h100-precompile/NOTE.md), so the timing pass times the
+        baseline again beside the kernels it is compared with."""
         if not self.config.timing:
             return
         seen: Dict[tuple, Optional[float]] = {}
@@ -570,13 +578,6 @@ class _Measurement:
             stats["skipped_roles"] = {r.value: work.skipped[r.value] for r in self.config.roles
                                       if r.value in work.skipped}
         return sr
-
-    def site(self, name: str, site: SiteStats, module: nn.Linear, dev: torch.device
-             ) -> SiteReport:
-        """Every configured role of one observed site, in one pass."""
-        work = self.plan_site(name, site, module, dev)
-        self.errors(work)
-        return self.finish(work)
 
     def role_report(self, work: "_SiteWork", rw: "_RoleWork") -> RoleReport:
         """Every kernel of one role: its errors (measured) and its times."""
