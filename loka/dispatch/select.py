@@ -23,7 +23,8 @@ Selection rule for one (site, role):
    emulated. CPU wall-clock and emulated timings say nothing about FP8 on a GPU.
 4. Among safe candidates with a decisive speedup ``>= min_speedup`` the fastest wins
    (ties: lower error bound, then name). The speedup is :func:`kernel_speedup`'s: the
-   step-aware one in training where the report has it.
+   step-aware one in training where the report has it; in a serving plan with
+   ``static_scales``, :func:`static_serve_speedup` where the kernel takes a static scale.
    A kernel the Probe left untimed because its roofline bound (measured against the
    baseline on the same device type, ``KernelResult.roofline_bound``) is below the plan's
    ``min_speedup`` counts as timed and slow.
