@@ -385,15 +385,11 @@ class _RoleWork:
     role: Role
     shape: Tuple[int, int, int]
     """the timed GEMM shape (M, K, N) at the site's row count"""
-    err_shape: Tuple[int, int, int]
     m_time: int
     m_err: int
-    kernels: List[Kernel]
-    dtype: torch.dtype
-    dev: torch.device
+    kernels: List[Kernel] = dataclasses.field(default_factory=list)
     errors: Dict[str, Union[SampleErrors, Failure]] = dataclasses.field(default_factory=dict)
     naive: Dict[str, Union[SampleErrors, Failure]] = dataclasses.field(default_factory=dict)
-    baseline: Union[TimingResult, Failure, None] = None
     est_base_us: Optional[float] = None
     """the baseline's time from a short timing before the errors (what to compile ahead)"""
 
@@ -404,10 +400,6 @@ class _RoleWork:
             k_in, n_out = self.shape[2], self.shape[0]
             return role_shape(self.role, kern.padded_tokens(self.m_time), k_in, n_out)
         return self.shape
-
-    @property
-    def base_us(self) -> Optional[float]:
-        return self.baseline.median_us if isinstance(self.baseline, TimingResult) else None
 
 
 @dataclass
@@ -449,8 +441,8 @@ class _Measurement:
                 torch.cuda.synchronize(dev)
             self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t0
 
-    def plan_role(self, site: SiteStats, module: nn.Linear, role: Role, dev: torch.device,
-                  dtype: torch.dtype) -> Union["_RoleWork", Failure]:
+    def plan_role(self, site: SiteStats, role: Role, dev: torch.device
+                  ) -> Union["_RoleWork", Failure]:
         """What one role will measure (its shapes and kernels), or why nothing: no work on
         the device yet."""
         cfg = self.config
@@ -461,7 +453,7 @@ class _Measurement:
             return Failure("nothing captured")
         shape = role_shape(role, m_time, k_in, n_out)
         err_shape = role_shape(role, m_err, k_in, n_out)
-        work = _RoleWork(role, shape, err_shape, m_time, m_err, [], dtype, dev)
+        work = _RoleWork(role, shape, m_time, m_err)
         kernels = [k for k in registry.available(dev, role=role, names=kernel_names(cfg, dev))
                    if k.supports(dev, *work.timed_shape(k), role=role)
                    and k.supports(dev, *err_shape, role=role)]
@@ -485,7 +477,7 @@ class _Measurement:
             if role in GRAD_ROLES and site.grad.updates == 0:
                 work.skipped[role.value] = "no output gradient observed"
                 continue
-            rw = self.plan_role(site, module, role, dev, dtype)
+            rw = self.plan_role(site, role, dev)
             if isinstance(rw, Failure):
                 work.skipped[role.value] = rw.reason
             else:
@@ -583,10 +575,11 @@ class _Measurement:
         """Every kernel of one role: its errors (measured) and its times."""
         cfg, site, dev, dtype, role = self.config, work.site, work.dev, work.dtype, rw.role
         self.where = f"{site.name} {role.value}"
-        if cfg.timing and rw.baseline is None:
+        base_us = None
+        if cfg.timing:
             with self.phase("timing", dev):
-                rw.baseline = self.timer.time(BASELINE, role, rw.shape, dev, dtype)
-        base_us = rw.base_us
+                baseline = self.timer.time(BASELINE, role, rw.shape, dev, dtype)
+            base_us = baseline.median_us if isinstance(baseline, TimingResult) else None
         rr = RoleReport(role, rw.shape, base_us)
         seed = seed_for(cfg.seed, site.name, role.value, "bootstrap")
         for k in rw.kernels:
