@@ -671,7 +671,7 @@ def test_the_static_row_serves_the_plan_with_the_amax_the_probe_saw(probed):
     observed, as the plan carries it; the same as ``evalset.static_scales`` gives the
     dynamic serving plan's sites."""
     from loka.bench import evalset as lev
-    from loka.dispatch.swap import amax_from_report
+    from loka.dispatch.static import amax_from_report
 
     model, batches, report = probed["dlrm"]
     plan = loka.plan(report, inference=True, assume_fast=True)

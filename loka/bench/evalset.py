@@ -82,13 +82,13 @@ import importlib.metadata
 import importlib.util
 import types
 
-from ..config import ProbeConfig, Role
+from ..config import ProbeConfig
 from ..dispatch import apply as apply_plan
 from ..dispatch import optimize as optimize_plan
 from ..dispatch import plan as make_plan
 from ..dispatch import predict_step
-from ..dispatch.linear import delayable, takes_static_input_scale
-from ..dispatch.swap import amax_from_report
+from ..dispatch.linear import delayable
+from ..dispatch.static import amax_from_report, static_scales_for
 from ..jsonio import atomic_write_text, json_safe
 from ..kernels import registry
 from ..numerics.delayed import DEFAULT_DECAY
@@ -375,19 +375,11 @@ def _case_plans(case: Case) -> dict:
 
 
 def static_scales(report: ProbeReport, plan) -> Dict[str, float]:
-    """The ``loka-static`` row's static scales: the report's observed input amax
-    (:func:`~loka.dispatch.swap.amax_from_report`) of each site whose planned forward kernel
-    takes a static input scale."""
-    known = {k.name: k for k in registry.all_kernels()}
-    amax = amax_from_report(report)
-    out = {}
-    for name, site in plan.sites.items():
-        choice = site.roles.get(Role.FWD)
-        kernel = known.get(choice.kernel) if choice is not None else None
-        if (kernel is not None and choice.kernel != plan.baseline and name in amax
-                and takes_static_input_scale(kernel)):
-            out[name] = amax[name]
-    return out
+    """The report's observed input amax (:func:`~loka.dispatch.static.amax_from_report`) of
+    each site whose planned forward kernel takes a static input scale (a dynamic plan served
+    with static scales: ``bench/ab_steps.py --static-b``, ``bench/step_code.py
+    --static-report``)."""
+    return static_scales_for(plan, amax_from_report(report))
 
 
 def delayed_plan(report: ProbeReport, **plan_kwargs):

@@ -20,7 +20,7 @@ from .. import dispatch
 from ..config import LinearConfig, ProbeConfig
 from ..data.batch import Batch
 from ..dispatch import FUSIBLE_TWINS, Plan, amax_from_report, search_speed, tune_speed
-from ..dispatch.linear import takes_static_input_scale
+from ..dispatch.static import static_scales_for
 from ..kernels import registry
 from ..probe import ProbeReport
 from ..probe import probe as run_probe
@@ -246,15 +246,7 @@ def static_scales(plan: Plan, report: Optional[ProbeReport]) -> Dict[str, float]
     if report is None:
         raise ValueError("+static needs the Probe's statistics: probe in this run, or a "
                          ".report.json beside --plan")
-    amax = amax_from_report(report)
-    out = {}
-    for site, sp in plan.sites.items():
-        name = sp.kernel("fwd", plan.baseline)
-        if name == plan.baseline or site not in amax:
-            continue
-        if takes_static_input_scale(registry.get(name)):
-            out[site] = amax[site]
-    return out
+    return static_scales_for(plan, amax_from_report(report))
 
 
 def static_change(model: nn.Module, plan: Plan, static: Dict[str, float],

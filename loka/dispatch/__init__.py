@@ -16,8 +16,8 @@ are all here.
 from .linear import Linear
 from .schema import Fallback, Plan, PlanMismatchError, RoleChoice, SitePlan
 from .select import audit, budget_problem, override, plan, plan_report_mismatches
-from .swap import (ApplyReport, Change, amax_from_report, applied_plan, apply, check,
-                   skipped_sites, unapply)
+from .static import amax_from_report
+from .swap import (ApplyReport, Change, applied_plan, apply, check, skipped_sites, unapply)
 from .guard import Guard, GuardEvent
 from .tighten import tighten_end_to_end
 from .tune import FUSIBLE_TWINS, search_speed, tune_speed

@@ -56,6 +56,7 @@ from ..probe.pricing import serve_static_time_us
 from ..probe.report import ProbeReport
 from .linear import takes_static_input_scale
 from .schema import Plan, RoleChoice, SitePlan
+from .static import observed_amax, static_scales_for
 
 _UNTRUSTED_TIMINGS = ("none", "cpu-wallclock")
 
@@ -80,21 +81,12 @@ def static_serve_speedup(kr, kernel, site, baseline_us: Optional[float]) -> Opti
     kernel takes no static scale, the site has no observed input amax, or the report has
     no GEMM-alone timing there."""
     if (baseline_us is None or not takes_static_input_scale(kernel)
-            or _site_amax(site) is None or kr.timing is None):
+            or observed_amax(site) is None or kr.timing is None):
         return None
     t = serve_static_time_us(kernel, time_us_weight_q=kr.time_us_weight_q,
                              time_us_gemm=kr.time_us_gemm, producers=site.producers,
                              compiled=kr.timing.endswith("+compiled"))
     return baseline_us / t if t and t > 0 else None
-
-
-def _site_amax(site) -> Optional[float]:
-    """The site's observed input amax (the Probe's ``stats['act']['amax']``), if finite and
-    positive."""
-    act = site.stats.get("act") if isinstance(site.stats, Mapping) else None
-    v = act.get("amax") if isinstance(act, Mapping) else None
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
-    return float(v) if ok else None
 
 
 def judged_speedup(kr, kernel, site, role: Role, baseline_us: Optional[float],
@@ -340,29 +332,25 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
     budget_dict = config_to_dict(cfg)
     budget_dict.update(assume_fast=bool(assume_fast), inference=bool(inference),
                        allowed_kernels=None if allowed is None else sorted(allowed))
-    scales: Dict[str, float] = {}
     if static_scales:
         budget_dict.update(static_scales=True, static_margin=float(static_margin))
-        for name, sp in sites.items():
-            choice = sp.roles.get(Role.FWD)
-            amax = _site_amax(report.sites[name])
-            if (choice is None or choice.kernel == cfg.baseline or amax is None
-                    or not takes_static_input_scale(registry.get(choice.kernel))):
-                continue
-            scales[name] = amax * float(static_margin)
-        fp8 = [n for n, sp in sites.items()
-               if sp.roles.get(Role.FWD) and sp.roles[Role.FWD].kernel != cfg.baseline]
-        dynamic = [n for n in fp8 if n not in scales]
-        if dynamic:
-            notes.append(f"static_scales: {len(dynamic)} FP8 forward(s) keep dynamic scales "
-                         f"(kernel takes no static scale, or no observed amax): "
-                         f"{', '.join(dynamic)}")
     dtypes = {site.dtype for site in report.sites.values()}
     source = {"report_created": report.created, "report_device": report.device,
               "device_name": report.device_name, "torch": report.torch_version,
               "dtype": dtypes.pop() if len(dtypes) == 1 else None}
-    return Plan(sites=sites, device=str(target), budget=budget_dict, source=source, notes=notes,
-                static_scales=scales)
+    out = Plan(sites=sites, device=str(target), budget=budget_dict, source=source, notes=notes)
+    if static_scales:
+        observed = {name: observed_amax(site) for name, site in report.sites.items()}
+        out.static_scales = static_scales_for(out, {n: a * float(static_margin)
+                                                    for n, a in observed.items()
+                                                    if a is not None})
+        dynamic = [n for n in out.fp8_sites() if n not in out.static_scales
+                   and sites[n].kernel("fwd", cfg.baseline) != cfg.baseline]
+        if dynamic:
+            notes.append(f"static_scales: {len(dynamic)} FP8 forward(s) keep dynamic scales "
+                         f"(kernel takes no static scale, or no observed amax): "
+                         f"{', '.join(dynamic)}")
+    return out
 
 
 def audit(plan: Plan, report: "ProbeReport | str | os.PathLike") -> dict:

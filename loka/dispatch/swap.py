@@ -19,7 +19,7 @@ and reused by every call. ``drop_weights=True`` then frees the high-precision we
 (the ``state_dict`` changes: ``<site>.weight`` is replaced by ``<site>.weight_fp8`` and
 ``<site>.weight_scale``, and ``unapply`` refuses). Activations are quantized dynamically
 (per row for rowwise kernels) unless ``static_scales`` gives a per-site input amax
-(see :func:`amax_from_report`). Weights must not change afterwards: apply again to
+(see :func:`~loka.dispatch.static.amax_from_report`). Weights must not change afterwards: apply again to
 requantize.
 
 Training with delayed scaling (the plan's ``delayed_scaling``, or ``apply``'s, which
@@ -43,8 +43,9 @@ from ..kernels import registry
 from ..numerics.delayed import (DEFAULT_DECAY, FUSING_TORCH, check_decay,
                                inductor_fuses_the_estimate)
 from ..probe.hooks import canonical_name
-from .linear import Linear, takes_static_input_scale
+from .linear import Linear
 from .schema import Plan, PlanMismatchError
+from .static import plan_takes_static
 
 _STATE_ATTR = "_loka_dispatch"
 _MAX_LISTED = 6
@@ -245,19 +246,6 @@ def check(model: nn.Module, plan: Plan, inference: bool = False,
     return _plan_changes(root, plan, inference, strict)[0]
 
 
-def _takes_static(plan: Plan, site: str) -> bool:
-    """Whether ``site``'s planned forward is an FP8 kernel that takes a static input scale
-    (False for the baseline, a site the plan lacks, or a kernel not registered here)."""
-    sp = plan.sites.get(site)
-    fwd = None if sp is None else sp.roles.get(Role.FWD)
-    if fwd is None or fwd.kernel == plan.baseline:
-        return False
-    try:
-        return takes_static_input_scale(registry.get(fwd.kernel))
-    except KeyError:
-        return False
-
-
 def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = True,
           drop_weights: bool = False,
           static_scales: Optional[Mapping[str, "float | torch.Tensor"]] = None,
@@ -286,7 +274,7 @@ def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = 
         # to other kernels, may have moved a site)
         static_scales = {site: amax for site, amax in
                          (getattr(plan, "static_scales", None) or {}).items()
-                         if _takes_static(plan, site)}
+                         if plan_takes_static(plan, site)}
     if (drop_weights or static_scales) and not inference:
         raise ValueError("drop_weights and static_scales need inference=True")
     decay = _delayed_decay(delayed_scaling)
@@ -304,7 +292,7 @@ def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = 
                              f"got {value.tolist()}")
         fwd = plan.sites[site].roles.get(Role.FWD)
         kernel = plan.baseline if fwd is None else fwd.kernel
-        if kernel != plan.baseline and not _takes_static(plan, site):
+        if kernel != plan.baseline and not plan_takes_static(plan, site):
             raise ValueError(f"static_scales[{site!r}]: the planned forward kernel {kernel!r} "
                              "takes no static input scale")
     # validate everything before touching the model, so that a bad plan changes nothing
@@ -460,29 +448,3 @@ def skipped_sites(model: nn.Module) -> Dict[str, str]:
     """Sites of the plan last applied to ``model`` that ``apply(strict=False)`` skipped,
     and why (empty if none was skipped, or no plan is applied)."""
     return dict(_state(root_module(model)[0]).get("skipped") or {})
-
-
-def amax_from_report(report, key: str = "act.amax", margin: float = 1.0) -> Dict[str, float]:
-    """Per-site input amax for ``apply(..., static_scales=...)`` from a Probe report.
-
-    Args:
-        report: a :class:`~loka.probe.report.ProbeReport`.
-        key: dotted path into each site's ``stats`` to the observed input amax (the
-            Probe's summary keeps it at ``stats['act']['amax']``).
-        margin: multiply the amax by this (> 1 leaves headroom for unseen outliers).
-
-    Returns:
-        {site: amax} for every site whose stats have a finite positive value at ``key``.
-    """
-    if not margin > 0:
-        raise ValueError(f"margin must be positive, got {margin!r}")
-    out = {}
-    for name, site in report.sites.items():
-        v = site.stats
-        for part in key.split("."):
-            v = v.get(part) if isinstance(v, Mapping) else None
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf"):
-            out[name] = float(v) * margin
-    if not out and report.sites:
-        raise KeyError(f"no site of the report has a finite positive stats value at {key!r}")
-    return out

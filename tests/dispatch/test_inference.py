@@ -9,7 +9,7 @@ from torch import nn
 import loka
 from loka.config import LinearConfig
 from loka.dispatch import Plan
-from loka.dispatch.swap import amax_from_report
+from loka.dispatch.static import amax_from_report
 from loka.numerics import sqnr
 from loka.probe.report import ProbeReport, SiteReport
 

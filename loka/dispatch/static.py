@@ -1,0 +1,69 @@
+"""Static serving scales: what a plan can set (``apply(..., static_scales=...)``,
+``Plan.static_scales``) from the input amax a Probe report observed."""
+
+from __future__ import annotations
+
+from typing import Dict, Mapping, Optional
+
+from ..config import Role
+from ..kernels import registry
+from .linear import takes_static_input_scale
+from .schema import Plan
+
+__all__ = ["amax_from_report", "observed_amax", "plan_takes_static", "static_scales_for"]
+
+
+def plan_takes_static(plan: Plan, site: str) -> bool:
+    """Whether ``site``'s planned forward is an FP8 kernel that takes a static input scale
+    (False for the baseline, a site the plan lacks, or a kernel not registered here)."""
+    sp = plan.sites.get(site)
+    fwd = None if sp is None else sp.roles.get(Role.FWD)
+    if fwd is None or fwd.kernel == plan.baseline:
+        return False
+    try:
+        return takes_static_input_scale(registry.get(fwd.kernel))
+    except KeyError:
+        return False
+
+
+def amax_from_report(report, key: str = "act.amax", margin: float = 1.0) -> Dict[str, float]:
+    """Per-site input amax for ``apply(..., static_scales=...)`` from a Probe report.
+
+    Args:
+        report: a :class:`~loka.probe.report.ProbeReport`.
+        key: dotted path into each site's ``stats`` to the observed input amax (the
+            Probe's summary keeps it at ``stats['act']['amax']``).
+        margin: multiply the amax by this (> 1 leaves headroom for unseen outliers).
+
+    Returns:
+        {site: amax} for every site whose stats have a finite positive value at ``key``.
+    """
+    if not margin > 0:
+        raise ValueError(f"margin must be positive, got {margin!r}")
+    out = {}
+    for name, site in report.sites.items():
+        v = observed_amax(site, key)
+        if v is not None:
+            out[name] = v * margin
+    if not out and report.sites:
+        raise KeyError(f"no site of the report has a finite positive stats value at {key!r}")
+    return out
+
+
+def observed_amax(site, key: str = "act.amax") -> Optional[float]:
+    """A report site's value at the dotted ``key`` into its ``stats`` (the Probe keeps the
+    observed input amax at ``stats['act']['amax']``), where it is finite and positive."""
+    v = site.stats
+    for part in key.split("."):
+        v = v.get(part) if isinstance(v, Mapping) else None
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf"):
+        return float(v)
+    return None
+
+
+def static_scales_for(plan: Plan, amax: Mapping[str, float]) -> Dict[str, float]:
+    """The entries of ``amax`` (site -> input amax) at the sites whose planned forward is an
+    FP8 kernel that takes a static input scale: what ``apply(..., static_scales=...)`` can
+    set for ``plan``."""
+    return {site: value for site, value in amax.items()
+            if site in plan.sites and plan_takes_static(plan, site)}
