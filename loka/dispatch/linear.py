@@ -377,8 +377,8 @@ class SiteMonitor:
 
 
 # attributes loka.Linear adds to an nn.Linear (dropped again by to_linear)
-_OWN_ATTRS = ("config", "_kernels", "_all_baseline", "weight_q", "input_amax", "monitor",
-              "delayed_decay", "_delayed_formats", "_delayed_ready")
+_OWN_ATTRS = ("config", "_kernels", "_all_baseline", "weight_q", "input_amax", "_input_scales",
+              "monitor", "delayed_decay", "_delayed_formats", "_delayed_ready")
 _DELAYED_OPERANDS = ("x", "w", "dy")
 _DELAYED_BUFFERS = tuple(f"delayed_{kind}_{op}" for op in _DELAYED_OPERANDS
                          for kind in ("amax", "streak"))
@@ -444,6 +444,7 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.weight_q: Optional[QTensor] = None
         self.input_amax: Optional[torch.Tensor] = None
+        self._input_scales: Optional[torch.Tensor] = None
         self.monitor: Optional[SiteMonitor] = None
         self.delayed_decay: Optional[float] = None
         self.set_config(config)
@@ -477,7 +478,7 @@ class Linear(nn.Linear):
         self._kernels = tuple(kernels)
         self._all_baseline = all(k.name == BASELINE for k in kernels)
         self.weight_q = None
-        self.input_amax = None
+        self.input_amax = self._input_scales = None
         # new kernels: which operands are delayed follows them, and the estimates start over
         self.set_delayed_scaling(self.__dict__.get("delayed_decay"))
 
@@ -554,7 +555,8 @@ class Linear(nn.Linear):
         leaving ``linear`` as it is."""
         new = cls.__new__(cls)
         _rehome(new, linear)
-        new.weight_q = new.input_amax = new.monitor = new.delayed_decay = None
+        new.weight_q = new.input_amax = new._input_scales = new.monitor = None
+        new.delayed_decay = None
         new.set_config(config)
 
     @classmethod
@@ -571,7 +573,7 @@ class Linear(nn.Linear):
             new = cls.__new__(cls)
             _rehome(new, linear)
         new.weight_q = None
-        new.input_amax = None
+        new.input_amax = new._input_scales = None
         new.monitor = None
         new.delayed_decay = None  # a loka.Linear wrapped again starts with it off
         new.set_config(config)
@@ -614,20 +616,36 @@ class Linear(nn.Linear):
             raise ValueError("quantize_weight() first: there is no FP8 weight to keep")
         self.weight = None
 
-    def set_input_amax(self, amax: "float | torch.Tensor | None") -> None:
+    def set_input_amax(self, amax: "float | torch.Tensor | None", rows: int = 0) -> None:
         """Quantize the forward's activation with the static scale ``amax / fmt.max``
-        (values beyond ``amax`` saturate) instead of a dynamic one; None: dynamic."""
+        (values beyond ``amax`` saturate) instead of a dynamic one; None: dynamic.
+
+        The scale is computed here, once, and kept as the table of per-block scales of an
+        input of up to ``rows`` rows (one row of blocks when ``rows`` is 0 or the
+        granularity is tensorwise): a call with no more rows than that passes a slice of
+        the table to the GEMM, so compiled code launches no kernel to make or expand the
+        scale. A larger input expands the table's first row (a small kernel per call)."""
         if amax is None:
-            self.input_amax = None
+            self.input_amax = self._input_scales = None
             return
         kf = self._kernels[0]
         if not takes_static_input_scale(kf):
             raise ValueError(f"forward kernel {kf.name!r} does not take a static input scale")
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+            raise ValueError(f"rows must be a non-negative int, got {rows!r}")
         amax = torch.as_tensor(amax, dtype=torch.float32).detach()
         if amax.numel() != 1 or not bool(torch.isfinite(amax)) or float(amax) <= 0:
             raise ValueError(f"input amax must be one finite positive number, got {amax.tolist()}")
         device = self.weight.device if self.weight is not None else self.weight_q.device
         self.input_amax = amax.reshape(()).to(device)
+        fmt, gran = get_format(kf.formats[0]), as_granularity(kf.scaling)
+        scale = self.input_amax.clamp(min=AMAX_EPS) / fmt.max
+        if gran is Granularity.MX:
+            scale = round_scale_to_power_of_two(scale)
+        br, bc = operand_block(gran, "a")
+        grid_rows = 1 if br == -1 else max(1, -(-rows // br))
+        grid_cols = 1 if bc == -1 else -(-self.in_features // bc)
+        self._input_scales = scale.reshape(1, 1).expand(grid_rows, grid_cols).contiguous()
 
     def _quantize_input(self, x2d: torch.Tensor) -> QTensor:
         """Static quantization of ``x2d`` (M, K) for the forward kernel."""
@@ -636,11 +654,11 @@ class Linear(nn.Linear):
         br, bc = operand_block(gran, "a")
         m, k = x2d.shape
         grid = (1 if br == -1 else -(-m // br), 1 if bc == -1 else -(-k // bc))
-        scale = self.input_amax.clamp(min=AMAX_EPS) / fmt.max
-        if gran is Granularity.MX:
-            scale = round_scale_to_power_of_two(scale)
+        table = self._input_scales
+        # a slice of the table is a view; shapes are fixed per compiled graph
+        scale = table[:grid[0]] if grid[0] <= table.shape[0] else table[:1].expand(grid)
         # checked once, in set_input_amax: no host synchronization per call
-        return quantize(x2d, fmt, gran, "a", scale=scale.expand(grid), check_scale=False)
+        return quantize(x2d, fmt, gran, "a", scale=scale, check_scale=False)
 
     def _apply(self, fn, recurse=True):
         # the FP8 weight and the static scale are plain attributes, not buffers (a dtype
@@ -665,6 +683,7 @@ class Linear(nn.Linear):
                                         q.granularity)
             if self.input_amax is not None:
                 self.input_amax = self.input_amax.to(device)
+                self._input_scales = self._input_scales.to(device)
         return self
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):

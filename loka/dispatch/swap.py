@@ -335,7 +335,10 @@ def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = 
                 continue
             mod.quantize_weight()
             if static_scales and site in static_scales:
-                mod.set_input_amax(static_scales[site])
+                # the scale table covers the rows the plan was made for
+                planned = plan.sites.get(site)
+                mod.set_input_amax(static_scales[site],
+                                   rows=planned.tokens if planned is not None else 0)
             if drop_weights:
                 mod.drop_weight()
         if drop_weights:

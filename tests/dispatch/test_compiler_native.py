@@ -208,3 +208,37 @@ def test_on_a_simulated_gpu_pointwise_fed_sites_fuse_and_gemm_fed_ones_take_a_pa
     # the graph input's and the GEMM output's quantization: passes of their own
     assert len(quantizing) - len(fused) == 2, names
     assert len([l for l in launches if l.kind == "gemm_fp8"]) == 4
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="Inductor's CUDA code generation needs triton")
+@pytest.mark.parametrize("kernel", ["cublas-rowwise", "cublas-tensorwise"])
+def test_on_a_simulated_gpu_static_scales_add_only_the_casts_no_producer_can_take(kernel):
+    """Served with static scales whose table covers the input's rows (``loka.apply`` sizes
+    it to the plan's tokens), a step launches what bf16 launches plus one cast for each
+    FP8 input no fusible op made (the graph input's, the GEMM output's): the scales are
+    made once, not per call. A rowwise table too small for the input expands its scale in
+    a kernel per site, so the count can fail."""
+    from loka.bench.stepcode import cuda_step_code, inventory
+
+    def launches(model, x):
+        codes = cuda_step_code(model.eval(), (x,), train=False)
+        assert len(codes) == 1
+        return inventory(codes[0])
+
+    model, x = _probed_and_served(kernel, "cpu", torch.bfloat16)
+    torch.manual_seed(0)
+    plain = launches(Mixed().to(torch.bfloat16), x)
+    counts = {}
+    for rows in (x.shape[0], 0):
+        for m in model.modules():
+            if isinstance(m, Linear):
+                m.set_input_amax(4.0, rows=rows)
+        torch._dynamo.reset()
+        found = launches(model, x)
+        assert len([l for l in found if l.kind == "gemm_fp8"]) == 4
+        counts[rows] = len([l for l in found if l.kind != "gemm_fp8"])
+    plain_other = len([l for l in plain if l.kind != "gemm_bf16"])
+    assert counts[x.shape[0]] == plain_other + 2, (counts, plain_other)
+    if kernel == "cublas-rowwise":  # one (M, 1) scale made per site and call
+        assert counts[0] == counts[x.shape[0]] + 4, counts

@@ -10,7 +10,9 @@ import loka
 from loka.config import LinearConfig
 from loka.dispatch import Plan
 from loka.dispatch.static import amax_from_report
-from loka.numerics import sqnr
+from loka.kernels import registry
+from loka.numerics import (as_granularity, get_format, operand_block, quantize,
+                           round_scale_to_power_of_two, sqnr)
 from loka.probe.report import ProbeReport, SiteReport
 
 KERNELS = ["emulated-rowwise-e4m3", "emulated-tensorwise-e4m3", "cublas-rowwise",
@@ -165,6 +167,51 @@ def test_static_scale_input_is_validated():
             lin.set_input_amax(bad)
     with pytest.raises(ValueError, match="does not take a static input scale"):
         loka.Linear(64, 32).set_input_amax(1.0)
+
+
+def test_static_scale_rows_are_validated():
+    lin = loka.Linear(64, 32, config=LinearConfig(fwd="emulated-rowwise-e4m3"))
+    for bad in (-1, 2.5, True, "8"):
+        with pytest.raises(ValueError, match="rows must be a non-negative int"):
+            lin.set_input_amax(1.0, rows=bad)
+
+
+@pytest.mark.parametrize("kernel", ["emulated-rowwise-e4m3", "emulated-tensorwise-e4m3",
+                                    "emulated-blockwise-e4m3", "emulated-mx-e4m3",
+                                    "cublas-rowwise"])
+@pytest.mark.parametrize("rows", [0, 48, 64, 200])
+def test_the_static_scale_table_gives_the_same_bits_for_any_row_count(kernel, rows):
+    """The scale is made once, as a table of up to ``rows`` rows of blocks; an input with
+    more rows than the table expands its first row. Every way gives the bits of the forward
+    kernel on a static quantization with ``amax / fmt.max`` per block, and the float64
+    reference GEMM of the saturated input to FP8 accuracy."""
+    torch.manual_seed(0)
+    lin = loka.Linear(256, 128, bias=False, config=LinearConfig(fwd=kernel))
+    amax = 2.5
+    lin.set_input_amax(amax, rows=rows)
+    kf = registry.get(kernel)
+    fmt = get_format(kf.formats[0])
+    x = torch.randn(64, 256) * 2
+    with torch.no_grad():
+        y = lin(x)
+        br, bc = operand_block(as_granularity(kf.scaling), "a")
+        grid = (1 if br == -1 else -(-64 // br), 1 if bc == -1 else -(-256 // bc))
+        scale = torch.full(grid, amax / fmt.max)
+        if kf.scaling == "mx":  # MX scales are powers of two, rounded up
+            scale = round_scale_to_power_of_two(scale)
+        q = quantize(x, fmt, kf.scaling, "a", scale=scale)
+        assert torch.equal(lin._quantize_input(x).data, q.data)
+        assert torch.equal(lin._quantize_input(x).scale.reshape(grid), scale)
+        want = lin(x, x_q=q)  # the forward kernel on that quantization, handed in
+        # saturated at the scale's range (MX rounds the scale up to a power of two)
+        top = float(scale[0, 0]) * fmt.max
+        ref = x.clamp(-top, top).double() @ lin.weight.double().t()
+    # the table: one row of blocks per row of input it covers (at least one)
+    expect_rows = 1 if br == -1 else max(1, -(-rows // br))
+    assert tuple(lin._input_scales.shape) == (expect_rows, grid[1])
+    assert torch.all(lin._input_scales == scale[0, 0])
+    assert torch.equal(y, want)
+    assert sqnr(y, ref) > 18
 
 
 def test_amax_from_report():

@@ -139,6 +139,7 @@ def test_apply_sets_the_plans_scales_unless_told_otherwise():
         Role.WGRAD: RoleChoice(BASELINE)})}, device="cpu", static_scales={"0": 2.5})
     loka.apply(model, plan, inference=True)
     assert float(model[0].input_amax) == 2.5
+    assert tuple(model[0]._input_scales.shape) == (1, 1)  # tensorwise: one scale
     x = torch.randn(8, 32)
     x[0, 0] = 100.0  # beyond the static amax: saturates to the format's largest, no Inf
     y = model(x)
@@ -148,4 +149,9 @@ def test_apply_sets_the_plans_scales_unless_told_otherwise():
     loka.apply(model, plan, inference=True, static_scales={"0": 7.0})  # the caller's
     assert float(model[0].input_amax) == 7.0
     loka.apply(model, plan)  # training ignores serving scales
-    assert model[0].input_amax is None
+    assert model[0].input_amax is None and model[0]._input_scales is None
+    # rowwise: the scale table has a row for each of the plan's tokens (no kernel per call)
+    plan.sites["0"].roles[Role.FWD] = RoleChoice("emulated-rowwise-e4m3")
+    loka.apply(model, plan, inference=True)
+    assert tuple(model[0]._input_scales.shape) == (8, 1)
+    torch.testing.assert_close(model[0]._input_scales, torch.full((8, 1), 2.5 / 448))
