@@ -571,6 +571,40 @@ def test_time_steps_splits_the_hosts_time_from_the_wait_for_the_device(monkeypat
     assert t["step_ms_min"] == pytest.approx(7.0) and t["first_value"] == 0.0
 
 
+def test_host_syncs_lists_what_one_step_waits_for_and_restores_the_mode(monkeypatch):
+    """A scripted CUDA: the step warns once per synchronizing call while the debug mode is
+    'warn' (as torch does), and the mode goes back to what it was, even when the step
+    raises. Off CUDA there is nothing to check."""
+    import warnings as _warnings
+    from loka.bench import evalset as lev
+
+    mode = ["0"]
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: mode[0])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda m: mode.__setitem__(0, m))
+    monkeypatch.setattr(lev, "synchronize", lambda device: None)
+
+    def step(n_syncs, fail=False):
+        def run():
+            for i in range(n_syncs):
+                if mode[0] == "warn":
+                    _warnings.warn(f"called a synchronizing CUDA operation ({i})")
+            _warnings.warn("an unrelated warning")
+            if fail:
+                raise RuntimeError("boom")
+        return run
+
+    cuda = torch.device("cuda")
+    assert lev.host_syncs(step(0), cuda) == []
+    found = lev.host_syncs(step(2), cuda)
+    assert found == ["called a synchronizing CUDA operation (0)",
+                     "called a synchronizing CUDA operation (1)"]
+    assert mode[0] == "0"
+    with pytest.raises(RuntimeError, match="boom"):
+        lev.host_syncs(step(1, fail=True), cuda)
+    assert mode[0] == "0"
+    assert lev.host_syncs(step(3), torch.device("cpu")) is None
+
+
 # ------------------------------------------------------------------ bench/reprice.py
 
 def _gpu_like(report, kernel="cublas-rowwise-fastacc"):

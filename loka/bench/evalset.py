@@ -70,6 +70,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -509,6 +510,25 @@ def time_steps(step, device, warmup: int, steps: int) -> dict:
             "first_value": first_value}
 
 
+def host_syncs(step: Callable[[], object], device: torch.device) -> Optional[List[str]]:
+    """What one step makes the host wait for (``torch.cuda.set_sync_debug_mode``): the
+    first 200 characters of each synchronizing call's warning, in order. A compiled step
+    should have none; one that has some pays the GPU's time and the host's in series, not
+    overlapped. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    synchronize(device)
+    return [str(w.message)[:200] for w in caught if "synchroniz" in str(w.message).lower()]
+
+
 def code_launches(codes: List[str]) -> Optional[List["stepcode.Launch"]]:
     """The kernel launches of the compiled step, read from Inductor's CUDA code
     (:mod:`loka.bench.stepcode`): what each kernel moves, beside the profile's times.
@@ -571,6 +591,10 @@ def run_row(case: Case, variant: str, mode: str, graphs: bool, args, device) -> 
                    samples_per_s=case.batch_size / (timing["step_ms"] / 1e3))
         if mode == "train":
             row["loss_first_step"] = timing["first_value"]
+        try:  # a diagnostic: it never fails the row
+            row["host_syncs"] = host_syncs(step, device)
+        except Exception as e:  # noqa: BLE001
+            row["host_syncs"] = [f"not checked: {type(e).__name__}: {e}"[:200]]
         try:  # a diagnostic: it never fails the row
             row.update(profile_host(step, device, args.profile_steps))
         except Exception as e:  # noqa: BLE001
