@@ -280,6 +280,8 @@ def test_eval_set_script_runs_on_the_cpu(tmp_path):
     assert pred["prediction_error"] == pytest.approx(lk["step_ms"] / bf16["step_ms"] - 1)
     assert pred["isolated_prediction_error"] == pred["prediction_error"]  # nothing timed
     assert pred["step_aware"] == []
+    # no profile on a CPU: neither a GPU prediction nor a host-bound verdict
+    assert pred["host_bound"] is None and "predicted_gpu_ms" not in pred
     cells = [c["loka"] for c in doc["summary"] if c["loka"] is not None]
     assert cells and cells[0]["prediction_error"] == pred["prediction_error"]
     assert bf16["prediction"] is None and "_plan" not in lk
@@ -677,6 +679,50 @@ def test_reprice_prices_recorded_timings_with_the_producers_read_now(probed, tmp
     assert reprice.main(args[:1] + ["wukong"] + args[2:]) == 2  # not the report's model
     epath.write_text("{not json")
     assert reprice.main(args) == 2
+
+
+def test_the_prediction_is_also_made_on_gpu_time_and_says_when_the_host_bounds_the_step(
+        probed):
+    """add_prediction predicts the LoKA row from the bf16 row's wall time and, where both
+    rows were profiled, from its GPU time, which is what the Probe prices; host_bound is
+    the bf16 row's host time against its GPU time. Savings beyond the GPU time leave a
+    note and no GPU prediction."""
+    import reprice
+    from loka.bench import evalset as lev
+    from loka.dispatch import predict_step
+
+    _, _, report = probed["dcnv2"]
+    rep = _gpu_like(report)
+    with reprice.planning_off_device():
+        plan = loka.plan(rep, inference=True)
+    assert sum(c.kernel != plan.baseline for sp in plan.sites.values()
+               for c in sp.roles.values()) > 0
+
+    def rows(host_ms, bf16_gpu_ms=2.0):
+        common = {"status": "ok", "model": "dcnv2", "mode": "serve", "graphs": False,
+                  "batch_size": 64}
+        bf16 = dict(common, variant="bf16", step_ms=3.0, gpu_ms=bf16_gpu_ms, host_ms=host_ms)
+        lk = dict(common, variant="loka", step_ms=2.9, gpu_ms=1.9, host_ms=host_ms, _plan=plan)
+        return [bf16, lk], lk
+
+    group, lk = rows(host_ms=1.0)
+    lev.add_prediction(group, lk, rep)
+    pred = lk["prediction"]
+    want = predict_step(plan, rep, 2.0, inference=True).predicted_step_ms
+    assert want < 2.0 and pred["predicted_gpu_ms"] == pytest.approx(want)
+    assert pred["gpu_prediction_error"] == pytest.approx(1.9 / want - 1)
+    assert pred["prediction_error"] == pytest.approx(
+        2.9 / predict_step(plan, rep, 3.0, inference=True).predicted_step_ms - 1)
+    assert pred["host_bound"] is False
+    group, lk = rows(host_ms=2.5)  # the host takes longer than the GPU
+    lev.add_prediction(group, lk, rep)
+    assert lk["prediction"]["host_bound"] is True
+    group, lk = rows(host_ms=1.0, bf16_gpu_ms=1e-6)  # less GPU time than the plan saves
+    lev.add_prediction(group, lk, rep)
+    assert "predicted_gpu_ms" not in lk["prediction"]
+    assert "gpu_prediction_note" in lk["prediction"]
+    (cell,) = [c["loka"] for c in lev.summarize(group)]
+    assert cell["gpu_prediction_error"] is None and cell["host_bound"] is True
 
 
 # ------------------------------------------------------------------ bench/blockwise_fusion.py

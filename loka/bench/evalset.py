@@ -654,7 +654,13 @@ def add_prediction(rows: List[dict], row: dict, report) -> None:
     """What the Probe's timings predicted for a LoKA row (``loka.dispatch.predict_step``
     on the bf16 row's step), beside what was measured: ``prediction_error`` is measured
     over predicted, less one (> 0: the step was slower than predicted), for the step-aware
-    prediction and (``isolated_prediction_error``) the isolated-GEMM one."""
+    prediction and (``isolated_prediction_error``) the isolated-GEMM one.
+
+    The Probe prices GPU time, so the same prediction is also made on the bf16 row's GPU
+    time (``predicted_gpu_ms``, ``gpu_prediction_error``: against the row's GPU time),
+    where a profile measured both. ``host_bound`` says whether the bf16 row's host took
+    longer to issue its step than its GPU took to run it: there the wall time follows the
+    host, which the Probe does not price, and only the GPU prediction is a test of it."""
     plan = row.pop("_plan", None)
     row["prediction"] = None
     base = _bf16_row(rows, row)
@@ -669,6 +675,18 @@ def add_prediction(rows: List[dict], row: dict, report) -> None:
                          "prediction_error": row["step_ms"] / pred.predicted_step_ms - 1,
                          "isolated_prediction_error":
                              row["step_ms"] / pred.isolated_step_ms - 1}
+    base_gpu, base_host = base.get("gpu_ms"), base.get("host_ms")
+    row["prediction"]["host_bound"] = (bool(base_host > base_gpu)
+                                       if base_gpu and base_host is not None else None)
+    if base_gpu and row.get("gpu_ms"):
+        try:
+            on_gpu = predict_step(plan, report, base_gpu, inference=row["mode"] == "serve")
+        except ValueError as e:  # savings beyond the GPU time: no prediction to test
+            row["prediction"]["gpu_prediction_note"] = str(e)
+        else:
+            row["prediction"].update(
+                predicted_gpu_ms=on_gpu.predicted_step_ms,
+                gpu_prediction_error=row["gpu_ms"] / on_gpu.predicted_step_ms - 1)
 
 
 def summarize(rows: List[dict]) -> List[dict]:
@@ -699,6 +717,8 @@ def summarize(rows: List[dict]) -> List[dict]:
             if "prediction_error" in pred:  # measured / predicted - 1, both predictions
                 c["prediction_error"] = pred["prediction_error"]
                 c["isolated_prediction_error"] = pred["isolated_prediction_error"]
+                c["gpu_prediction_error"] = pred.get("gpu_prediction_error")
+                c["host_bound"] = pred.get("host_bound")
             return c
         out.append({"model": k[0], "batch_size": k[1], "mode": k[2], "graphs": k[3],
                     "bf16": cell(bf16), "best_torchao": cell(best), "loka": cell(lk),
@@ -750,18 +770,20 @@ def write(path: str, env: dict, rows: List[dict], probes: List[dict]) -> None:
 
 def table(rows: List[dict]) -> str:
     head = (f"{'model':7s} {'B':>6s} {'mode':5s} {'variant':27s} {'graphs':6s} {'ms':>9s} "
-            f"{'gpu ms':>8s} {'host ms':>8s} {'vs bf16':>7s} {'fp8':>4s} {'GiB':>6s}  status")
+            f"{'gpu ms':>8s} {'host ms':>8s} {'vs bf16':>7s} {'gpu x':>6s} {'fp8':>4s} {'GiB':>6s}"
+            "  status")
     lines = [head, "-" * len(head)]
 
     def f(x, spec):
         return format(x, spec) if isinstance(x, (int, float)) else "-".rjust(int(spec.split(".")[0].rstrip("df")))
     for r in rows:
-        v = (r.get("vs_bf16") or {}).get("step")
+        v, g = ((r.get("vs_bf16") or {}).get(k) for k in ("step", "gpu"))
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {(r['reason'] or '')[:60]}"
         lines.append(f"{r['model']:7s} {r['batch_size']:6d} {r['mode']:5s} {r['variant']:27s} "
                      f"{str(r['graphs']):6s} {f(r.get('step_ms'), '9.3f')} {f(r.get('gpu_ms'), '8.3f')} "
                      f"{f(r.get('host_ms'), '8.3f')} "
-                     f"{f(v, '7.3f')} {f(r.get('fp8_sites'), '4d')} {f(r.get('peak_mem_gib'), '6.2f')}  {status}")
+                     f"{f(v, '7.3f')} {f(g, '6.3f')} {f(r.get('fp8_sites'), '4d')} "
+                     f"{f(r.get('peak_mem_gib'), '6.2f')}  {status}")
     return "\n".join(lines)
 
 
