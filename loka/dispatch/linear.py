@@ -71,6 +71,11 @@ from ..numerics.delayed import (DEFAULT_DECAY, STREAK_GROWTH, check_decay, new_s
 
 
 
+STATIC_TABLE_MAX_SCALES = 1 << 22
+"""the most float32 scales a static input-scale table keeps (16 MiB); a larger one keeps a
+single row of blocks and expands it per call (:meth:`Linear.set_input_amax`)"""
+
+
 def takes_static_input_scale(kernel: Kernel) -> bool:
     """Whether a forward ``kernel`` can quantize its activation with a static scale
     (:meth:`Linear.set_input_amax`): an FP8 kernel whose activation quantizer is PyTorch's,
@@ -622,9 +627,11 @@ class Linear(nn.Linear):
 
         The scale is computed here, once, and kept as the table of per-block scales of an
         input of up to ``rows`` rows (one row of blocks when ``rows`` is 0 or the
-        granularity is tensorwise): a call with no more rows than that passes a slice of
-        the table to the GEMM, so compiled code launches no kernel to make or expand the
-        scale. A larger input expands the table's first row (a small kernel per call)."""
+        granularity is tensorwise; one row of blocks too where the table would hold more
+        than :data:`STATIC_TABLE_MAX_SCALES`): a call with no more rows than that passes a
+        slice of the table to the GEMM, so compiled code launches no kernel to make or
+        expand the scale. A larger input expands the table's first row (a small kernel
+        per call)."""
         if amax is None:
             self.input_amax = self._input_scales = None
             return
@@ -645,6 +652,8 @@ class Linear(nn.Linear):
         br, bc = operand_block(gran, "a")
         grid_rows = 1 if br == -1 else max(1, -(-rows // br))
         grid_cols = 1 if bc == -1 else -(-self.in_features // bc)
+        if grid_rows * grid_cols > STATIC_TABLE_MAX_SCALES:  # memory: one row of blocks
+            grid_rows = 1
         self._input_scales = scale.reshape(1, 1).expand(grid_rows, grid_cols).contiguous()
 
     def _quantize_input(self, x2d: torch.Tensor) -> QTensor:

@@ -214,6 +214,21 @@ def test_the_static_scale_table_gives_the_same_bits_for_any_row_count(kernel, ro
     assert sqnr(y, ref) > 18
 
 
+def test_a_static_scale_table_too_large_keeps_one_row_and_the_same_bits(monkeypatch):
+    from loka.dispatch import linear as linear_mod
+    monkeypatch.setattr(linear_mod, "STATIC_TABLE_MAX_SCALES", 100)
+    lin = loka.Linear(256, 128, bias=False, config=LinearConfig(fwd="emulated-blockwise-e4m3"))
+    lin.set_input_amax(2.5, rows=64)  # 64 x 2 blocks would be 128 scales
+    assert tuple(lin._input_scales.shape) == (1, 2)
+    small = loka.Linear(256, 128, bias=False, config=LinearConfig(fwd="emulated-blockwise-e4m3"))
+    small.load_state_dict(lin.state_dict())
+    small.set_input_amax(2.5, rows=32)  # 64 scales: kept whole
+    assert tuple(small._input_scales.shape) == (32, 2)
+    x = torch.randn(64, 256)
+    with torch.no_grad():
+        assert torch.equal(lin(x), small(x))
+
+
 def test_amax_from_report():
     report = ProbeReport(sites={
         "a": SiteReport("a", 64, 64, 8, stats={"act": {"amax": 3.0}, "grad": {"amax": 9.0}}),
