@@ -39,9 +39,10 @@ AdamW; or a serving forward), GPU time per step and its split by kernel class
 (torch.profiler), the host's time to issue the step (``host_ms``) and what the step makes
 the host wait for (``host_syncs``: a compiled step should list nothing), peak memory, FP8
 site count, the Probe's wall time, the output's change against bf16, and ratios against
-the bf16 row of the same model, batch, mode and graph setting. The JSON is rewritten (atomically) after every row, so a run cut short keeps what
-it measured. On a CPU the run checks the pipeline only: its timings say nothing about FP8
-on a GPU (the JSON's ``env`` says so).
+the bf16 row of the same model, batch, mode and graph setting. The JSON is rewritten
+(atomically) after every row, so a run cut short keeps what it measured. On a CPU the run
+checks the pipeline only: its timings say nothing about FP8 on a GPU (the JSON's ``env``
+says so).
 
     loka bench --eval-set PATH --out bench/results/<run>/eval_set.json
     python bench/eval_set.py --out bench/results/<run>/eval_set.json   # the repository's set
