@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
@@ -40,30 +39,15 @@ if str(ROOT) not in sys.path:
 
 import loka  # noqa: E402
 from loka.bench.evalset import (eval_set_with, make_step, profile_gpu, profile_host,  # noqa: E402
-                                static_scales, time_steps)
+                                round_order, static_scales, time_steps)
+from loka.bench.evalset import paired_summary as summarize  # noqa: E402
 from loka.timing import synchronize  # noqa: E402
-
-
-def round_order(rounds: int) -> List[str]:
-    """A B, B A, A B, ...: each variant goes first in half the rounds."""
-    return [v for r in range(rounds) for v in (("A", "B") if r % 2 == 0 else ("B", "A"))]
 
 
 def time_round(step: Callable[[], object], device: torch.device, steps: int) -> float:
     """Median wall time (ms) of ``steps`` synchronized steps, after one untimed step (the
     first after the other variant's round)."""
     return time_steps(step, device, 1, steps)["step_ms"]
-
-
-def summarize(medians: Dict[str, List[float]]) -> dict:
-    """Per-round ratios A/B, their median and range, and A's and B's own spread (max over
-    min of their round medians)."""
-    ratios = [a / b for a, b in zip(medians["A"], medians["B"])]
-    return {"ratio_a_over_b": statistics.median(ratios),
-            "ratio_min": min(ratios), "ratio_max": max(ratios),
-            "a_spread": max(medians["A"]) / min(medians["A"]),
-            "b_spread": max(medians["B"]) / min(medians["B"]),
-            "a_ms": statistics.median(medians["A"]), "b_ms": statistics.median(medians["B"])}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

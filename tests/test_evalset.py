@@ -234,7 +234,7 @@ def test_eval_set_script_runs_on_the_cpu(tmp_path):
     out = tmp_path / "tmp.json"
     cmd = [sys.executable, str(BENCH / "eval_set.py"), "--scale", "tiny", "--models", "wukong",
            "--batch-sizes", "64", "--modes", "train", "--steps", "2", "--warmup", "1",
-           "--no-graphs", "--out", str(out),
+           "--no-graphs", "--out", str(out), "--paired-rounds", "2", "--paired-steps", "1",
            # Dynamo and AOTAutograd trace every row as under Inductor, without Inductor's
            # C++ compilation (over half a minute a row with a cold cache on 2 cores)
            "--backend", "aot_eager"]
@@ -282,6 +282,13 @@ def test_eval_set_script_runs_on_the_cpu(tmp_path):
     assert pred["step_aware"] == []
     # no profile on a CPU: neither a GPU prediction nor a host-bound verdict
     assert pred["host_bound"] is None and "predicted_gpu_ms" not in pred
+    # each LoKA row was timed again beside bf16's step, in alternating rounds
+    paired = lk["paired_vs_bf16"]
+    assert paired["rounds"] == 2 and paired["steps"] == 1, paired
+    assert len(paired["round_ms"]["A"]) == len(paired["round_ms"]["B"]) == 2
+    ratios = [a / b for a, b in zip(paired["round_ms"]["A"], paired["round_ms"]["B"])]
+    assert paired["ratio_a_over_b"] == pytest.approx(sum(ratios) / 2)
+    assert "paired_vs_bf16" not in bf16 and "_step" not in bf16 and "_step" not in lk
     cells = [c["loka"] for c in doc["summary"] if c["loka"] is not None]
     assert cells and cells[0]["prediction_error"] == pred["prediction_error"]
     assert bf16["prediction"] is None and "_plan" not in lk
@@ -571,6 +578,47 @@ def test_time_steps_splits_the_hosts_time_from_the_wait_for_the_device(monkeypat
     t = lev.time_steps(step, torch.device("cpu"), warmup=2, steps=4)
     assert t["host_ms"] == pytest.approx(2.0) and t["step_ms"] == pytest.approx(7.0)
     assert t["step_ms_min"] == pytest.approx(7.0) and t["first_value"] == 0.0
+
+
+def test_paired_rounds_hold_the_ratio_where_the_host_drifts(monkeypatch):
+    """A scripted host that slows down 5% with every step: step A takes 2 units, B 1. Timed
+    one after the other (as rows are), B's steps come later and slower, and the ratio
+    drifts away from 2; in alternating rounds each round's ratio stays within the drift of
+    one round."""
+    import time as _time
+    from loka.bench import evalset as lev
+
+    clock, speed = [0.0], [1.0]
+    monkeypatch.setattr(_time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(lev, "synchronize", lambda device: None)
+
+    def step(cost):
+        def run():
+            clock[0] += cost * speed[0]
+            speed[0] *= 1.05
+            return None
+        return run
+
+    a, b, cpu = step(2.0), step(1.0), torch.device("cpu")
+    seq = (lev.time_steps(a, cpu, 1, 8)["step_ms"], lev.time_steps(b, cpu, 1, 8)["step_ms"])
+    assert seq[0] / seq[1] < 1.5  # the drift, not the steps, sets the sequential ratio
+    speed[0] = 1.0
+    paired = lev.paired_rounds(a, b, cpu, rounds=6, steps=3)
+    assert lev.round_order(6) == ["A", "B", "B", "A", "A", "B", "B", "A", "A", "B", "B", "A"]
+    assert paired["ratio_a_over_b"] == pytest.approx(2.0, rel=0.25)
+    assert paired["ratio_min"] <= paired["ratio_a_over_b"] <= paired["ratio_max"]
+    assert paired["a_spread"] > 1.5  # each variant drifted a lot against itself ...
+    assert abs(paired["ratio_a_over_b"] - 2.0) < abs(seq[0] / seq[1] - 2.0)  # ... not the ratio
+    assert len(paired["round_ms"]["A"]) == 6 and (paired["rounds"], paired["steps"]) == (6, 3)
+
+
+@pytest.mark.parametrize("argv", [["--paired-rounds", "1"], ["--paired-rounds", "-2"],
+                                  ["--paired-rounds", "2", "--paired-steps", "0"]])
+def test_bad_paired_options_are_refused(argv, tmp_path, capsys):
+    from loka.bench import evalset as lev
+    with pytest.raises(SystemExit):
+        lev.parse_args(["--out", str(tmp_path / "o.json")] + argv, BENCH / "evalset")
+    assert "--paired-rounds must be 0 (off) or >= 2" in capsys.readouterr().err
 
 
 def test_host_syncs_lists_what_one_step_waits_for_and_restores_the_mode(monkeypatch):

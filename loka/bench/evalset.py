@@ -39,7 +39,9 @@ AdamW; or a serving forward), GPU time per step and its split by kernel class
 (torch.profiler), the host's time to issue the step (``host_ms``) and what the step makes
 the host wait for (``host_syncs``: a compiled step should list nothing), peak memory, FP8
 site count, the Probe's wall time, the output's change against bf16, and ratios against
-the bf16 row of the same model, batch, mode and graph setting. The JSON is rewritten
+the bf16 row of the same model, batch, mode and graph setting (with ``--paired-rounds``,
+also in alternating rounds beside the bf16 row's step: ``paired_vs_bf16``, for hosts whose
+speed drifts between rows). The JSON is rewritten
 (atomically) after every row, so a run cut short keeps what it measured. On a CPU the run
 checks the pipeline only: its timings say nothing about FP8 on a GPU (the JSON's ``env``
 says so).
@@ -512,6 +514,36 @@ def time_steps(step, device, warmup: int, steps: int) -> dict:
             "first_value": first_value}
 
 
+def round_order(rounds: int) -> List[str]:
+    """A B, B A, A B, ...: each of two variants goes first in half the rounds."""
+    return [v for r in range(rounds) for v in (("A", "B") if r % 2 == 0 else ("B", "A"))]
+
+
+def paired_summary(medians: Dict[str, List[float]]) -> dict:
+    """Per-round ratios A/B (> 1: B is faster), their median and range, and A's and B's own
+    spread (max over min of their round medians: how far a variant moves against itself)."""
+    ratios = [a / b for a, b in zip(medians["A"], medians["B"])]
+    return {"ratio_a_over_b": statistics.median(ratios),
+            "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "a_spread": max(medians["A"]) / min(medians["A"]),
+            "b_spread": max(medians["B"]) / min(medians["B"]),
+            "a_ms": statistics.median(medians["A"]), "b_ms": statistics.median(medians["B"])}
+
+
+def paired_rounds(step_a: Callable[[], object], step_b: Callable[[], object],
+                  device: torch.device, rounds: int, steps: int) -> dict:
+    """Two compiled steps, both alive, timed in alternating rounds (:func:`round_order`):
+    each round is the median wall time of ``steps`` synchronized steps after one untimed
+    step. A host whose speed drifts (shared machines: the same step's wall time moved by
+    up to 3x between rows of one run) drifts under both alike, so the per-round ratio
+    holds where two rows timed one after the other do not."""
+    medians: Dict[str, List[float]] = {"A": [], "B": []}
+    for v in round_order(rounds):
+        medians[v].append(time_steps(step_a if v == "A" else step_b, device, 1,
+                                     steps)["step_ms"])
+    return {"rounds": rounds, "steps": steps, "round_ms": medians, **paired_summary(medians)}
+
+
 def host_syncs(step: Callable[[], object], device: torch.device) -> Optional[List[str]]:
     """What one step makes the host wait for (``torch.cuda.set_sync_debug_mode``): the
     first 200 characters of each synchronizing call's warning, in order. A compiled step
@@ -559,7 +591,17 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).norm() / ref.norm().clamp(min=1e-12))
 
 
-def run_row(case: Case, variant: str, mode: str, graphs: bool, args, device) -> dict:
+PAIR_WARMUP = 3
+"""untimed steps of each of two paired variants before their rounds (CUDA graphs record on
+the second or third call)"""
+
+
+def run_row(case: Case, variant: str, mode: str, graphs: bool, args, device,
+            pair_with: Optional[Callable[[], object]] = None, keep_step: bool = False) -> dict:
+    """One row (module docstring). ``pair_with``: the bf16 row's step, still alive; after
+    this row's own timings both are timed in ``args.paired_rounds`` alternating rounds
+    (``paired_vs_bf16``: its ``ratio_a_over_b`` is bf16's time over this row's).
+    ``keep_step``: return the compiled step as ``row['_step']`` (the caller pops it)."""
     row = {"model": case.name, "scale": args.scale, "batch_size": case.batch_size, "mode": mode,
            "variant": variant, "graphs": graphs, "status": "ok", "reason": None,
            "compile_mode": "reduce-overhead" if graphs else "default",
@@ -616,6 +658,18 @@ def run_row(case: Case, variant: str, mode: str, graphs: bool, args, device) -> 
         else:
             row.update(gpu_ms=None, profile_ms=None, top_kernels_ms=None, kernel_rates=None,
                        wall_over_gpu=None, host_over_gpu=None, peak_mem_gib=None)
+        if pair_with is not None:
+            try:  # a diagnostic: it never fails the row
+                for s in (pair_with, step):
+                    for _ in range(PAIR_WARMUP):
+                        s()
+                synchronize(device)
+                row["paired_vs_bf16"] = paired_rounds(pair_with, step, device,
+                                                      args.paired_rounds, args.paired_steps)
+            except Exception as e:  # noqa: BLE001
+                row["paired_vs_bf16"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        if keep_step:
+            row["_step"] = step
     except Skip as e:
         row.update(status="skipped", reason=str(e))
     except Exception as e:  # noqa: BLE001 - keep the other rows
@@ -720,6 +774,9 @@ def summarize(rows: List[dict]) -> List[dict]:
                 c["isolated_prediction_error"] = pred["isolated_prediction_error"]
                 c["gpu_prediction_error"] = pred.get("gpu_prediction_error")
                 c["host_bound"] = pred.get("host_bound")
+            paired = r.get("paired_vs_bf16") or {}
+            if "ratio_a_over_b" in paired:  # bf16's wall time over this row's, paired
+                c["paired_vs_bf16"] = paired["ratio_a_over_b"]
             return c
         out.append({"model": k[0], "batch_size": k[1], "mode": k[2], "graphs": k[3],
                     "bf16": cell(bf16), "best_torchao": cell(best), "loka": cell(lk),
@@ -771,19 +828,20 @@ def write(path: str, env: dict, rows: List[dict], probes: List[dict]) -> None:
 
 def table(rows: List[dict]) -> str:
     head = (f"{'model':7s} {'B':>6s} {'mode':5s} {'variant':27s} {'graphs':6s} {'ms':>9s} "
-            f"{'gpu ms':>8s} {'host ms':>8s} {'vs bf16':>7s} {'gpu x':>6s} {'fp8':>4s} {'GiB':>6s}"
-            "  status")
+            f"{'gpu ms':>8s} {'host ms':>8s} {'vs bf16':>7s} {'gpu x':>6s} {'pair x':>6s} "
+            f"{'fp8':>4s} {'GiB':>6s}  status")
     lines = [head, "-" * len(head)]
 
     def f(x, spec):
         return format(x, spec) if isinstance(x, (int, float)) else "-".rjust(int(spec.split(".")[0].rstrip("df")))
     for r in rows:
         v, g = ((r.get("vs_bf16") or {}).get(k) for k in ("step", "gpu"))
+        pair = (r.get("paired_vs_bf16") or {}).get("ratio_a_over_b")
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {(r['reason'] or '')[:60]}"
         lines.append(f"{r['model']:7s} {r['batch_size']:6d} {r['mode']:5s} {r['variant']:27s} "
                      f"{str(r['graphs']):6s} {f(r.get('step_ms'), '9.3f')} {f(r.get('gpu_ms'), '8.3f')} "
                      f"{f(r.get('host_ms'), '8.3f')} "
-                     f"{f(v, '7.3f')} {f(g, '6.3f')} {f(r.get('fp8_sites'), '4d')} "
+                     f"{f(v, '7.3f')} {f(g, '6.3f')} {f(pair, '6.3f')} {f(r.get('fp8_sites'), '4d')} "
                      f"{f(r.get('peak_mem_gib'), '6.2f')}  {status}")
     return "\n".join(lines)
 
@@ -882,6 +940,12 @@ def parse_args(argv, eval_set: "str | os.PathLike | types.ModuleType"):
                          "'{batch}' are filled in; the rows' probe_wall_s is then null)")
     ap.add_argument("--time-budget-s", type=float, default=None,
                     help="start no new row or Probe after this many seconds (they are recorded as skipped)")
+    ap.add_argument("--paired-rounds", type=int, default=0,
+                    help="time each LoKA row and its bf16 row, both compiled and alive, in this "
+                         "many alternating rounds (paired_vs_bf16; 0: off, else >= 2): the "
+                         "ratio a drifting host cannot bias")
+    ap.add_argument("--paired-steps", type=int, default=10,
+                    help="timed steps per paired round (their median)")
     ap.add_argument("--no-save-plans", action="store_true",
                     help="do not write the Probe's report and plans beside --out")
     ap.add_argument("--out", required=True, help="JSON file, rewritten after every row")
@@ -907,6 +971,8 @@ def parse_args(argv, eval_set: "str | os.PathLike | types.ModuleType"):
             ap.error(f"--variants takes {sorted(known)}")
     if args.warmup < 1 or args.steps < 1:
         ap.error("--warmup and --steps must be >= 1")
+    if args.paired_rounds == 1 or args.paired_rounds < 0 or args.paired_steps < 1:
+        ap.error("--paired-rounds must be 0 (off) or >= 2, --paired-steps >= 1")
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     cpu = device.type != "cuda"
     probe_fields = (json.loads(args.probe_config) if args.probe_config else
@@ -960,24 +1026,32 @@ def _run(args, device) -> int:
             wanted = {m: [v for v in VARIANTS[m] if args.variants is None or v in args.variants]
                       for m in args.modes}
             for mode in args.modes:
-                for variant in wanted[mode]:
-                    if variant.startswith("loka") and not case.probed and not over_budget():
-                        # the Probe runs when the first LoKA row needs it: a run cut short by
-                        # its time budget keeps the baselines
-                        probes.append(probe_case(case, args, device, out_stem))
-                        write(args.out, env, rows, probes)
-                    for graphs in graph_settings:
+                for graphs in graph_settings:
+                    bf16_step = None  # with --paired-rounds: the bf16 row's step, alive
+                    for variant in wanted[mode]:
+                        if variant.startswith("loka") and not case.probed and not over_budget():
+                            # the Probe runs when the first LoKA row needs it: a run cut
+                            # short by its time budget keeps the baselines
+                            probes.append(probe_case(case, args, device, out_stem))
+                            write(args.out, env, rows, probes)
                         if over_budget():
                             row = {"model": name, "scale": args.scale, "batch_size": batch_size,
                                    "mode": mode, "variant": variant, "graphs": graphs,
                                    "status": "skipped", "reason": "time budget spent"}
                         else:
-                            row = run_row(case, variant, mode, graphs, args, device)
+                            pairing = args.paired_rounds > 0
+                            row = run_row(case, variant, mode, graphs, args, device,
+                                          pair_with=(bf16_step if pairing and
+                                                     variant.startswith("loka") else None),
+                                          keep_step=pairing and variant == "bf16")
+                            bf16_step = row.pop("_step", bf16_step)
                         add_ratios(rows, row)
                         add_prediction(rows, row, case.report)
                         rows.append(row)
                         write(args.out, env, rows, probes)
                         print(table([row]).splitlines()[-1], flush=True)
+                    del bf16_step
+                    gc.collect()
             del case, base, batch
     env["wall_s"] = time.perf_counter() - start
     write(args.out, env, rows, probes)
