@@ -245,6 +245,8 @@ def test_eval_set_script_runs_on_the_cpu(tmp_path):
     assert (doc["schema"], doc["version"]) == ("loka.evalset", 1)
     env = doc["env"]
     assert env["timings_meaningful"] is False and "GPU" in env["note"]
+    from loka.bench.env import source_digest
+    assert env["source_sha1"] == source_digest()  # names the code that ran
     rows = {r["variant"]: r for r in doc["rows"]}
     assert list(rows) == ["bf16", "torchao-tensorwise", "torchao-rowwise",
                           "torchao-rowwise_with_gw_hp", "loka", "loka-optimize", "loka-delayed"]

@@ -101,6 +101,7 @@ from ..probe import ProbeReport
 from ..probe import probe as probe_model
 from ..timing import synchronize
 from . import stepcode
+from .env import source_digest
 from .profiling import QUANTIZE_KERNELS, host_self_us
 
 try:  # torchao is optional: its rows are skipped, with this reason, where it is missing
@@ -817,6 +818,9 @@ def environment(device: torch.device, args) -> dict:
            "env_vars": {k: v for k, v in sorted(os.environ.items())
                         if k.startswith(("LOKA_", "TORCHINDUCTOR_", "PYTORCH_CUDA_ALLOC"))}}
     env.update(git_state())
+    # the code that ran, where a copied tree's git metadata lags its files (git_commit then
+    # names an older commit): compare with source_digest() in a checkout
+    env["source_sha1"] = source_digest()
     return env
 
 
