@@ -40,8 +40,9 @@ AdamW; or a serving forward), GPU time per step and its split by kernel class
 the host wait for (``host_syncs``: a compiled step should list nothing), peak memory, FP8
 site count, the Probe's wall time, the output's change against bf16, and ratios against
 the bf16 row of the same model, batch, mode and graph setting (with ``--paired-rounds``,
-also in alternating rounds beside the bf16 row's step: ``paired_vs_bf16``, for hosts whose
-speed drifts between rows). The JSON is rewritten
+also in alternating rounds beside the bf16 row's step, kept for the group: ``paired_vs_bf16``,
+for hosts whose speed drifts between rows; a LoKA row without a bf16 row to pair with,
+left out or failed, has none). The JSON is rewritten
 (atomically) after every row, so a run cut short keeps what it measured. On a CPU the run
 checks the pipeline only: its timings say nothing about FP8 on a GPU (the JSON's ``env``
 says so).
@@ -533,7 +534,7 @@ def paired_summary(medians: Dict[str, List[float]]) -> dict:
 
 def paired_rounds(step_a: Callable[[], object], step_b: Callable[[], object],
                   device: torch.device, rounds: int, steps: int) -> dict:
-    """Two compiled steps, both alive, timed in alternating rounds (:func:`round_order`):
+    """Two compiled steps, both callable, timed in alternating rounds (:func:`round_order`):
     each round is the median wall time of ``steps`` synchronized steps after one untimed
     step. A host whose speed drifts (shared machines: the same step's wall time moved by
     up to 3x between rows of one run) drifts under both alike, so the per-round ratio
@@ -601,18 +602,24 @@ def run_row(case: Case, variant: str, mode: str, graphs: bool, args, device,
             pair_with: Optional[Callable[[], object]] = None, keep_step: bool = False) -> dict:
     """One row (module docstring). ``pair_with``: the bf16 row's step, still alive; after
     this row's own timings both are timed in ``args.paired_rounds`` alternating rounds
-    (``paired_vs_bf16``: its ``ratio_a_over_b`` is bf16's time over this row's).
-    ``keep_step``: return the compiled step as ``row['_step']`` (the caller pops it)."""
+    (``paired_vs_bf16``: its ``ratio_a_over_b`` is bf16's time over this row's). The
+    ``torch._dynamo.reset()`` that starts each row (every row compiles the same forward
+    code again) makes the kept step compile again, from the compile caches, in its untimed
+    steps before the rounds (``PAIR_WARMUP``): the same graphs, compiled once more.
+    ``keep_step``: return the compiled step as ``row['_step']`` (the caller pops it).
+    ``peak_mem_gib`` is the row's own: its peak above what was allocated when it started."""
     row = {"model": case.name, "scale": args.scale, "batch_size": case.batch_size, "mode": mode,
            "variant": variant, "graphs": graphs, "status": "ok", "reason": None,
            "compile_mode": "reduce-overhead" if graphs else "default",
            "backend": args.backend, "linears": case.linears, "notes": []}
     model = compiled = step = None
+    held = 0  # bytes allocated before the row (the batch; with pairing, the kept bf16 step)
     try:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
+            held = torch.cuda.memory_allocated(device)
         torch._dynamo.reset()
         model = copy.deepcopy(case.base).to(device)
         set_mode(model, mode)
@@ -655,7 +662,8 @@ def run_row(case: Case, variant: str, mode: str, graphs: bool, args, device,
                        kernel_rates=kernel_rates(prof["kernels_ms"], launches),
                        wall_over_gpu=row["step_ms"] / max(prof["gpu_ms_per_step"], 1e-9),
                        host_over_gpu=row["host_ms"] / max(prof["gpu_ms_per_step"], 1e-9),
-                       peak_mem_gib=torch.cuda.max_memory_allocated(device) / 2**30)
+                       # the row's own peak: above what it found allocated
+                       peak_mem_gib=(torch.cuda.max_memory_allocated(device) - held) / 2**30)
         else:
             row.update(gpu_ms=None, profile_ms=None, top_kernels_ms=None, kernel_rates=None,
                        wall_over_gpu=None, host_over_gpu=None, peak_mem_gib=None)
@@ -945,9 +953,10 @@ def parse_args(argv, eval_set: "str | os.PathLike | types.ModuleType"):
     ap.add_argument("--time-budget-s", type=float, default=None,
                     help="start no new row or Probe after this many seconds (they are recorded as skipped)")
     ap.add_argument("--paired-rounds", type=int, default=0,
-                    help="time each LoKA row and its bf16 row, both compiled and alive, in this "
-                         "many alternating rounds (paired_vs_bf16; 0: off, else >= 2): the "
-                         "ratio a drifting host cannot bias")
+                    help="time each LoKA row beside its bf16 row's step, kept for the group "
+                         "(it holds the bf16 model's memory), in this many alternating rounds "
+                         "(paired_vs_bf16; 0: off, else >= 2): the ratio a drifting host "
+                         "cannot bias")
     ap.add_argument("--paired-steps", type=int, default=10,
                     help="timed steps per paired round (their median)")
     ap.add_argument("--no-save-plans", action="store_true",

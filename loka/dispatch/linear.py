@@ -645,16 +645,25 @@ class Linear(nn.Linear):
             raise ValueError(f"input amax must be one finite positive number, got {amax.tolist()}")
         device = self.weight.device if self.weight is not None else self.weight_q.device
         self.input_amax = amax.reshape(()).to(device)
+        self._input_scales = self._scale_table(rows)
+
+    def _scale_table(self, rows: int) -> torch.Tensor:
+        """The static scales of an input of up to ``rows`` rows, made from
+        :attr:`input_amax` on its device (as the per-call division did: a GPU divides by a
+        host scalar as a multiplication by its reciprocal), outside inference mode (a
+        table made under it could not be saved for a backward later)."""
+        kf = self._kernels[0]
         fmt, gran = get_format(kf.formats[0]), as_granularity(kf.scaling)
-        scale = self.input_amax.clamp(min=AMAX_EPS) / fmt.max
-        if gran is Granularity.MX:
-            scale = round_scale_to_power_of_two(scale)
         br, bc = operand_block(gran, "a")
         grid_rows = 1 if br == -1 else max(1, -(-rows // br))
         grid_cols = 1 if bc == -1 else -(-self.in_features // bc)
         if grid_rows * grid_cols > STATIC_TABLE_MAX_SCALES:  # memory: one row of blocks
             grid_rows = 1
-        self._input_scales = scale.reshape(1, 1).expand(grid_rows, grid_cols).contiguous()
+        with torch.inference_mode(False):
+            scale = self.input_amax.clamp(min=AMAX_EPS) / fmt.max
+            if gran is Granularity.MX:
+                scale = round_scale_to_power_of_two(scale)
+            return scale.reshape(1, 1).expand(grid_rows, grid_cols).clone()
 
     def _quantize_input(self, x2d: torch.Tensor) -> QTensor:
         """Static quantization of ``x2d`` (M, K) for the forward kernel."""
@@ -692,7 +701,9 @@ class Linear(nn.Linear):
                                         q.granularity)
             if self.input_amax is not None:
                 self.input_amax = self.input_amax.to(device)
-                self._input_scales = self._input_scales.to(device)
+                # made again there, from the amax, as the device would have made it
+                br = operand_block(as_granularity(self._kernels[0].scaling), "a")[0]
+                self._input_scales = self._scale_table(self._input_scales.shape[0] * max(br, 1))
         return self
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):

@@ -229,6 +229,37 @@ def test_a_static_scale_table_too_large_keeps_one_row_and_the_same_bits(monkeypa
         assert torch.equal(lin(x), small(x))
 
 
+@pytest.mark.parametrize("kernel", ["emulated-tensorwise-e4m3", "emulated-rowwise-e4m3"])
+def test_static_scales_set_under_inference_mode_serve_a_forward_with_grad_mode_on(kernel):
+    """The table made under torch.inference_mode (a serving setup) is an ordinary tensor:
+    a later forward with autograd on (weights that require grad) can save it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    with torch.inference_mode():
+        loka.apply(model, Plan.uniform(model, kernel), inference=True,
+                   static_scales={"0": 3.0, "2": 3.0})
+    x = torch.randn(16, 64)
+    y = model(x)
+    with torch.no_grad():
+        assert torch.equal(y, model(x))
+    assert not model[0]._input_scales.is_inference()
+
+
+def test_a_moved_static_scale_table_is_made_again_on_the_new_device():
+    """After .to(...), the table is the one set_input_amax makes there from the same amax
+    (a GPU divides by a host scalar as a multiplication by its reciprocal, so a moved copy
+    of the CPU's quotient could differ in the last bit), with the same rows."""
+    lin = loka.Linear(256, 128, bias=False, config=LinearConfig(fwd="emulated-rowwise-e4m3"))
+    lin.set_input_amax(74.62663269042969, rows=48)
+    before = lin._input_scales
+    lin.to(torch.float64)  # a move through _apply (same device here)
+    assert lin._input_scales is not before and lin._input_scales.dtype == torch.float32
+    fresh = loka.Linear(256, 128, bias=False, config=LinearConfig(fwd="emulated-rowwise-e4m3"))
+    fresh.set_input_amax(74.62663269042969, rows=48)
+    assert torch.equal(lin._input_scales, fresh._input_scales)
+    assert tuple(lin._input_scales.shape) == (48, 1)
+
+
 def test_amax_from_report():
     report = ProbeReport(sites={
         "a": SiteReport("a", 64, 64, 8, stats={"act": {"amax": 3.0}, "grad": {"amax": 9.0}}),
