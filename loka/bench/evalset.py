@@ -41,8 +41,8 @@ the host wait for (``host_syncs``: a compiled step should list nothing), peak me
 site count, the Probe's wall time, the output's change against bf16, and ratios against
 the bf16 row of the same model, batch, mode and graph setting (with ``--paired-rounds``,
 also in alternating rounds beside the bf16 row's step, kept for the group: ``paired_vs_bf16``,
-for hosts whose speed drifts between rows; a LoKA row without a bf16 row to pair with,
-left out or failed, has none). The JSON is rewritten
+for hosts whose speed drifts between rows; a row without a bf16 row to pair with, left out
+or failed, has none). The JSON is rewritten
 (atomically) after every row, so a run cut short keeps what it measured. On a CPU the run
 checks the pipeline only: its timings say nothing about FP8 on a GPU (the JSON's ``env``
 says so).
@@ -953,10 +953,10 @@ def parse_args(argv, eval_set: "str | os.PathLike | types.ModuleType"):
     ap.add_argument("--time-budget-s", type=float, default=None,
                     help="start no new row or Probe after this many seconds (they are recorded as skipped)")
     ap.add_argument("--paired-rounds", type=int, default=0,
-                    help="time each LoKA row beside its bf16 row's step, kept for the group "
-                         "(it holds the bf16 model's memory), in this many alternating rounds "
-                         "(paired_vs_bf16; 0: off, else >= 2): the ratio a drifting host "
-                         "cannot bias")
+                    help="time each row (LoKA's, torchao's) beside its bf16 row's step, kept "
+                         "for the group (it holds the bf16 model's memory), in this many "
+                         "alternating rounds (paired_vs_bf16; 0: off, else >= 2): the ratio a "
+                         "drifting host cannot bias")
     ap.add_argument("--paired-steps", type=int, default=10,
                     help="timed steps per paired round (their median)")
     ap.add_argument("--no-save-plans", action="store_true",
@@ -1055,7 +1055,7 @@ def _run(args, device) -> int:
                             pairing = args.paired_rounds > 0
                             row = run_row(case, variant, mode, graphs, args, device,
                                           pair_with=(bf16_step if pairing and
-                                                     variant.startswith("loka") else None),
+                                                     variant != "bf16" else None),
                                           keep_step=pairing and variant == "bf16")
                             bf16_step = row.pop("_step", bf16_step)
                         add_ratios(rows, row)
