@@ -336,9 +336,7 @@ def apply(model: nn.Module, plan: Plan, inference: bool = False, strict: bool = 
             mod.quantize_weight()
             if static_scales and site in static_scales:
                 # the scale table covers the rows the plan was made for
-                planned = plan.sites.get(site)
-                mod.set_input_amax(static_scales[site],
-                                   rows=planned.tokens if planned is not None else 0)
+                mod.set_input_amax(static_scales[site], rows=plan.sites[site].tokens)
             if drop_weights:
                 mod.drop_weight()
         if drop_weights:

@@ -11,7 +11,7 @@ import torch
 from ..config import Role
 from ..kernels.registry import Kernel
 
-__all__ = ["COMPILE_ENTRIES", "compiled_call", "linear_dims"]
+__all__ = ["COMPILE_ENTRIES", "compiled_call", "linear_dims", "one_line"]
 
 COMPILE_ENTRIES = 256
 """Dynamo's recompile limit while the Probe times compiled kernels"""
@@ -39,3 +39,10 @@ def linear_dims(role: Role, shape: Tuple[int, int, int]) -> Tuple[int, int, int]
     (the inverse of :func:`~loka.config.role_shape`)."""
     a, b, c = shape
     return {Role.FWD: (a, b, c), Role.DGRAD: (a, c, b), Role.WGRAD: (b, c, a)}[role]
+
+
+def one_line(exc: BaseException) -> str:
+    """``Type: first line of the message`` (at most 300 characters of it): how the timer
+    and the compiling children record a call that failed."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300] if text else ''}".rstrip(": ")

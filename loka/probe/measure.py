@@ -60,7 +60,7 @@ from ..kernels.registry import Kernel, Library
 from ..numerics import mere_denominator
 from ..timing import TimingResult, time_fn
 from . import precompile
-from .calls import COMPILE_ENTRIES, compiled_call, linear_dims
+from .calls import COMPILE_ENTRIES, compiled_call, linear_dims, one_line
 from .pricing import can_fuse, price
 from .report import (ROOFLINE_NOT_TIMED, ErrorStat, KernelResult, ProbeReport, RoleReport,
                      SiteReport)
@@ -87,7 +87,7 @@ class Failure:
     @classmethod
     def of(cls, exc: BaseException, prefix: str = "") -> "Failure":
         """``prefix`` and the exception's type and first line."""
-        return cls(prefix + _one_line(exc))
+        return cls(prefix + one_line(exc))
 
 
 @dataclass(frozen=True)
@@ -98,11 +98,6 @@ class SampleErrors:
     sqnr: List[float]
     """dB"""
     relfro: List[float]
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:300] if text else ''}".rstrip(": ")
 
 
 # -- errors ------------------------------------------------------------------------------
@@ -365,7 +360,7 @@ class KernelTimer:
                 except Exception as e:  # noqa: BLE001 - compilation failed: time eagerly
                     result = timed(lambda: kern(a, b, dtype))
                     return dataclasses.replace(
-                        result, note=f"torch.compile failed, timed eagerly: {_one_line(e)}")
+                        result, note=f"torch.compile failed, timed eagerly: {one_line(e)}")
         except Exception as e:  # noqa: BLE001
             return Failure.of(e, "timing failed: ")
 

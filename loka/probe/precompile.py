@@ -41,7 +41,7 @@ import torch
 from ..config import Role
 from ..kernels import registry
 from ..kernels.roofline import autotune_limit
-from .calls import compiled_call, linear_dims
+from .calls import compiled_call, linear_dims, one_line
 from .sampler import naive_pair
 
 __all__ = ["Entry", "Precompile", "start", "workers_for", "warm", "WAIT_S", "MAX_WORKERS"]
@@ -269,8 +269,7 @@ def warm(entries: Sequence[Entry], device: torch.device, seed: int = 0,
                 torch.cuda.synchronize(device)
             done += 1
         except Exception as ex:  # noqa: BLE001 - the parent compiles it itself
-            first = (str(ex).strip().splitlines() or [""])[0][:300]
-            failed.append(f"{e.kernel} {e.role} {tuple(e.shape)}: {type(ex).__name__}: {first}")
+            failed.append(f"{e.kernel} {e.role} {tuple(e.shape)}: {one_line(ex)}")
     return done, failed
 
 
