@@ -764,6 +764,19 @@ def test_the_prediction_is_also_made_on_gpu_time_and_says_when_the_host_bounds_t
     assert pred["prediction_error"] == pytest.approx(
         2.9 / predict_step(plan, rep, 3.0, inference=True).predicted_step_ms - 1)
     assert pred["host_bound"] is False
+    # the ceiling of the same step: on the bf16 row's GPU time, serving, no head kept back
+    ceil = lk["ceiling"]
+    from loka.dispatch import fp8_ceiling
+    want_c = fp8_ceiling(rep, 2.0, inference=True, head_sites=plan.budget["head_sites"])
+    assert ceil["on"] == "gpu" and ceil["head"] == []
+    assert ceil["measured_speedup"] == pytest.approx(want_c.measured_speedup, rel=1e-12)
+    assert ceil["measured_speedup"] >= 2.0 / want - 1e-9  # no plan beats the ceiling
+    assert ceil["gemm_ms"] == pytest.approx(sum(
+        rr.baseline_us for sr in rep.sites.values() for role, rr in sr.roles.items()
+        if role.value == "fwd") / 1e3)
+    (cell,) = [c["loka"] for c in lev.summarize(group)]
+    assert cell["ceiling"]["measured_speedup"] == ceil["measured_speedup"]
+    assert "ceil x" in lev.table(group).splitlines()[0]
     group, lk = rows(host_ms=2.5)  # the host takes longer than the GPU
     lev.add_prediction(group, lk, rep)
     assert lk["prediction"]["host_bound"] is True

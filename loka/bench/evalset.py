@@ -92,7 +92,7 @@ from ..config import ProbeConfig
 from ..dispatch import apply as apply_plan
 from ..dispatch import optimize as optimize_plan
 from ..dispatch import plan as make_plan
-from ..dispatch import predict_step
+from ..dispatch import fp8_ceiling, predict_step
 from ..dispatch.linear import delayable
 from ..dispatch.static import amax_from_report, static_scales_for
 from ..jsonio import atomic_write_text, json_safe
@@ -724,12 +724,18 @@ def add_prediction(rows: List[dict], row: dict, report) -> None:
     time (``predicted_gpu_ms``, ``gpu_prediction_error``: against the row's GPU time),
     where a profile measured both. ``host_bound`` says whether the bf16 row's host took
     longer to issue its step than its GPU took to run it: there the wall time follows the
-    host, which the Probe does not price, and only the GPU prediction is a test of it."""
+    host, which the Probe does not price, and only the GPU prediction is a test of it.
+
+    ``ceiling`` is :func:`loka.dispatch.fp8_ceiling` on the bf16 row's GPU time (its wall
+    time where no profile was taken): the most FP8 GEMMs could give this step, at the
+    device's roofline and on the fastest kernels the report timed whatever their error,
+    with the plan's head sites and static scales."""
     plan = row.pop("_plan", None)
     row["prediction"] = None
     base = _bf16_row(rows, row)
     if plan is None or report is None or base is None:
         return
+    row["ceiling"] = ceiling_of(plan, report, base, row["mode"] == "serve")
     try:
         pred = predict_step(plan, report, base["step_ms"], inference=row["mode"] == "serve")
     except ValueError as e:
@@ -751,6 +757,23 @@ def add_prediction(rows: List[dict], row: dict, report) -> None:
             row["prediction"].update(
                 predicted_gpu_ms=on_gpu.predicted_step_ms,
                 gpu_prediction_error=row["gpu_ms"] / on_gpu.predicted_step_ms - 1)
+
+
+def ceiling_of(plan, report, base: dict, serve: bool) -> Optional[dict]:
+    """:func:`loka.dispatch.fp8_ceiling` of a LoKA row's step (:func:`add_prediction`), as
+    a dict naming the bf16 time it divides (``on``: 'gpu' or 'wall'); None where it cannot
+    be taken (its error under ``error``)."""
+    on = "gpu" if base.get("gpu_ms") else "wall"
+    step = base.get("gpu_ms") or base.get("step_ms")
+    if not step:
+        return None
+    try:
+        c = fp8_ceiling(report, step, inference=serve,
+                        static_scales=bool(getattr(plan, "static_scales", None)),
+                        head_sites=int(plan.budget.get("head_sites", 3)))
+    except ValueError as e:
+        return {"on": on, "error": str(e)}
+    return {"on": on, **c.to_dict()}
 
 
 def summarize(rows: List[dict]) -> List[dict]:
@@ -786,6 +809,12 @@ def summarize(rows: List[dict]) -> List[dict]:
             paired = r.get("paired_vs_bf16") or {}
             if "ratio_a_over_b" in paired:  # bf16's wall time over this row's, paired
                 c["paired_vs_bf16"] = paired["ratio_a_over_b"]
+            ceil = r.get("ceiling") or {}
+            if "measured_speedup" in ceil:  # the most FP8 GEMMs could give this step
+                c["ceiling"] = {k: ceil[k] for k in ("on", "gemm_share", "roofline_speedup",
+                                                     "roofline_speedup_eligible",
+                                                     "measured_speedup",
+                                                     "measured_speedup_eligible")}
             return c
         out.append({"model": k[0], "batch_size": k[1], "mode": k[2], "graphs": k[3],
                     "bf16": cell(bf16), "best_torchao": cell(best), "loka": cell(lk),
@@ -841,7 +870,7 @@ def write(path: str, env: dict, rows: List[dict], probes: List[dict]) -> None:
 def table(rows: List[dict]) -> str:
     head = (f"{'model':7s} {'B':>6s} {'mode':5s} {'variant':27s} {'graphs':6s} {'ms':>9s} "
             f"{'gpu ms':>8s} {'host ms':>8s} {'vs bf16':>7s} {'gpu x':>6s} {'pair x':>6s} "
-            f"{'fp8':>4s} {'GiB':>6s}  status")
+            f"{'ceil x':>6s} {'fp8':>4s} {'GiB':>6s}  status")
     lines = [head, "-" * len(head)]
 
     def f(x, spec):
@@ -849,11 +878,14 @@ def table(rows: List[dict]) -> str:
     for r in rows:
         v, g = ((r.get("vs_bf16") or {}).get(k) for k in ("step", "gpu"))
         pair = (r.get("paired_vs_bf16") or {}).get("ratio_a_over_b")
+        # the most the kernels the report timed could give this step (head sites kept)
+        ceil = (r.get("ceiling") or {}).get("measured_speedup_eligible")
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {(r['reason'] or '')[:60]}"
         lines.append(f"{r['model']:7s} {r['batch_size']:6d} {r['mode']:5s} {r['variant']:27s} "
                      f"{str(r['graphs']):6s} {f(r.get('step_ms'), '9.3f')} {f(r.get('gpu_ms'), '8.3f')} "
                      f"{f(r.get('host_ms'), '8.3f')} "
-                     f"{f(v, '7.3f')} {f(g, '6.3f')} {f(pair, '6.3f')} {f(r.get('fp8_sites'), '4d')} "
+                     f"{f(v, '7.3f')} {f(g, '6.3f')} {f(pair, '6.3f')} {f(ceil, '6.3f')} "
+                     f"{f(r.get('fp8_sites'), '4d')} "
                      f"{f(r.get('peak_mem_gib'), '6.2f')}  {status}")
     return "\n".join(lines)
 

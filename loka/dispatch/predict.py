@@ -13,20 +13,32 @@ plan's ``static_scales`` the GEMM and what is left of a static cast
 (:func:`~loka.probe.pricing.serve_static_time_us`). Both predictions are returned:
 the evaluation harness (``loka bench --eval-set``) records them beside every measured LoKA
 row, so the gap of each is measured, not assumed.
+
+:func:`fp8_ceiling` bounds what any plan could give on a step before one is made: the
+step's share of GEMM time, and the step if every GEMM role ran at its FP8 roofline (the
+device's FP8 peak, operands arriving in FP8 for free) or on the fastest kernel the report
+timed there whatever its error. A target above the roofline ceiling is out of FP8's reach
+on that model; one between the measured ceiling and the plan's prediction is the error
+budget's, the head rule's or the pricing's doing, and the ceiling says which.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List
+import math
+from typing import Dict, List, Optional
 
 from ..config import Role
 from ..kernels import registry
+from ..kernels.roofline import Peaks, fp8_time_lower_bound_us, peaks_for
 from ..probe.pricing import serve_static_time_us
 from ..probe.report import ProbeReport
 from .schema import Plan
+from .select import head_of, judged_speedup
 
-__all__ = ["StepPrediction", "predict_step"]
+__all__ = ["StepPrediction", "predict_step", "Ceiling", "fp8_ceiling"]
+
+_UNTRUSTED_TIMINGS = ("none", "cpu-wallclock")
 
 
 @dataclass(frozen=True)
@@ -114,3 +126,109 @@ def predict_step(plan: Plan, report: ProbeReport, baseline_step_ms: float, *,
                          "is not of this model")
     return StepPrediction(baseline_step_ms, predicted, saved_us / 1e3, per_role, untimed,
                           isolated, aware)
+
+
+@dataclass(frozen=True)
+class Ceiling:
+    """What FP8 GEMMs could give a step at most (:func:`fp8_ceiling`). Speedups are the
+    baseline step over the step with the savings taken; ``eligible`` ones leave the sites a
+    training plan keeps on the baseline (``head``) alone."""
+
+    baseline_step_ms: float
+    gemm_ms: float
+    """the baseline GEMM time of the counted roles, as the report timed each alone"""
+    roofline_speedup: Optional[float]
+    """every counted role at its FP8 roofline; None where the device's peaks are unknown"""
+    roofline_speedup_eligible: Optional[float]
+    measured_speedup: float
+    """every counted role on the fastest FP8 kernel the report timed there on a GPU (any
+    error; step-aware price where the report has one), the baseline where none is faster"""
+    measured_speedup_eligible: float
+    head: List[str] = field(default_factory=list)
+    untimed: List[str] = field(default_factory=list)
+    """counted site-roles without a decisive FP8 timing (saving nothing in the measured
+    ceiling)"""
+
+    @property
+    def gemm_share(self) -> float:
+        return self.gemm_ms / self.baseline_step_ms
+
+    def to_dict(self) -> dict:
+        return {"baseline_step_ms": self.baseline_step_ms, "gemm_ms": self.gemm_ms,
+                "gemm_share": self.gemm_share, "roofline_speedup": self.roofline_speedup,
+                "roofline_speedup_eligible": self.roofline_speedup_eligible,
+                "measured_speedup": self.measured_speedup,
+                "measured_speedup_eligible": self.measured_speedup_eligible,
+                "head": list(self.head), "untimed": list(self.untimed)}
+
+
+def fp8_ceiling(report: ProbeReport, baseline_step_ms: float, *, inference: bool = False,
+                static_scales: bool = False, head_sites: int = 3,
+                peaks: Optional[Peaks] = None) -> Ceiling:
+    """The most FP8 GEMMs could give a step whose baseline was measured at
+    ``baseline_step_ms`` (module docstring).
+
+    Every role the report timed counts (serving: the forwards). The roofline ceiling takes
+    each role's baseline time down to :func:`loka.kernels.roofline.fp8_time_lower_bound_us`
+    with its operands already in FP8 (no quantization at all); the measured ceiling takes it
+    to the fastest FP8 kernel the report timed there on a GPU, judged as a plan judges it
+    (step-aware in training, weight quantized once in serving, static input scales with
+    ``static_scales``) but with no error budget. In training the ``head_sites`` sites nearest
+    the loss (:func:`loka.dispatch.select.head_of`) are left out of the eligible ceilings.
+
+    Args:
+        peaks: the device's peak rates; default: the report's device name's
+            (:data:`loka.kernels.roofline.PEAKS`), None for a device not listed there.
+
+    Raises:
+        ValueError: a baseline step that is not a positive finite number, or GEMM savings
+            that would leave no step (the report is not of this model).
+    """
+    if (isinstance(baseline_step_ms, bool) or not isinstance(baseline_step_ms, (int, float))
+            or not math.isfinite(baseline_step_ms) or baseline_step_ms <= 0):
+        raise ValueError(f"baseline_step_ms must be a positive number, got {baseline_step_ms!r}")
+    if peaks is None and report.device.startswith("cuda") and report.device_name:
+        peaks = peaks_for(report.device_name)
+    head = [] if inference else head_of(report, head_sites)[0]
+    gemm = roof = roof_elig = meas = meas_elig = 0.0
+    untimed: List[str] = []
+    known = {k.name: k for k in registry.all_kernels()}
+    for name, site in report.sites.items():
+        for role, rr in site.roles.items():
+            if (inference and role is not Role.FWD) or rr.baseline_us is None:
+                continue
+            base = rr.baseline_us
+            gemm += base
+            eligible = name not in head
+            if peaks is not None:
+                lb = fp8_time_lower_bound_us(tuple(rr.shape), peaks, quantizes_a=False,
+                                             quantizes_b=False)
+                saved = max(base - lb, 0.0)
+                roof += saved
+                roof_elig += saved if eligible else 0.0
+            best, decisive = 1.0, False
+            for kname, kr in rr.kernels.items():
+                kern = known.get(kname)  # a report's kernel no longer registered: skipped
+                if (kern is None or not kern.is_fp8 or kern.is_emulated or kr.error
+                        or kr.timing is None or kr.timing.split("+")[0] in _UNTRUSTED_TIMINGS):
+                    continue
+                sp = judged_speedup(kr, kern, site, role, base, inference, static_scales)
+                if sp is not None and math.isfinite(sp) and sp > 0:
+                    decisive, best = True, max(best, sp)
+            if not decisive:
+                untimed.append(f"{name}:{role.value}")
+            saved = base - base / best
+            meas += saved
+            meas_elig += saved if eligible else 0.0
+
+    def ratio(saved_us: float) -> float:
+        left = baseline_step_ms - saved_us / 1e3
+        if left <= 0:
+            raise ValueError(f"the report's GEMM savings ({saved_us / 1e3:.3f} ms) exceed the "
+                             f"baseline step ({baseline_step_ms:.3f} ms): the report is not "
+                             "of this model")
+        return baseline_step_ms / left
+    return Ceiling(float(baseline_step_ms), gemm / 1e3,
+                   ratio(roof) if peaks is not None else None,
+                   ratio(roof_elig) if peaks is not None else None,
+                   ratio(meas), ratio(meas_elig), head, untimed)

@@ -61,7 +61,7 @@ from ..numerics import mere_denominator
 from ..timing import TimingResult, time_fn
 from . import precompile
 from .calls import COMPILE_ENTRIES, compiled_call, linear_dims, one_line
-from .pricing import can_fuse, price
+from .pricing import can_fuse, price, static_cast_fuses
 from .report import (ROOFLINE_NOT_TIMED, ErrorStat, KernelResult, ProbeReport, RoleReport,
                      SiteReport)
 from .sampler import OperandSampler, error_rows, naive_pair, seed_for
@@ -518,7 +518,7 @@ class _Measurement:
                         continue
                     shape = rw.timed_shape(k)
                     if self._roofline_bound(k, rw.role, shape, work.dev, work.dtype,
-                                            rw.est_base_us) is not None:
+                                            rw.est_base_us, work.site.producers) is not None:
                         continue
                     variants = (False, True) if (rw.role is Role.FWD
                                                  and k.quantize_b is not None) else (False,)
@@ -593,7 +593,7 @@ class _Measurement:
                        and kr.mere.hi < cfg.max_error)
             if cfg.timing and kr.error is None:
                 kr.not_timed = self._not_timed(kr, k, role, rw.timed_shape(k), dev, dtype,
-                                               base_us)
+                                               base_us, site.producers)
                 if kr.not_timed is None:
                     self._time_kernel(kr, k, role, rw.timed_shape(k), dev, dtype, base_us,
                                       site.producers)
@@ -610,7 +610,8 @@ class _Measurement:
         return rr
 
     def _not_timed(self, kr: KernelResult, k: Kernel, role: Role, shape, dev: torch.device,
-                   dtype: torch.dtype, base_us: Optional[float]) -> Optional[str]:
+                   dtype: torch.dtype, base_us: Optional[float],
+                   producers: Mapping[str, str] = {}) -> Optional[str]:
         """Why timing ``k`` here would tell the plan nothing, or None to time it: an FP8
         kernel over the error budget is no candidate (``ProbeConfig.time_unsafe``), and one
         whose roofline bound (:mod:`loka.kernels.roofline`) cannot reach ``min_speedup``
@@ -620,22 +621,29 @@ class _Measurement:
             return None
         if not kr.safe and not cfg.time_unsafe:
             return f"unsafe: MERE upper bound over {cfg.max_error:g}"
-        bound = self._roofline_bound(k, role, shape, dev, dtype, base_us)
+        bound = self._roofline_bound(k, role, shape, dev, dtype, base_us, producers)
         if bound is not None:
             kr.roofline_bound = float(bound)
             return ROOFLINE_NOT_TIMED.format(bound=bound)
         return None
 
     def _roofline_bound(self, k: Kernel, role: Role, shape, dev: torch.device,
-                        dtype: torch.dtype, base_us: Optional[float]) -> Optional[float]:
+                        dtype: torch.dtype, base_us: Optional[float],
+                        producers: Mapping[str, str] = {}) -> Optional[float]:
         """The roofline bound of FP8 kernel ``k``'s speedup where it rules the kernel out
-        (below ``min_speedup``), else None."""
+        (below ``min_speedup``), else None. A forward is bounded as a serving plan can run
+        it, the kinder way: its weight quantized beforehand, and, for a kernel whose
+        quantizer Inductor compiles where x's producer takes a static cast
+        (:func:`~loka.probe.pricing.static_cast_fuses`), x arriving in FP8 too (a
+        memory-bound GEMM then reads half the bytes)."""
         cfg = self.config
         peaks = device_peaks(dev) if cfg.roofline_prune and base_us and k.is_fp8 else None
         if peaks is None:
             return None
-        # the forward is also timed with its weight quantized beforehand: the kinder bound
-        bound = max_speedup(base_us, shape, peaks, quantizes_b=role is not Role.FWD,
+        fwd = role is Role.FWD
+        free_x = (fwd and compiles_for_timing(k, dev, cfg.timing_compile)
+                  and static_cast_fuses(producers))
+        bound = max_speedup(base_us, shape, peaks, quantizes_a=not free_x, quantizes_b=not fwd,
                             in_bytes=dtype.itemsize, out_bytes=dtype.itemsize)
         return bound if bound < cfg.min_speedup else None
 

@@ -76,7 +76,8 @@ from .report import KernelResult
 
 __all__ = ["FUSED_SHARE", "SERVE_FUSED_SHARE", "FUSIBLE_BY_SCALING", "OPERAND_SOURCES",
            "STATIC_SHARED_SHARE", "STATIC_PASS_SHARE", "can_fuse", "split_quantization",
-           "step_time_us", "serve_time_us", "serve_static_time_us", "price"]
+           "step_time_us", "serve_time_us", "serve_static_time_us", "static_cast_fuses",
+           "price"]
 
 FUSED_SHARE = {Scaling.ROWWISE: 1 / 3, Scaling.BLOCKWISE: 1 / 3, Scaling.TENSORWISE: 3 / 5}
 """share of a separate quantization pass's traffic left when it fuses into its producer"""
@@ -187,6 +188,13 @@ def serve_time_us(kernel: Kernel, *, time_us_weight_q: Optional[float],
     return time_us_weight_q - qa * (1.0 - _fused_share(kernel, Role.FWD, "x", serve=alone))
 
 
+def static_cast_fuses(producers: Mapping[str, str]) -> bool:
+    """Whether a static cast of x (elementwise: no amax) fuses into x's producer, for a
+    kernel whose quantizer Inductor compiles: any producer that is Inductor's code,
+    ``blocked`` included (module docstring)."""
+    return producers.get("x") in FUSIBLE + ("blocked",)
+
+
 def serve_static_time_us(kernel: Kernel, *, time_us_weight_q: Optional[float],
                          time_us_gemm: Optional[float], producers: Mapping[str, str] = {},
                          compiled: bool = False) -> Optional[float]:
@@ -196,7 +204,7 @@ def serve_static_time_us(kernel: Kernel, *, time_us_weight_q: Optional[float],
     if time_us_weight_q is None or time_us_gemm is None:
         return None
     qa = max(time_us_weight_q - time_us_gemm, 0.0)
-    fusible = compiled and producers.get("x") in FUSIBLE + ("blocked",)
+    fusible = compiled and static_cast_fuses(producers)
     if fusible:
         share = (STATIC_SHARED_SHARE.get(kernel.scaling, 1.0)
                  if producers.get("x_users") == "shared" else 0.0)

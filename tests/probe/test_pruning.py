@@ -200,3 +200,35 @@ def test_seeding_in_a_fresh_process_loads_the_kernels_it_seeds():
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [1, []]
+
+
+def test_a_forward_whose_input_takes_a_static_cast_is_bounded_with_x_in_fp8(monkeypatch):
+    """A memory-bound forward (the Wukong's 64-to-32 projection over 1M rows) cannot gain
+    when it reads and casts x itself, but can when x arrives in FP8 from a producer that
+    takes a static cast: the bound that rules kernels out must be that kinder one there."""
+    peaks = Peaks(989.4, 1978.9, 3.35)
+    monkeypatch.setattr(measure, "device_peaks", lambda dev: peaks)
+    m = measure._Measurement(ProbeConfig(**TIMING, timing_compile="on"))
+    shape, dev, dtype = (1 << 20, 64, 32), torch.device("cuda"), torch.bfloat16
+    base_us = 74.3  # the H100's bf16 time of that GEMM (bench/results/2026-12-06-h100-static-table)
+    compiled = loka.kernels.registry.get("cublas-tensorwise")
+    triton = loka.kernels.registry.get("triton-rowwise-cublas-fastacc")
+    blocked = {"x": "blocked", "x_users": "shared"}
+    with_cast = max_speedup(base_us, shape, peaks, quantizes_b=False)
+    x_free = max_speedup(base_us, shape, peaks, quantizes_a=False, quantizes_b=False)
+    assert with_cast < 1.0 < 1.05 < x_free  # the case the rule is for
+    # input of the model: x's cast is a pass of its own, ruled out
+    assert m._roofline_bound(compiled, Role.FWD, shape, dev, dtype, base_us,
+                             {"x": "input"}) == pytest.approx(with_cast)
+    # a block norm makes x: the static cast rides in it, timed
+    assert m._roofline_bound(compiled, Role.FWD, shape, dev, dtype, base_us, blocked) is None
+    # a Triton quantizer reads x itself whatever made it; gradient roles unchanged
+    assert m._roofline_bound(triton, Role.FWD, shape, dev, dtype, base_us,
+                             blocked) == pytest.approx(with_cast)
+    dgrad = (1 << 20, 32, 64)
+    assert m._roofline_bound(compiled, Role.DGRAD, dgrad, dev, dtype, 78.4, blocked) == \
+        pytest.approx(max_speedup(78.4, dgrad, peaks))
+    # a Probe that times nothing compiled (CPU default 'auto' off a GPU) never frees x
+    m_off = measure._Measurement(ProbeConfig(**TIMING, timing_compile="off"))
+    assert m_off._roofline_bound(compiled, Role.FWD, shape, dev, dtype, base_us,
+                                 blocked) == pytest.approx(with_cast)
