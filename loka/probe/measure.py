@@ -61,7 +61,7 @@ from ..numerics import mere_denominator
 from ..timing import TimingResult, time_fn
 from . import precompile
 from .calls import COMPILE_ENTRIES, compiled_call, linear_dims, one_line
-from .pricing import can_fuse, price, static_cast_fuses
+from .pricing import price, splits_gemm, static_cast_fuses
 from .report import (ROOFLINE_NOT_TIMED, ErrorStat, KernelResult, ProbeReport, RoleReport,
                      SiteReport)
 from .sampler import OperandSampler, error_rows, naive_pair, seed_for
@@ -668,8 +668,7 @@ class _Measurement:
                 if base_us is not None and tq.median_us > 0:
                     kr.speedup_weight_q = base_us / tq.median_us
         # the GEMM alone splits the call's time, where a quantization could fuse in the step
-        if (k.is_fp8 and k.quantize_a is not None and k.quantize_b is not None
-                and can_fuse(k, role, producers, kr.timing.endswith("+compiled"))):
+        if splits_gemm(k, role, producers, kr.timing.endswith("+compiled")):
             with self.phase("timing", dev):
                 tg = self.timer.time(k.name, role, shape, dev, dtype, gemm_only=True)
             if isinstance(tg, TimingResult):

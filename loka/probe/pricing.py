@@ -55,7 +55,10 @@ kept 0.13-0.6 of it, 0.32 on average, against a timed separate pass.
 Static input scales (:func:`serve_static_time_us`; ``loka.plan(..., inference=True,
 static_scales=True)``): a serving forward whose activation scale is fixed beforehand (the
 Probe's observed input amax) needs no amax pass, only a cast. Where x's producer is code
-Inductor makes (any fusible kind, ``blocked`` included: a cast is elementwise) the cast
+Inductor makes (any fusible kind, ``blocked`` and ``assembled`` included: a cast is
+elementwise, and a concatenation or gather that Inductor generates writes it as it
+assembles x; ``bench/step_code.py`` shows it for the DLRM's interaction output and the
+DCNv2's input concatenation: no kernel and no byte more than bf16's) the cast
 writes the FP8 copy in the producer's kernel instead of its bf16 one, and nothing is left
 of the separate passes when x has no other reader (a shared x is written in bf16 all the
 same: its FP8 copy is one byte more, :data:`STATIC_SHARED_SHARE` of the passes); elsewhere
@@ -71,13 +74,13 @@ from typing import Mapping, Optional, Tuple
 
 from ..config import Role
 from ..kernels.registry import Kernel, Scaling
-from .producers import FUSIBLE
+from .producers import FUSIBLE, STATIC_FUSIBLE
 from .report import KernelResult
 
 __all__ = ["FUSED_SHARE", "SERVE_FUSED_SHARE", "FUSIBLE_BY_SCALING", "OPERAND_SOURCES",
            "STATIC_SHARED_SHARE", "STATIC_PASS_SHARE", "can_fuse", "split_quantization",
            "step_time_us", "serve_time_us", "serve_static_time_us", "static_cast_fuses",
-           "price"]
+           "splits_gemm", "price"]
 
 FUSED_SHARE = {Scaling.ROWWISE: 1 / 3, Scaling.BLOCKWISE: 1 / 3, Scaling.TENSORWISE: 3 / 5}
 """share of a separate quantization pass's traffic left when it fuses into its producer"""
@@ -191,8 +194,21 @@ def serve_time_us(kernel: Kernel, *, time_us_weight_q: Optional[float],
 def static_cast_fuses(producers: Mapping[str, str]) -> bool:
     """Whether a static cast of x (elementwise: no amax) fuses into x's producer, for a
     kernel whose quantizer Inductor compiles: any producer that is Inductor's code,
-    ``blocked`` included (module docstring)."""
-    return producers.get("x") in FUSIBLE + ("blocked",)
+    ``blocked`` and ``assembled`` included (module docstring)."""
+    return producers.get("x") in STATIC_FUSIBLE
+
+
+def splits_gemm(kernel: Kernel, role: Role, producers: Mapping[str, str],
+                compiled: bool) -> bool:
+    """Whether the Probe times ``kernel``'s GEMM alone at this site-role
+    (``time_us_gemm``), which the step-aware prices need: some operand's quantization fuses
+    into its producer (:func:`can_fuse`), or the role is a forward whose x takes a static
+    cast in its producer (:func:`static_cast_fuses`; the static serving price)."""
+    if not (compiled and kernel.is_fp8 and kernel.quantize_a is not None
+            and kernel.quantize_b is not None):
+        return False
+    return (can_fuse(kernel, role, producers, compiled)
+            or (role is Role.FWD and static_cast_fuses(producers)))
 
 
 def serve_static_time_us(kernel: Kernel, *, time_us_weight_q: Optional[float],

@@ -18,8 +18,11 @@ Kinds (:data:`KINDS`): ``pointwise`` (Inductor generates and can fuse into the p
 ``gemm`` (a matrix multiply, whose library kernel takes no fused epilogue), ``input`` (a
 leaf or a tensor without gradient: a pass of its own), ``output`` (``y`` is a model output:
 its gradient comes from the loss, outside the model), ``blocked`` (x is made by a kernel
-that reduces over parts of its row, below), ``other`` (anything else: gathers,
-concatenations, embedding bags, custom functions; priced as a pass of its own).
+that reduces over parts of its row, below), ``assembled`` (x is put together from pieces
+by Inductor's own indexing code: a concatenation, a stack, an index or gather, a zero
+padding; a static cast, which needs no amax, fuses into that kernel, while an amax over
+rows that arrive from several sources is priced as a pass of its own), ``other`` (anything else: embedding
+bags, custom functions, ops Inductor hands to a library; priced as a pass of its own).
 
 :func:`x_users` says, from the same walk, whether x is read by the site's GEMM alone
 ('single') or by other ops too ('shared': a residual, a second Linear), whose bf16 copy of
@@ -53,12 +56,18 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["KINDS", "FUSIBLE", "X_USERS", "producer_of", "op_name", "consumers_of_outputs",
+__all__ = ["KINDS", "FUSIBLE", "STATIC_FUSIBLE", "X_USERS", "producer_of", "op_name", "consumers_of_outputs",
            "consumer_kind", "merge_kinds", "x_users"]
 
-KINDS = ("pointwise", "gemm", "input", "output", "blocked", "other")
+KINDS = ("pointwise", "gemm", "input", "output", "blocked", "assembled", "other")
 FUSIBLE = ("pointwise",)
 """kinds whose quantization Inductor can fuse into the producing kernel"""
+
+STATIC_FUSIBLE = FUSIBLE + ("blocked", "assembled")
+"""kinds whose static cast (elementwise: no amax) fuses into the producing kernel"""
+
+_ASSEMBLY = frozenset({"Cat", "Stack", "Index", "IndexSelect", "Gather", "ConstantPadNd"})
+"""ops that put x together from pieces in code Inductor generates (``assembled``)"""
 
 _VIEWS = frozenset({
     "View", "UnsafeView", "ReshapeAlias", "Alias", "T", "Transpose", "Permute",
@@ -117,6 +126,8 @@ def _kind(name: str, consumer: bool = False) -> str:
         return "gemm"
     if name in _POINTWISE or (consumer and name in _REDUCTIONS):
         return "pointwise"
+    if not consumer and name in _ASSEMBLY:
+        return "assembled"
     return "other"
 
 
@@ -327,7 +338,11 @@ X_USERS = ("single", "shared")
 
 def merge_kinds(a: Optional[str], b: Optional[str]) -> Optional[str]:
     """One site seen twice (two calls in a step): the operand needs a pass if either
-    call's does."""
+    call's does (a kind that takes no static cast first, then one that takes no
+    dynamic quantization)."""
     if a is None or a == b:
         return b if a is None else a
+    for k in (a, b):
+        if k not in STATIC_FUSIBLE:
+            return k
     return a if a not in FUSIBLE else b

@@ -596,3 +596,67 @@ def test_a_linear_called_twice_needs_a_pass_if_either_call_does():
         model(torch.randn(8, 16, requires_grad=True)).sum().backward()
     assert _kinds(probe.sites["shared"].producers) == {"x": "gemm", "dy": "gemm"}
     assert probe.sites["shared"].act.updates == 1  # statistics: still the first call only
+
+
+class Assembled(nn.Module):
+    """A DLRM-like top: dense features concatenated with pairwise dots picked by an index
+    (``cat``, ``index``), zero-padded, then a Linear; a second Linear reads a stack of two views; a
+    third an ``index_select`` of rows; a fourth the embedding bag's output (a library
+    kernel: 'other')."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(50, d, mode="sum")
+        self.pre = nn.Linear(d, d)
+        self.top = nn.Linear(d + 8, d)
+        self.stk = nn.Linear(d, d)
+        self.sel = nn.Linear(d, d)
+        self.bag = nn.Linear(d, d)
+        self.register_buffer("pairs", torch.tensor([1, 2, 3, 6, 7, 11]))
+        self.register_buffer("rows", torch.arange(7, -1, -1))
+
+    def forward(self, dense, ids):
+        dense = self.pre(dense)
+        t = torch.stack([dense, torch.tanh(dense), dense * 2, dense + 1], dim=1)   # (B, 4, d)
+        dots = torch.bmm(t, t.transpose(1, 2)).flatten(1)[:, self.pairs]
+        out = self.top(nn.functional.pad(torch.cat([dense, dots], dim=1), (0, 2)))
+        s = self.stk(torch.stack([out, out * 3], dim=1)).sum(1)
+        return (s + self.sel(torch.index_select(out, 0, self.rows)) + self.bag(self.emb(ids))).sum()
+
+
+def test_concatenations_stacks_and_gathers_make_assembled_inputs():
+    """x put together by Inductor's own indexing code is 'assembled': a static cast fuses
+    into it and an amax is priced as a pass; a library kernel's output stays 'other'."""
+    from loka.probe.pricing import serve_static_time_us, splits_gemm, static_cast_fuses
+    from loka.probe.producers import merge_kinds
+
+    model = Assembled()
+    with loka.Probe(model, ProbeConfig(progress=False)) as probe:
+        model(torch.randn(8, 16), _ids(8)).backward()
+    got = {n: s.producers["x"] for n, s in probe.sites.items()}
+    assert got == {"pre": "input", "top": "assembled", "stk": "assembled", "sel": "assembled",
+                   "bag": "other"}
+    again = ProbeReport.from_dict(probe.report().to_dict())  # a kind the report takes
+    assert again.sites["top"].producers["x"] == "assembled"
+    tw = get(TENSORWISE)
+    single = {"x": "assembled", "x_users": "single"}
+    # a static cast rides in the concatenation; a dynamic amax does not
+    assert static_cast_fuses(single) and not static_cast_fuses({"x": "other"})
+    assert serve_static_time_us(tw, time_us_weight_q=13.0, time_us_gemm=10.0,
+                                producers=single, compiled=True) == pytest.approx(10.0)
+    assert serve_static_time_us(tw, time_us_weight_q=13.0, time_us_gemm=10.0,
+                                producers={"x": "other"}, compiled=True) == \
+        pytest.approx(10.0 + 3.0 * 3 / 5)
+    # dynamic serving: no step-aware price (the plan takes the timed call, 13 us)
+    assert serve_time_us(tw, time_us_weight_q=13.0, time_us_gemm=10.0, producers=single,
+                         compiled=True) is None
+    # the GEMM alone is timed for the static price: forwards only, compiled FP8 quantizers
+    assert splits_gemm(tw, Role.FWD, single, compiled=True)
+    assert not splits_gemm(tw, Role.WGRAD, {**single, "dy": "other"}, compiled=True)
+    assert not splits_gemm(tw, Role.FWD, single, compiled=False)
+    assert not splits_gemm(get(BASELINE), Role.FWD, single, compiled=True)
+    # two calls: whatever takes no static cast wins, then whatever takes no amax
+    assert merge_kinds("assembled", "other") == "other"
+    assert merge_kinds("other", "assembled") == "other"
+    assert merge_kinds("pointwise", "assembled") == "assembled"
+    assert merge_kinds("blocked", "pointwise") == "blocked"
