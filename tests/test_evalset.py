@@ -841,3 +841,32 @@ def test_the_static_row_serves_the_plan_with_the_amax_the_probe_saw(probed):
     none = lev.Case("dlrm", 64, model, batches[0], {}, 0)  # no Probe ran
     with pytest.raises(lev.Skip, match="no plan"):
         lev.convert(copy.deepcopy(model), "loka-static", "serve", none, torch.device("cpu"))
+
+
+# ------------------------------------------------------------------ bench/step_host.py
+def test_step_host_profiles_both_variants_and_refuses_a_bad_plan(tmp_path):
+    """bench/step_host.py on the CPU: a tiny DCNv2's compiled serving step, bf16 and a
+    static tensorwise plan: wall, issue and guard times, the profiler's and cProfile's top
+    entries."""
+    sys.path.insert(0, str(BENCH))
+    import step_host
+    model = EVAL_MODELS["dcnv2"]("tiny")
+    plan = loka.Plan.uniform(model, "cublas-tensorwise")
+    plan.static_scales = {name: 4.0 for name in plan.sites}
+    plan.device = "cpu"
+    ppath, out = tmp_path / "plan.json", tmp_path / "host.json"
+    plan.save(str(ppath))
+    assert step_host.main(["--model", "dcnv2", "--scale", "tiny", "--batch-size", "16",
+                           "--plan", str(ppath), "--steps", "3", "--warmup", "2",
+                           "--profile-steps", "2", "--top", "5", "--device", "cpu",
+                           "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    for name in ("bf16", "plan"):
+        v = doc["variants"][name]
+        assert "error" not in v, v
+        assert 0 < v["issue_ms"] <= v["wall_ms"] * 1.5 and v["guard_us"] > 0
+        assert len(v["profile_top"]) == 5 and len(v["python_top"]) == 5
+        assert all(r[1] >= 0 for r in v["python_top"])
+    (tmp_path / "bad.json").write_text("{not json")
+    assert step_host.main(["--plan", str(tmp_path / "bad.json"), "--out", str(out),
+                           "--device", "cpu", "--scale", "tiny"]) == 2

@@ -55,7 +55,7 @@ into the others'.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -381,8 +381,27 @@ class SiteMonitor:
             self.saturation = sat if self.saturation is None else torch.maximum(self.saturation, sat)
 
 
+_INTERNED: Dict[str, Kernel] = {}
+"""kernels by the key a loka.Linear keeps (:func:`_intern`). Its forward reaches its Kernel
+objects through this one global: Dynamo then guards each kernel once, where objects
+reached from several sites' own attributes each get an identity guard per pair of sites,
+run in Python on every call of the compiled step (three per FP8 site, about 3 us per site
+in the CPU's guard time)."""
+
+
+def _intern(kernel: Kernel) -> str:
+    """The key of ``kernel`` in :data:`_INTERNED` (its name, or the name and a count where
+    another object holds that name: a kernel registered again with ``override=True``)."""
+    key, n = kernel.name, 0
+    while _INTERNED.get(key, kernel) is not kernel:
+        n += 1
+        key = f"{kernel.name}#{n}"
+    _INTERNED[key] = kernel
+    return key
+
+
 # attributes loka.Linear adds to an nn.Linear (dropped again by to_linear)
-_OWN_ATTRS = ("config", "_kernels", "_all_baseline", "weight_q", "input_amax", "_input_scales",
+_OWN_ATTRS = ("config", "_kernels", "_kernel_keys", "_all_baseline", "weight_q", "input_amax", "_input_scales",
               "monitor", "delayed_decay", "_delayed_formats", "_delayed_ready")
 _DELAYED_OPERANDS = ("x", "w", "dy")
 _DELAYED_BUFFERS = tuple(f"delayed_{kind}_{op}" for op in _DELAYED_OPERANDS
@@ -481,6 +500,7 @@ class Linear(nn.Linear):
             kernels.append(ops.runnable(kern))
         self.config = config
         self._kernels = tuple(kernels)
+        self._kernel_keys = tuple(_intern(k) for k in kernels)
         self._all_baseline = all(k.name == BASELINE for k in kernels)
         self.weight_q = None
         self.input_amax = self._input_scales = None
@@ -544,6 +564,16 @@ class Linear(nn.Linear):
     def kernels(self) -> Tuple[Kernel, Kernel, Kernel]:
         return self._kernels
 
+    def _live_kernels(self) -> Tuple[Kernel, Kernel, Kernel]:
+        """The kernels as the hot path reads them: through the module's global table
+        (:data:`_INTERNED`) by this Linear's keys, so that compiled code guards each kernel
+        once for every site (a copy restored in a new process interns them again)."""
+        kernels = tuple(_INTERNED.get(key) for key in self._kernel_keys)
+        if any(k is None for k in kernels):
+            self._kernel_keys = tuple(_intern(k) for k in self._kernels)
+            return self._kernels
+        return kernels
+
     def reads_only_x_q(self) -> bool:
         """Whether a call ``linear(x, x_q=q)`` reads nothing of ``x`` now but its shape and
         dtype: an FP8 forward kernel (it takes ``q``), no autograd graph recorded (nothing
@@ -551,7 +581,7 @@ class Linear(nn.Linear):
         A producer may then skip writing the high-precision ``x`` and pass a placeholder
         of its shape and dtype (serving: the fused norm writes the FP8 tensor alone)."""
         mon = self.monitor
-        return (self._kernels[0].is_fp8 and not torch.is_grad_enabled()
+        return (self._live_kernels()[0].is_fp8 and not torch.is_grad_enabled()
                 and not (mon is not None and mon.armed))
 
     @classmethod
@@ -667,7 +697,7 @@ class Linear(nn.Linear):
 
     def _quantize_input(self, x2d: torch.Tensor) -> QTensor:
         """Static quantization of ``x2d`` (M, K) for the forward kernel."""
-        kf = self._kernels[0]
+        kf = self._live_kernels()[0]
         fmt, gran = get_format(kf.formats[0]), as_granularity(kf.scaling)
         br, bc = operand_block(gran, "a")
         m, k = x2d.shape
@@ -763,7 +793,7 @@ class Linear(nn.Linear):
             delayed = (self._delayed_formats, states, ready, self.delayed_decay)
             if not ready:
                 self._delayed_ready = True
-        y = _LinearFunction.apply(x2d, x_q, self.weight, self.bias, self._kernels,
+        y = _LinearFunction.apply(x2d, x_q, self.weight, self.bias, self._live_kernels(),
                                   self.weight_q, mon.grad_flags if armed else None, grad,
                                   delayed)
         if armed:

@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""Where the host's time goes in one compiled serving step: bf16 against a LoKA plan, on an
+evaluation-set model, without CUDA graphs.
+
+A serving step of a few hundred microseconds of GPU time is bound by the host (its wall
+time is the host's time to issue it), so a plan's FP8 GEMMs pay off in wall time only if
+the compiled step issues as fast as bf16's. Per variant (``bf16``, then the plan given with
+``--plan`` applied with ``loka.apply(..., inference=True)``, its static scales included):
+
+* ``wall_ms``: median wall time of synchronized steps;
+* ``issue_ms``: median time the host takes to return from one step without waiting for the
+  GPU (the host's own cost, what a host-bound step's wall time follows);
+* ``gpu_ms``: the GPU time of one step (CUDA graphs, :func:`loka.timing.time_fn`);
+* ``guard_us``: Dynamo's cache lookup (its guards) per step, from ``torch.profiler``;
+* ``profile_top``: the profiler's ops by self CPU time per step;
+* ``python_top``: ``cProfile``'s Python functions by own time per step.
+
+    PYTHONPATH=. python bench/step_host.py --model dcnv2 --batch-size 4096 \\
+        --plan bench/results/<run>/eval_set.dcnv2.b4096.plan.static.json --out host.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (ROOT, ROOT / "bench"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import loka  # noqa: E402
+from evalset import EVAL_MODELS  # noqa: E402
+from loka.jsonio import atomic_write_text  # noqa: E402
+from loka.timing import synchronize, time_fn  # noqa: E402
+
+
+def medians(step, device: torch.device, steps: int):
+    """(wall ms of synchronized steps, ms the host takes to issue one step), medians."""
+    wall, issue = [], []
+    for _ in range(steps):
+        synchronize(device)
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        synchronize(device)
+        t2 = time.perf_counter()
+        issue.append((t1 - t0) * 1e3)
+        wall.append((t2 - t0) * 1e3)
+    return statistics.median(wall), statistics.median(issue)
+
+
+def host_profile(step, steps: int, top: int):
+    """The profiler's ops by self CPU us per step, and the guards' us per step."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    rows = [[e.key[:90], e.self_cpu_time_total / steps, e.count / steps] for e in events[:top]]
+    guard = next((e.cpu_time_total / steps for e in events
+                  if e.key == "TorchDynamo Cache Lookup"), None)
+    return rows, guard
+
+
+def python_profile(step, steps: int, top: int):
+    """cProfile's functions by own time, us per step."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    st = pstats.Stats(prof)
+    rows = []
+    for (file, line, fn), (cc, nc, tt, ct, _) in st.stats.items():
+        rows.append([f"{Path(file).name}:{line}:{fn}"[:90], tt / steps * 1e6, ct / steps * 1e6,
+                     nc / steps])
+    rows.sort(key=lambda r: -r[1])
+    return rows[:top]
+
+
+def variant(model, batch, device, args) -> dict:
+    compiled = torch.compile(model)
+    inputs = batch[0]
+
+    def step():
+        return compiled(*inputs)
+    row = {}
+    with torch.inference_mode():
+        for _ in range(args.warmup):
+            step()
+        row["wall_ms"], row["issue_ms"] = medians(step, device, args.steps)
+        if device.type == "cuda":
+            row["gpu_ms"] = time_fn(step, device, warmup=2, iters=10).median_us / 1e3
+        row["profile_top"], row["guard_us"] = host_profile(step, args.profile_steps, args.top)
+        row["python_top"] = python_profile(step, args.profile_steps, args.top)
+    return row
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="dcnv2", choices=sorted(EVAL_MODELS))
+    ap.add_argument("--scale", default="paper", choices=("paper", "tiny"))
+    ap.add_argument("--batch-size", type=int, default=4096)
+    ap.add_argument("--plan", required=True, help="a serving plan JSON (static scales kept)")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--profile-steps", type=int, default=50)
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    try:
+        plan = loka.Plan.load(args.plan)
+    except (OSError, ValueError) as e:
+        print(f"error: --plan {args.plan}: {e}", file=sys.stderr)
+        return 2
+    device = torch.device(args.device)
+    dtype = torch.bfloat16
+    torch.manual_seed(0)
+    base = EVAL_MODELS[args.model](args.scale).to(device=device, dtype=dtype).eval()
+    batch = base.make_batch(args.batch_size, device=device, dtype=dtype)
+    doc = {"argv": sys.argv[1:], "torch": torch.__version__, "device": str(device),
+           "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "variants": {}}
+    for name in ("bf16", "plan"):
+        model = copy.deepcopy(base)
+        if name == "plan":
+            loka.apply(model, plan, inference=True)
+        torch._dynamo.reset()
+        try:
+            doc["variants"][name] = variant(model, batch, device, args)
+        except Exception as e:  # noqa: BLE001 - recorded, the other variant still runs
+            doc["variants"][name] = {"error": f"{type(e).__name__}: {e}"[:400]}
+        atomic_write_text(args.out, json.dumps(doc, indent=1) + "\n")
+        v = doc["variants"][name]
+        print(name, {k: v[k] for k in ("wall_ms", "issue_ms", "gpu_ms", "guard_us") if k in v},
+              flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
