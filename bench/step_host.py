@@ -10,6 +10,11 @@ the compiled step issues as fast as bf16's. Per variant (``bf16``, then the plan
 * ``wall_ms``: median wall time of synchronized steps;
 * ``issue_ms``: median time the host takes to return from one step without waiting for the
   GPU (the host's own cost, what a host-bound step's wall time follows);
+
+both taken in ``--rounds`` alternating rounds of the two variants (bf16, plan, plan, bf16,
+...; ``loka.bench.evalset.round_order``), as a host whose speed drifts between variants
+would bias them otherwise (``paired``: bf16's median over the plan's, > 1: the plan is
+slower); then, one variant after the other:
 * ``gpu_ms``: the GPU time of one step (CUDA graphs, :func:`loka.timing.time_fn`);
 * ``guard_us``: Dynamo's cache lookup (its guards) per step, from ``torch.profiler``;
 * ``profile_top``: the profiler's ops by self CPU time per step;
@@ -30,7 +35,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -42,6 +47,7 @@ for p in (ROOT, ROOT / "bench"):
 
 import loka  # noqa: E402
 from evalset import EVAL_MODELS  # noqa: E402
+from loka.bench.evalset import round_order  # noqa: E402
 from loka.jsonio import atomic_write_text  # noqa: E402
 from loka.timing import synchronize, time_fn  # noqa: E402
 
@@ -89,17 +95,34 @@ def python_profile(step, steps: int, top: int):
     return rows[:top]
 
 
-def variant(model, batch, device, args) -> dict:
+def make_step(model, batch):
     compiled = torch.compile(model)
     inputs = batch[0]
 
     def step():
         return compiled(*inputs)
+    return step
+
+
+def paired(steps, device, args) -> Dict[str, dict]:
+    """Alternating rounds of each variant's synchronized and issue-time medians."""
+    got = {name: {"wall": [], "issue": []} for name in steps}
+    names = list(steps)
+    with torch.inference_mode():
+        for r in round_order(args.rounds):
+            name = names[0] if r == "A" else names[1]
+            wall, issue = medians(steps[name], device, args.steps)
+            got[name]["wall"].append(wall)
+            got[name]["issue"].append(issue)
+    return {name: {"wall_ms": statistics.median(v["wall"]),
+                   "issue_ms": statistics.median(v["issue"]),
+                   "wall_rounds_ms": v["wall"], "issue_rounds_ms": v["issue"]}
+            for name, v in got.items()}
+
+
+def profiles(step, device, args) -> dict:
     row = {}
     with torch.inference_mode():
-        for _ in range(args.warmup):
-            step()
-        row["wall_ms"], row["issue_ms"] = medians(step, device, args.steps)
         if device.type == "cuda":
             row["gpu_ms"] = time_fn(step, device, warmup=2, iters=10).median_us / 1e3
         row["profile_top"], row["guard_us"] = host_profile(step, args.profile_steps, args.top)
@@ -113,7 +136,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--scale", default="paper", choices=("paper", "tiny"))
     ap.add_argument("--batch-size", type=int, default=4096)
     ap.add_argument("--plan", required=True, help="a serving plan JSON (static scales kept)")
-    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--steps", type=int, default=30, help="steps per round and variant")
+    ap.add_argument("--rounds", type=int, default=6, help="alternating rounds (even)")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--profile-steps", type=int, default=50)
     ap.add_argument("--top", type=int, default=30)
@@ -133,19 +157,26 @@ def main(argv: Optional[List[str]] = None) -> int:
     doc = {"argv": sys.argv[1:], "torch": torch.__version__, "device": str(device),
            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "variants": {}}
+    torch._dynamo.reset()
+    steps = {}
     for name in ("bf16", "plan"):
         model = copy.deepcopy(base)
         if name == "plan":
             loka.apply(model, plan, inference=True)
-        torch._dynamo.reset()
-        try:
-            doc["variants"][name] = variant(model, batch, device, args)
-        except Exception as e:  # noqa: BLE001 - recorded, the other variant still runs
-            doc["variants"][name] = {"error": f"{type(e).__name__}: {e}"[:400]}
+        steps[name] = make_step(model, batch)
+        with torch.inference_mode():
+            for _ in range(args.warmup):
+                steps[name]()
+    doc["variants"] = paired(steps, device, args)
+    doc["paired"] = {k: doc["variants"]["bf16"][k] / doc["variants"]["plan"][k]
+                     for k in ("wall_ms", "issue_ms")}
+    for name, step in steps.items():
+        doc["variants"][name].update(profiles(step, device, args))
         atomic_write_text(args.out, json.dumps(doc, indent=1) + "\n")
         v = doc["variants"][name]
-        print(name, {k: v[k] for k in ("wall_ms", "issue_ms", "gpu_ms", "guard_us") if k in v},
-              flush=True)
+        print(name, {k: round(v[k], 4) for k in ("wall_ms", "issue_ms", "gpu_ms", "guard_us")
+                     if k in v}, flush=True)
+    print("bf16 over plan (paired):", {k: round(v, 3) for k, v in doc["paired"].items()})
     return 0
 
 

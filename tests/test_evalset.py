@@ -858,15 +858,19 @@ def test_step_host_profiles_both_variants_and_refuses_a_bad_plan(tmp_path):
     plan.save(str(ppath))
     assert step_host.main(["--model", "dcnv2", "--scale", "tiny", "--batch-size", "16",
                            "--plan", str(ppath), "--steps", "3", "--warmup", "2",
+                           "--rounds", "2",
                            "--profile-steps", "2", "--top", "5", "--device", "cpu",
                            "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     for name in ("bf16", "plan"):
         v = doc["variants"][name]
-        assert "error" not in v, v
+        assert len(v["wall_rounds_ms"]) == 2 == len(v["issue_rounds_ms"])  # A B B A: 2 each
+        assert v["wall_ms"] == pytest.approx(sum(v["wall_rounds_ms"]) / 2)
         assert 0 < v["issue_ms"] <= v["wall_ms"] * 1.5 and v["guard_us"] > 0
         assert len(v["profile_top"]) == 5 and len(v["python_top"]) == 5
         assert all(r[1] >= 0 for r in v["python_top"])
+    assert doc["paired"]["issue_ms"] == pytest.approx(
+        doc["variants"]["bf16"]["issue_ms"] / doc["variants"]["plan"]["issue_ms"])
     (tmp_path / "bad.json").write_text("{not json")
     assert step_host.main(["--plan", str(tmp_path / "bad.json"), "--out", str(out),
                            "--device", "cpu", "--scale", "tiny"]) == 2

@@ -381,6 +381,12 @@ class SiteMonitor:
             self.saturation = sat if self.saturation is None else torch.maximum(self.saturation, sat)
 
 
+def _held(t: torch.Tensor) -> nn.Parameter:
+    """``t`` (no copy) as a Parameter without gradient, for a loka.Linear's own tensors."""
+    return t if type(t) is nn.Parameter and not t.requires_grad else \
+        nn.Parameter(t.detach(), requires_grad=False)
+
+
 _INTERNED: Dict[str, Kernel] = {}
 """kernels by the key a loka.Linear keeps (:func:`_intern`). Its forward reaches its Kernel
 objects through this one global: Dynamo then guards each kernel once, where objects
@@ -401,7 +407,8 @@ def _intern(kernel: Kernel) -> str:
 
 
 # attributes loka.Linear adds to an nn.Linear (dropped again by to_linear)
-_OWN_ATTRS = ("config", "_kernels", "_kernel_keys", "_all_baseline", "weight_q", "input_amax", "_input_scales",
+_OWN_ATTRS = ("config", "_kernels", "_kernel_keys", "_all_baseline", "_wq_data", "_wq_scale",
+              "_wq_meta", "input_amax", "_xs_table",
               "monitor", "delayed_decay", "_delayed_formats", "_delayed_ready")
 _DELAYED_OPERANDS = ("x", "w", "dy")
 _DELAYED_BUFFERS = tuple(f"delayed_{kind}_{op}" for op in _DELAYED_OPERANDS
@@ -563,6 +570,38 @@ class Linear(nn.Linear):
     @property
     def kernels(self) -> Tuple[Kernel, Kernel, Kernel]:
         return self._kernels
+
+    # The FP8 weight, its scale and the static scale table are held in the module's
+    # __dict__ as Parameters that no optimizer, state_dict or dtype cast sees (not in
+    # _parameters): Dynamo then checks a compiled step's guards for this module only when
+    # its __dict__ changed (a plain tensor attribute takes an aliasing guard, which makes
+    # every guard under the module run on every call: on an H100 host, about 17 us per FP8
+    # site per serving step, bench/results/2026-12-06-h100-assembled/host_*.json).
+    @property
+    def weight_q(self) -> Optional[QTensor]:
+        """The FP8 weight the forward reads (serving, or gathered by FSDP2), or None."""
+        data = self._wq_data  # attribute reads: compiled code guards them from __dict__
+        if data is None:
+            return None
+        fmt, block, gran = self._wq_meta
+        return QTensor(data, self._wq_scale, get_format(fmt), block, as_granularity(gran))
+
+    @weight_q.setter
+    def weight_q(self, q: Optional[QTensor]) -> None:
+        d = self.__dict__
+        if q is None:
+            d["_wq_data"] = d["_wq_scale"] = d["_wq_meta"] = None
+            return
+        d["_wq_data"], d["_wq_scale"] = _held(q.data), _held(q.scale)
+        d["_wq_meta"] = (q.fmt.name, tuple(q.block), as_granularity(q.granularity).value)
+
+    @property
+    def _input_scales(self) -> Optional[torch.Tensor]:
+        return self._xs_table
+
+    @_input_scales.setter
+    def _input_scales(self, table: Optional[torch.Tensor]) -> None:
+        self.__dict__["_xs_table"] = None if table is None else _held(table)
 
     def _live_kernels(self) -> Tuple[Kernel, Kernel, Kernel]:
         """The kernels as the hot path reads them: through the module's global table
@@ -739,8 +778,8 @@ class Linear(nn.Linear):
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.weight is None and self.weight_q is not None:
-            destination[prefix + "weight_fp8"] = self.weight_q.data
-            destination[prefix + "weight_scale"] = self.weight_q.scale
+            destination[prefix + "weight_fp8"] = self.weight_q.data.detach()
+            destination[prefix + "weight_scale"] = self.weight_q.scale.detach()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -779,7 +818,7 @@ class Linear(nn.Linear):
         x2d = x.reshape(-1, self.in_features)
         if x_q is not None and tuple(x_q.shape) != tuple(x2d.shape):
             raise ValueError(f"x_q has shape {tuple(x_q.shape)}, expected {tuple(x2d.shape)}")
-        if x_q is None and self.input_amax is not None:
+        if x_q is None and self._input_scales is not None:
             x_q = self._quantize_input(x2d)
         mon = self.monitor
         armed = mon is not None and mon.armed  # a Python flag: compiled graphs guard on it
@@ -793,8 +832,12 @@ class Linear(nn.Linear):
             delayed = (self._delayed_formats, states, ready, self.delayed_decay)
             if not ready:
                 self._delayed_ready = True
-        y = _LinearFunction.apply(x2d, x_q, self.weight, self.bias, self._live_kernels(),
-                                  self.weight_q, mon.grad_flags if armed else None, grad,
+        weight_q = self.weight_q
+        # serving from the FP8 weight reads nothing of the high-precision one: not passed,
+        # so a compiled step has no guard on it
+        weight = None if weight_q is not None and not grad else self.weight
+        y = _LinearFunction.apply(x2d, x_q, weight, self.bias, self._live_kernels(),
+                                  weight_q, mon.grad_flags if armed else None, grad,
                                   delayed)
         if armed:
             mon.record(x2d, y, self.input_amax, (self.weight, self.bias))
