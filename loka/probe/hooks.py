@@ -38,7 +38,7 @@ from torch import nn
 
 from ..config import ProbeConfig
 from .producers import (X_USERS, consumer_kind, consumers_of_outputs, merge_kinds,
-                        producer_of, x_users)
+                        producer_of, x_layout, x_users)
 from .stats import SiteStats
 
 __all__ = ["SiteCollector", "WRAPPER_NAMES", "canonical_name", "full_weight"]
@@ -239,6 +239,8 @@ class SiteCollector:
             return
         # producers from every call (a shared Linear may be fed differently each time)
         site.producers["x"] = merge_kinds(site.producers.get("x"), producer_of(x))
+        if site.producers.get("x_layout") != "rows":  # 'copied' only if every call copies
+            site.producers["x_layout"] = x_layout(x, site.in_features)
         if (self._in_root and x.grad_fn is not None and "x_users" not in site.producers
                 and self._walks[name] < self.MAX_WALKS):
             inputs = self._inputs.setdefault(name, [])

@@ -58,7 +58,10 @@ Probe's observed input amax) needs no amax pass, only a cast. Where x's producer
 Inductor makes (any fusible kind, ``blocked`` and ``assembled`` included: a cast is
 elementwise, and a concatenation or gather that Inductor generates writes it as it
 assembles x; ``bench/step_code.py`` shows it for the DLRM's interaction output and the
-DCNv2's input concatenation: no kernel and no byte more than bf16's) the cast
+DCNv2's input concatenation: no kernel and no byte more than bf16's; and the copy a
+Linear makes of a strided x, ``producers['x_layout']`` 'copied', such as the
+evaluation-set Wukong's projections of a transposed x, which bf16 writes too: that
+copy is written in FP8 instead, whoever else reads x, so nothing is left of the pass) the cast
 writes the FP8 copy in the producer's kernel instead of its bf16 one, and nothing is left
 of the separate passes when x has no other reader (a shared x is written in bf16 all the
 same: its FP8 copy is one byte more, :data:`STATIC_SHARED_SHARE` of the passes); elsewhere
@@ -194,8 +197,9 @@ def serve_time_us(kernel: Kernel, *, time_us_weight_q: Optional[float],
 def static_cast_fuses(producers: Mapping[str, str]) -> bool:
     """Whether a static cast of x (elementwise: no amax) fuses into x's producer, for a
     kernel whose quantizer Inductor compiles: any producer that is Inductor's code,
-    ``blocked`` and ``assembled`` included (module docstring)."""
-    return producers.get("x") in STATIC_FUSIBLE
+    ``blocked`` and ``assembled`` included, or the copy the Linear makes of a strided x
+    (``x_layout`` 'copied'; module docstring)."""
+    return producers.get("x") in STATIC_FUSIBLE or producers.get("x_layout") == "copied"
 
 
 def splits_gemm(kernel: Kernel, role: Role, producers: Mapping[str, str],
@@ -222,8 +226,10 @@ def serve_static_time_us(kernel: Kernel, *, time_us_weight_q: Optional[float],
     qa = max(time_us_weight_q - time_us_gemm, 0.0)
     fusible = compiled and static_cast_fuses(producers)
     if fusible:
+        # a copy the step makes anyway (x_layout 'copied') is written in FP8 instead
         share = (STATIC_SHARED_SHARE.get(kernel.scaling, 1.0)
-                 if producers.get("x_users") == "shared" else 0.0)
+                 if producers.get("x_users") == "shared"
+                 and producers.get("x_layout") != "copied" else 0.0)
     else:
         share = STATIC_PASS_SHARE.get(kernel.scaling, 1.0)
     return time_us_gemm + qa * share

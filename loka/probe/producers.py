@@ -56,7 +56,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["KINDS", "FUSIBLE", "STATIC_FUSIBLE", "X_USERS", "producer_of", "op_name", "consumers_of_outputs",
+__all__ = ["KINDS", "FUSIBLE", "STATIC_FUSIBLE", "X_USERS", "X_LAYOUTS", "x_layout", "producer_of", "op_name", "consumers_of_outputs",
            "consumer_kind", "merge_kinds", "x_users"]
 
 KINDS = ("pointwise", "gemm", "input", "output", "blocked", "assembled", "other")
@@ -334,6 +334,23 @@ def x_users(node, consumers: Dict[object, List[object]]) -> Optional[str]:
 
 X_USERS = ("single", "shared")
 """values of a report's ``producers['x_users']`` (:func:`x_users`)"""
+
+X_LAYOUTS = ("rows", "copied")
+"""values of a report's ``producers['x_layout']`` (:func:`x_layout`)"""
+
+
+def x_layout(x: torch.Tensor, in_features: int) -> str:
+    """'copied' where the Linear cannot read ``x`` as rows without copying it (a transposed
+    or otherwise strided view: ``reshape(-1, in_features)`` is no view), else 'rows'. The
+    compiled step writes that copy in bf16 too, so a static cast rides in it for free,
+    whoever else reads ``x``."""
+    if x.dim() < 2:
+        return "rows"
+    try:
+        x.view(-1, in_features)
+    except RuntimeError:
+        return "copied"
+    return "rows"
 
 
 def merge_kinds(a: Optional[str], b: Optional[str]) -> Optional[str]:

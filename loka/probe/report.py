@@ -32,7 +32,7 @@ from ..config import BASELINE, Role
 from ..jsonio import (MAX_INT, ReportError, atomic_write_text, encode_number,
                       field_bool, field_device, field_int, field_mapping, field_number, field_path,
                       field_str, json_safe, read_json, require_fields)
-from .producers import KINDS, X_USERS
+from .producers import KINDS, X_LAYOUTS, X_USERS
 
 SCHEMA = "loka.probe-report"
 SCHEMA_VERSION = 1
@@ -324,10 +324,11 @@ class SiteReport:
             roles[rr.role] = rr
         producers = dict(field_mapping(d, "producers", where, {}))
         for operand, kind in producers.items():
-            if operand == "x_users":
-                if kind not in X_USERS:
-                    raise ReportError(f"{field_path(where, 'producers')}['x_users']: expected "
-                                      f"one of {X_USERS}, got {kind!r}")
+            if operand in ("x_users", "x_layout"):
+                allowed = X_USERS if operand == "x_users" else X_LAYOUTS
+                if kind not in allowed:
+                    raise ReportError(f"{field_path(where, 'producers')}[{operand!r}]: expected "
+                                      f"one of {allowed}, got {kind!r}")
             elif operand not in ("x", "dy") or kind not in KINDS:
                 raise ReportError(f"{field_path(where, 'producers')}[{operand!r}]: expected "
                                   f"'x' or 'dy' -> one of {KINDS}, got {kind!r}")

@@ -45,8 +45,8 @@ class UserModel(nn.Module):
 
 
 def _kinds(producers):
-    """The producer kinds of x and dy, without ``x_users``."""
-    return {k: v for k, v in producers.items() if k != "x_users"}
+    """The producer kinds of x and dy, without ``x_users`` and ``x_layout``."""
+    return {k: v for k, v in producers.items() if k not in ("x_users", "x_layout")}
 
 
 def _ids(n=16):
@@ -58,7 +58,7 @@ def test_producers_are_read_from_a_user_models_autograd_graph():
     with loka.Probe(model, ProbeConfig(progress=False)) as probe:
         model(_ids()).pow(2).mean().backward()
     got = {name: site.producers for name, site in probe.sites.items()}
-    one = {"x_users": "single"}  # each x is read by its Linear alone
+    one = {"x_users": "single", "x_layout": "rows"}  # read by its Linear alone, as rows
     assert got == {
         "l0": {"x": "other", "dy": "pointwise", **one},      # embedding bag; Hard Swish's backward
         "l1": {"x": "pointwise", "dy": "gemm", **one},       # l2's input gradient, through a view
@@ -660,3 +660,52 @@ def test_concatenations_stacks_and_gathers_make_assembled_inputs():
     assert merge_kinds("other", "assembled") == "other"
     assert merge_kinds("pointwise", "assembled") == "assembled"
     assert merge_kinds("blocked", "pointwise") == "blocked"
+
+
+class TransposedInput(nn.Module):
+    """A Wukong-like layer: a Linear over the embedding axis reads the transposed
+    embeddings (a strided view, copied to rows), which a residual also reads; another
+    Linear reads rows of the same tensor."""
+
+    def __init__(self, n=8, d=16):
+        super().__init__()
+        self.pre = nn.Linear(d, d)
+        self.mix = nn.Linear(n, n)
+        self.rows = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = torch.tanh(self.pre(x))                               # (B, n, d)
+        mixed = self.mix(h.transpose(1, 2)).transpose(1, 2)      # reads hᵀ: copied
+        return (self.rows(h) + mixed + h).sum()
+
+
+def test_a_strided_input_the_linear_copies_takes_its_static_cast_in_that_copy():
+    """x read through a transposed view is copied to rows by the step in bf16 too
+    ('copied'): a static cast is written in that copy, so nothing is left of its pass even
+    though a residual reads x ('shared'); a Linear reading rows keeps the shared share."""
+    from loka.probe.pricing import serve_static_time_us, static_cast_fuses
+    from loka.probe.producers import x_layout
+
+    model = TransposedInput()
+    with loka.Probe(model, ProbeConfig(progress=False)) as probe:
+        model(torch.randn(4, 8, 16)).backward()
+    got = {n: (s.producers["x_layout"], s.producers.get("x_users")) for n, s in probe.sites.items()}
+    assert got == {"pre": ("rows", None), "mix": ("copied", "shared"), "rows": ("rows", "shared")}
+    again = ProbeReport.from_dict(probe.report().to_dict())
+    assert again.sites["mix"].producers["x_layout"] == "copied"
+    d = again.sites["mix"].to_dict()
+    d["producers"]["x_layout"] = "columns"
+    with pytest.raises(ReportError, match="x_layout"):
+        SiteReport.from_dict(d)
+    tw = get(TENSORWISE)
+    mix, rows = probe.sites["mix"].producers, probe.sites["rows"].producers
+    assert serve_static_time_us(tw, time_us_weight_q=13.0, time_us_gemm=10.0, producers=mix,
+                                compiled=True) == pytest.approx(10.0)
+    assert serve_static_time_us(tw, time_us_weight_q=13.0, time_us_gemm=10.0, producers=rows,
+                                compiled=True) == pytest.approx(10.0 + 3.0 / 5)
+    # the model's input, copied: the cast rides in the copy all the same
+    assert static_cast_fuses({"x": "input", "x_layout": "copied"})
+    assert not static_cast_fuses({"x": "input", "x_layout": "rows"})
+    assert x_layout(torch.randn(4, 8, 16).transpose(1, 2), 8) == "copied"
+    assert x_layout(torch.randn(4, 8, 16).view(32, 16), 16) == "rows"
+    assert x_layout(torch.randn(16), 16) == "rows"
