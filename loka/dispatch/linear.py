@@ -390,9 +390,8 @@ def _held(t: torch.Tensor) -> nn.Parameter:
 _INTERNED: Dict[str, Kernel] = {}
 """kernels by the key a loka.Linear keeps (:func:`_intern`). Its forward reaches its Kernel
 objects through this one global: Dynamo then guards each kernel once, where objects
-reached from several sites' own attributes each get an identity guard per pair of sites,
-run in Python on every call of the compiled step (three per FP8 site, about 3 us per site
-in the CPU's guard time)."""
+reached from several sites' own attributes each get an identity guard per pair of sites
+(three per FP8 site), run in Python on every call of the compiled step."""
 
 
 def _intern(kernel: Kernel) -> str:
@@ -573,10 +572,11 @@ class Linear(nn.Linear):
 
     # The FP8 weight, its scale and the static scale table are held in the module's
     # __dict__ as Parameters that no optimizer, state_dict or dtype cast sees (not in
-    # _parameters): Dynamo then checks a compiled step's guards for this module only when
-    # its __dict__ changed (a plain tensor attribute takes an aliasing guard, which makes
-    # every guard under the module run on every call: on an H100 host, about 17 us per FP8
-    # site per serving step, bench/results/2026-12-06-h100-assembled/host_*.json).
+    # _parameters): a compiled step then puts no aliasing guard on them (Dynamo skips it
+    # for Parameters), which a plain tensor attribute takes on every call. The guard check
+    # of the evaluation-set DCNv2's tiny static serving step fell from 12.8 to 10.0 us on a
+    # CPU with this and the kernels' global table (bf16: 4.6 us; NOTE.md of
+    # bench/results/2026-12-06-h100-assembled/).
     @property
     def weight_q(self) -> Optional[QTensor]:
         """The FP8 weight the forward reads (serving, or gathered by FSDP2), or None."""

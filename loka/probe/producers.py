@@ -21,12 +21,17 @@ its gradient comes from the loss, outside the model), ``blocked`` (x is made by 
 that reduces over parts of its row, below), ``assembled`` (x is put together from pieces
 by Inductor's own indexing code: a concatenation, a stack, an index or gather, a zero
 padding; a static cast, which needs no amax, fuses into that kernel, while an amax over
-rows that arrive from several sources is priced as a pass of its own), ``other`` (anything else: embedding
-bags, custom functions, ops Inductor hands to a library; priced as a pass of its own).
+rows that arrive from several sources is priced as a pass of its own), ``other``
+(anything else: embedding bags, custom functions, ops Inductor hands to a library; priced
+as a pass of its own).
 
 :func:`x_users` says, from the same walk, whether x is read by the site's GEMM alone
 ('single') or by other ops too ('shared': a residual, a second Linear), whose bf16 copy of
 x is then written whatever the GEMM's quantization does (the serving price reads it).
+:func:`x_layout` says whether the Linear reads x as rows ('rows') or must copy a strided
+view of it first ('copied': a transposed input, as the evaluation-set Wukong's projections
+over the embedding axis read it); bf16 writes that copy too, so a static cast costs
+nothing there, whoever else reads x.
 
 ``blocked``: a row's amax fuses into the kernel that makes x only where that kernel's loop
 can hold the row. A pointwise chain out of a GEMM can (Inductor turns it into a row
@@ -56,7 +61,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["KINDS", "FUSIBLE", "STATIC_FUSIBLE", "X_USERS", "X_LAYOUTS", "x_layout", "producer_of", "op_name", "consumers_of_outputs",
+__all__ = ["KINDS", "FUSIBLE", "STATIC_FUSIBLE", "X_USERS", "X_LAYOUTS", "x_layout",
+           "producer_of", "op_name", "consumers_of_outputs",
            "consumer_kind", "merge_kinds", "x_users"]
 
 KINDS = ("pointwise", "gemm", "input", "output", "blocked", "assembled", "other")
