@@ -1,0 +1,93 @@
+"""loka.Linear's own tensors and kernels as compiled steps read them: the FP8 weight, its
+scale and the static scale table held as gradient-free Parameters outside ``_parameters``
+(no optimizer, state_dict entry or dtype cast), and kernels reached through one global
+table by key."""
+
+import copy
+
+import torch
+from torch import nn
+
+import loka
+from loka.config import LinearConfig
+from loka.dispatch import linear as L
+from loka.kernels import registry
+
+K = "cublas-tensorwise"
+
+
+def _serving_linear():
+    torch.manual_seed(0)
+    lin = loka.Linear(64, 32, bias=False, config=LinearConfig(fwd=K)).to(torch.bfloat16)
+    lin.quantize_weight()
+    lin.set_input_amax(4.0, rows=16)
+    return lin
+
+
+def test_the_fp8_weight_and_scales_are_held_outside_the_parameters():
+    lin = _serving_linear()
+    q = lin.weight_q
+    assert q.data.dtype == torch.float8_e4m3fn and q.granularity.value == "tensorwise"
+    held = (lin.__dict__["_wq_data"], lin.__dict__["_wq_scale"], lin.__dict__["_xs_table"])
+    assert all(type(t) is nn.Parameter and not t.requires_grad for t in held)
+    assert [n for n, _ in lin.named_parameters()] == ["weight"]
+    assert set(lin.state_dict()) == {"weight"}
+    # a dtype cast of the module leaves the FP8 weight and the float32 scales as they are
+    before = q.data.clone()
+    lin.to(torch.float32)
+    assert lin.weight_q.data.dtype == torch.float8_e4m3fn
+    assert torch.equal(lin.weight_q.data.view(torch.uint8), before.view(torch.uint8))
+    assert lin._input_scales.dtype == torch.float32
+    # the same values come back through the property, and None clears them
+    again = lin.weight_q
+    assert again.fmt.name == "e4m3" and again.block == q.block
+    lin.weight_q = None
+    assert lin.weight_q is None and lin.__dict__["_wq_data"] is None
+
+
+def test_serving_output_is_the_one_of_a_plain_tensor_state():
+    """The held Parameters change nothing in what the forward computes: against the same
+    GEMM on the same FP8 operands made by hand, in float64."""
+    lin = _serving_linear()
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        y = lin(x)
+    q = lin.weight_q
+    scale_x = lin._input_scales.reshape(()).double()
+    xq = (x.double() / scale_x).clamp(-448, 448).to(torch.float8_e4m3fn).double() * scale_x
+    ref = xq @ (q.data.double() * q.scale.double())
+    assert torch.allclose(y.double(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_serving_from_the_fp8_weight_passes_no_high_precision_weight(monkeypatch):
+    lin = _serving_linear()
+    seen = []
+    real = L._LinearFunction.apply
+
+    def spy(*args):
+        seen.append(args[2])
+        return real(*args)
+    monkeypatch.setattr(L._LinearFunction, "apply", spy)
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin(x)
+    assert seen[-1] is None
+    lin(x)  # with autograd on, the weight is passed (a backward may need it)
+    assert seen[-1] is lin.weight
+
+
+def test_kernels_are_reached_by_key_and_a_lost_key_is_interned_again():
+    lin = loka.Linear(32, 32, config=LinearConfig(fwd=K))
+    assert lin._kernel_keys[0] == K and L._INTERNED[K] is lin.kernels[0]
+    assert lin._live_kernels() == lin.kernels
+    # another object under the same name takes a key of its own
+    other = copy.copy(registry.get(K))
+    key = L._intern(other)
+    assert key != K and L._INTERNED[key] is other and L._INTERNED[K] is lin.kernels[0]
+    # a table that lost the key (a module restored elsewhere): interned again
+    saved = L._INTERNED.pop(K)
+    try:
+        assert lin._live_kernels() == lin.kernels
+        assert L._INTERNED[lin._kernel_keys[0]] is lin.kernels[0]
+    finally:
+        L._INTERNED[K] = saved
