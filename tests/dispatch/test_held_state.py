@@ -91,3 +91,24 @@ def test_kernels_are_reached_by_key_and_a_lost_key_is_interned_again():
         assert L._INTERNED[lin._kernel_keys[0]] is lin.kernels[0]
     finally:
         L._INTERNED[K] = saved
+
+
+def test_a_compiled_forward_follows_a_new_fp8_weight_without_recompiling():
+    """FSDP2's FP8 gather sets ``weight_q`` anew every step: the compiled forward must read
+    the new held Parameter, not one baked in at compile time, and not compile again."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    lin = loka.Linear(64, 32, bias=False, config=LinearConfig(fwd=K)).to(torch.bfloat16)
+    lin.quantize_weight()
+    compiled = torch.compile(lin)
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        y1 = compiled(x).float()
+        graphs = counters["stats"]["unique_graphs"]
+        lin.weight.mul_(2)
+        lin.quantize_weight()  # a new object: (2 W) in FP8, its scale doubled
+        y2 = compiled(x).float()
+    assert counters["stats"]["unique_graphs"] == graphs == 1
+    assert torch.allclose(y2, 2 * y1, rtol=1e-2, atol=1e-2)
