@@ -703,7 +703,7 @@ def test_reprice_prices_recorded_timings_with_the_producers_read_now(probed, tmp
     assert blocked.step_us is blocked.serve_us is blocked.step_speedup is None
     # the cross layer's input also feeds the residual: read by more than its Linear
     assert reprice.changed_kinds(before, after)["cross.0.weight"] == {
-        "x": "pointwise -> blocked", "x_users": "None -> shared"}
+        "x": "pointwise -> blocked", "x_users": "None -> shared", "x_layout": "None -> rows"}
     with reprice.planning_off_device():
         old, new = loka.plan(before), loka.plan(after)
     changes = reprice.plan_changes(old, new)

@@ -158,9 +158,11 @@ def test_the_probe_sees_the_same_operand_producers_through_fully_shard(tmp_path)
     run_ranks(w.producers_worker, 1, str(tmp_path))
     plain, sharded = json.loads((tmp_path / "producers.json").read_text())
     # FSDP's identity functions on module inputs are seen through: each x is its Linear's
-    assert plain == sharded == {"a": {"x": "input", "dy": "pointwise"},
-                                "b": {"x": "pointwise", "dy": "gemm", "x_users": "single"},
-                                "c": {"x": "gemm", "dy": "output", "x_users": "single"}}
+    assert plain == sharded == {"a": {"x": "input", "dy": "pointwise", "x_layout": "rows"},
+                                "b": {"x": "pointwise", "dy": "gemm", "x_users": "single",
+                                      "x_layout": "rows"},
+                                "c": {"x": "gemm", "dy": "output", "x_users": "single",
+                                      "x_layout": "rows"}}
 
 
 @pytest.mark.slow
