@@ -30,7 +30,7 @@ from ..numerics.delayed import check_decay
 from ..probe import probe
 from ..probe.report import ProbeReport
 from ..timing import time_steps
-from .predict import predict_step
+from .predict import fp8_ceiling, predict_step
 from .schema import Plan
 from .select import kernel_speedup, override
 from .select import plan as make_plan
@@ -248,7 +248,9 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
         the measured speedup and ``predicted_speedup``, what the report's step-aware timings
         predicted for the plan that was timed (:func:`~loka.dispatch.predict_step`; the
         isolated GEMM timings' in ``isolated_predicted_speedup``),
-        so every run measures how far the step is from the sum of its GEMMs.
+        so every run measures how far the step is from the sum of its GEMMs, and
+        ``ceiling``, the most FP8 GEMMs could give that step
+        (:func:`~loka.dispatch.fp8_ceiling`, ``Ceiling.to_dict()``).
     """
     if rounds < 1:
         raise ValueError(f"optimize needs rounds >= 1, got {rounds}")
@@ -307,7 +309,7 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
                                                    allowed_kernels=allowed_kernels,
                                                    inference=inference))
     result.trials = log
-    predicted = isolated = None
+    predicted = isolated = ceiling = None
     if tuned.fp8_sites():
         say(f"confirming {len(tuned.fp8_sites())} FP8 site(s) against the baseline "
             f"in {rounds} A/B round(s)")
@@ -320,6 +322,12 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
             isolated = base_ms / prediction.isolated_step_ms
         except ValueError:  # no positive step, or savings the step cannot hold
             predicted = isolated = None
+        try:  # the most FP8 GEMMs could give this step (timed kernels, device roofline)
+            ceiling = fp8_ceiling(report, base_ms, inference=inference,
+                                  static_scales=bool(static_scales),
+                                  head_sites=int(tuned.budget.get("head_sites", 3))).to_dict()
+        except ValueError:
+            ceiling = None
         if not all(r["plan"] < r["baseline"] for r in result.rounds):
             tuned = on_baseline(tuned, tuned.fp8_sites(), "optimize: the plan's step was not "
                                 "faster than the baseline's in every A/B round")
@@ -328,7 +336,8 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     tuned.budget["optimize"] = {"rounds": result.rounds, "trials": len(log),
                                 "speedup": _finite(result.speedup),
                                 "predicted_speedup": _finite(predicted),
-                                "isolated_predicted_speedup": _finite(isolated)}
+                                "isolated_predicted_speedup": _finite(isolated),
+                                "ceiling": ceiling}
     result.plan = tuned
     say(f"kept {len(tuned.fp8_sites())} FP8 site(s)"
         + (f", step {result.speedup:.3f}x of the baseline" if result.speedup else ""))

@@ -73,6 +73,10 @@ def test_a_plan_that_pays_is_kept_after_winning_every_round():
     want = predict_step(result.plan, result.report, 10.0)
     assert result.plan.budget["optimize"]["predicted_speedup"] == pytest.approx(want.speedup)
     assert want.per_role_us or want.untimed  # every FP8 site-role is accounted for
+    # and the ceiling of the same step: a report without timings counts no GEMM
+    ceil = result.plan.budget["optimize"]["ceiling"]
+    assert ceil["baseline_step_ms"] == 10.0 and ceil["measured_speedup"] == 1.0
+    assert ceil["gemm_ms"] == 0.0 and ceil["roofline_speedup"] is None
     assert not any(isinstance(m, Linear) for m in model.modules())
 
 
