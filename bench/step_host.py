@@ -17,6 +17,7 @@ would bias them otherwise (``paired``: bf16's median over the plan's, > 1: the p
 slower); then, one variant after the other:
 * ``gpu_ms``: the GPU time of one step (CUDA graphs, :func:`loka.timing.time_fn`);
 * ``guard_us``: Dynamo's cache lookup (its guards) per step, from ``torch.profiler``;
+* ``guard_check_us``: the guard check alone, timed directly (no profiler);
 * ``profile_top``: the profiler's ops by self CPU time per step;
 * ``python_top``: ``cProfile``'s Python functions by own time per step.
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import copy
 import cProfile
+import inspect
 import json
 import pstats
 import statistics
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,24 +50,9 @@ for p in (ROOT, ROOT / "bench"):
 
 import loka  # noqa: E402
 from evalset import EVAL_MODELS  # noqa: E402
-from loka.bench.evalset import round_order  # noqa: E402
+from loka.bench.evalset import round_order, time_steps  # noqa: E402
 from loka.jsonio import atomic_write_text  # noqa: E402
-from loka.timing import synchronize, time_fn  # noqa: E402
-
-
-def medians(step, device: torch.device, steps: int):
-    """(wall ms of synchronized steps, ms the host takes to issue one step), medians."""
-    wall, issue = [], []
-    for _ in range(steps):
-        synchronize(device)
-        t0 = time.perf_counter()
-        step()
-        t1 = time.perf_counter()
-        synchronize(device)
-        t2 = time.perf_counter()
-        issue.append((t1 - t0) * 1e3)
-        wall.append((t2 - t0) * 1e3)
-    return statistics.median(wall), statistics.median(issue)
+from loka.timing import time_fn  # noqa: E402
 
 
 def host_profile(step, steps: int, top: int):
@@ -105,19 +93,37 @@ def make_step(model, batch):
 
 
 def paired(steps, device, args) -> Dict[str, dict]:
-    """Alternating rounds of each variant's synchronized and issue-time medians."""
+    """Alternating rounds of each variant's synchronized and issue-time medians (each
+    round: :func:`loka.bench.evalset.time_steps` after one untimed step)."""
     got = {name: {"wall": [], "issue": []} for name in steps}
     names = list(steps)
     with torch.inference_mode():
         for r in round_order(args.rounds):
             name = names[0] if r == "A" else names[1]
-            wall, issue = medians(steps[name], device, args.steps)
-            got[name]["wall"].append(wall)
-            got[name]["issue"].append(issue)
+            timed = time_steps(steps[name], device, 1, args.steps)
+            got[name]["wall"].append(timed["step_ms"])
+            got[name]["issue"].append(timed["host_ms"])
     return {name: {"wall_ms": statistics.median(v["wall"]),
                    "issue_ms": statistics.median(v["issue"]),
                    "wall_rounds_ms": v["wall"], "issue_rounds_ms": v["issue"]}
             for name, v in got.items()}
+
+
+def guard_check_us(model, inputs, calls: int = 2000) -> Optional[float]:
+    """Dynamo's guard check of the compiled forward alone (its first cache entry, timed
+    directly), us per call; None where the entry cannot be read."""
+    entries = _debug_get_cache_entry_list(type(model).forward.__code__)
+    if not entries:
+        return None
+    names = list(inspect.signature(type(model).forward).parameters)[1:]
+    frame = {"self": model, **dict(zip(names, inputs))}
+    check = entries[0].guard_manager.check
+    if not check(frame):
+        return None
+    t = time.perf_counter()
+    for _ in range(calls):
+        check(frame)
+    return (time.perf_counter() - t) / calls * 1e6
 
 
 def profiles(step, device, args) -> dict:
@@ -158,9 +164,9 @@ def main(argv: Optional[List[str]] = None) -> int:
            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "variants": {}}
     torch._dynamo.reset()
-    steps = {}
+    steps, models = {}, {}
     for name in ("bf16", "plan"):
-        model = copy.deepcopy(base)
+        model = models[name] = copy.deepcopy(base)
         if name == "plan":
             loka.apply(model, plan, inference=True)
         steps[name] = make_step(model, batch)
@@ -172,6 +178,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                      for k in ("wall_ms", "issue_ms")}
     for name, step in steps.items():
         doc["variants"][name].update(profiles(step, device, args))
+        with torch.inference_mode():
+            doc["variants"][name]["guard_check_us"] = guard_check_us(models[name], batch[0])
         atomic_write_text(args.out, json.dumps(doc, indent=1) + "\n")
         v = doc["variants"][name]
         print(name, {k: round(v[k], 4) for k in ("wall_ms", "issue_ms", "gpu_ms", "guard_us")

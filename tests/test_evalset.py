@@ -847,7 +847,7 @@ def test_the_static_row_serves_the_plan_with_the_amax_the_probe_saw(probed):
 def test_step_host_profiles_both_variants_and_refuses_a_bad_plan(tmp_path):
     """bench/step_host.py on the CPU: a tiny DCNv2's compiled serving step, bf16 and a
     static tensorwise plan: wall, issue and guard times, the profiler's and cProfile's top
-    entries."""
+    entries; the plan's guards check more than bf16's (FP8 weights, scale tables)."""
     sys.path.insert(0, str(BENCH))
     import step_host
     model = EVAL_MODELS["dcnv2"]("tiny")
@@ -867,8 +867,10 @@ def test_step_host_profiles_both_variants_and_refuses_a_bad_plan(tmp_path):
         assert len(v["wall_rounds_ms"]) == 2 == len(v["issue_rounds_ms"])  # A B B A: 2 each
         assert v["wall_ms"] == pytest.approx(sum(v["wall_rounds_ms"]) / 2)
         assert 0 < v["issue_ms"] <= v["wall_ms"] * 1.5 and v["guard_us"] > 0
+        assert 0 < v["guard_check_us"] < v["guard_us"] * 10
         assert len(v["profile_top"]) == 5 and len(v["python_top"]) == 5
         assert all(r[1] >= 0 for r in v["python_top"])
+    assert doc["variants"]["plan"]["guard_check_us"] > doc["variants"]["bf16"]["guard_check_us"]
     assert doc["paired"]["issue_ms"] == pytest.approx(
         doc["variants"]["bf16"]["issue_ms"] / doc["variants"]["plan"]["issue_ms"])
     (tmp_path / "bad.json").write_text("{not json")

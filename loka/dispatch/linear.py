@@ -406,8 +406,8 @@ def _intern(kernel: Kernel) -> str:
 
 
 # attributes loka.Linear adds to an nn.Linear (dropped again by to_linear)
-_OWN_ATTRS = ("config", "_kernels", "_kernel_keys", "_all_baseline", "_wq_data", "_wq_scale",
-              "_wq_meta", "input_amax", "_xs_table",
+_OWN_ATTRS = ("config", "_kernels", "_kernel_keys", "_all_baseline", "_wq", "input_amax",
+              "_xs_table",
               "monitor", "delayed_decay", "_delayed_formats", "_delayed_ready")
 _DELAYED_OPERANDS = ("x", "w", "dy")
 _DELAYED_BUFFERS = tuple(f"delayed_{kind}_{op}" for op in _DELAYED_OPERANDS
@@ -573,27 +573,17 @@ class Linear(nn.Linear):
     # The FP8 weight, its scale and the static scale table are held in the module's
     # __dict__ as Parameters that no optimizer, state_dict or dtype cast sees (not in
     # _parameters): a compiled step then puts no aliasing guard on them (Dynamo skips it
-    # for Parameters), which a plain tensor attribute takes on every call. The guard check
-    # of the evaluation-set DCNv2's tiny static serving step fell from 12.8 to 10.0 us on a
-    # CPU with this and the kernels' global table (bf16: 4.6 us; NOTE.md of
-    # bench/results/2026-12-06-h100-assembled/).
+    # for Parameters), which a plain tensor attribute takes on every call
+    # (bench/results/2026-12-06-h100-assembled/NOTE.md measures the guards).
     @property
     def weight_q(self) -> Optional[QTensor]:
         """The FP8 weight the forward reads (serving, or gathered by FSDP2), or None."""
-        data = self._wq_data  # attribute reads: compiled code guards them from __dict__
-        if data is None:
-            return None
-        fmt, block, gran = self._wq_meta
-        return QTensor(data, self._wq_scale, get_format(fmt), block, as_granularity(gran))
+        return self._wq
 
     @weight_q.setter
     def weight_q(self, q: Optional[QTensor]) -> None:
-        d = self.__dict__
-        if q is None:
-            d["_wq_data"] = d["_wq_scale"] = d["_wq_meta"] = None
-            return
-        d["_wq_data"], d["_wq_scale"] = _held(q.data), _held(q.scale)
-        d["_wq_meta"] = (q.fmt.name, tuple(q.block), as_granularity(q.granularity).value)
+        self.__dict__["_wq"] = None if q is None else QTensor(
+            _held(q.data), _held(q.scale), q.fmt, q.block, q.granularity)
 
     @property
     def _input_scales(self) -> Optional[torch.Tensor]:
@@ -748,8 +738,8 @@ class Linear(nn.Linear):
         return quantize(x2d, fmt, gran, "a", scale=scale, check_scale=False)
 
     def _apply(self, fn, recurse=True):
-        # the FP8 weight and the static scale are plain attributes, not buffers (a dtype
-        # cast must not touch them): follow the parameters' device only; the delayed
+        # the FP8 weight and the static scales are held outside _parameters and _buffers
+        # (a dtype cast must not touch them): follow the parameters' device only; the delayed
         # scaling estimates stay float32 whatever dtype the module is cast to
         states = {n: self._buffers[n] for n in _DELAYED_BUFFERS if n in self._buffers}
         super()._apply(fn, recurse)

@@ -34,11 +34,9 @@ from ..kernels.roofline import Peaks, fp8_time_lower_bound_us, peaks_for
 from ..probe.pricing import serve_static_time_us
 from ..probe.report import ProbeReport
 from .schema import Plan
-from .select import head_of, judged_speedup
+from .select import _UNTRUSTED_TIMINGS, head_of, judged_speedup
 
 __all__ = ["StepPrediction", "predict_step", "Ceiling", "fp8_ceiling"]
-
-_UNTRUSTED_TIMINGS = ("none", "cpu-wallclock")
 
 
 @dataclass(frozen=True)

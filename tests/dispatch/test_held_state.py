@@ -28,7 +28,7 @@ def test_the_fp8_weight_and_scales_are_held_outside_the_parameters():
     lin = _serving_linear()
     q = lin.weight_q
     assert q.data.dtype == torch.float8_e4m3fn and q.granularity.value == "tensorwise"
-    held = (lin.__dict__["_wq_data"], lin.__dict__["_wq_scale"], lin.__dict__["_xs_table"])
+    held = (q.data, q.scale, lin.__dict__["_xs_table"])
     assert all(type(t) is nn.Parameter and not t.requires_grad for t in held)
     assert [n for n, _ in lin.named_parameters()] == ["weight"]
     assert set(lin.state_dict()) == {"weight"}
@@ -42,7 +42,7 @@ def test_the_fp8_weight_and_scales_are_held_outside_the_parameters():
     again = lin.weight_q
     assert again.fmt.name == "e4m3" and again.block == q.block
     lin.weight_q = None
-    assert lin.weight_q is None and lin.__dict__["_wq_data"] is None
+    assert lin.weight_q is None and lin.__dict__["_wq"] is None
 
 
 def test_serving_output_is_the_one_of_a_plain_tensor_state():
