@@ -843,6 +843,40 @@ def test_the_static_row_serves_the_plan_with_the_amax_the_probe_saw(probed):
         lev.convert(copy.deepcopy(model), "loka-static", "serve", none, torch.device("cpu"))
 
 
+def test_the_optimize_static_row_takes_the_static_plan_through_loka_optimize(probed):
+    """``loka-optimize-static``: ``loka.optimize(..., inference=True, static_scales=True)``
+    on the case's report. Untimed on a CPU, it returns the static plan as made from the
+    report (the same sites and amax as the ``loka-static`` row) and says it was not timed;
+    in training it is no variant at all."""
+    from types import SimpleNamespace
+
+    from loka.bench import evalset as lev
+
+    model, batches, report = probed["dlrm"]
+    static = loka.plan(report, inference=True, assume_fast=True, static_scales=True)
+    case = lev.Case("dlrm", 64, model, batches[0], {}, 0, report=report,
+                    plans={"train": static, "serve": static, "static": static})
+    args = SimpleNamespace(eval_set=SimpleNamespace(loss_fn=loss_fn), optimize_trials=2,
+                           optimize_rounds=1)
+    served = copy.deepcopy(model)
+    sites, notes, extra = lev.convert(served, "loka-optimize-static", "serve", case,
+                                      torch.device("cpu"), args=args)
+    assert extra["timed"] is False and extra["optimize_rounds"] == []
+    assert any("not timed" in n for n in notes)
+    assert extra["static_sites"] == sorted(static.static_scales) and static.static_scales
+    assert sites == len(static.fp8_sites()) == len(extra["plan"])
+    for name, amax in static.static_scales.items():
+        assert float(served.get_submodule(name).input_amax) == pytest.approx(amax)
+    inputs = batches[0][0]
+    with torch.no_grad():
+        assert 0 < _rel(served.eval()(*inputs), model.eval()(*inputs)) < 0.15
+    with pytest.raises(lev.Skip, match="serving"):
+        lev.convert(copy.deepcopy(model), "loka-optimize-static", "train", case,
+                    torch.device("cpu"), args=args)
+    assert "loka-optimize-static" in lev.VARIANTS["serve"]
+    assert "loka-optimize-static" not in lev.VARIANTS["train"]
+
+
 # ------------------------------------------------------------------ bench/step_host.py
 def test_step_host_profiles_both_variants_and_refuses_a_bad_plan(tmp_path):
     """bench/step_host.py on the CPU: a tiny DCNv2's compiled serving step, bf16 and a

@@ -20,6 +20,8 @@ only in what its Linears run:
   skipped, with the reason recorded, where torchao is missing or cannot run;
 - ``loka-optimize``: ``loka.optimize`` on the same report: whole steps, compiled as the row
   is, decide which FP8 sites stay, and the plan is kept only if it wins every A/B round;
+- ``loka-optimize-static`` (serving): the same with ``static_scales=True``, the public
+  path to the static serving plan below with the same never-slower check;
 - ``loka``: ``loka.probe(model, batches, loss_fn)`` -> ``loka.plan(report)`` (serving:
   ``loka.plan(report, inference=True)``) -> ``loka.apply(model, plan)`` (serving:
   ``inference=True``), then the same compile. The Probe runs once per model and batch size
@@ -128,7 +130,7 @@ VARIANTS = {
     "train": ("bf16",) + tuple(f"torchao-{r}" for r in TORCHAO_TRAIN_RECIPES)
     + ("loka", "loka-optimize", "loka-delayed"),
     "serve": ("bf16",) + tuple(f"torchao-{r}" for r in TORCHAO_SERVE_RECIPES)
-    + ("loka", "loka-optimize", "loka-static"),
+    + ("loka", "loka-optimize", "loka-static", "loka-optimize-static"),
 }
 KERNEL_CLASSES = ("gemm_bf16", "gemm_fp8", "quantization", "copies", "triton", "optimizer",
                   "other")
@@ -435,7 +437,10 @@ def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch
         extra = {"plan": chosen, "_plan": plan, "delayed_scaling": plan.delayed_scaling,
                  "apply_notes": list(getattr(applied, "notes", []) or [])}
         return len(chosen), [], extra
-    if variant == "loka-optimize":
+    if variant in ("loka-optimize", "loka-optimize-static"):
+        static = variant == "loka-optimize-static"
+        if static and mode != "serve":
+            raise Skip("static activation scales are for serving")
         report = _case_report(case)
         # loka.optimize on the Probe's report: whole compiled steps (compiled as this row is)
         # decide which FP8 sites stay; it keeps a plan only if it wins every A/B round
@@ -445,7 +450,7 @@ def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch
             forward=lambda m, batch: m(*batch[0]),
             compile_mode="reduce-overhead" if graphs else None,
             max_trials=getattr(args, "optimize_trials", 8),
-            rounds=getattr(args, "optimize_rounds", 2))
+            rounds=getattr(args, "optimize_rounds", 2), static_scales=static)
         applied = apply_plan(model, result.plan, inference=(mode == "serve"))
         chosen = fp8_sites(result.plan)
         extra = {"plan": chosen, "_plan": result.plan, "optimize_speedup": result.speedup,
@@ -455,6 +460,8 @@ def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch
                                       if k in t}} for t in result.trials],
                  "untuned_fp8_sites": len(fp8_sites(result.untuned)), "timed": result.timed,
                  "apply_notes": list(getattr(applied, "notes", []) or [])}
+        if static:
+            extra["static_sites"] = sorted(result.plan.static_scales or {})
         return len(chosen), list(result.plan.notes[-2:]), extra
     raise ValueError(f"unknown variant {variant!r}")
 
@@ -793,6 +800,7 @@ def summarize(rows: List[dict]) -> List[dict]:
         lk = next((r for r in ok if r["variant"] == "loka"), None)
         opt = next((r for r in ok if r["variant"] == "loka-optimize"), None)
         static = next((r for r in ok if r["variant"] == "loka-static"), None)
+        opt_static = next((r for r in ok if r["variant"] == "loka-optimize-static"), None)
 
         def cell(r):
             if r is None:
@@ -818,7 +826,8 @@ def summarize(rows: List[dict]) -> List[dict]:
             return c
         out.append({"model": k[0], "batch_size": k[1], "mode": k[2], "graphs": k[3],
                     "bf16": cell(bf16), "best_torchao": cell(best), "loka": cell(lk),
-                    "loka_optimize": cell(opt), "loka_static": cell(static)})
+                    "loka_optimize": cell(opt), "loka_static": cell(static),
+                    "loka_optimize_static": cell(opt_static)})
     return out
 
 
@@ -955,7 +964,8 @@ def parse_args(argv, eval_set: "str | os.PathLike | types.ModuleType"):
     ap.add_argument("--modes", default="train,serve")
     ap.add_argument("--variants", default=None,
                     help="comma list of bf16, torchao-<recipe>, loka, loka-optimize, "
-                         "loka-static, loka-delayed (default: all of the mode)")
+                         "loka-static, loka-optimize-static, loka-delayed "
+                         "(default: all of the mode)")
     ap.add_argument("--optimize-trials", type=int, default=8,
                     help="loka-optimize: at most this many whole-step timings while tuning")
     ap.add_argument("--optimize-rounds", type=int, default=2,
