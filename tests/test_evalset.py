@@ -877,6 +877,42 @@ def test_the_optimize_static_row_takes_the_static_plan_through_loka_optimize(pro
     assert "loka-optimize-static" not in lev.VARIANTS["train"]
 
 
+def test_the_probe_runs_before_any_row_of_its_case(tmp_path, monkeypatch):
+    """Every row of a case, the bf16 baseline's included, is timed after its Probe: a host
+    the Probe leaves slower for a while slows every row alike, not the LoKA rows alone.
+    Each row records the host's load average when it started (a diagnostic)."""
+    from loka.bench import evalset as lev
+
+    order = []
+    real_probe, real_row = lev.probe_case, lev.run_row
+
+    def probe_case(case, *a, **k):
+        order.append(("probe", case.name))
+        return real_probe(case, *a, **k)
+
+    def run_row(case, variant, mode, *a, **k):
+        order.append((variant, mode))
+        return real_row(case, variant, mode, *a, **k)
+    monkeypatch.setattr(lev, "probe_case", probe_case)
+    monkeypatch.setattr(lev, "run_row", run_row)
+    out = tmp_path / "e.json"
+    assert lev.main(["--scale", "tiny", "--models", "dlrm", "--batch-sizes", "32", "--modes",
+                     "serve", "--variants", "bf16,loka-static", "--steps", "1", "--warmup", "1",
+                     "--no-graphs", "--backend", "aot_eager", "--out", str(out)],
+                    eval_set=str(BENCH / "evalset")) == 0
+    assert order == [("probe", "dlrm"), ("bf16", "serve"), ("loka-static", "serve")]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["status"] for r in rows] == ["ok", "ok"], [r["reason"] for r in rows]
+    assert all(r["loadavg_1m"] >= 0 for r in rows)
+    # only baselines asked for: no Probe at all
+    order.clear()
+    assert lev.main(["--scale", "tiny", "--models", "dlrm", "--batch-sizes", "32", "--modes",
+                     "serve", "--variants", "bf16", "--steps", "1", "--warmup", "1",
+                     "--no-graphs", "--backend", "aot_eager", "--out", str(out)],
+                    eval_set=str(BENCH / "evalset")) == 0
+    assert order == [("bf16", "serve")]
+
+
 # ------------------------------------------------------------------ bench/step_host.py
 def test_step_host_profiles_both_variants_and_refuses_a_bad_plan(tmp_path):
     """bench/step_host.py on the CPU: a tiny DCNv2's compiled serving step, bf16 and a

@@ -621,6 +621,8 @@ def run_row(case: Case, variant: str, mode: str, graphs: bool, args, device,
            "backend": args.backend, "linears": case.linears, "notes": []}
     model = compiled = step = None
     held = 0  # bytes allocated before the row (the batch; with pairing, the kept bf16 step)
+    if hasattr(os, "getloadavg"):  # a diagnostic: other work on the host while it is timed
+        row["loadavg_1m"] = os.getloadavg()[0]
     try:
         gc.collect()
         if device.type == "cuda":
@@ -1080,15 +1082,17 @@ def _run(args, device) -> int:
                         linears=sum(isinstance(m, nn.Linear) for m in base.modules()))
             wanted = {m: [v for v in VARIANTS[m] if args.variants is None or v in args.variants]
                       for m in args.modes}
+            if (any(v.startswith("loka") for vs in wanted.values() for v in vs)
+                    and not over_budget()):
+                # the Probe runs before any row of the case, the baselines' included: every
+                # row is timed in the process as the Probe leaves it (a host slowed for a
+                # while after it would otherwise slow the LoKA rows alone)
+                probes.append(probe_case(case, args, device, out_stem))
+                write(args.out, env, rows, probes)
             for mode in args.modes:
                 for graphs in graph_settings:
                     bf16_step = None  # with --paired-rounds: the bf16 row's step, alive
                     for variant in wanted[mode]:
-                        if variant.startswith("loka") and not case.probed and not over_budget():
-                            # the Probe runs when the first LoKA row needs it: a run cut
-                            # short by its time budget keeps the baselines
-                            probes.append(probe_case(case, args, device, out_stem))
-                            write(args.out, env, rows, probes)
                         if over_budget():
                             row = {"model": name, "scale": args.scale, "batch_size": batch_size,
                                    "mode": mode, "variant": variant, "graphs": graphs,

@@ -532,14 +532,15 @@ class _Measurement:
         """The error samples of every planned role of one site."""
         cfg = self.config
         site, dev, dtype = work.site, work.dev, work.dtype
-        kept = []
+        kept, shared = [], {}
         for rw in work.roles:
             self.where = f"{site.name} {rw.role.value}"
             try:
                 with self.phase("errors", dev), _untuned(rw.kernels):
                     sampler = OperandSampler(site, rw.role, dev, dtype, source=cfg.source,
                                              weight_source=cfg.weight_source,
-                                             weight=work.module.weight, seed=cfg.seed)
+                                             weight=work.module.weight, seed=cfg.seed,
+                                             shared=shared)
                     rw.errors = run_samples(sampler.pairs(cfg.num_samples, rw.m_err),
                                             rw.kernels, dtype)
             except ValueError as e:  # too little data to build the sampler

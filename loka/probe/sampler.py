@@ -21,7 +21,7 @@ the same shapes, which is what a Probe without learned statistics would measure.
 from __future__ import annotations
 
 import zlib
-from typing import Iterator, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -155,11 +155,17 @@ class OperandSampler:
             for 'learned'; 'captured' always uses ``weight``.
         weight: the current weight (N, K), used for 'captured'.
         seed: base seed; the stream is specific to (site, role).
+        shared: a dict kept per site across its roles (the same ``stats`` and ``device``):
+            the factorisations of x's and dy's covariances and of the weight model are
+            made once there and reused by the other roles that draw the same operand
+            (forward and wgrad both draw x, dgrad and wgrad dy). The draws are the same as
+            without it: each role keeps its own random stream.
     """
 
     def __init__(self, stats: SiteStats, role: "Role | str", device, dtype: torch.dtype, *,
                  source: str = "learned", weight_source: str = "model",
-                 weight: Optional[torch.Tensor] = None, seed: int = 0) -> None:
+                 weight: Optional[torch.Tensor] = None, seed: int = 0,
+                 shared: Optional[Dict[str, object]] = None) -> None:
         self.stats, self.role = stats, Role.parse(role)
         self.device, self.dtype = torch.device(device), dtype
         self.source, self.weight_source = source, weight_source
@@ -176,17 +182,25 @@ class OperandSampler:
                 raise ValueError("source='captured' needs the current weight")
             self._weight = None if weight is None else weight.detach().to(self.device, torch.float32)
         elif source == "learned":
-            self._x = GaussianSampler(stats.act.moments, self.device) if need_x else None
-            self._dy = GaussianSampler(stats.grad.moments, self.device) if need_dy else None
+            def once(key: str, build):  # a factorisation the site's other roles reuse
+                if shared is None:
+                    return build()
+                if key not in shared:
+                    shared[key] = build()
+                return shared[key]
+            self._x = (once("x", lambda: GaussianSampler(stats.act.moments, self.device))
+                       if need_x else None)
+            self._dy = (once("dy", lambda: GaussianSampler(stats.grad.moments, self.device))
+                        if need_dy else None)
             if need_w:
+                if weight_source not in ("mean", "model"):
+                    raise ValueError(f"unknown weight_source {weight_source!r}")
                 fitted = stats.weight.fit()
                 if weight_source == "mean":
                     self._weight = fitted.mean.to(self.device)
-                elif weight_source == "model":
-                    self._model = MatrixNormalSampler(MatrixNormal(
-                        fitted.mean.to(self.device), fitted.row_cov, fitted.col_cov))
                 else:
-                    raise ValueError(f"unknown weight_source {weight_source!r}")
+                    self._model = once("w", lambda: MatrixNormalSampler(MatrixNormal(
+                        fitted.mean.to(self.device), fitted.row_cov, fitted.col_cov)))
         else:
             raise ValueError(f"unknown source {source!r}")
 

@@ -161,6 +161,29 @@ def test_sampler_is_deterministic_per_seed_and_role():
     assert seed_for(0, "a", "fwd") != seed_for(0, "a", "dgrad")
 
 
+def test_roles_of_a_site_share_its_factorisations_and_draw_the_same(monkeypatch):
+    """With ``shared``, a site's roles factor x's and dy's covariances and the weight model
+    once (forward and wgrad both draw x, dgrad and wgrad dy): four factorisations for the
+    three roles, not six, and every pair is bit for bit the one drawn without sharing."""
+    from loka.probe import sampler as sm
+
+    site = _site()
+    alone = {r: OperandSampler(site, r, "cpu", torch.float32, seed=3).pair(40)
+             for r in ("fwd", "dgrad", "wgrad")}
+    calls = []
+    real = sm.cholesky_factor
+    monkeypatch.setattr(sm, "cholesky_factor", lambda c: calls.append(c.shape) or real(c))
+    shared = {}
+    together = {r: OperandSampler(site, r, "cpu", torch.float32, seed=3, shared=shared).pair(40)
+                for r in ("fwd", "dgrad", "wgrad")}
+    assert sorted(shared) == ["dy", "w", "x"]
+    # x, dy, and the weight model's row and column factors (full at these sizes)
+    assert len(calls) == 4, calls
+    for r in alone:
+        for a, b in zip(alone[r], together[r]):
+            assert torch.equal(a, b)
+
+
 def test_sampler_bad_input():
     site = _site()
     with pytest.raises(ValueError, match="nothing captured"):
