@@ -911,6 +911,13 @@ def test_the_probe_runs_before_any_row_of_its_case(tmp_path, monkeypatch):
                      "--no-graphs", "--backend", "aot_eager", "--out", str(out)],
                     eval_set=str(BENCH / "evalset")) == 0
     assert order == [("bf16", "serve")]
+    # CUDA-graph rows alone need a CUDA device; with --no-graphs they contradict each other
+    bads = [["--graphs-only", "--no-graphs"]] + ([] if torch.cuda.is_available()
+                                                 else [["--graphs-only"]])
+    for bad in bads:
+        with pytest.raises(SystemExit):
+            lev.main(["--scale", "tiny", "--models", "dlrm", "--out", str(out)] + bad,
+                     eval_set=str(BENCH / "evalset"))
 
 
 # ------------------------------------------------------------------ bench/step_host.py

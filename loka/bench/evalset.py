@@ -975,7 +975,10 @@ def parse_args(argv, eval_set: "str | os.PathLike | types.ModuleType"):
     ap.add_argument("--steps", type=int, default=50, help="timed steps (median)")
     ap.add_argument("--warmup", type=int, default=10, help="untimed steps first (>= 1: the first compiles)")
     ap.add_argument("--profile-steps", type=int, default=3, help="steps under torch.profiler (CUDA)")
-    ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph rows")
+    graphs = ap.add_mutually_exclusive_group()
+    graphs.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph rows")
+    graphs.add_argument("--graphs-only", action="store_true",
+                        help="only the CUDA-graph rows (on a CUDA device)")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend of every row")
     ap.add_argument("--inductor-config", action="append", default=[], metavar="KEY=VALUE",
                     help="a torch._inductor.config option for every row (repeatable; VALUE is "
@@ -1028,6 +1031,8 @@ def parse_args(argv, eval_set: "str | os.PathLike | types.ModuleType"):
             ap.error(f"--variants takes {sorted(known)}")
     if args.warmup < 1 or args.steps < 1:
         ap.error("--warmup and --steps must be >= 1")
+    if args.graphs_only and device.type != "cuda":
+        ap.error("--graphs-only needs a CUDA device (CUDA graphs)")
     if args.paired_rounds == 1 or args.paired_rounds < 0 or args.paired_steps < 1:
         ap.error("--paired-rounds must be 0 (off) or >= 2, --paired-steps >= 1")
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
@@ -1059,7 +1064,8 @@ def _run(args, device) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     rows: List[dict] = []
     probes: List[dict] = []
-    graph_settings = [False] if (args.no_graphs or device.type != "cuda") else [False, True]
+    graph_settings = ([True] if args.graphs_only else
+                      [False] if (args.no_graphs or device.type != "cuda") else [False, True])
     if device.type != "cuda" and not args.no_graphs:
         env["note_graphs"] = "CUDA-graph rows need a CUDA device: left out"
 
