@@ -14,7 +14,11 @@ scale takes), and each arm serves ``--eval-batches`` held-out batches of a third
   per-call scales (``--kernel``: ``cublas-tensorwise`` on a GPU; on the CPU its emulated
   twin, the same numerics);
 * ``static xM``: ``loka.plan(report, inference=True, static_scales=True,
-  static_margin=M)``, each input scaled by the amax the Probe observed times ``M``.
+  static_margin=M)``, each input scaled by the amax the Probe observed times ``M``;
+* ``static x1 budget`` (with ``--ne-budget B``): the ``static x1`` plan held to a relative
+  NE change of at most ``B`` by :func:`loka.quality.serve_ne_budget` on a validation
+  stream of ``--eval-batches`` batches (neither trained, probed nor reported on), then
+  reported on the held-out stream like every arm.
 
 Every site is planned in FP8 (``assume_fast``: no GPU times anything here), so the change is
 that of the largest plan. Each FP8 arm: the paired relative NE change against the bf16 arm
@@ -53,10 +57,11 @@ from loka.dispatch import apply, plan as make_plan  # noqa: E402
 from loka.dispatch.linear import Linear  # noqa: E402
 from loka.jsonio import atomic_write_text, json_safe  # noqa: E402
 from loka.probe import probe  # noqa: E402
+from loka.quality.serving import fp8_forwards, serve_ne_budget  # noqa: E402
 from loka.quality.stats import example_log_losses, ratio_interval  # noqa: E402
 
 EMULATED = "emulated-tensorwise-e4m3"
-PROBE_SEED, HELD_OUT_SEED = 5_000, 10_000
+PROBE_SEED, HELD_OUT_SEED, VALIDATION_SEED = 5_000, 10_000, 20_000
 
 
 def train(model: torch.nn.Module, batch_size: int, steps: int, lr: float, seed: int,
@@ -120,9 +125,18 @@ def one_seed(name: str, scale: str, seed: int, args, lr: float) -> dict:
     arms = {"dynamic": dict(static_scales=False)}
     for margin in args.margins:
         arms[f"static x{margin:g}"] = dict(static_scales=True, static_margin=margin)
+    if args.ne_budget is not None:
+        arms["static x1 budget"] = dict(static_scales=True, static_margin=1.0)
     for arm, kw in arms.items():
         plan = make_plan(report, inference=True, assume_fast=True, allowed_kernels=[args.kernel],
                          max_error=args.max_error, **kw)
+        budget = None
+        if arm.endswith("budget"):
+            val = [served.make_batch(args.eval_batch, device=dev, dtype=torch.bfloat16,
+                                     seed=VALIDATION_SEED + seed * 1000 + i)
+                   for i in range(args.eval_batches)]
+            budget = serve_ne_budget(plan, served, val, max_ne_change=args.ne_budget)
+            plan = budget.plan
         fp8 = copy.deepcopy(served)
         apply(fp8, plan, inference=True)
         fp8.eval()
@@ -130,10 +144,12 @@ def one_seed(name: str, scale: str, seed: int, args, lr: float) -> dict:
         change, lo, hi = ratio_interval(base_ll, example_log_losses(logits, labels))
         sat = saturation(fp8, held) if plan.static_scales else {}
         out["arms"][arm] = {"rel_ne_change": change, "interval": [lo, hi],
-                            "fp8_sites": len(plan.fp8_sites()),
+                            "fp8_sites": len(fp8_forwards(plan)),
                             "static_sites": len(plan.static_scales or {}),
                             "saturation_max": max(sat.values()) if sat else 0.0,
                             "sites_saturating": sum(1 for v in sat.values() if v > 0)}
+        if budget is not None:
+            out["arms"][arm]["budget"] = budget.to_dict()
     return out
 
 
@@ -166,6 +182,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-error", type=float, default=1.0,
                    help="the plans' error budget (default: every site in FP8)")
     p.add_argument("--max-baseline-ne", type=float, default=0.95)
+    p.add_argument("--ne-budget", type=float, default=None,
+                   help="also the static x1 plan held to this relative NE change on a "
+                        "validation stream (loka.quality.serve_ne_budget; 2e-4 is 0.02%%)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--kernel", default=None,
                    help="the FP8 kernel of every site (default: cublas-tensorwise on CUDA, "
