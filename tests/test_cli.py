@@ -41,8 +41,9 @@ SURFACE = {
                           "--mods", "--tables", "--out", "--plan", "--preset", "--seed", "--skip-bad-lines",
                           "-o"],
     "kernels": COMMON + ["--json"],
-    "optimize": COMMON + ["--batch-size", "--checkpoint", "--compile-mode", "--data", "--delayed-decay", "--delayed-scaling", "--head-sites", "--inference",
-                          "--kernels", "--max-error", "--max-trials", "--min-speedup", "--mods", "--tables",
+    "optimize": COMMON + ["--batch-size", "--budget-batches", "--checkpoint", "--compile-mode", "--data", "--delayed-decay", "--delayed-scaling", "--head-sites", "--inference",
+                          "--kernels", "--max-error", "--max-ne-change", "--max-trials", "--min-speedup",
+                          "--mods", "--tables",
                           "--no-compile", "--num-samples", "--out", "--preset", "--report",
                           "--rounds", "--seed", "--skip-bad-lines", "--static-margin",
                           "--static-scales", "--steps", "-o", "<model>"],
@@ -111,7 +112,8 @@ DEFAULTS = {
                  "model": "wukong", "mods": "none", "tables": "torch", "out": None, "plan": None, "preset": "tiny",
                  "seed": 0, "skip_bad_lines": False},
     "kernels": {"json": False},
-    "optimize": {"batch_size": None, "checkpoint": None, "compile_mode": None, "data": "synthetic",
+    "optimize": {"batch_size": None, "budget_batches": 16, "checkpoint": None, "compile_mode": None,
+                 "data": "synthetic", "max_ne_change": None,
                  "delayed_decay": None, "delayed_scaling": False, "head_sites": 3,
                  "inference": False, "kernels": None, "max_error": 0.2, "max_trials": 16,
                  "min_speedup": 1.05, "model": "MODEL", "mods": "none", "tables": "torch", "no_compile": False,
@@ -267,6 +269,14 @@ def _expect_error(code, err, want_code, *needles):
     (["plan", "{d}/empty-report.json", "--metric", "vibes"], 2, ["invalid choice: 'vibes'"]),
     (["optimize", "wukong", "--inference", "--delayed-scaling"], 2,
      ["--delayed-scaling is for training"]),
+    (["optimize", "wukong", "--max-ne-change", "2e-4"], 2,
+     ["--max-ne-change holds a serving plan to a bound: add --inference", "loka quality"]),
+    (["optimize", "wukong", "--inference", "--max-ne-change", "0"], 2,
+     ["--max-ne-change must be > 0"]),
+    (["optimize", "wukong", "--inference", "--max-ne-change", "lots"], 2,
+     ["--max-ne-change must be a number"]),
+    (["optimize", "wukong", "--inference", "--max-ne-change", "1e-4", "--budget-batches", "0"], 2,
+     ["--budget-batches must be >= 1"]),
     (["plan", "{d}/empty-report.json", "--delayed-decay", "0.5"], 2,
      ["--delayed-decay needs --delayed-scaling"]),
     (["plan", "{d}/empty-report.json", "--delayed-decay", "1.5"], 2,
@@ -597,6 +607,43 @@ def test_optimize_writes_a_plan_and_its_report_and_says_it_was_not_timed_on_a_cp
     assert all(sp.kernel(r, plan.baseline) in ("bf16", "cublas-rowwise")
                for sp in plan.sites.values() for r in loka.config.ROLES)
     assert "not timed" in out and report.meta["model"] == "wukong/tiny"
+
+
+def test_optimize_holds_a_serving_plan_to_an_ne_budget(tmp_path, capsys):
+    """``loka optimize --inference --static-scales --max-ne-change X`` on a trained
+    checkpoint: the serving NE budget (loka.quality.serve_ne_budget) measured on
+    --budget-batches held-out batches before any timing, recorded in the plan; a model
+    that has not learned is a one-line error."""
+    run_dir = tmp_path / "run"
+    code, _, err = run(["train", "--model", "dlrm", "--preset", "tiny", "--steps", "600",
+                        "--batch-size", "256", "--lr", "3e-3", "--eval-steps", "2",
+                        "--device", "cpu", "--out", str(run_dir)], capsys)
+    assert code == 0, err
+    base = ["optimize", "dlrm", "--preset", "tiny", "--device", "cpu", "--steps", "2",
+            "--num-samples", "4", "--kernels", "bf16,emulated-tensorwise-e4m3", "--inference",
+            "--static-scales", "--budget-batches", "3"]
+    loose = tmp_path / "loose.json"
+    code, out, err = run(base + ["--checkpoint", str(run_dir / "checkpoint.pt"),
+                                 "--max-ne-change", "1.0", "-o", str(loose)], capsys)
+    assert code == 0, err
+    plan = loka.Plan.load(loose)
+    got = plan.budget["serve_ne_budget"]
+    assert got["examples"] == 3 * 256 and got["moved_back"] == [] and got["fp8_forwards"] > 0
+    assert 0 < got["baseline_ne"] < 1 and len(got["checks"]) == 1
+    assert got["rel_ne_change"] == got["checks"][0]["rel_ne_change"] < got["upper"] <= 1.0
+    assert "serve NE budget: 0 of" in out and plan.static_scales
+    # a budget no interval on 768 examples can certify: every forward back, and it says why
+    tight = tmp_path / "tight.json"
+    code, out, err = run(base + ["--checkpoint", str(run_dir / "checkpoint.pt"),
+                                 "--max-ne-change", "1e-9", "-o", str(tight)], capsys)
+    assert code == 0, err
+    plan = loka.Plan.load(tight)
+    assert not plan.fp8_sites() and "measure on more examples" in out
+    # no checkpoint: the model has not learned
+    code, _, err = run(base + ["--max-ne-change", "2e-4", "-o", str(tmp_path / "x.json")],
+                       capsys)
+    _expect_error(code, err, 1, "not below 1.0")
+    assert "trained --checkpoint" in err and not (tmp_path / "x.json").exists()
 
 
 def test_optimize_refuses_an_unknown_kernel(capsys):

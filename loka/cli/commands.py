@@ -36,7 +36,7 @@ from ..kernels import capabilities, registry
 from ..numerics.delayed import DEFAULT_DECAY
 from ..probe import probe
 from ..probe.report import ProbeReport
-from ..quality import BaselineNotLearnedError, ne_budget, paired_check
+from ..quality import BaselineNotLearnedError, ne_budget, paired_check, serve_ne_budget
 from ..reporting import text_plan, text_report, write_html, write_markdown, write_tensorboard
 from ..reporting.tables import format_table
 from ..train import (CHECKPOINT_NAME, CheckpointError, EmptyEvaluationError, PlanChangedError,
@@ -494,18 +494,43 @@ def delayed_option(args) -> Optional[float]:
 def cmd_optimize(args) -> int:
     delayed_option(args)  # refuse bad combinations before any work
     static_option(args)
+    if args.max_ne_change is not None and not args.inference:
+        raise usage("--max-ne-change holds a serving plan to a bound: add --inference",
+                    "for training plans: loka quality --max-ne-change")
+    if args.max_ne_change == 0:
+        raise usage("--max-ne-change must be > 0")
     device = resolve_device(args)
     kernels, all_kernels = probe_kernels(args.kernels)
     model, desc, mods, batch_size, stream = _model_and_stream(args, device)
     batches = [b for _, b in zip(range(args.steps), device_batches(stream, device))]
-    config = ProbeConfig(num_samples=args.num_samples, kernels=kernels,
-                         all_kernels=all_kernels, seed=args.seed,
-                         every_n_steps=1, max_error=args.max_error, min_speedup=args.min_speedup)
-    print(f"optimizing {desc} for {'serving' if args.inference else 'training'} on {device}")
 
     def forward(m, batch):
         with _autocast(device):
             return m(batch)
+    refine = None
+    if args.max_ne_change is not None:
+        _, held = make_streams(parse_data(args.data), model, batch_size, args.seed, device,
+                               skip_malformed=args.skip_bad_lines)
+        held_batches = [b for _, b in zip(range(args.budget_batches),
+                                          device_batches(held, device))]
+
+        def budgeted(plan, say=lambda line: print(f"  {line}")):
+            try:
+                return serve_ne_budget(plan, model, held_batches, forward=forward,
+                                       max_ne_change=args.max_ne_change, progress=say)
+            except BaselineNotLearnedError as e:
+                raise CliError(str(e), "give a trained --checkpoint (loka train)") from None
+
+        def refine(plan):
+            res = budgeted(plan)
+            print(f"  {res.plan.notes[-1]}")
+            res.plan.budget["serve_ne_budget"] = res.to_dict()
+            return res.plan
+        budgeted(Plan.uniform(model, "bf16"), say=lambda line: None)  # learned? before probing
+    config = ProbeConfig(num_samples=args.num_samples, kernels=kernels,
+                         all_kernels=all_kernels, seed=args.seed,
+                         every_n_steps=1, max_error=args.max_error, min_speedup=args.min_speedup)
+    print(f"optimizing {desc} for {'serving' if args.inference else 'training'} on {device}")
 
     result = optimize(model, batches, _autocast_loss(device), inference=args.inference,
                       forward=forward, config=config,
@@ -514,7 +539,7 @@ def cmd_optimize(args) -> int:
                       compile_mode=args.compile_mode,
                       rounds=args.rounds, max_trials=args.max_trials,
                       progress=lambda line: print(f"  {line}"),
-                      delayed_scaling=delayed_option(args),
+                      delayed_scaling=delayed_option(args), refine=refine,
                       **static_option(args))
     result.plan.save(args.out)
     if args.report:

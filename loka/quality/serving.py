@@ -200,8 +200,13 @@ def serve_ne_budget(plan: Plan, model: nn.Module, batches: Iterable, *,
                     break
     finally:
         root.train(was_training)
-    result.plan.notes.append(
-        f"serve NE budget: {len(result.moved_back)} of {len(costs)} FP8 forward(s) back; "
-        f"relative NE change {result.rel_ne_change:+.3e} (upper {result.upper:+.3e} <= "
-        f"{max_ne_change:g}) on {result.examples} examples")
+    note = (f"serve NE budget: {len(result.moved_back)} of {len(costs)} FP8 forward(s) back; "
+            f"relative NE change {result.rel_ne_change:+.3e} (upper {result.upper:+.3e} <= "
+            f"{max_ne_change:g}) on {result.examples} examples")
+    if costs and len(result.moved_back) == len(costs):
+        widest = min((c["interval"][1] - c["interval"][0]) / 2 for c in result.checks[:-1])
+        if widest > max_ne_change:  # no plan could have been certified on these examples
+            note += (f"; the interval's half-width on them ({widest:.1e} at best) is over the "
+                     "budget: measure on more examples")
+    result.plan.notes.append(note)
     return result
