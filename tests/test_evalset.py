@@ -920,6 +920,37 @@ def test_the_probe_runs_before_any_row_of_its_case(tmp_path, monkeypatch):
                      eval_set=str(BENCH / "evalset"))
 
 
+# ------------------------------------------------------------- bench/evalset_quality.py
+def test_evalset_quality_scores_serving_plans_paired_against_bf16(tmp_path):
+    """bench/evalset_quality.py on the CPU: a tiny evaluation-set DLRM trained, served in
+    bf16 and with FP8 plans (dynamic, static, static under the serving NE budget), each
+    arm's change paired against bf16 serving on the same held-out examples."""
+    sys.path.insert(0, str(BENCH))
+    import evalset_quality as eq
+    out = tmp_path / "q.json"
+    assert eq.main(["--models", "dlrm:tiny:3e-3", "--seeds", "0", "--steps", "120",
+                    "--batch-size", "128", "--eval-batch", "256", "--eval-batches", "4",
+                    "--margins", "1", "--ne-budget", "1e-9", "--device", "cpu",
+                    "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "loka.evalset-quality" and doc["kernel"] == "emulated-tensorwise-e4m3"
+    run = doc["models"]["dlrm:tiny:3e-3"]["seeds"][0]
+    assert 0 < run["ne_bf16"] < 1 and run["linears"] == 7
+    arms = run["arms"]
+    assert set(arms) == {"dynamic", "static x1", "static x1 budget"}
+    for arm in arms.values():
+        lo, hi = arm["interval"]
+        assert lo <= arm["rel_ne_change"] <= hi and hi - lo < 0.05
+    assert arms["dynamic"]["static_sites"] == 0 < arms["static x1"]["static_sites"]
+    assert arms["static x1"]["fp8_sites"] == arms["dynamic"]["fp8_sites"] > 0
+    # a budget no 1024 validation examples can certify: every forward back, no change at all
+    budget = arms["static x1 budget"]
+    assert budget["fp8_sites"] == 0 and budget["rel_ne_change"] == 0.0
+    assert budget["budget"]["examples"] == 1024
+    assert len(budget["budget"]["moved_back"]) == arms["static x1"]["fp8_sites"]
+    assert eq.main(["--models", "nope:tiny", "--out", str(out)]) == 2
+
+
 # ------------------------------------------------------------------ bench/step_host.py
 def test_step_host_profiles_both_variants_and_refuses_a_bad_plan(tmp_path):
     """bench/step_host.py on the CPU: a tiny DCNv2's compiled serving step, bf16 and a
