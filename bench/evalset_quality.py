@@ -54,7 +54,7 @@ from evalset import EVAL_MODELS, loss_fn  # noqa: E402
 from loka.config import ProbeConfig  # noqa: E402
 from loka.data.metrics import normalized_entropy  # noqa: E402
 from loka.dispatch import apply, plan as make_plan  # noqa: E402
-from loka.dispatch.linear import Linear  # noqa: E402
+from loka.dispatch.static import static_saturation  # noqa: E402
 from loka.jsonio import atomic_write_text, json_safe  # noqa: E402
 from loka.probe import probe  # noqa: E402
 from loka.quality.serving import fp8_forwards, serve_ne_budget  # noqa: E402
@@ -83,22 +83,6 @@ def serve(model: torch.nn.Module, batches) -> np.ndarray:
     with torch.no_grad():
         return np.concatenate([model(*inputs).float().reshape(-1).double().cpu().numpy()
                                for inputs, _ in batches])
-
-
-def saturation(model: torch.nn.Module, batches) -> dict:
-    """Per FP8 site with a static scale: the largest share, over ``batches``, of its input
-    elements beyond its amax."""
-    worst, hooks = {}, []
-    for name, mod in model.named_modules():
-        if isinstance(mod, Linear) and mod.input_amax is not None:
-            def hook(m, args, name=name):
-                frac = float((args[0].detach().abs() > m.input_amax).float().mean())
-                worst[name] = max(worst.get(name, 0.0), frac)
-            hooks.append(mod.register_forward_pre_hook(hook))
-    serve(model, batches)
-    for h in hooks:
-        h.remove()
-    return worst
 
 
 def one_seed(name: str, scale: str, seed: int, args, lr: float) -> dict:
@@ -142,7 +126,7 @@ def one_seed(name: str, scale: str, seed: int, args, lr: float) -> dict:
         fp8.eval()
         logits = serve(fp8, held)
         change, lo, hi = ratio_interval(base_ll, example_log_losses(logits, labels))
-        sat = saturation(fp8, held) if plan.static_scales else {}
+        sat = static_saturation(fp8, lambda: serve(fp8, held)) if plan.static_scales else {}
         out["arms"][arm] = {"rel_ne_change": change, "interval": [lo, hi],
                             "fp8_sites": len(fp8_forwards(plan)),
                             "static_sites": len(plan.static_scales or {}),

@@ -40,7 +40,7 @@ from loka.config import ProbeConfig
 from loka.data import SyntheticCTR
 from loka.data.metrics import normalized_entropy
 from loka.dispatch import apply, plan as make_plan
-from loka.dispatch.linear import Linear
+from loka.dispatch.static import static_saturation
 from loka.jsonio import atomic_write_text, json_safe
 from loka.probe import probe
 from loka.quality.stats import example_log_losses, ratio_interval
@@ -49,25 +49,6 @@ from loka.train import loss_fn, predict, train
 KERNEL = "emulated-tensorwise-e4m3"
 HELD_OUT_SEED = 10_000
 PROBE_SEED = 5_000
-
-
-def saturation(model: torch.nn.Module, batches) -> dict:
-    """Per FP8 site with a static scale: the largest fraction, over ``batches``, of its input
-    elements beyond its amax."""
-    worst, hooks = {}, []
-    for name, mod in model.named_modules():
-        if isinstance(mod, Linear) and mod.input_amax is not None:
-            def hook(m, args, name=name):
-                x = args[0].detach()
-                frac = float((x.abs() > m.input_amax).float().mean())
-                worst[name] = max(worst.get(name, 0.0), frac)
-            hooks.append(mod.register_forward_pre_hook(hook))
-    with torch.no_grad():
-        for b in batches:
-            model(b)
-    for h in hooks:
-        h.remove()
-    return worst
 
 
 def one_seed(name: str, preset: str, seed: int, args, lr: float) -> dict:
@@ -103,7 +84,8 @@ def one_seed(name: str, preset: str, seed: int, args, lr: float) -> dict:
         logits, _ = predict(served, eval_batches, device="cpu")
         logits = np.asarray(logits, np.float64)
         change, lo, hi = ratio_interval(base_ll, example_log_losses(logits, labels))
-        sat = saturation(served, eval_batches) if plan.static_scales else {}
+        sat = (static_saturation(served, lambda: [served(b) for b in eval_batches])
+               if plan.static_scales else {})
         out["fp8_sites"] = len(plan.fp8_sites())
         out["arms"][arm] = {"rel_ne_change": change, "interval": [lo, hi],
                             "static_sites": len(plan.static_scales),

@@ -3,14 +3,18 @@
 
 from __future__ import annotations
 
-from typing import Dict, Mapping, Optional
+from typing import Callable, Dict, Mapping, Optional
+
+import torch
+from torch import nn
 
 from ..config import Role
 from ..kernels import registry
-from .linear import takes_static_input_scale
+from .linear import Linear, takes_static_input_scale
 from .schema import Plan
 
-__all__ = ["amax_from_report", "observed_amax", "plan_takes_static", "static_scales_for"]
+__all__ = ["amax_from_report", "observed_amax", "plan_takes_static", "static_scales_for",
+           "static_saturation"]
 
 
 def plan_takes_static(plan: Plan, site: str) -> bool:
@@ -67,3 +71,26 @@ def static_scales_for(plan: Plan, amax: Mapping[str, float]) -> Dict[str, float]
     set for ``plan``."""
     return {site: value for site, value in amax.items()
             if site in plan.sites and plan_takes_static(plan, site)}
+
+
+def static_saturation(model: nn.Module, run: Callable[[], object]) -> Dict[str, float]:
+    """Per FP8 site of ``model`` that serves with a static input scale: the largest share,
+    over the calls ``run()`` makes, of its input elements beyond its amax (they saturate).
+    ``run`` serves the data (e.g. ``lambda: [model(b) for b in batches]``); the hooks that
+    count are removed after it, and a site ``run`` never calls is absent."""
+    worst: Dict[str, float] = {}
+    hooks = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, Linear) and mod.input_amax is not None:
+            def count(m, args, name=name):
+                x = args[0].detach()
+                share = float((x.abs() > m.input_amax).sum()) / max(x.numel(), 1)
+                worst[name] = max(worst.get(name, 0.0), share)
+            hooks.append(mod.register_forward_pre_hook(count))
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return worst

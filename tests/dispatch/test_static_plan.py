@@ -155,3 +155,33 @@ def test_apply_sets_the_plans_scales_unless_told_otherwise():
     loka.apply(model, plan, inference=True)
     assert tuple(model[0]._input_scales.shape) == (8, 1)
     torch.testing.assert_close(model[0]._input_scales, torch.full((8, 1), 2.5 / 448))
+
+
+def test_static_saturation_counts_each_sites_inputs_beyond_its_amax():
+    """``loka.dispatch.static.static_saturation``: per site serving with a static scale, the
+    largest share over the calls of its input elements beyond its amax, counted exactly
+    (float64 reference below); sites without a static scale or never called are absent, and
+    the counting hooks are gone after the run, even when it raises."""
+    from loka.dispatch.static import static_saturation
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16), nn.Linear(16, 16))
+    plan = Plan.uniform(model, "emulated-tensorwise-e4m3")
+    plan.static_scales = {"0": 1.5, "2": 0.25}
+    loka.apply(model, plan, inference=True)
+    xs = [torch.randn(64, 32), torch.randn(64, 32) * 3]
+    got = static_saturation(model, lambda: [model(x) for x in xs])
+    assert set(got) == {"0", "2"}
+
+    def share(t, amax):
+        return float((t.double().abs() > amax).double().mean())
+    with torch.no_grad():
+        hidden = [torch.relu(model[0](x)) for x in xs]
+    assert got["0"] == pytest.approx(max(share(x, 1.5) for x in xs), abs=1e-12)
+    assert got["2"] == pytest.approx(max(share(h, 0.25) for h in hidden), abs=1e-12)
+    assert 0 < got["0"] < 1 and got["0"] > share(xs[0], 1.5)  # the larger batch decides
+    assert all(not m._forward_pre_hooks for m in model.modules())
+    with pytest.raises(RuntimeError, match="boom"):
+        static_saturation(model, lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert all(not m._forward_pre_hooks for m in model.modules())
+    assert static_saturation(model, lambda: None) == {}
