@@ -54,7 +54,7 @@ from evalset import EVAL_MODELS, loss_fn  # noqa: E402
 from loka.config import ProbeConfig  # noqa: E402
 from loka.data.metrics import normalized_entropy  # noqa: E402
 from loka.dispatch import apply, plan as make_plan  # noqa: E402
-from loka.dispatch.static import static_saturation  # noqa: E402
+from loka.dispatch.static import static_saturation, static_scales_for  # noqa: E402
 from loka.jsonio import atomic_write_text, json_safe  # noqa: E402
 from loka.probe import probe  # noqa: E402
 from loka.quality.serving import fp8_forwards, serve_ne_budget  # noqa: E402
@@ -119,7 +119,9 @@ def one_seed(name: str, scale: str, seed: int, args, lr: float) -> dict:
             val = [served.make_batch(args.eval_batch, device=dev, dtype=torch.bfloat16,
                                      seed=VALIDATION_SEED + seed * 1000 + i)
                    for i in range(args.eval_batches)]
-            budget = serve_ne_budget(plan, served, val, max_ne_change=args.ne_budget)
+            # the seed's own NE decides whether it learned (the summary), not the budget
+            budget = serve_ne_budget(plan, served, val, max_ne_change=args.ne_budget,
+                                     max_baseline_ne=None)
             plan = budget.plan
         fp8 = copy.deepcopy(served)
         apply(fp8, plan, inference=True)
@@ -129,7 +131,8 @@ def one_seed(name: str, scale: str, seed: int, args, lr: float) -> dict:
         sat = static_saturation(fp8, lambda: serve(fp8, held)) if plan.static_scales else {}
         out["arms"][arm] = {"rel_ne_change": change, "interval": [lo, hi],
                             "fp8_sites": len(fp8_forwards(plan)),
-                            "static_sites": len(plan.static_scales or {}),
+                            "static_sites": len(static_scales_for(plan,
+                                                                  plan.static_scales or {})),
                             "saturation_max": max(sat.values()) if sat else 0.0,
                             "sites_saturating": sum(1 for v in sat.values() if v > 0)}
         if budget is not None:
@@ -188,6 +191,9 @@ def main(argv=None) -> int:
                                  f"{sorted(EVAL_MODELS)}")
             specs.append((spec, parts[0], parts[1],
                           float(parts[2]) if len(parts) > 2 else args.lr))
+        if not 0 < args.steps <= PROBE_SEED:
+            # training batches' seeds would reach the probe, held-out and validation streams
+            raise ValueError(f"--steps must be in [1, {PROBE_SEED}], got {args.steps}")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

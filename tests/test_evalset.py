@@ -949,6 +949,8 @@ def test_evalset_quality_scores_serving_plans_paired_against_bf16(tmp_path):
     assert budget["budget"]["examples"] == 1024
     assert len(budget["budget"]["moved_back"]) == arms["static x1"]["fp8_sites"]
     assert eq.main(["--models", "nope:tiny", "--out", str(out)]) == 2
+    # training batches whose seeds would reach the probe and held-out streams
+    assert eq.main(["--models", "dlrm:tiny", "--steps", "6000", "--out", str(out)]) == 2
 
 
 # ------------------------------------------------------------------ bench/step_host.py

@@ -461,7 +461,9 @@ def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch
                  "untuned_fp8_sites": len(fp8_sites(result.untuned)), "timed": result.timed,
                  "apply_notes": list(getattr(applied, "notes", []) or [])}
         if static:
-            extra["static_sites"] = sorted(result.plan.static_scales or {})
+            # the sites that serve with one (a plan moved back keeps its scales unused)
+            extra["static_sites"] = sorted(static_scales_for(result.plan,
+                                                             result.plan.static_scales or {}))
         return len(chosen), list(result.plan.notes[-2:]), extra
     raise ValueError(f"unknown variant {variant!r}")
 

@@ -152,6 +152,17 @@ def budget(text: str) -> float:
     return value
 
 
+def ne_change(text: str) -> float:
+    """An argparse ``type``: a relative NE change bound, a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return value
+
+
 def speedup(text: str) -> float:
     """An argparse ``type``: a speed threshold, a finite number > 0."""
     value = budget(text)

@@ -497,8 +497,8 @@ def cmd_optimize(args) -> int:
     if args.max_ne_change is not None and not args.inference:
         raise usage("--max-ne-change holds a serving plan to a bound: add --inference",
                     "for training plans: loka quality --max-ne-change")
-    if args.max_ne_change == 0:
-        raise usage("--max-ne-change must be > 0")
+    if args.budget_batches is not None and args.max_ne_change is None:
+        raise usage("--budget-batches needs --max-ne-change")
     device = resolve_device(args)
     kernels, all_kernels = probe_kernels(args.kernels)
     model, desc, mods, batch_size, stream = _model_and_stream(args, device)
@@ -511,7 +511,7 @@ def cmd_optimize(args) -> int:
     if args.max_ne_change is not None:
         _, held = make_streams(parse_data(args.data), model, batch_size, args.seed, device,
                                skip_malformed=args.skip_bad_lines)
-        held_batches = [b for _, b in zip(range(args.budget_batches),
+        held_batches = [b for _, b in zip(range(args.budget_batches or 16),
                                           device_batches(held, device))]
 
         def budgeted(plan, say=lambda line: print(f"  {line}")):
@@ -541,6 +541,14 @@ def cmd_optimize(args) -> int:
                       progress=lambda line: print(f"  {line}"),
                       delayed_scaling=delayed_option(args), refine=refine,
                       **static_option(args))
+    if refine is not None and result.timed:
+        # the whole-step tuning may have moved the plan's sites to other kernels: the plan
+        # written is held to the budget as it is
+        final = budgeted(result.plan)
+        if final.moved_back:
+            print(f"  after timing: {final.plan.notes[-1]} (the timed plan had them in FP8)")
+        final.plan.budget["serve_ne_budget"] = final.to_dict()
+        result.plan = final.plan
     result.plan.save(args.out)
     if args.report:
         result.report.meta.update(model=desc, data=args.data, mods=dataclasses.asdict(mods),

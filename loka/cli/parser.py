@@ -14,7 +14,7 @@ from .. import bench
 from ..config import DispatchConfig
 from ..demo import DemoConfig
 from ..numerics.delayed import DEFAULT_DECAY
-from .args import EXIT_USAGE, budget, decay, positive, speedup
+from .args import EXIT_USAGE, budget, decay, ne_change, positive, speedup
 
 __all__ = ["PROG", "EPILOGS", "build_parser", "version"]
 
@@ -429,13 +429,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delayed-decay", type=decay, default=None, metavar="DECAY",
                    help=f"with --delayed-scaling: the decay, in (0, 1] (default {DEFAULT_DECAY})")
     _static_scales(p)
-    p.add_argument("--max-ne-change", type=positive(float, "--max-ne-change", 0), default=None,
-                   metavar="X",
+    p.add_argument("--max-ne-change", type=ne_change, default=None, metavar="X",
                    help="with --inference and a trained --checkpoint: move the costliest FP8 "
                         "forwards back until serving changes the held-out NE by at most X "
                         "(relative, upper 95%% bound; 2e-4 is 0.02%%), before any step is timed")
-    p.add_argument("--budget-batches", type=positive(int, "--budget-batches"), default=16,
-                   help="with --max-ne-change: held-out batches the NE change is measured on")
+    p.add_argument("--budget-batches", type=positive(int, "--budget-batches"), default=None,
+                   help="with --max-ne-change: held-out batches the NE change is measured on "
+                        "(default 16)")
     _skip_bad_lines(p)
 
     p = add("audit", "check a plan against its Probe report: budgets kept, fastest chosen")

@@ -26,7 +26,9 @@ from torch import nn
 
 from ..data.metrics import normalized_entropy
 from ..dispatch.schema import Plan, Role
+from ..dispatch.static import static_scales_for
 from ..dispatch.swap import apply, restore_on_exit, root_module, unapply
+from ..jsonio import json_safe
 from .budget import (DEFAULT_MAX_NE_CHANGE, BaselineNotLearnedError, SiteRoleCost,
                      fp8_site_roles, only, second_order_cost, without)
 from .stats import example_log_losses, ratio_interval
@@ -46,7 +48,7 @@ class ServeBudgetResult:
 
     plan: Plan
     """the plan within the budget: a site moved back has every role on the baseline, its
-    forward carrying its cost (``ne_cost``)"""
+    forward carrying its cost (``ne_cost``), and no static scale"""
     costs: List[SiteRoleCost]
     """every FP8 forward of the plan given, alone, costliest first"""
     checks: List[Dict[str, Any]] = field(default_factory=list)
@@ -69,10 +71,11 @@ class ServeBudgetResult:
         return self.checks[-1]["interval"][1] if self.checks else 0.0
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"costs": [vars(c) for c in self.costs], "checks": self.checks,
-                "moved_back": self.moved_back, "baseline_ne": self.baseline_ne,
-                "examples": self.examples, "rel_ne_change": self.rel_ne_change,
-                "upper": self.upper, "fp8_forwards": len(fp8_forwards(self.plan))}
+        """JSON-safe (a non-finite cost or change, a plan's non-finite logits, as a string)."""
+        return json_safe({"costs": [vars(c) for c in self.costs], "checks": self.checks,
+                          "moved_back": self.moved_back, "baseline_ne": self.baseline_ne,
+                          "examples": self.examples, "rel_ne_change": self.rel_ne_change,
+                          "upper": self.upper, "fp8_forwards": len(fp8_forwards(self.plan))})
 
 
 def _default_labels(batch) -> torch.Tensor:
@@ -135,27 +138,37 @@ def serve_ne_budget(plan: Plan, model: nn.Module, batches: Iterable, *,
     y = np.concatenate([np.asarray(labels(b).detach().float().reshape(-1).cpu(), np.float64)
                         for b in batches])
 
-    def serve() -> np.ndarray:
-        with torch.inference_mode():
+    def serve(plan_arm: bool) -> Optional[np.ndarray]:
+        """Logits of every example; None where a plan made them non-finite."""
+        with torch.no_grad():
             z = np.concatenate([np.asarray(forward(model, b).detach().float().reshape(-1).cpu(),
                                            np.float64) for b in batches])
         if z.shape != y.shape:
             raise ValueError(f"serve_ne_budget: {z.size} logits for {y.size} labels "
                              "(one logit per example)")
         if not np.isfinite(z).all():
+            if plan_arm:  # the plan's doing: infinitely costly, not an error
+                return None
             raise ValueError("serve_ne_budget: the model served non-finite logits")
         return z
 
-    def served(p: Optional[Plan]) -> np.ndarray:
+    def served(p: Optional[Plan]) -> Optional[np.ndarray]:
         if p is None:
-            return serve()
+            return serve(False)
         apply(root, p, inference=True)
         try:
-            return serve()
+            return serve(True)
         finally:
             unapply(root)
 
-    was_training = root.training
+    def change_of(z: Optional[np.ndarray]) -> Tuple[float, float, float]:
+        if z is None:
+            return math.inf, math.inf, math.inf
+        return ratio_interval(base_ll, example_log_losses(z, y), confidence)
+
+    # each module's own mode (a model may hold eval submodules in a training root), by name:
+    # apply and unapply swap module objects, the names stay
+    modes = {name: m.training for name, m in root.named_modules()}
     root.eval()
     try:
         with restore_on_exit(root):
@@ -172,41 +185,47 @@ def serve_ne_budget(plan: Plan, model: nn.Module, batches: Iterable, *,
             for i, site in enumerate(forwards):
                 say(f"cost {i + 1}/{len(forwards)}: {site}")
                 z = served(only(plan, site, Role.FWD))
-                change = ratio_interval(base_ll, example_log_losses(z, y), confidence)[0]
                 costs.append(SiteRoleCost(site, Role.FWD.value, plan.sites[site].kernel(Role.FWD),
-                                          second_order_cost(z0, z, y), change))
+                                          math.inf if z is None else second_order_cost(z0, z, y),
+                                          change_of(z)[0]))
             costs = [costs[i] for i in sorted(range(len(costs)),
                                               key=lambda i: (-costs[i].cost, i))]
             result = ServeBudgetResult(plan.copy(), costs, baseline_ne=ne0, examples=int(y.size))
-            cost_of = {(c.site, Role.FWD): c.cost for c in costs}
+            cost_of = {(c.site, Role.FWD): c.cost if math.isfinite(c.cost) else None
+                       for c in costs}
             roles_of: Dict[str, List[Tuple[str, Role]]] = {}
             for site, role in fp8_site_roles(plan):  # a site moved back serves in bf16 whole
                 roles_of.setdefault(site, []).append((site, role))
             for k in range(len(costs) + 1):
-                back = [pair for c in costs[:k] for pair in roles_of[c.site]]
-                candidate = without(plan, back, "serve NE budget", cost_of) if back else plan.copy()
+                moved = [c.site for c in costs[:k]]
+                candidate = (without(plan, [pair for s in moved for pair in roles_of[s]],
+                                     "serve NE budget", cost_of) if moved else plan.copy())
+                if candidate.static_scales:  # only a forward in FP8 takes a scale
+                    candidate.static_scales = static_scales_for(candidate,
+                                                                candidate.static_scales)
                 if k == len(costs):  # nothing left in FP8: no change at all
-                    result.plan, result.moved_back = candidate, [c.site for c in costs[:k]]
+                    result.plan, result.moved_back = candidate, moved
                     result.checks.append({"moved_back": k, "sites": 0, "rel_ne_change": 0.0,
                                           "interval": [0.0, 0.0]})
                     break
                 say(f"check {k + 1}: {len(costs) - k} FP8 forward(s)")
-                change, lo, hi = ratio_interval(base_ll, example_log_losses(served(candidate), y),
-                                                confidence)
+                change, lo, hi = change_of(served(candidate))
                 result.checks.append({"moved_back": k, "sites": len(costs) - k,
                                       "rel_ne_change": change, "interval": [lo, hi]})
                 if hi <= max_ne_change:
-                    result.plan, result.moved_back = candidate, [c.site for c in costs[:k]]
+                    result.plan, result.moved_back = candidate, moved
                     break
     finally:
-        root.train(was_training)
+        for name, m in root.named_modules():
+            if name in modes:
+                m.training = modes[name]
     note = (f"serve NE budget: {len(result.moved_back)} of {len(costs)} FP8 forward(s) back; "
             f"relative NE change {result.rel_ne_change:+.3e} (upper {result.upper:+.3e} <= "
             f"{max_ne_change:g}) on {result.examples} examples")
     if costs and len(result.moved_back) == len(costs):
-        widest = min((c["interval"][1] - c["interval"][0]) / 2 for c in result.checks[:-1])
-        if widest > max_ne_change:  # no plan could have been certified on these examples
-            note += (f"; the interval's half-width on them ({widest:.1e} at best) is over the "
-                     "budget: measure on more examples")
+        narrowest = min((c["interval"][1] - c["interval"][0]) / 2 for c in result.checks[:-1])
+        if narrowest > max_ne_change:  # no plan could have been certified on these examples
+            note += (f"; the interval's half-width on them ({narrowest:.1e} at best) is over "
+                     "the budget: measure on more examples")
     result.plan.notes.append(note)
     return result

@@ -4,6 +4,8 @@ Linear whose input carries an outlier channel that tensorwise FP8 serves badly."
 
 import copy
 import math
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -157,8 +159,39 @@ def test_static_scales_stay_with_the_sites_that_keep_fp8(trained, held):
     loka.apply(served, res.plan, inference=True)  # a site moved back takes no scale
     kept = fp8_forwards(res.plan)
     assert kept and "second" not in kept
+    assert set(res.plan.static_scales) == set(kept)  # a site moved back takes no scale
     for name in kept:
         assert float(served.get_submodule(name).input_amax) == pytest.approx(50.0)
+    # the checks serve the static plans as loka.apply sets them
+    assert res.rel_ne_change == pytest.approx(_ne_change(trained, res.plan, held),
+                                              rel=1e-9, abs=1e-12)
+    assert res.checks[0]["rel_ne_change"] == pytest.approx(_ne_change(trained, plan, held),
+                                                           rel=1e-9, abs=1e-12)
+
+
+def test_each_module_keeps_its_own_mode(trained, held):
+    """A model holding an eval submodule in a training root comes back as it was."""
+    model = copy.deepcopy(trained).train()
+    model.third.eval()
+    serve_ne_budget(_plan(model), model, held, max_ne_change=1.0)
+    assert model.training and model.second.training and not model.third.training
+
+
+def test_a_plan_that_serves_non_finite_logits_is_infinitely_costly(trained, held):
+    """A forward a plan makes non-finite costs inf and is the first moved back (a stand-in
+    forward here turns the logits to inf while `second` serves in FP8); the budget's JSON
+    carries the infinities as strings."""
+    def forward(m, b):
+        out = m(b[0])
+        return out * math.inf if isinstance(m.second, LokaLinear) else out
+    res = serve_ne_budget(_plan(trained), trained, held, forward=forward, max_ne_change=1.0)
+    assert res.costs[0].site == "second" and res.costs[0].cost == math.inf
+    assert res.checks[0]["interval"][1] == math.inf and res.moved_back == ["second"]
+    assert math.isfinite(res.upper) and res.upper <= 1.0
+    d = res.to_dict()
+    assert d["costs"][0]["cost"] == "inf" and d["checks"][0]["rel_ne_change"] == "inf"
+    assert res.plan.sites["second"].roles[loka.Role.FWD].ne_cost is None
+    res.plan.save(str(Path(tempfile.mkdtemp()) / "plan.json"))  # strict JSON
 
 
 def test_bad_input_is_refused(trained, held):
