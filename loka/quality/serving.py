@@ -101,8 +101,9 @@ def serve_ne_budget(plan: Plan, model: nn.Module, batches: Iterable, *,
     Args:
         plan: a serving plan (``loka.plan(report, inference=True[, static_scales=True])``);
             not changed. Its static scales stay with the sites that keep FP8.
-        model: the trained model as it will be served (device, dtype), without a plan
-            applied; left as it was.
+        model: the trained model as it will be served (device, dtype); left as it was (a
+            plan applied to it is taken off while it serves and put back after, and every
+            module keeps its own train/eval mode).
         batches: held-out batches (materialised once; every check serves all of them).
         forward: ``forward(model, batch) -> logits``, one logit per example (default: for
             an ``(inputs, labels)`` pair ``model(*inputs)`` when inputs is a tuple, else
