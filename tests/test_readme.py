@@ -35,3 +35,20 @@ def test_readme_example_runs(tmp_path, monkeypatch, capsys):
     batch = next(iter(scope["data"]))
     with torch.no_grad():
         assert torch.isfinite(model(batch)).all()
+
+
+def test_every_python_block_of_the_readme_is_valid_python_naming_real_api():
+    """The other ```python blocks (illustrations that need a trained model or a GPU) are at
+    least valid Python, and every ``loka.`` name they use exists."""
+    with open(README) as f:
+        blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+    assert len(blocks) >= 2
+    import loka.quality
+    for block in blocks:
+        compile(block, "README.md", "exec")
+        for dotted in re.findall(r"\bloka(?:\.[A-Za-z_]\w*)+", block):
+            obj = loka
+            for part in dotted.split(".")[1:]:
+                obj = getattr(obj, part)
+    assert "serve_ne_budget" in blocks[1]
+    assert callable(loka.quality.serve_ne_budget)
