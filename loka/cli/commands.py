@@ -26,7 +26,7 @@ import torch
 from .. import bench
 from ..assembly import (AssemblyError, Optimizers, build_model, criteo_features, device_batches,
                         make_streams, parse_data)
-from ..config import ROLES, ProbeConfig
+from ..config import ROLES, ProbeConfig, Role
 from ..data import CriteoFormatError
 from ..demo.runner import run as run_demo
 from ..dispatch import Plan, PlanMismatchError, apply, audit, check, optimize, override
@@ -529,7 +529,9 @@ def cmd_optimize(args) -> int:
         budgeted(Plan.uniform(model, "bf16"), say=lambda line: None)  # learned? before probing
     config = ProbeConfig(num_samples=args.num_samples, kernels=kernels,
                          all_kernels=all_kernels, seed=args.seed,
-                         every_n_steps=1, max_error=args.max_error, min_speedup=args.min_speedup)
+                         every_n_steps=1, max_error=args.max_error, min_speedup=args.min_speedup,
+                         # serving runs forwards only: nothing else is measured
+                         roles=(Role.FWD,) if args.inference else ROLES)
     print(f"optimizing {desc} for {'serving' if args.inference else 'training'} on {device}")
 
     result = optimize(model, batches, _autocast_loss(device), inference=args.inference,

@@ -23,7 +23,7 @@ from typing import Callable, Iterable, List, Optional, Sequence
 import torch
 from torch import nn
 
-from ..config import ProbeConfig
+from ..config import ProbeConfig, Role
 from ..kernels import registry
 from ..kernels.registry import Scaling
 from ..numerics.delayed import check_decay
@@ -222,7 +222,8 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
             steps are timed.
         loss_fn: ``loss_fn(model, batch) -> scalar loss``.
         inference: plan and time serving (forward only, weights quantized once).
-        config: the Probe's settings (default :class:`~loka.ProbeConfig`).
+        config: the Probe's settings (default :class:`~loka.ProbeConfig`; for serving,
+            with ``roles=(Role.FWD,)``: a serving plan runs forwards only).
         report: a Probe report of this model made before: the Probe is not run again.
         max_error, min_speedup, allowed_kernels, head_sites: passed to :func:`loka.plan`.
         time_step: ``time_step(model) -> ms`` of the caller's own (milliseconds, as the
@@ -271,9 +272,14 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     timed = time_step is not None or device.type == "cuda"
 
     if report is None:
+        if config is None:
+            # a serving plan runs forwards only: the Probe measures nothing else (a third of
+            # the errors and timings of all three roles)
+            config = ProbeConfig(roles=(Role.FWD,)) if inference else ProbeConfig()
         say(f"probing {sum(1 for m in root.modules() if isinstance(m, nn.Linear))} Linear(s) "
-            f"over {len(batches)} batch(es)")
-        report = probe(model, batches, loss_fn, config=config or ProbeConfig())
+            f"over {len(batches)} batch(es)"
+            + (", forwards only" if tuple(config.roles) == (Role.FWD,) else ""))
+        report = probe(model, batches, loss_fn, config=config)
     # where the report has no decisive timing, a safe kernel is a candidate all the same:
     # the whole step decides (or, untimed, the plan is made on error alone, and says so)
     untuned = make_plan(report, max_error=max_error, min_speedup=min_speedup,

@@ -189,3 +189,19 @@ def test_static_scales_serve_every_plan_timed_and_the_one_returned():
                if isinstance(m, Linear) and not m._all_baseline)
     with pytest.raises(ValueError, match="for serving"):
         optimize(_model(), _batches(), _loss, config=_config(), static_scales=True)
+
+
+def test_a_serving_probe_measures_forwards_only():
+    """``optimize(inference=True)`` without a config probes the forwards alone (a serving
+    plan runs nothing else): the report holds the forward of every site and no other role,
+    and the plan is the one a full report gives for serving; training probes all roles, and
+    a config given is used as it is."""
+    served = optimize(_model(), _batches(), _loss, inference=True)
+    assert all(list(s.roles) == [loka.Role.FWD] for s in served.report.sites.values())
+    full = loka.probe(_model(), _batches(), _loss,
+                      config=loka.ProbeConfig(progress=False))
+    assert {n: sp.roles[loka.Role.FWD].kernel for n, sp in served.untuned.sites.items()} == \
+        {n: sp.roles[loka.Role.FWD].kernel
+         for n, sp in loka.plan(full, inference=True, assume_fast=True).sites.items()}
+    given = optimize(_model(), _batches(), _loss, inference=True, config=_config())
+    assert all(set(s.roles) == set(loka.config.ROLES) for s in given.report.sites.values())
