@@ -731,7 +731,7 @@ class Linear(nn.Linear):
         br, bc = operand_block(gran, "a")
         m, k = x2d.shape
         grid = (1 if br == -1 else -(-m // br), 1 if bc == -1 else -(-k // bc))
-        table = self._input_scales
+        table = self._xs_table
         # a slice of the table is a view; shapes are fixed per compiled graph
         scale = table[:grid[0]] if grid[0] <= table.shape[0] else table[:1].expand(grid)
         # checked once, in set_input_amax: no host synchronization per call
@@ -808,7 +808,9 @@ class Linear(nn.Linear):
         x2d = x.reshape(-1, self.in_features)
         if x_q is not None and tuple(x_q.shape) != tuple(x2d.shape):
             raise ValueError(f"x_q has shape {tuple(x_q.shape)}, expected {tuple(x2d.shape)}")
-        if x_q is None and self._input_scales is not None:
+        # the held state read from the instance's __dict__, not through its properties
+        # (whose code a compiled step would guard at every site)
+        if x_q is None and self._xs_table is not None:
             x_q = self._quantize_input(x2d)
         mon = self.monitor
         armed = mon is not None and mon.armed  # a Python flag: compiled graphs guard on it
@@ -822,7 +824,7 @@ class Linear(nn.Linear):
             delayed = (self._delayed_formats, states, ready, self.delayed_decay)
             if not ready:
                 self._delayed_ready = True
-        weight_q = self.weight_q
+        weight_q = self._wq
         # serving from the FP8 weight reads nothing of the high-precision one: not passed,
         # so a compiled step has no guard on it
         weight = None if weight_q is not None and not grad else self.weight

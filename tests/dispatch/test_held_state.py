@@ -112,3 +112,21 @@ def test_a_compiled_forward_follows_a_new_fp8_weight_without_recompiling():
         y2 = compiled(x).float()
     assert counters["stats"]["unique_graphs"] == graphs == 1
     assert torch.allclose(y2, 2 * y1, rtol=1e-2, atol=1e-2)
+
+
+def test_a_compiled_serving_forward_guards_no_property_of_the_held_state():
+    """The hot path reads the held state from the instance's ``__dict__`` (``_wq``,
+    ``_xs_table``), not through the ``weight_q`` and ``_input_scales`` properties, whose
+    code a compiled step would otherwise guard at every site; the guards still see the
+    held tensors themselves."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    torch._dynamo.reset()
+    lin = _serving_linear()
+    compiled = torch.compile(lin)
+    with torch.no_grad():
+        compiled(torch.randn(16, 64, dtype=torch.bfloat16))
+    entries = _debug_get_cache_entry_list(type(lin).forward.__code__)
+    assert len(entries) == 1
+    guards = str(entries[0].guard_manager)
+    assert "['weight_q']" not in guards and "['_input_scales']" not in guards
+    assert "._wq" in guards and "._xs_table" in guards
