@@ -664,6 +664,25 @@ def test_optimize_holds_a_serving_plan_to_an_ne_budget(tmp_path, capsys, monkeyp
     assert "after timing: serve NE budget" in out
     plan = loka.Plan.load(after)
     assert not plan.fp8_sites() and plan.budget["serve_ne_budget"]["moved_back"]
+    # a timed plan as the budget left it is not checked again: the learned check, the budget
+    calls = []
+    real_budget = commands.serve_ne_budget
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real_budget(*a, **k)
+
+    def unchanged_optimize(*a, **k):
+        res = real(*a, **k)
+        res.timed = True
+        return res
+    monkeypatch.setattr(commands, "optimize", unchanged_optimize)
+    monkeypatch.setattr(commands, "serve_ne_budget", counted)
+    code, out, err = run(base + ["--checkpoint", str(run_dir / "checkpoint.pt"),
+                                 "--max-ne-change", "1.0", "-o", str(after)], capsys)
+    assert code == 0, err
+    assert len(calls) == 2 and "after timing" not in out
+    assert loka.Plan.load(after).budget["serve_ne_budget"]["moved_back"] == []
     monkeypatch.undo()
     # no checkpoint: the model has not learned
     code, _, err = run(base + ["--max-ne-change", "2e-4", "-o", str(tmp_path / "x.json")],

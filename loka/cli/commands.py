@@ -31,12 +31,14 @@ from ..data import CriteoFormatError
 from ..demo.runner import run as run_demo
 from ..dispatch import Plan, PlanMismatchError, apply, audit, check, optimize, override
 from ..dispatch import plan as make_plan
+from ..dispatch.static import static_scales_for
 from ..jsonio import atomic_write_text, json_safe
 from ..kernels import capabilities, registry
 from ..numerics.delayed import DEFAULT_DECAY
 from ..probe import probe
 from ..probe.report import ProbeReport
-from ..quality import BaselineNotLearnedError, ne_budget, paired_check, serve_ne_budget
+from ..quality import (BaselineNotLearnedError, fp8_forwards, ne_budget, paired_check,
+                       serve_ne_budget)
 from ..reporting import text_plan, text_report, write_html, write_markdown, write_tensorboard
 from ..reporting.tables import format_table
 from ..train import (CHECKPOINT_NAME, CheckpointError, EmptyEvaluationError, PlanChangedError,
@@ -521,10 +523,16 @@ def cmd_optimize(args) -> int:
             except BaselineNotLearnedError as e:
                 raise CliError(str(e), "give a trained --checkpoint (loka train)") from None
 
+        def served_as(plan):  # what a serving step runs: each FP8 forward, its scale
+            return ({s: plan.sites[s].kernel(Role.FWD) for s in fp8_forwards(plan)},
+                    static_scales_for(plan, plan.static_scales or {}))
+        checked = []  # what the budget held, as refine returned it
+
         def refine(plan):
             res = budgeted(plan)
             print(f"  {res.plan.notes[-1]}")
             res.plan.budget["serve_ne_budget"] = res.to_dict()
+            checked.append(served_as(res.plan))
             return res.plan
         budgeted(Plan.uniform(model, "bf16"), say=lambda line: None)  # learned? before probing
     config = ProbeConfig(num_samples=args.num_samples, kernels=kernels,
@@ -543,8 +551,8 @@ def cmd_optimize(args) -> int:
                       progress=lambda line: print(f"  {line}"),
                       delayed_scaling=delayed_option(args), refine=refine,
                       **static_option(args))
-    if refine is not None and result.timed:
-        # the whole-step tuning may have moved the plan's sites to other kernels: the plan
+    if refine is not None and result.timed and served_as(result.plan) not in checked:
+        # the whole-step tuning moved the plan's sites or changed their kernels: the plan
         # written is held to the budget as it is
         final = budgeted(result.plan)
         if final.moved_back:
