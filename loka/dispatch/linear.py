@@ -55,6 +55,7 @@ into the others'.
 
 from __future__ import annotations
 
+import weakref
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -387,6 +388,29 @@ def _held(t: torch.Tensor) -> nn.Parameter:
         nn.Parameter(t.detach(), requires_grad=False)
 
 
+_TABLES: "weakref.WeakValueDictionary[tuple, nn.Parameter]" = weakref.WeakValueDictionary()
+"""static scale tables by (device, dtype, shape, value), for :func:`_shared_table`"""
+
+
+def _shared_table(table: torch.Tensor) -> nn.Parameter:
+    """``table`` held (:func:`_held`), or, where every scale in it is one value, the table
+    another Linear already holds for that value, shape and device: Linears that read one
+    tensor and hold equal static scales (:func:`loka.dispatch.static.group_amax`) then
+    pass one tensor to a compiled step, whose casts of that input are one expression,
+    computed once. Tables are never written in place (a new amax makes a new one)."""
+    held = _held(table)
+    if held.device.type == "meta" or held.numel() == 0:
+        return held
+    first = held.reshape(-1)[0]
+    if not bool((held == first).all()):
+        return held
+    key = (str(held.device), held.dtype, tuple(held.shape), float(first))
+    shared = _TABLES.get(key)
+    if shared is None:
+        _TABLES[key] = shared = held
+    return shared
+
+
 _INTERNED: Dict[str, Kernel] = {}
 """kernels by the key a loka.Linear keeps (:func:`_intern`). Its forward reaches its Kernel
 objects through this one global: Dynamo then guards each kernel once, where objects
@@ -591,7 +615,7 @@ class Linear(nn.Linear):
 
     @_input_scales.setter
     def _input_scales(self, table: Optional[torch.Tensor]) -> None:
-        self.__dict__["_xs_table"] = None if table is None else _held(table)
+        self.__dict__["_xs_table"] = None if table is None else _shared_table(table)
 
     def _live_kernels(self) -> Tuple[Kernel, Kernel, Kernel]:
         """The kernels as the hot path reads them: through the module's global table

@@ -56,7 +56,7 @@ from ..probe.pricing import serve_static_time_us
 from ..probe.report import ProbeReport
 from .linear import takes_static_input_scale
 from .schema import Plan, RoleChoice, SitePlan
-from .static import observed_amax, static_scales_for
+from .static import group_amax, observed_amax, static_scales_for
 
 _UNTRUSTED_TIMINGS = ("none", "cpu-wallclock")
 
@@ -340,7 +340,7 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
               "dtype": dtypes.pop() if len(dtypes) == 1 else None}
     out = Plan(sites=sites, device=str(target), budget=budget_dict, source=source, notes=notes)
     if static_scales:
-        observed = {name: observed_amax(site) for name, site in report.sites.items()}
+        observed = group_amax(report)
         out.static_scales = static_scales_for(out, {n: a * float(static_margin)
                                                     for n, a in observed.items()
                                                     if a is not None})

@@ -13,8 +13,8 @@ from ..kernels import registry
 from .linear import Linear, takes_static_input_scale
 from .schema import Plan
 
-__all__ = ["amax_from_report", "observed_amax", "plan_takes_static", "static_scales_for",
-           "static_saturation"]
+__all__ = ["amax_from_report", "group_amax", "observed_amax", "plan_takes_static",
+           "static_scales_for", "static_saturation"]
 
 
 def plan_takes_static(plan: Plan, site: str) -> bool:
@@ -44,14 +44,33 @@ def amax_from_report(report, key: str = "act.amax", margin: float = 1.0) -> Dict
     """
     if not margin > 0:
         raise ValueError(f"margin must be positive, got {margin!r}")
-    out = {}
-    for name, site in report.sites.items():
-        v = observed_amax(site, key)
-        if v is not None:
-            out[name] = v * margin
+    out = {name: v * margin for name, v in group_amax(report, key).items() if v is not None}
     if not out and report.sites:
         raise KeyError(f"no site of the report has a finite positive stats value at {key!r}")
     return out
+
+
+def group_amax(report, key: str = "act.amax") -> Dict[str, Optional[float]]:
+    """Every report site's observed input amax (:func:`observed_amax`), where sites read one
+    tensor (the Probe's ``producers['x_group']``) the largest any of them observed.
+
+    Those sites saw row samples of one tensor, so the largest is the better estimate of its
+    amax; and with one value they hold one static scale, which lets compiled code cast the
+    tensor once for all of them instead of once per site (their casts are the same
+    expression of the same inputs, which AOTAutograd's common-subexpression pass merges;
+    :meth:`loka.Linear.set_input_amax` shares a table of equal scales between Linears).
+    """
+    values = {name: observed_amax(site, key) for name, site in report.sites.items()}
+    groups: Dict[str, float] = {}
+    for name, site in report.sites.items():
+        g, v = site.producers.get("x_group"), values[name]
+        if g is not None and v is not None:
+            groups[g] = max(groups.get(g, v), v)
+    for name, site in report.sites.items():
+        g = site.producers.get("x_group")
+        if g in groups and values[name] is not None:
+            values[name] = groups[g]
+    return values
 
 
 def observed_amax(site, key: str = "act.amax") -> Optional[float]:

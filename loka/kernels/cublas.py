@@ -13,6 +13,7 @@ import torch
 from ..config import GRAD_ROLES, Role
 from ..numerics import Granularity, QTensor
 from . import capabilities as caps
+from . import ops
 from .recipes import Recipe, check_gemm_operands
 from .registry import YES, Capability, Kernel, register
 
@@ -51,6 +52,9 @@ def _scaled_mm(qa: QTensor, qb: QTensor, out_dtype: torch.dtype, fast_accum: boo
         sa, sb = sa.reshape(()), sb.reshape(())
     else:  # rowwise scales must be contiguous: a static scale broadcast over rows is not
         sa, sb = sa.contiguous(), sb.contiguous()
+    if torch.compiler.is_compiling() and ops.scaled_mm_lowered():
+        # the same call; its operands' layouts made once per graph (loka.kernels.ops)
+        return torch.ops.loka.scaled_mm(a, b, sa, sb, out_dtype, fast_accum)
     return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype,
                             use_fast_accum=fast_accum)
 

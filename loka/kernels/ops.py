@@ -172,3 +172,100 @@ def runnable(kernel: Kernel) -> Kernel:
     if not is_opaque(kernel):
         return kernel
     return dataclasses.replace(kernel, fn=functools.partial(_call_op, kernel.name))
+
+
+# -- torch._scaled_mm as compiled code sees it ------------------------------------------
+#
+# ``aten._scaled_mm`` carries the ``needs_exact_strides`` tag: before its lowering runs,
+# Inductor copies every operand that is not yet a buffer of the strides eager tracing saw,
+# once per call. Two GEMMs reading one FP8 tensor that is a view of an unrealized cast (the
+# static cast of a transposed activation, reshaped to 2-D: Wukong's two Linears over one
+# layer output) then get two copies of it, each reading the high-precision tensor again.
+# ``loka::scaled_mm`` is the same call with a flexible layout; its lowering makes each
+# operand that layout once per graph and hands the same buffer to every GEMM that reads it
+# (bench/BENCHMARKS.md, "One FP8 copy of a tensor two Linears read"), then emits Inductor's
+# own ``_scaled_mm`` lowering: the compiled code calls the same extern kernel, with no
+# Python dispatch of its own. Compiled graphs cached by Inductor before a change of this
+# lowering keep the code it made then (the cache key does not hold a lowering's source).
+
+_SCALED_MM_LOWERED: Optional[bool] = None
+
+
+@torch.library.custom_op("loka::scaled_mm", mutates_args=(), tags=(torch.Tag.flexible_layout,))
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+              out_dtype: torch.dtype, use_fast_accum: bool) -> torch.Tensor:
+    """``torch._scaled_mm(a, b, scale_a, scale_b)`` (a row-major, b column-major)."""
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                            use_fast_accum=use_fast_accum)
+
+
+@scaled_mm.register_fake
+def _(a, b, scale_a, scale_b, out_dtype, use_fast_accum):
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"loka::scaled_mm shapes do not match: a {tuple(a.shape)} @ "
+                         f"b {tuple(b.shape)}")
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def _register_scaled_mm_lowering() -> bool:
+    """Register the Inductor lowering of ``loka::scaled_mm`` (comment above); False where
+    this Inductor lacks what it uses (compiled code then calls ``torch._scaled_mm``)."""
+    try:
+        from torch._inductor import ir
+        from torch._inductor.lowering import lowerings, register_lowering
+        from torch._inductor.virtualized import V
+    except Exception:  # noqa: BLE001 - an Inductor without these: the plain call stays
+        return False
+    aten_lowering = lowerings.get(torch.ops.aten._scaled_mm.default)
+    if aten_lowering is None:
+        return False
+
+    def operand_key(x):
+        # what the operand computes, as Inductor prints an elementwise function of its
+        # inputs: two casts of one tensor traced apart (one per Linear) print alike and
+        # are made once; anything that does not print is keyed by itself
+        try:
+            body = ir.Pointwise(device=x.get_device(), dtype=x.get_dtype(),
+                                inner_fn=x.make_loader(), ranges=list(x.get_size()))
+            return ("expr", str(x.get_dtype()), tuple(x.get_size()), body.inner_fn_str())
+        except Exception:  # noqa: BLE001 - no printable body: no sharing
+            return ("node", id(x))
+
+    def fixed(x, column_major: bool = False):
+        # the strides the eager call gives cuBLAS (a row-major, b column-major, contiguous
+        # scales), made once per graph for each operand node and shared by its readers
+        size = list(x.get_size())
+        if not size:
+            return x
+        made = V.graph.__dict__.setdefault("_loka_scaled_mm_operands", {})
+        key = (operand_key(x), column_major)
+        if key in made:
+            return made[key][1]
+        strides = [1, size[0]] if column_major else ir.FlexibleLayout.contiguous_strides(size)
+        out = ir.ExternKernel.require_exact_strides(x, strides)
+        made[key] = (x, out)  # x held: its id names it for the graph's lifetime
+        return out
+
+    def lower(a, b, scale_a, scale_b, out_dtype, use_fast_accum):
+        return aten_lowering(fixed(a), fixed(b, column_major=True), fixed(scale_a),
+                             fixed(scale_b), None, None, out_dtype, use_fast_accum)
+
+    try:
+        register_lowering(torch.ops.loka.scaled_mm.default, type_promotion_kind=None)(lower)
+    except Exception:  # noqa: BLE001 - registered by another copy of this module, or refused
+        return False
+    return True
+
+
+def scaled_mm_lowered() -> bool:
+    """Whether compiled code may call ``loka::scaled_mm`` (its lowering registered on the
+    first ask; ``LOKA_INDUCTOR_SCALED_MM=0`` keeps ``torch._scaled_mm``). Run eagerly, a
+    constant of the graph, even while Dynamo traces a caller."""
+    global _SCALED_MM_LOWERED
+    if _SCALED_MM_LOWERED is None:
+        _SCALED_MM_LOWERED = (os.environ.get("LOKA_INDUCTOR_SCALED_MM", "1") != "0"
+                              and _register_scaled_mm_lowering())
+    return _SCALED_MM_LOWERED
+
+
+scaled_mm_lowered._dynamo_marked_constant = True

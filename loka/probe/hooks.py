@@ -131,6 +131,10 @@ class SiteCollector:
         self._inputs: Dict[str, List[object]] = {}
         """site -> its inputs' autograd nodes, this step, until the root's forward ends (who
         else reads x: ``producers['x_users']``)"""
+        self._read: Dict[tuple, tuple] = {}
+        """the inputs read so far in this root forward: (base id, offset, shape, strides,
+        dtype) -> (first site that read it, its base tensor, held so that the id stays
+        its own until the forward ends): sites reading one tensor (``producers['x_group']``)"""
         self._walks: Dict[str, int] = {n: 0 for n in self.sites}
         """per site: graph walks that looked for its output gradient's producer"""
         self._in_root = False
@@ -204,12 +208,12 @@ class SiteCollector:
             h.remove()
         self._site_handles = []
         # nodes are held until the root's forward ends or the hooks go
-        self._outputs, self._inputs = {}, {}
+        self._outputs, self._inputs, self._read = {}, {}, {}
         self._in_root = False
 
     def _on_root_forward(self, module: nn.Module, args) -> None:
         # output nodes are recorded only inside the root's forward, and none outlives it
-        self._outputs, self._inputs, self._in_root = {}, {}, True
+        self._outputs, self._inputs, self._read, self._in_root = {}, {}, {}, True
         if self._manual or not (module.training and torch.is_grad_enabled()):
             return
         self._set_step(self._forwards)
@@ -241,6 +245,8 @@ class SiteCollector:
         site.producers["x"] = merge_kinds(site.producers.get("x"), producer_of(x))
         if site.producers.get("x_layout") != "rows":  # 'copied' only if every call copies
             site.producers["x_layout"] = x_layout(x, site.in_features)
+        if self._in_root:
+            self._note_reader(name, x)
         if (self._in_root and x.grad_fn is not None and "x_users" not in site.producers
                 and self._walks[name] < self.MAX_WALKS):
             inputs = self._inputs.setdefault(name, [])
@@ -273,6 +279,22 @@ class SiteCollector:
                 site.captured_x = x2d[: self._capture_rows].clone()
         if output.requires_grad:
             output.register_hook(functools.partial(self._on_grad, name, idx))
+
+    def _note_reader(self, name: str, x: torch.Tensor) -> None:
+        """Sites whose input is one tensor (the same view of the same base: Wukong's two
+        Linears over one layer output's transpose) share ``producers['x_group']``, the
+        name of the first of them to run: they observe samples of one tensor, so a static
+        scale for it is one value, and compiled code casts it once for all of them
+        (:func:`loka.dispatch.static.group_amax`)."""
+        base = x._base if x._base is not None else x
+        try:
+            key = (id(base), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype)
+        except (RuntimeError, NotImplementedError):  # a tensor without storage metadata
+            return
+        first, _ = self._read.setdefault(key, (name, base))
+        if first != name:
+            group = self.sites[first].producers.setdefault("x_group", first)
+            self.sites[name].producers.setdefault("x_group", group)
 
     def _on_root_output(self, module: nn.Module, args, output) -> None:
         """Who consumes each site's output (the producer of its gradient): one walk of the

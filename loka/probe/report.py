@@ -295,7 +295,9 @@ class SiteReport:
     producers: Dict[str, str] = field(default_factory=dict)
     """'x' and 'dy' -> the kind of op that makes that operand in the training step
     (:mod:`loka.probe.producers`); 'x_users' -> 'single' or 'shared' (whether ops other
-    than this GEMM read x); absent where the Probe did not see it"""
+    than this GEMM read x); 'x_layout' -> 'rows' or 'copied'; 'x_group' -> the first site
+    (in the forward's order) of the sites whose input is one tensor, present only where
+    several are; absent where the Probe did not see it"""
     order: Optional[int] = None
     """when it first ran in the observed training forwards (0 first; None: not recorded):
     the last to run are nearest the loss (``DispatchConfig.head_sites``)"""
@@ -324,7 +326,11 @@ class SiteReport:
             roles[rr.role] = rr
         producers = dict(field_mapping(d, "producers", where, {}))
         for operand, kind in producers.items():
-            if operand in ("x_users", "x_layout"):
+            if operand == "x_group":
+                if not isinstance(kind, str) or not kind:
+                    raise ReportError(f"{field_path(where, 'producers')}['x_group']: expected "
+                                      f"the name of a site, got {kind!r}")
+            elif operand in ("x_users", "x_layout"):
                 allowed = X_USERS if operand == "x_users" else X_LAYOUTS
                 if kind not in allowed:
                     raise ReportError(f"{field_path(where, 'producers')}[{operand!r}]: expected "

@@ -231,9 +231,8 @@ def test_on_a_simulated_gpu_static_scales_add_only_the_casts_no_producer_can_tak
     plain = launches(Mixed().to(torch.bfloat16), x)
     counts = {}
     for rows in (x.shape[0], 0):
-        for m in model.modules():
-            if isinstance(m, Linear):
-                m.set_input_amax(4.0, rows=rows)
+        for i, m in enumerate(l for l in model.modules() if isinstance(l, Linear)):
+            m.set_input_amax(4.0 + i, rows=rows)  # a scale of its own (equal ones share)
         torch._dynamo.reset()
         found = launches(model, x)
         assert len([l for l in found if l.kind == "gemm_fp8"]) == 4
@@ -242,3 +241,10 @@ def test_on_a_simulated_gpu_static_scales_add_only_the_casts_no_producer_can_tak
     assert counts[x.shape[0]] == plain_other + 2, (counts, plain_other)
     if kernel == "cublas-rowwise":  # one (M, 1) scale made per site and call
         assert counts[0] == counts[x.shape[0]] + 4, counts
+        # equal scales: the Linears hold one table, and its (M, 1) expansion is made once
+        for m in model.modules():
+            if isinstance(m, Linear):
+                m.set_input_amax(4.0, rows=0)
+        torch._dynamo.reset()
+        found = launches(model, x)
+        assert len([l for l in found if l.kind != "gemm_fp8"]) == counts[x.shape[0]] + 1

@@ -45,8 +45,8 @@ class UserModel(nn.Module):
 
 
 def _kinds(producers):
-    """The producer kinds of x and dy, without ``x_users`` and ``x_layout``."""
-    return {k: v for k, v in producers.items() if k not in ("x_users", "x_layout")}
+    """The producer kinds of x and dy, without ``x_users``, ``x_layout`` and ``x_group``."""
+    return {k: v for k, v in producers.items() if k not in ("x_users", "x_layout", "x_group")}
 
 
 def _ids(n=16):
