@@ -10,7 +10,10 @@ whole kernel call (quantization as passes of its own); serving takes the forward
 with its weight quantized once, as the serving plan runs it, step-aware where the report
 has it (``serve_us``: x's quantization priced by its producer), and at a site of the
 plan's ``static_scales`` the GEMM and what is left of a static cast
-(:func:`~loka.probe.pricing.serve_static_time_us`). Both predictions are returned:
+(:func:`~loka.probe.pricing.serve_static_time_us`), and the bytes a static plan saves
+on the copies of strided inputs, written in FP8 and once per group of Linears reading one
+tensor (:func:`copy_savings_us`, at the device's memory bandwidth).
+Both predictions are returned:
 the evaluation harness (``loka bench --eval-set``) records them beside every measured LoKA
 row, so the gap of each is measured, not assumed.
 
@@ -36,7 +39,7 @@ from ..probe.report import ProbeReport
 from .schema import Plan
 from .select import _UNTRUSTED_TIMINGS, head_of, judged_speedup
 
-__all__ = ["StepPrediction", "predict_step", "Ceiling", "fp8_ceiling"]
+__all__ = ["StepPrediction", "predict_step", "copy_savings_us", "Ceiling", "fp8_ceiling"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,9 @@ class StepPrediction:
     """the same prediction from the isolated kernel times alone"""
     step_aware: List[str] = field(default_factory=list)
     """FP8 site-roles priced step-aware (the others at their isolated time)"""
+    copies_us: float = 0.0
+    """serving with static scales: microseconds saved on the copies of strided inputs
+    (:func:`copy_savings_us`), part of ``saved_ms``"""
 
     @property
     def speedup(self) -> float:
@@ -66,7 +72,7 @@ class StepPrediction:
                 "predicted_speedup": self.speedup, "per_role_us": dict(self.per_role_us),
                 "untimed": list(self.untimed), "isolated_step_ms": self.isolated_step_ms,
                 "isolated_speedup": self.baseline_step_ms / self.isolated_step_ms,
-                "step_aware": list(self.step_aware)}
+                "step_aware": list(self.step_aware), "copies_us": self.copies_us}
 
 
 def predict_step(plan: Plan, report: ProbeReport, baseline_step_ms: float, *,
@@ -116,6 +122,8 @@ def predict_step(plan: Plan, report: ProbeReport, baseline_step_ms: float, *,
             per_role[key] = rr.baseline_us - (t if step is None else step)
             saved_us += per_role[key]
             isolated_us += rr.baseline_us - t
+    copies_us = copy_savings_us(plan, report) if inference else 0.0
+    saved_us += copies_us
     predicted = baseline_step_ms - saved_us / 1e3
     isolated = baseline_step_ms - isolated_us / 1e3
     if not (predicted > 0 and isolated > 0):
@@ -123,7 +131,42 @@ def predict_step(plan: Plan, report: ProbeReport, baseline_step_ms: float, *,
                          f"exceed the baseline step ({baseline_step_ms:.3f} ms): the report "
                          "is not of this model")
     return StepPrediction(baseline_step_ms, predicted, saved_us / 1e3, per_role, untimed,
-                          isolated, aware)
+                          isolated, aware, copies_us)
+
+
+def copy_savings_us(plan: Plan, report: ProbeReport) -> float:
+    """What a static serving plan saves on the copies to rows of strided inputs
+    (``producers['x_layout']`` 'copied'), priced at the device's memory bandwidth.
+
+    The step copies such an x in the step's precision for each Linear that reads it, in
+    bf16 as in the plan; with static scales the plan writes the copy in FP8 (one byte per
+    element), once for the Linears that read one tensor (``producers['x_group']``, one
+    scale: :func:`loka.dispatch.static.group_amax`). The GEMM timings hold none of it.
+    The saving is the bytes written less: ``M x K x (sum of the members' element sizes - 1)``
+    per group of FP8 forwards with a static scale. 0 where the report's device has no
+    known peaks (:func:`loka.kernels.roofline.peaks_for`)."""
+    peaks = peaks_for(report.device_name or "")
+    static = getattr(plan, "static_scales", None) or {}
+    if peaks is None or not static:
+        return 0.0
+    groups: Dict[str, List[tuple]] = {}
+    for site, sp in plan.sites.items():
+        sr = report.sites.get(site)
+        fwd = sp.roles.get(Role.FWD)
+        if (sr is None or site not in static or fwd is None or fwd.kernel == plan.baseline
+                or sr.producers.get("x_layout") != "copied"):
+            continue
+        size = _DTYPE_BYTES.get(sr.dtype, 2)
+        groups.setdefault(sr.producers.get("x_group", site), []).append(
+            (sr.tokens * sr.in_features, size))
+    saved_bytes = 0.0
+    for members in groups.values():
+        elements = max(n for n, _ in members)
+        saved_bytes += sum(n * size for n, size in members) - elements
+    return max(saved_bytes, 0.0) / (peaks.hbm_tbps * 1e6)
+
+
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 @dataclass(frozen=True)

@@ -176,3 +176,67 @@ def test_compiled_on_the_cpu_the_op_serves_as_eager_does():
         got = torch.compile(both)(x)
     assert ops.scaled_mm_lowered()
     assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_a_static_plan_is_credited_the_bytes_its_copies_of_strided_inputs_save():
+    """``copy_savings_us``: each Linear over a strided x copies it in bf16 (2 bytes per
+    element); a static FP8 plan writes one FP8 copy per group of Linears reading one tensor.
+    Rows-laid inputs, dynamic or bf16 forwards and unknown devices save nothing here."""
+    from loka.config import BASELINE, Role
+    from loka.dispatch import SitePlan, copy_savings_us, predict_step
+    from loka.probe.report import KernelResult, RoleReport
+
+    def site(name, layout, group=None):
+        producers = {"x": "pointwise", "x_layout": layout}
+        if group:
+            producers["x_group"] = group
+        kr = KernelResult("cublas-tensorwise", time_us=90.0, speedup=100 / 90,
+                          timing="cuda-graph+compiled", time_us_weight_q=80.0,
+                          time_us_gemm=70.0)
+        return SiteReport(name, 64, 32, 1000, producers=producers, roles={
+            Role.FWD: RoleReport(Role.FWD, (1000, 64, 32), 100.0, {"cublas-tensorwise": kr})})
+
+    sites = [site("a", "copied", "a"), site("b", "copied", "a"), site("c", "copied"),
+             site("d", "rows"), site("e", "copied")]
+    report = ProbeReport(sites={s.name: s for s in sites}, device="cuda",
+                         device_name="NVIDIA H100 80GB HBM3")
+    plan = Plan(sites={s.name: SitePlan(s.name, 64, 32, 1000, {
+        Role.FWD: RoleChoice("cublas-tensorwise"), Role.DGRAD: RoleChoice(BASELINE),
+        Role.WGRAD: RoleChoice(BASELINE)}) for s in sites}, device="cuda")
+    plan.static_scales = {n: 4.0 for n in "abcd"}  # e keeps a dynamic scale
+    n = 1000 * 64
+    want = ((2 * n * 2 - n) + (n * 2 - n)) / 3.35e6  # group a+b, then c alone
+    assert copy_savings_us(plan, report) == pytest.approx(want)
+    serve = predict_step(plan, report, 1.0, inference=True)
+    assert serve.copies_us == pytest.approx(want)
+    # four static forwards at the GEMM alone (70 us), e at its weight-quantized call (80 us)
+    assert serve.saved_ms == pytest.approx((4 * (100 - 70) + (100 - 80) + want) / 1e3)
+    assert predict_step(plan, report, 1.0).copies_us == 0.0  # training: no such copies priced
+    report.device_name = "cpu"
+    assert copy_savings_us(plan, report) == 0.0
+
+
+def test_repredict_recomputes_a_recorded_run_with_todays_prediction():
+    """bench/repredict.py on the committed 16384 run: the recorded errors as the rows hold
+    them, the copies priced, both steps predicted within 2% of what was measured."""
+    import json
+    import pathlib
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(root / "bench"))
+    import repredict
+
+    run = root / "bench/results/2026-12-06-h100-shared-copy/call5-public-path"
+    report = ProbeReport.load(run / "w16384.wukong.b16384.report.json")
+    plan = Plan.load(run / "w16384.wukong.b16384.plan.static.json")
+    rows = json.loads((run / "w16384.json").read_text())["rows"]
+    entries = repredict.repredict(report, plan, rows, "loka-optimize-static")
+    assert [e["graphs"] for e in entries] == [False, True]
+    lk = [r for r in rows if r["variant"] == "loka-optimize-static"]
+    assert [e["recorded_error"] for e in entries] == [
+        r["prediction"]["prediction_error"] for r in sorted(lk, key=lambda r: r["graphs"])]
+    for e in entries:
+        assert e["copies_us"] == pytest.approx(4 * 16384 * 256 * 64 * 3 / 3.35e6, rel=1e-3)
+        assert abs(e["error"]) < 0.02 and abs(e["gpu_error"]) < 0.02
+        assert e["recorded_gpu_error"] < -0.08  # before: the copies not priced
