@@ -396,8 +396,9 @@ def _shared_table(table: torch.Tensor) -> nn.Parameter:
     """``table`` held (:func:`_held`), or, where every scale in it is one value, the table
     another Linear already holds for that value, shape and device: Linears that read one
     tensor and hold equal static scales (:func:`loka.dispatch.static.group_amax`) then
-    pass one tensor to a compiled step, whose casts of that input are one expression,
-    computed once. Tables are never written in place (a new amax makes a new one)."""
+    pass one tensor to a compiled step, so their casts of that input are one expression,
+    which the lowering of ``loka::scaled_mm`` makes once (:mod:`loka.kernels.ops`).
+    Tables are never written in place (a new amax makes a new one)."""
     held = _held(table)
     if held.device.type == "meta" or held.numel() == 0:
         return held

@@ -55,10 +55,10 @@ def group_amax(report, key: str = "act.amax") -> Dict[str, Optional[float]]:
     tensor (the Probe's ``producers['x_group']``) the largest any of them observed.
 
     Those sites saw row samples of one tensor, so the largest is the better estimate of its
-    amax; and with one value they hold one static scale, which lets compiled code cast the
-    tensor once for all of them instead of once per site (their casts are the same
-    expression of the same inputs, which AOTAutograd's common-subexpression pass merges;
-    :meth:`loka.Linear.set_input_amax` shares a table of equal scales between Linears).
+    amax; and with one value they hold one static scale (:meth:`loka.Linear.set_input_amax`
+    shares a table of equal scales between Linears), so their casts are one expression of
+    the same inputs, which compiled code makes once for all of them instead of once per
+    site (the lowering of ``loka::scaled_mm``, :mod:`loka.kernels.ops`).
     """
     values = {name: observed_amax(site, key) for name, site in report.sites.items()}
     groups: Dict[str, float] = {}

@@ -300,6 +300,7 @@ class SiteCollector:
         """Who consumes each site's output (the producer of its gradient): one walk of the
         step's autograd graph, on the statistics steps where a site's is not yet known."""
         pending, self._outputs, self._in_root = self._outputs, {}, False
+        self._read = {}  # the bases it held: nothing outlives the forward
         inputs, self._inputs = self._inputs, {}
         if not pending and not inputs:
             return
