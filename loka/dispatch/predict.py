@@ -37,7 +37,7 @@ from ..kernels.roofline import Peaks, fp8_time_lower_bound_us, peaks_for
 from ..probe.pricing import serve_static_time_us
 from ..probe.report import ProbeReport
 from .schema import Plan
-from .select import _UNTRUSTED_TIMINGS, head_of, judged_speedup
+from .select import _UNTRUSTED_TIMINGS, head_of, judged_speedup, static_serve_speedup
 
 __all__ = ["StepPrediction", "predict_step", "copy_savings_us", "Ceiling", "fp8_ceiling"]
 
@@ -149,12 +149,22 @@ def copy_savings_us(plan: Plan, report: ProbeReport) -> float:
     static = getattr(plan, "static_scales", None) or {}
     if peaks is None or not static:
         return 0.0
-    groups: Dict[str, List[tuple]] = {}
+    served = []
     for site, sp in plan.sites.items():
-        sr = report.sites.get(site)
         fwd = sp.roles.get(Role.FWD)
-        if (sr is None or site not in static or fwd is None or fwd.kernel == plan.baseline
-                or sr.producers.get("x_layout") != "copied"):
+        if site in static and fwd is not None and fwd.kernel != plan.baseline:
+            served.append(site)
+    return _copy_bytes_saved(report, served) / (peaks.hbm_tbps * 1e6)
+
+
+def _copy_bytes_saved(report: ProbeReport, sites) -> float:
+    """The bytes :func:`copy_savings_us` prices, for the FP8 forwards with a static scale at
+    ``sites``: per group of them reading one strided tensor, the bf16 copies each writes
+    less the one FP8 copy."""
+    groups: Dict[str, List[tuple]] = {}
+    for site in sites:
+        sr = report.sites.get(site)
+        if sr is None or sr.producers.get("x_layout") != "copied":
             continue
         size = _DTYPE_BYTES.get(sr.dtype, 2)
         groups.setdefault(sr.producers.get("x_group", site), []).append(
@@ -163,7 +173,7 @@ def copy_savings_us(plan: Plan, report: ProbeReport) -> float:
     for members in groups.values():
         elements = max(n for n, _ in members)
         saved_bytes += sum(n * size for n, size in members) - elements
-    return max(saved_bytes, 0.0) / (peaks.hbm_tbps * 1e6)
+    return max(saved_bytes, 0.0)
 
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -216,6 +226,8 @@ def fp8_ceiling(report: ProbeReport, baseline_step_ms: float, *, inference: bool
     (step-aware in training, weight quantized once in serving, static input scales with
     ``static_scales``) but with no error budget. In training the ``head_sites`` sites nearest
     the loss (:func:`loka.dispatch.select.head_of`) are left out of the eligible ceilings.
+    Serving with ``static_scales`` adds to both what the timed forwards' copies of strided
+    inputs save (:func:`copy_savings_us`), where the device's peaks are known.
 
     Args:
         peaks: the device's peak rates; default: the report's device name's
@@ -233,6 +245,7 @@ def fp8_ceiling(report: ProbeReport, baseline_step_ms: float, *, inference: bool
     head = [] if inference else head_of(report, head_sites)[0]
     gemm = roof = roof_elig = meas = meas_elig = 0.0
     untimed: List[str] = []
+    fp8_static: List[str] = []
     known = {k.name: k for k in registry.all_kernels()}
     for name, site in report.sites.items():
         for role, rr in site.roles.items():
@@ -247,7 +260,7 @@ def fp8_ceiling(report: ProbeReport, baseline_step_ms: float, *, inference: bool
                 saved = max(base - lb, 0.0)
                 roof += saved
                 roof_elig += saved if eligible else 0.0
-            best, decisive = 1.0, False
+            best, decisive, static_ok = 1.0, False, False
             for kname, kr in rr.kernels.items():
                 kern = known.get(kname)  # a report's kernel no longer registered: skipped
                 if (kern is None or not kern.is_fp8 or kern.is_emulated or kr.error
@@ -256,11 +269,22 @@ def fp8_ceiling(report: ProbeReport, baseline_step_ms: float, *, inference: bool
                 sp = judged_speedup(kr, kern, site, role, base, inference, static_scales)
                 if sp is not None and math.isfinite(sp) and sp > 0:
                     decisive, best = True, max(best, sp)
+                    static_ok = static_ok or (
+                        inference and static_scales
+                        and static_serve_speedup(kr, kern, site, base) is not None)
             if not decisive:
                 untimed.append(f"{name}:{role.value}")
             saved = base - base / best
             meas += saved
             meas_elig += saved if eligible else 0.0
+            if static_ok:  # a forward that can serve with a static scale
+                fp8_static.append(name)
+    if peaks is not None and fp8_static:
+        # the copies of strided inputs those forwards write in FP8, once per group
+        # (copy_savings_us): not GEMM time, but what serving them in FP8 saves with them
+        copies = _copy_bytes_saved(report, fp8_static) / (peaks.hbm_tbps * 1e6)
+        roof, roof_elig, meas, meas_elig = (v + copies for v in (roof, roof_elig, meas,
+                                                                 meas_elig))
 
     def ratio(saved_us: float) -> float:
         left = baseline_step_ms - saved_us / 1e3

@@ -178,33 +178,47 @@ def test_compiled_on_the_cpu_the_op_serves_as_eager_does():
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
+def _timed_site(name, layout, group=None):
+    """A forward of 1M rows timed on a GPU for ``cublas-tensorwise``: bf16 100 us, the call
+    90 us, the weight-quantized forward 80 us, the GEMM alone 70 us; x laid out as
+    ``layout``, its amax observed."""
+    from loka.config import Role
+    from loka.probe.report import KernelResult, RoleReport
+
+    producers = {"x": "pointwise", "x_layout": layout}
+    if group:
+        producers["x_group"] = group
+    kr = KernelResult("cublas-tensorwise", time_us=90.0, speedup=100 / 90,
+                      timing="cuda-graph+compiled", time_us_weight_q=80.0, time_us_gemm=70.0)
+    return SiteReport(name, 64, 32, ROWS, stats={"act": {"amax": 4.0}}, producers=producers,
+                      roles={Role.FWD: RoleReport(Role.FWD, (ROWS, 64, 32), 100.0,
+                                                  {"cublas-tensorwise": kr})})
+
+
+ROWS = 1_000_000
+
+
+def _copies_report():
+    sites = [_timed_site("a", "copied", "a"), _timed_site("b", "copied", "a"),
+             _timed_site("c", "copied"), _timed_site("d", "rows"), _timed_site("e", "copied")]
+    return ProbeReport(sites={s.name: s for s in sites}, device="cuda",
+                       device_name="NVIDIA H100 80GB HBM3")
+
+
 def test_a_static_plan_is_credited_the_bytes_its_copies_of_strided_inputs_save():
     """``copy_savings_us``: each Linear over a strided x copies it in bf16 (2 bytes per
     element); a static FP8 plan writes one FP8 copy per group of Linears reading one tensor.
     Rows-laid inputs, dynamic or bf16 forwards and unknown devices save nothing here."""
     from loka.config import BASELINE, Role
     from loka.dispatch import SitePlan, copy_savings_us, predict_step
-    from loka.probe.report import KernelResult, RoleReport
 
-    def site(name, layout, group=None):
-        producers = {"x": "pointwise", "x_layout": layout}
-        if group:
-            producers["x_group"] = group
-        kr = KernelResult("cublas-tensorwise", time_us=90.0, speedup=100 / 90,
-                          timing="cuda-graph+compiled", time_us_weight_q=80.0,
-                          time_us_gemm=70.0)
-        return SiteReport(name, 64, 32, 1000, producers=producers, roles={
-            Role.FWD: RoleReport(Role.FWD, (1000, 64, 32), 100.0, {"cublas-tensorwise": kr})})
-
-    sites = [site("a", "copied", "a"), site("b", "copied", "a"), site("c", "copied"),
-             site("d", "rows"), site("e", "copied")]
-    report = ProbeReport(sites={s.name: s for s in sites}, device="cuda",
-                         device_name="NVIDIA H100 80GB HBM3")
-    plan = Plan(sites={s.name: SitePlan(s.name, 64, 32, 1000, {
+    report = _copies_report()
+    sites = list(report.sites.values())
+    plan = Plan(sites={s.name: SitePlan(s.name, 64, 32, ROWS, {
         Role.FWD: RoleChoice("cublas-tensorwise"), Role.DGRAD: RoleChoice(BASELINE),
         Role.WGRAD: RoleChoice(BASELINE)}) for s in sites}, device="cuda")
     plan.static_scales = {n: 4.0 for n in "abcd"}  # e keeps a dynamic scale
-    n = 1000 * 64
+    n = ROWS * 64
     want = ((2 * n * 2 - n) + (n * 2 - n)) / 3.35e6  # group a+b, then c alone
     assert copy_savings_us(plan, report) == pytest.approx(want)
     serve = predict_step(plan, report, 1.0, inference=True)
@@ -240,3 +254,20 @@ def test_repredict_recomputes_a_recorded_run_with_todays_prediction():
         assert e["copies_us"] == pytest.approx(4 * 16384 * 256 * 64 * 3 / 3.35e6, rel=1e-3)
         assert abs(e["error"]) < 0.02 and abs(e["gpu_error"]) < 0.02
         assert e["recorded_gpu_error"] < -0.08  # before: the copies not priced
+
+
+def test_the_static_serving_ceiling_counts_the_copies_too():
+    """``fp8_ceiling(..., inference=True, static_scales=True)`` adds what the timed
+    forwards' copies of strided inputs save to both ceilings; dynamic scales do not."""
+    from loka.dispatch import fp8_ceiling
+
+    report = _copies_report()
+    n = ROWS * 64
+    copies = ((2 * n * 2 - n) + 2 * (n * 2 - n)) / 3.35e6  # group a+b, c and e alone
+    static = fp8_ceiling(report, 1.0, inference=True, static_scales=True)
+    dynamic = fp8_ceiling(report, 1.0, inference=True)
+    assert static.measured_speedup == pytest.approx(1 / (1 - (5 * 30 + copies) / 1e3))
+    assert dynamic.measured_speedup == pytest.approx(1 / (1 - 5 * 10 / 1e3))  # the 90 us call
+    saved = lambda c: (1 - 1 / c) * 1.0  # noqa: E731 - ms saved by a ceiling of a 1 ms step
+    assert saved(static.roofline_speedup) - saved(dynamic.roofline_speedup) == \
+        pytest.approx(copies / 1e3)
