@@ -4,8 +4,9 @@ and plan, with the prediction as it is now (``loka.dispatch.predict_step``), bes
 prediction the run recorded.
 
 For each pair of rows of ``--eval`` (bf16 and one LoKA variant, same model, batch, mode and
-graph setting) it predicts the LoKA row's wall and GPU time from the bf16 row's, and prints
-``measured / predicted - 1`` for the recorded prediction and for today's. Nothing runs on a
+graph setting) it predicts the LoKA row's wall and GPU time from the bf16 row's as the
+evaluation set does, and prints ``measured / predicted - 1`` for the recorded prediction
+and for today's. Nothing runs on a
 GPU: the timings are the report's and the rows'.
 
     R=bench/results/2026-12-06-h100-shared-copy/call5-public-path
@@ -25,32 +26,31 @@ from typing import List, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from loka.dispatch import Plan, predict_step  # noqa: E402
+from loka.bench.evalset import add_prediction  # noqa: E402
+from loka.dispatch import Plan  # noqa: E402
 from loka.probe.report import ProbeReport  # noqa: E402
 
 
 def repredict(report: ProbeReport, plan: Plan, rows: List[dict], variant: str) -> List[dict]:
-    """One entry per (model, batch, mode, graphs) with a bf16 row and a ``variant`` row in
-    ``rows`` (one run's)."""
+    """One entry per ``variant`` row of ``rows`` (one run's) with a bf16 row of its model,
+    batch, mode and graph setting: the row predicted again as the evaluation set predicts
+    it (:func:`loka.bench.evalset.add_prediction`), beside what it recorded."""
     out = []
-    keys = {(r["model"], r["batch_size"], r["mode"], r["graphs"]) for r in rows
-            if r.get("status") == "ok"}
-    for key in sorted(keys, key=str):
-        pair = {r["variant"]: r for r in rows if r.get("status") == "ok"
-                and (r["model"], r["batch_size"], r["mode"], r["graphs"]) == key}
-        if "bf16" not in pair or variant not in pair:
+    for row in rows:
+        if row.get("status") != "ok" or row["variant"] != variant:
             continue
-        bf, lk = pair["bf16"], pair[variant]
-        serve = key[2] == "serve"
-        wall = predict_step(plan, report, bf["step_ms"], inference=serve)
-        gpu = predict_step(plan, report, bf["gpu_ms"], inference=serve)
-        rec = lk.get("prediction") or {}
-        out.append({"model": key[0], "batch_size": key[1], "mode": key[2], "graphs": key[3],
-                    "variant": variant, "copies_us": wall.copies_us,
+        again = {**row, "_plan": plan}
+        add_prediction(rows, again, report)
+        now, rec = again["prediction"], row.get("prediction") or {}
+        if not now or "prediction_error" not in now:
+            continue
+        out.append({"model": row["model"], "batch_size": row["batch_size"],
+                    "mode": row["mode"], "graphs": row["graphs"], "variant": variant,
+                    "copies_us": now["copies_us"],
                     "recorded_error": rec.get("prediction_error"),
                     "recorded_gpu_error": rec.get("gpu_prediction_error"),
-                    "error": lk["step_ms"] / wall.predicted_step_ms - 1,
-                    "gpu_error": lk["gpu_ms"] / gpu.predicted_step_ms - 1})
+                    "error": now["prediction_error"],
+                    "gpu_error": now.get("gpu_prediction_error")})
     return out
 
 

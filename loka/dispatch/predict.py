@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 import math
 from typing import Dict, List, Optional
 
+import torch
+
 from ..config import Role
 from ..kernels import registry
 from ..kernels.roofline import Peaks, fp8_time_lower_bound_us, peaks_for
@@ -154,29 +156,27 @@ def copy_savings_us(plan: Plan, report: ProbeReport) -> float:
         fwd = sp.roles.get(Role.FWD)
         if site in static and fwd is not None and fwd.kernel != plan.baseline:
             served.append(site)
-    return _copy_bytes_saved(report, served) / (peaks.hbm_tbps * 1e6)
+    return _copies_us(report, served, peaks)
 
 
-def _copy_bytes_saved(report: ProbeReport, sites) -> float:
-    """The bytes :func:`copy_savings_us` prices, for the FP8 forwards with a static scale at
+def _copies_us(report: ProbeReport, sites, peaks: Peaks) -> float:
+    """What :func:`copy_savings_us` prices, for the FP8 forwards with a static scale at
     ``sites``: per group of them reading one strided tensor, the bf16 copies each writes
-    less the one FP8 copy."""
+    less the one FP8 copy, at ``peaks``' memory bandwidth (microseconds)."""
     groups: Dict[str, List[tuple]] = {}
     for site in sites:
         sr = report.sites.get(site)
         if sr is None or sr.producers.get("x_layout") != "copied":
             continue
-        size = _DTYPE_BYTES.get(sr.dtype, 2)
+        dtype = getattr(torch, sr.dtype, None)
+        size = dtype.itemsize if isinstance(dtype, torch.dtype) else 2
         groups.setdefault(sr.producers.get("x_group", site), []).append(
             (sr.tokens * sr.in_features, size))
     saved_bytes = 0.0
     for members in groups.values():
         elements = max(n for n, _ in members)
         saved_bytes += sum(n * size for n, size in members) - elements
-    return max(saved_bytes, 0.0)
-
-
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+    return max(saved_bytes, 0.0) / (peaks.hbm_tbps * 1e6)
 
 
 @dataclass(frozen=True)
@@ -282,7 +282,7 @@ def fp8_ceiling(report: ProbeReport, baseline_step_ms: float, *, inference: bool
     if peaks is not None and fp8_static:
         # the copies of strided inputs those forwards write in FP8, once per group
         # (copy_savings_us): not GEMM time, but what serving them in FP8 saves with them
-        copies = _copy_bytes_saved(report, fp8_static) / (peaks.hbm_tbps * 1e6)
+        copies = _copies_us(report, fp8_static, peaks)
         roof, roof_elig, meas, meas_elig = (v + copies for v in (roof, roof_elig, meas,
                                                                  meas_elig))
 
