@@ -17,6 +17,7 @@ import loka
 from loka.config import ROLES
 from loka.kernels import ops
 from loka.dispatch import Linear, Plan, RoleChoice
+from tests.support import need_kernel
 
 
 class OwnNorm(nn.Module):
@@ -57,6 +58,7 @@ def _kernels(model, x, grad=False):
 
 
 def _serving(kernel, depth=1):
+    need_kernel(kernel)
     torch.manual_seed(0)
     model = Tower(depth=depth)
     plan = Plan.uniform(model, kernel)
@@ -85,6 +87,7 @@ def test_quantization_after_a_fusible_producer_is_fused_into_it(kernel):
 
 @pytest.mark.parametrize("depth", [1, 3])
 def test_a_compiled_planned_step_calls_no_custom_op_whatever_the_number_of_fp8_sites(depth):
+    need_kernel("cublas-rowwise")
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = Tower(depth=depth)
@@ -100,6 +103,7 @@ def test_a_compiled_planned_step_calls_no_custom_op_whatever_the_number_of_fp8_s
 def test_the_opaque_route_is_what_the_custom_op_check_would_catch():
     """The check above can fail: a kernel routed through LoKA's opaque custom op shows up as
     one ``torch.ops.loka.gemm`` call per FP8 GEMM in the generated code."""
+    need_kernel("cublas-rowwise")
     torch._dynamo.reset()
     ops.mark_opaque("cublas-rowwise")
     try:
@@ -127,6 +131,7 @@ class Mixed(nn.Module):
 def _probed_and_served(kernel, device, dtype):
     """:class:`Mixed`, probed for one training step (its producer kinds checked), then on
     ``kernel`` for serving (FP8 forwards, weights quantized once); and its input."""
+    need_kernel(kernel, device)
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = Mixed().to(device, dtype)
@@ -163,20 +168,30 @@ def test_the_probes_producer_kinds_say_which_quantizations_inductor_fuses(kernel
                     or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs an FP8 GPU (bench/gpu_session.sh gputests runs it there)")
 @pytest.mark.parametrize("kernel", ["cublas-rowwise", "cublas-tensorwise"])
-def test_on_a_gpu_pointwise_fed_sites_fuse_and_gemm_fed_ones_take_a_pass(kernel):
+def test_on_a_gpu_pointwise_fed_sites_fuse_into_their_producers(kernel):
     """The step-aware Probe's premise on CUDA, where _scaled_mm is one cuBLAS call: the
-    quantization of an input a pointwise op made is inside that op's Triton kernel; that of
-    the graph input and of a GEMM's output is a kernel of its own."""
+    quantization of an input a pointwise op made is inside that op's Triton kernel, so the
+    activation and the norm never run as kernels of their own. (Where the graph input's and
+    the GEMM output's quantizations go differs between Inductor versions, which may merge
+    them into a kernel that reads the same tensor; the simulated test below pins them down
+    for the Inductor of CI.)"""
     model, x = _probed_and_served(kernel, "cuda", torch.bfloat16)
     from torch._inductor import config as inductor_config
     # every op in each kernel's name (some torch versions cut names at a few ops)
     with torch.no_grad(), inductor_config.patch(kernel_name_max_ops=1000):
         _, codes = run_and_get_code(torch.compile(model.eval(), fullgraph=True), x)
-    names = sorted(set(re.findall(r"\btriton_\w+", "\n".join(codes))))
+    code = "\n".join(codes)
+    names = sorted(set(re.findall(r"\btriton_(?:poi|per|red)_\w+", code)))
     quantizing = [n for n in names if "amax" in n]
-    fused = [n for n in quantizing if "hardswish" in n or "rsqrt" in n]
-    assert len(fused) == 2, names
-    assert len(quantizing) - len(fused) == 2, names  # the input's and the GEMM output's
+    assert any("hardswish" in n for n in quantizing), names
+    assert any("rsqrt" in n for n in quantizing), names
+    producers_alone = [n for n in names if ("hardswish" in n or "rsqrt" in n)
+                       and "amax" not in n and "_to_copy" not in n]
+    assert producers_alone == [], names
+    # the graph input has no producer to fuse into: its quantization stands alone
+    assert [n for n in quantizing if "hardswish" not in n and "rsqrt" not in n], names
+    from loka.bench.stepcode import inventory
+    assert sum(l.kind == "gemm_fp8" for c in codes for l in inventory(c)) == 4, names
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,

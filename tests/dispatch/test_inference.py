@@ -14,6 +14,7 @@ from loka.kernels import registry
 from loka.numerics import (as_granularity, get_format, operand_block, quantize,
                            round_scale_to_power_of_two, sqnr)
 from loka.probe.report import ProbeReport, SiteReport
+from tests.support import need_kernel
 
 KERNELS = ["emulated-rowwise-e4m3", "emulated-tensorwise-e4m3", "cublas-rowwise",
            "cublas-tensorwise", "emulated-blockwise-e4m3"]
@@ -48,6 +49,7 @@ def _reference(model, x):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
 def test_inference_matches_training_forward_exactly(kernel, dtype, grad_mode):
+    need_kernel(kernel)
     model = MLP(dtype=dtype)
     x = torch.randn(4, 16, 128, dtype=dtype)
     ref = _reference(model, x)
@@ -65,6 +67,7 @@ def test_inference_matches_training_forward_exactly(kernel, dtype, grad_mode):
 
 
 def test_weights_are_quantized_once():
+    need_kernel("cublas-rowwise")
     model = MLP()
     x = torch.randn(32, 128)
     loka.apply(model, Plan.uniform(model, "cublas-rowwise"), inference=True)
@@ -146,6 +149,7 @@ def test_static_scales_equal_dynamic_ones_at_the_observed_amax():
 def test_static_scales_saturate_beyond_the_amax(kernel):
     """Also on a real rowwise GEMM, whose library wants contiguous row scales (a static
     scale is one value broadcast over the rows)."""
+    need_kernel(kernel)
     amax = 448 * 2.0 ** -8  # 1.75: its scale is a power of two, so MX does not round it
     model = MLP()
     loka.apply(model, Plan.uniform(model, kernel, module_filter="layers.0"), inference=True,
@@ -185,6 +189,7 @@ def test_the_static_scale_table_gives_the_same_bits_for_any_row_count(kernel, ro
     more rows than the table expands its first row. Every way gives the bits of the forward
     kernel on a static quantization with ``amax / fmt.max`` per block, and the float64
     reference GEMM of the saturated input to FP8 accuracy."""
+    need_kernel(kernel)
     torch.manual_seed(0)
     lin = loka.Linear(256, 128, bias=False, config=LinearConfig(fwd=kernel))
     amax = 2.5
