@@ -126,6 +126,14 @@ class ProbeConfig:
     about 4x the Probe's time of the default set)"""
     roles: Tuple[Role, ...] = ROLES
     """roles to measure"""
+    head_sites: int = 3
+    """of this many sites nearest the loss (the last to run in the observed forward, never
+    more than a quarter of the sites: ``loka.probe.report.nearest_the_loss``), measure the
+    forward only: a training plan keeps them on the baseline in every role
+    (``DispatchConfig.head_sites``, the same default) and a serving plan runs forwards
+    only, so their gradient roles' errors and timings would serve no plan. A plan made
+    with a smaller ``head_sites`` from such a report keeps those roles on the baseline,
+    untimed. 0 measures every role of every site."""
     max_error: float = 0.2
     """budget on MERE's upper 95% bound used for the report's ``safe`` flag"""
     min_speedup: float = 1.05
@@ -219,6 +227,10 @@ class ProbeConfig:
             raise ValueError("ProbeConfig.sample_rows must be >= 1 or None")
         if self.timing_rows is not None and self.timing_rows < 1:
             raise ValueError("ProbeConfig.timing_rows must be >= 1 or None")
+        if isinstance(self.head_sites, bool) or not isinstance(self.head_sites, int) \
+                or self.head_sites < 0:
+            raise ValueError(f"ProbeConfig.head_sites must be an integer >= 0, "
+                             f"got {self.head_sites!r}")
         if self.precompile_workers is not None and self.precompile_workers < 0:
             raise ValueError("ProbeConfig.precompile_workers must be >= 0 or None")
         if self.autotune_configs is not None and self.autotune_configs < 1:

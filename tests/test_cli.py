@@ -52,6 +52,7 @@ SURFACE = {
                       "--static-scales",
                       "--min-speedup", "--out", "--replace", "--role-budget", "--site-budget", "-o", "<report>"],
     "probe": COMMON + ["--autotune-from", "--batch-size", "--bootstrap", "--checkpoint", "--cold-cache", "--data", "--every-n-steps",
+                       "--head-sites",
                        "--kernels", "--lr", "--max-error", "--min-speedup", "--mods", "--tables",
                        "--module-filter", "--naive", "--no-naive", "--no-timing", "--num-samples", "--out",
                        "--no-roofline", "--preset", "--roles", "--sample-rows", "--seed",
@@ -131,7 +132,8 @@ DEFAULTS = {
               "naive": False, "no_timing": False, "num_samples": 16, "out": "report.json",
               "preset": "tiny", "roles": None, "sample_rows": None, "seed": 0,
               "skip_bad_lines": False, "source": "learned", "steps": 20, "time_unsafe": False,
-              "no_roofline": False, "autotune_from": None, "cold_cache": False},
+              "no_roofline": False, "autotune_from": None, "cold_cache": False,
+              "head_sites": 3},
     "quality": {"batch_size": None, "bootstrap": 0, "checkpoint": None, "confidence": 0.95,
                 "control": False, "cost_steps": None, "data": "synthetic", "eval_steps": None,
                 "logit_scale": 1.0, "lr": 0.001, "max_ne_change": None, "model": "wukong",
@@ -410,6 +412,10 @@ def test_the_probes_pruning_switches_reach_its_config():
                                        "--autotune-from", "old.json", "--cold-cache"]))
     assert cfg.time_unsafe is True and cfg.roofline_prune is False and cfg.cold_cache is True
     assert default.autotune_from is None and cfg.autotune_from == "old.json"
+    assert default.head_sites == 3
+    assert cli_args.probe_config(parse(["probe", "wukong", "--head-sites", "0"])).head_sites == 0
+    with pytest.raises(SystemExit):
+        parse(["probe", "wukong", "--head-sites", "-1"])
 
 
 def test_the_probes_kernel_set_reaches_its_config():

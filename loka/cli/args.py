@@ -246,7 +246,8 @@ def probe_config(args) -> ProbeConfig:
             module_filter=args.module_filter, time_unsafe=getattr(args, "time_unsafe", False),
             roofline_prune=not getattr(args, "no_roofline", False),
             autotune_from=getattr(args, "autotune_from", None),
-            cold_cache=getattr(args, "cold_cache", False))
+            cold_cache=getattr(args, "cold_cache", False),
+            head_sites=getattr(args, "head_sites", ProbeConfig.head_sites))
     except ValueError as e:
         raise usage(str(e)) from None
 

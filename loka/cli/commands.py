@@ -539,7 +539,8 @@ def cmd_optimize(args) -> int:
                          all_kernels=all_kernels, seed=args.seed,
                          every_n_steps=1, max_error=args.max_error, min_speedup=args.min_speedup,
                          # serving runs forwards only: nothing else is measured
-                         roles=(Role.FWD,) if args.inference else ROLES)
+                         roles=(Role.FWD,) if args.inference else ROLES,
+                         head_sites=args.head_sites)
     print(f"optimizing {desc} for {'serving' if args.inference else 'training'} on {device}")
 
     result = optimize(model, batches, _autocast_loss(device), inference=args.inference,

@@ -11,7 +11,7 @@ import argparse
 from importlib import metadata
 
 from .. import bench
-from ..config import DispatchConfig
+from ..config import DispatchConfig, ProbeConfig
 from ..demo import DemoConfig
 from ..numerics.delayed import DEFAULT_DECAY
 from .args import EXIT_USAGE, budget, decay, ne_change, positive, speedup
@@ -339,6 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="operands drawn from learned statistics, or real captured tensors")
     _probe_kernels(p)
     p.add_argument("--roles", default=None, help="comma list of fwd,dgrad,wgrad (default: all)")
+    head = ProbeConfig().head_sites
+    p.add_argument("--head-sites", type=positive(int, "--head-sites", 0), default=head,
+                   help="measure only the forward of this many sites nearest the loss, which "
+                        f"a training plan keeps on bf16 (default {head}; 0: every role)")
     p.add_argument("--module-filter", default=None,
                    help="regular expression on Linear names to probe")
     p.add_argument("--bootstrap", type=positive(int, "--bootstrap", 0), default=1000,

@@ -222,8 +222,9 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
             steps are timed.
         loss_fn: ``loss_fn(model, batch) -> scalar loss``.
         inference: plan and time serving (forward only, weights quantized once).
-        config: the Probe's settings (default :class:`~loka.ProbeConfig`; for serving,
-            with ``roles=(Role.FWD,)``: a serving plan runs forwards only).
+        config: the Probe's settings (default :class:`~loka.ProbeConfig` with this
+            ``head_sites``, whose gradient roles it does not measure; for serving, with
+            ``roles=(Role.FWD,)``: a serving plan runs forwards only).
         report: a Probe report of this model made before: the Probe is not run again.
         max_error, min_speedup, allowed_kernels, head_sites: passed to :func:`loka.plan`.
         time_step: ``time_step(model) -> ms`` of the caller's own (milliseconds, as the
@@ -275,7 +276,14 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
         if config is None:
             # a serving plan runs forwards only: the Probe measures nothing else (a third of
             # the errors and timings of all three roles)
-            config = ProbeConfig(roles=(Role.FWD,)) if inference else ProbeConfig()
+            # (in training, the head's gradient roles too: the plan keeps them on the
+            # baseline; ProbeConfig.head_sites)
+            config = ProbeConfig(roles=(Role.FWD,)) if inference else ProbeConfig(
+                **({} if head_sites is None else {"head_sites": head_sites}))
+        elif not inference and head_sites is not None and config.head_sites > head_sites:
+            say(f"note: the Probe measures forwards only at its {config.head_sites} head "
+                f"site(s) (ProbeConfig.head_sites) but the plan keeps only {head_sites} back: "
+                f"the others' gradient roles stay on the baseline, untimed")
         say(f"probing {sum(1 for m in root.modules() if isinstance(m, nn.Linear))} Linear(s) "
             f"over {len(batches)} batch(es)"
             + (", forwards only" if tuple(config.roles) == (Role.FWD,) else ""))

@@ -53,7 +53,7 @@ from ..config import ROLES, DispatchConfig, Role, config_to_dict, role_shape
 from ..jsonio import decode_number, encode_number
 from ..kernels import registry
 from ..probe.pricing import serve_static_time_us
-from ..probe.report import ProbeReport
+from ..probe.report import ProbeReport, nearest_the_loss
 from .linear import takes_static_input_scale
 from .schema import Plan, RoleChoice, SitePlan
 from .static import group_amax, observed_amax, static_scales_for
@@ -123,12 +123,12 @@ def head_of(report: ProbeReport, n: int) -> Tuple[List[str], bool]:
     recorded order (it never ran there) is not among them. A report that records no order
     at all (made before the Probe recorded it) gives its last sites in registration
     order, and False."""
-    ordered = [s for s in report.sites.values() if s.order is not None]
+    ordered = nearest_the_loss({s.name: s.order for s in report.sites.values()}, n)
+    if ordered or any(s.order is not None for s in report.sites.values()):
+        return ordered, True
     n = min(n, len(report.sites) // 4)
     if n <= 0:
-        return [], bool(ordered)
-    if ordered:
-        return [s.name for s in sorted(ordered, key=lambda s: (s.order, s.name))[-n:]], True
+        return [], False
     return list(report.sites)[-n:], False
 
 
@@ -248,13 +248,16 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
             baseline_choice = RoleChoice(
                 cfg.baseline, None if base_stat is None else base_stat.hi,
                 None if base_stat is None else base_stat.mean, None, budget,
-                "not measured" if rr is None else "no kernel meets the budget")
-            if rr is None:
-                sp.roles[role] = baseline_choice
-                continue
+                "no kernel meets the budget")
             if name in head:
                 baseline_choice.reason = ("head: among the sites nearest the loss "
                                           f"(head_sites={cfg.head_sites})")
+                sp.roles[role] = baseline_choice
+                continue
+            if rr is None:
+                skipped = site.stats.get("skipped_roles")
+                why = skipped.get(role.value) if isinstance(skipped, Mapping) else None
+                baseline_choice.reason = "not measured" + (f" ({why})" if why else "")
                 sp.roles[role] = baseline_choice
                 continue
             if inference and role is not Role.FWD:

@@ -63,7 +63,7 @@ from . import precompile
 from .calls import COMPILE_ENTRIES, compiled_call, linear_dims, one_line
 from .pricing import price, splits_gemm, static_cast_fuses
 from .report import (ROOFLINE_NOT_TIMED, ErrorStat, KernelResult, ProbeReport, RoleReport,
-                     SiteReport)
+                     SiteReport, nearest_the_loss)
 from .sampler import OperandSampler, error_rows, naive_pair, seed_for
 from .stats import SiteStats
 
@@ -423,6 +423,8 @@ class _Measurement:
         self.status = status
         """shows what is being measured (the progress bar's postfix)"""
         self.where = ""
+        self.head: Tuple[str, ...] = ()
+        """the sites nearest the loss, measured forwards only (``ProbeConfig.head_sites``)"""
 
     @contextlib.contextmanager
     def phase(self, name: str, dev: torch.device):
@@ -471,6 +473,12 @@ class _Measurement:
         for role in self.config.roles:
             if role in GRAD_ROLES and site.grad.updates == 0:
                 work.skipped[role.value] = "no output gradient observed"
+                continue
+            if role in GRAD_ROLES and name in self.head:
+                work.skipped[role.value] = (
+                    f"nearest the loss (ProbeConfig.head_sites={self.config.head_sites}): "
+                    f"a training plan keeps it on the baseline, a serving plan needs no "
+                    f"gradient")
                 continue
             rw = self.plan_role(site, role, dev)
             if isinstance(rw, Failure):
@@ -761,6 +769,7 @@ def measure_report(sites: Mapping[str, SiteStats], modules: Mapping[str, nn.Line
     bar = tqdm(total=2 * len(observed), desc="probe", unit="step",
                disable=not config.progress, dynamic_ncols=True)
     run = _Measurement(config, status=bar.set_postfix_str)
+    run.head = tuple(nearest_the_loss({n: sites[n].order for n in observed}, config.head_sites))
     works = []
     for name in observed:
         module = modules[name]
@@ -790,6 +799,7 @@ def measure_report(sites: Mapping[str, SiteStats], modules: Mapping[str, nn.Line
             "baseline": BASELINE, "unobserved_sites": unobserved,
             "report_s": time.perf_counter() - start, "phases_s": dict(run.phases),
             "not_timed": dict(run.not_timed), "autotuned": _autotune_choices(),
+            "head_forwards_only": list(run.head),
             "spent": {k: round(max(v - spent[k], 0.0), 3) for k, v in _spent().items()}}
     if seeded is not None:
         meta["autotune_seeded"] = seeded

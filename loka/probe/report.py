@@ -54,6 +54,17 @@ def _non_negative(d: Mapping, key: str, where: str) -> Optional[float]:
     return x
 
 
+def nearest_the_loss(orders: Mapping[str, Optional[int]], n: int) -> List[str]:
+    """The ``n`` sites nearest the loss, given each site's place in the observed training
+    forward (``SiteReport.order``; None where it never ran): the last ``n`` to run, never
+    more than a quarter of the sites, so that a model of three or fewer Linears keeps none
+    back. What ``loka.plan``'s ``head_sites`` keeps on the baseline and what the Probe
+    measures forwards only of (``ProbeConfig.head_sites``)."""
+    n = min(n, len(orders) // 4)
+    ordered = sorted((o, name) for name, o in orders.items() if o is not None)
+    return [name for _, name in ordered[-n:]] if n > 0 else []
+
+
 @dataclass
 class ErrorStat:
     """A sample statistic with its bootstrap 95% confidence interval."""

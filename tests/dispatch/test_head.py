@@ -91,6 +91,52 @@ def test_the_last_sites_to_run_stay_on_the_baseline(probed):
     assert "pre_head" in one.fp8_sites() and "head" not in one.fp8_sites()
 
 
+def test_the_probe_measures_the_heads_forwards_only(probed):
+    """ProbeConfig.head_sites (3, as DispatchConfig's): the two head sites of eight (a
+    quarter) get no gradient-role errors or timings, and say why; no default plan loses
+    anything by it, and one that keeps fewer sites back leaves those roles on bf16."""
+    model, report = probed
+    assert loka.ProbeConfig().head_sites == DispatchConfig().head_sites == 3
+    assert report.meta["head_forwards_only"] == ["pre_head", "head"]
+    for name in RUN_ORDER:
+        measured = set(report.sites[name].roles)
+        if name in ("pre_head", "head"):
+            assert measured == {Role.FWD}
+            why = report.sites[name].stats["skipped_roles"]
+            assert set(why) == {"dgrad", "wgrad"}
+            assert all(w.startswith("nearest the loss (ProbeConfig.head_sites=3)")
+                       for w in why.values())
+        else:
+            assert measured == set(Role)
+    serve = plan(report, assume_fast=True, inference=True)  # a serving plan: forwards
+    assert "pre_head" in serve.fp8_sites()  # (head, 32 -> 1, fits no FP8 kernel)
+    none_back = plan(report, assume_fast=True, head_sites=0)
+    for role in (Role.DGRAD, Role.WGRAD):
+        choice = none_back.sites["pre_head"].roles[role]
+        assert choice.kernel == "bf16"
+        assert choice.reason.startswith("not measured (nearest the loss")
+    assert none_back.sites["pre_head"].roles[Role.FWD].kernel != "bf16"
+
+
+def test_head_sites_zero_measures_every_role(probed):
+    model, _ = probed
+    torch.manual_seed(0)
+    batches = [(torch.randn(64, 16), torch.randn(64, 1)) for _ in range(2)]
+    config = loka.ProbeConfig(timing=False, num_samples=4, bootstrap=20, compare_naive=False,
+                              kernels=("bf16", "emulated-rowwise-e4m3"), head_sites=0)
+    report = loka.probe(model, batches, lambda m, b: ((m(b[0]) - b[1]) ** 2).mean(),
+                        config=config)
+    assert report.meta["head_forwards_only"] == []
+    assert all(set(s.roles) == set(Role) for s in report.sites.values())
+    assert "pre_head" in plan(report, assume_fast=True, head_sites=0).fp8_sites()
+
+
+@pytest.mark.parametrize("bad", [-1, "2", True, 1.5])
+def test_bad_probe_head_sites_are_refused(bad):
+    with pytest.raises(ValueError, match="ProbeConfig.head_sites must be an integer >= 0"):
+        loka.ProbeConfig(head_sites=bad)
+
+
 def test_a_report_without_orders_falls_back_to_registration_order_and_says_so(probed):
     _, report = probed
     d = report.to_dict()
