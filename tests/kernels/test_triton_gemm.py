@@ -378,3 +378,33 @@ def test_inline_quantization_rejects_bad_operands(G):
         G.gemm_rowwise_inline(a, b, out_dtype=torch.int8)
     empty = G.gemm_rowwise_inline(a[:0], b)
     assert empty.shape == (0, 32) and empty.dtype == torch.bfloat16
+
+
+def test_in_an_op_body_the_gemms_pass_no_tensor_twice(G):
+    """Inside a triton op's body (what tracing records) every launch gets distinct tensors
+    (loka.kernels.triton.common.launch): unused pointers are placeholders of their own, not
+    the output again. The results equal the launches outside a body."""
+    from loka.kernels.triton import common
+    qa, qw = operands(64, 128, 48)
+    bias = torch.randn(48).to(DEVICE)
+    a = (torch.randn(64, 128) * 3).bfloat16().to(DEVICE)
+    b = torch.randn(48, 128).bfloat16().to(DEVICE).t()
+    calls = (lambda: G.gemm_rowwise(qa.data, qw.data.t(), qa.scale, qw.scale.t()),
+             lambda: G.gemm_rowwise(qa.data, qw.data.t(), qa.scale, qw.scale.t(), bias=bias),
+             lambda: G.gemm_rowwise(qa.data, qw.data.t(), qa.scale, qw.scale.t(),
+                                    fp8_out="e4m3")[0],
+             lambda: G.gemm_rowwise_inline(a, b))
+    for call in calls:
+        outside = call()
+        with common.op_body():
+            inside = call()
+        assert torch.equal(inside.float(), outside.float())
+
+
+def test_a_tensor_passed_twice_to_a_kernel_in_an_op_body_is_refused():
+    from loka.kernels.triton import common
+    t, u = torch.zeros(8), torch.zeros(8)
+    common.check_distinct("k", [t, u, 3, None, torch.zeros(0)])  # distinct: no error
+    for args in ([t, u, t], [t, t[2:]], [t.view(2, 4), t]):
+        with pytest.raises(ValueError, match="k: arguments 0 and 2|k: arguments 0 and 1"):
+            common.check_distinct("k", args)

@@ -141,7 +141,7 @@ def test_the_triton_op_is_still_one_op_outside_compilation():
     assert common.launch(registry.get) is registry.get  # outside an op body: the callable itself
     with common.op_body():
         wrapped = common.launch(_a_jit_kernel())
-    assert type(wrapped).__name__ == "TraceableTritonKernelWrapper"
+    assert type(wrapped.traceable).__name__ == "TraceableTritonKernelWrapper"
 
 
 def _a_jit_kernel():

@@ -501,6 +501,26 @@ def test_triton_kernel_skips_the_op_where_nothing_is_differentiated():
         assert all(torch.equal(a, b) for a, b in zip(runs[label], runs["serve"])), label
 
 
+def test_triton_kernel_in_an_op_body_passes_no_tensor_twice():
+    """What tracing records (the launches inside the op's body) gets distinct tensors for
+    every pointer (loka.kernels.triton.common.launch): traced, a tensor passed as two
+    arguments was written back with the copy the kernel did not write, which left the
+    rowwise scale uninitialised on a GPU. The results equal the launches outside a body."""
+    kernel_runs_here()
+    from loka.kernels.triton import common
+    from loka.kernels.triton import norm_act_quant as kernel
+    x = (torch.randn(24, 384) * 2).bfloat16().to(DEVICE)
+    for granularity in ("rowwise", "tensorwise"):
+        for return_hp in (True, False):
+            outside = kernel.norm_act_quant(x, granularity=granularity, return_hp=return_hp)
+            with common.op_body():
+                inside = kernel.norm_act_quant(x, granularity=granularity, return_hp=return_hp)
+            for o, i in zip(outside, inside):
+                assert (o is None) == (i is None)
+                if o is not None:
+                    assert torch.equal(o.float(), i.float()), (granularity, return_hp)
+
+
 def test_triton_kernel_backward_and_compile():
     kernel_runs_here()
     x = (torch.randn(24, 384) * 2).bfloat16().to(DEVICE).requires_grad_()

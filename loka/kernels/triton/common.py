@@ -195,8 +195,47 @@ def op_body() -> Iterator[None]:
 def launch(kernel):
     """``kernel`` as the wrappers launch it: ``wrap_triton(kernel)`` inside a triton op's
     body (:func:`op_body`; torch itself unwraps it again for an eager call), the kernel
-    itself elsewhere (a direct eager call pays for no wrapper)."""
-    return wrap_triton(kernel) if getattr(_OP_BODY, "on", False) else kernel
+    itself elsewhere (a direct eager call pays for no wrapper).
+
+    Inside an op's body no tensor may be passed twice (:func:`check_distinct`): tracing
+    functionalizes the kernel, copying each argument it may write, and writes the copies
+    back one argument after the other, so a tensor passed as two arguments ends up holding
+    the copy that the kernel did not write."""
+    if not getattr(_OP_BODY, "on", False):
+        return kernel
+    wrapped = wrap_triton(kernel)
+    name = getattr(getattr(kernel, "fn", kernel), "__name__", "kernel")
+
+    class _Checked:
+        traceable = wrapped
+        """what ``torch.library.wrap_triton`` made of the kernel"""
+
+        def __getitem__(self, grid):
+            run = wrapped[grid]
+
+            def call(*args, **kwargs):
+                check_distinct(name, list(args) + list(kwargs.values()))
+                return run(*args, **kwargs)
+            return call
+    return _Checked()
+
+
+def check_distinct(name: str, args) -> None:
+    """Raise ValueError where two of a Triton kernel's arguments are one tensor, or views
+    of one storage (see :func:`launch`)."""
+    seen: Dict[int, int] = {}
+    for i, a in enumerate(args):
+        if not isinstance(a, torch.Tensor) or a.device.type == "meta":
+            continue
+        try:  # the storage itself: the same for views, for fake and functional tensors too
+            key = a.untyped_storage()._cdata
+        except (RuntimeError, NotImplementedError, AttributeError):
+            key = id(a)
+        if key in seen:
+            raise ValueError(f"{name}: arguments {seen[key]} and {i} are one tensor (or share "
+                             f"its memory); a traced launch would write one of them back "
+                             f"over the other")
+        seen[key] = i
 
 
 @triton.jit

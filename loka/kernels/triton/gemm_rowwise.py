@@ -38,6 +38,12 @@ MAX_FP8_OUT_N = 256
 """widest N whose FP8 output is quantized in the epilogue (one program holds a whole row)"""
 
 
+
+def _unused(like: torch.Tensor) -> torch.Tensor:
+    """A pointer argument the kernel does not touch, of ``like``'s dtype and device: never a
+    tensor passed already (:func:`loka.kernels.triton.common.launch`)."""
+    return torch.empty((1,), dtype=like.dtype, device=like.device)
+
 def _cfg(bm, bn, bk, stages, warps, group=8):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group},
                          num_stages=stages, num_warps=warps)
@@ -111,8 +117,8 @@ def _inline_stages(c: triton.Config) -> triton.Config:
 @autotune(configs=GEMM_CONFIGS,
           key=["M", "N", "K", "K_SPLIT", "FP8_OUT", "FAST_ACC", "NORM_BLOCK", "QA_MAX",
                "QB_MAX"], prune=_prune,
-          # the BlockNorm statistics are added by atomics; without them ss_ptr is an output
-          # the kernel overwrites, so zeroing it around autotuning costs nothing
+          # the BlockNorm statistics are added by atomics; without them ss_ptr is a
+          # one-element placeholder, so zeroing it around autotuning costs nothing
           reset_to_zero=["ss_ptr"])
 @triton.jit
 def rowwise_gemm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, cs_ptr, ss_ptr, M, N,
@@ -334,13 +340,13 @@ def gemm_rowwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
         cs = c
     else:
         c = torch.empty((m, n), dtype=out_dtype, device=a.device)
-        cs = c  # unused
+        cs = _unused(c)
     nblk = triton.cdiv(n, norm_stats) if norm_stats is not None else 0
-    ss = torch.zeros((m, nblk), dtype=torch.float32, device=a.device) if nblk else cs
+    ss = torch.zeros((m, nblk), dtype=torch.float32, device=a.device) if nblk else _unused(c)
     grid = lambda meta_: (triton.cdiv(m, meta_["BLOCK_M"]) * triton.cdiv(n, meta_["BLOCK_N"]), split)  # noqa: E731
     launch(rowwise_gemm_kernel)[grid](
-        a, b, c, scale_a, scale_b, bias if bias is not None else scale_a, cs, ss, m, n, k,
-        k_split, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        a, b, c, scale_a, scale_b, bias if bias is not None else _unused(scale_a), cs, ss,
+        m, n, k, k_split, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         c.stride(0) if split > 1 else 0, c.stride(-2), c.stride(-1), sa_stride, sb_stride, 0, 0,
         HAS_BIAS=bias is not None, ACT=ACTIVATIONS[activation], NORM_BLOCK=norm_stats or 0,
         FP8_OUT=fp8_out is not None, FAST_ACC=fast_accum, **meta, **_NO_INLINE)
@@ -461,7 +467,8 @@ def gemm_rowwise_inline(a: torch.Tensor, b: torch.Tensor, a_fmt="e4m3", b_fmt="e
     inline = {"QA_MAX": qa["FMT_MAX"], "QA_MANT": qa["MANT_BITS"], "QA_MIN_EXP": qa["MIN_EXP"],
               "QB_MAX": qb["FMT_MAX"], "QB_MANT": qb["MANT_BITS"], "QB_MIN_EXP": qb["MIN_EXP"]}
     launch(rowwise_gemm_kernel)[grid](
-        ta, tb, c, pa, pb, pa, c, c, m_, n_, k, k_split, ta.stride(0), ta.stride(1),
+        ta, tb, c, pa, pb, _unused(pa), _unused(c), _unused(c), m_, n_, k, k_split,
+        ta.stride(0), ta.stride(1),
         tb.stride(0), tb.stride(1), c.stride(0) if split > 1 else 0, stride_cm, stride_cn,
         sa_stride, sb_stride, npart_a, npart_b,
         HAS_BIAS=False, ACT=0, NORM_BLOCK=0, FP8_OUT=False, FAST_ACC=fast_accum,

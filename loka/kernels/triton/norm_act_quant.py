@@ -347,10 +347,16 @@ def norm_act_quant(x: torch.Tensor, *, norm: str = "blocknorm", block: int = 256
         return y, q, scale
     group, ng, gp, nchunk = _tile_shape(d, norm, block)
     # tensorwise: the global amax as int32 bits, folded in with atomic max from 0
-    amax_bits = torch.zeros((1,), dtype=torch.int32, device=x.device) if not rowwise else scale
+    amax_bits = torch.zeros((1,), dtype=torch.int32, device=x.device) if not rowwise else \
+        torch.empty((1,), dtype=torch.float32, device=x.device)  # unused
     grid = lambda meta_: (triton.cdiv(m, meta_["BLOCK_M"]),)  # noqa: E731
-    args = (x, weight if weight is not None else x, bias if bias is not None else x,
-            y if y is not None else x, q, scale, amax_bits, m, d, x.stride(0), float(eps))
+
+    def unused():  # a pointer argument the kernel does not touch: never one passed already
+        return torch.empty((1,), dtype=x.dtype, device=x.device)
+
+    args = (x, weight if weight is not None else unused(),
+            bias if bias is not None else unused(), y if y is not None else unused(), q, scale,
+            amax_bits, m, d, x.stride(0), float(eps))
     kw = dict(NORM=NORMS[norm], GROUP=group, NG=ng, GP=gp, NCHUNK=nchunk,
               HAS_W=weight is not None, HAS_B=bias is not None, ACT=ACTIVATIONS[act],
               ROWWISE=rowwise, **meta)
