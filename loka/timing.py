@@ -24,7 +24,8 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-__all__ = ["TimingResult", "time_fn", "time_steps", "synchronize"]
+__all__ = ["TimingResult", "time_fn", "time_steps", "synchronize",
+           "release_rng_after_failed_capture"]
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,22 @@ def _capture(fn, calls: int, side) -> "torch.cuda.CUDAGraph":
     return graph
 
 
+def release_rng_after_failed_capture(device: "torch.device | int | None" = None) -> None:
+    """After a CUDA graph capture that failed, give the device's default RNG a fresh copy
+    of its state (the same seed and offset). The failed capture can leave the state marked
+    as capturing (torch 2.11 on an H100: every later random op on the device raised
+    "Offset increment outside graph capture encountered unexpectedly"), which would break
+    the user's own training after a Probe or a timing. The copy continues the same random
+    stream, so it changes nothing where the state was fine."""
+    index = None
+    if device is not None:
+        index = torch.device("cuda", device).index if isinstance(device, int) \
+            else torch.device(device).index
+    gen = torch.cuda.default_generators[torch.cuda.current_device() if index is None else index]
+    if hasattr(gen, "graphsafe_set_state") and hasattr(gen, "clone_state"):
+        gen.graphsafe_set_state(gen.clone_state())
+
+
 def _time_cuda(fn, warmup: int, iters: int, per_graph: int, budget_ms) -> TimingResult:
     side = _side_stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -171,6 +188,7 @@ def _time_cuda(fn, warmup: int, iters: int, per_graph: int, budget_ms) -> Timing
         graph = _capture(fn, per_graph, side)
     except Exception as exc:  # noqa: BLE001 - any capture failure means: time eagerly
         failure = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+        release_rng_after_failed_capture()
     else:
         return TimingResult(_events_median(graph.replay, iters, per_graph), "cuda-graph", iters,
                             calls_per_graph=per_graph)

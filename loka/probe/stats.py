@@ -35,6 +35,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ..numerics import get_format
+from ..timing import release_rng_after_failed_capture
 from .producers import merge_kinds
 from .weights import WeightModel
 
@@ -479,6 +480,7 @@ class TensorStats:
             self.graph_failure = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
             self._eager_shapes.add(key)
             torch.cuda.synchronize(x.device)
+            release_rng_after_failed_capture(x.device)
             return True  # this update was applied by the warm-up
         self._graphs[key] = (graph, static)
         return True
