@@ -105,7 +105,11 @@ def test_cpu_run_measures_every_row_and_writes_plan_and_report(first_run):
     assert oracle["plain/train"]["site_roles"] == sum(len(s.roles) for s in report.sites.values())
     assert oracle["plain/infer"]["site_roles"] == sum("fwd" in [r.value for r in s.roles]
                                                       for s in report.sites.values())
-    assert oracle["plain/train"]["site_roles"] == 3 * len(plan.sites)
+    # every role of every site but the gradients of the head, which the Probe measures
+    # forwards only (ProbeConfig.head_sites: 3, at most a quarter of the 11 sites)
+    head = report.meta["head_forwards_only"]
+    assert len(head) == 2 and all(n.startswith("over_arch.") for n in head), head
+    assert oracle["plain/train"]["site_roles"] == 3 * len(plan.sites) - 2 * 2
     assert all(o["ok"] for o in oracle.values())
     assert on_disk["checks"]["search_gap"] == []  # no +search rows in this run
 

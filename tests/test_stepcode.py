@@ -13,6 +13,8 @@ from torch import nn
 import loka
 from loka.bench.stepcode import Launch, cuda_step_code, inventory, summarize
 from loka.dispatch import Plan, RoleChoice
+from loka.kernels.registry import get
+from tests.support import need_kernel
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="Inductor's CUDA code generation needs triton")
@@ -150,7 +152,9 @@ def test_a_training_step_has_a_forward_and_a_backward_with_every_gemm_flop():
 def test_a_plan_moves_gemm_flops_to_fp8_and_adds_quantization_bytes():
     x = torch.randn(256, 128, dtype=torch.bfloat16)
     base = summarize(_launches(cuda_step_code(_planned(None), (x,))))
-    fp8 = summarize(_launches(cuda_step_code(_planned("cublas-rowwise"), (x,))))
+    # (torch 2.11's build has no rowwise _scaled_mm on the CPU: the tensorwise one)
+    kernel = "cublas-rowwise" if get("cublas-rowwise").device_ok("cpu") else "cublas-tensorwise"
+    fp8 = summarize(_launches(cuda_step_code(_planned(kernel), (x,))))
     total = lambda s: sum(s["gemm_gflops"].values())  # noqa: E731
     assert total(fp8) == pytest.approx(total(base))
     assert fp8["gemm_gflops"]["gemm_fp8"] == pytest.approx(total(base))
@@ -187,12 +191,14 @@ def test_the_bench_script_refuses_bad_arguments_in_one_line(capsys):
             script.main(["--uniform", "triton-rowwise", "--scale", "tiny"])
         assert e.value.code == 2
         assert "serves no role of wukong (tiny)" in capsys.readouterr().err
-    plan = Plan.uniform(_model(), "cublas-rowwise")
+    # (torch 2.11's build has no rowwise _scaled_mm on the CPU: its emulated twin)
+    rw = "cublas-rowwise" if get("cublas-rowwise").device_ok("cpu") else "emulated-rowwise-e4m3"
+    plan = Plan.uniform(_model(), rw)
     plan.sites["0"].roles["dgrad"] = RoleChoice(plan.baseline)
     moved = script.variant_plan(plan, "cublas-tensorwise")
     assert moved.sites["0"].roles["fwd"].kernel == "cublas-tensorwise"
     assert moved.sites["0"].roles["dgrad"].kernel == plan.baseline  # baseline roles stay
-    assert plan.sites["0"].roles["fwd"].kernel == "cublas-rowwise"  # the input is unchanged
+    assert plan.sites["0"].roles["fwd"].kernel == rw  # the input is unchanged
 
 
 def test_the_bench_script_times_a_compiled_step_and_keeps_its_code(monkeypatch):
@@ -288,9 +294,11 @@ def test_lokas_triton_kernels_launch_from_the_cuda_code_with_no_python_op(depth)
     for _ in range(depth):
         layers += [nn.Linear(128, 128, bias=False), nn.ReLU()]
     model = nn.Sequential(*layers).to(torch.bfloat16)
-    # a GPU's plan on a CPU model (Plan.uniform drops kernels this machine cannot run)
-    plan = loka.dispatch.override(Plan.uniform(model, "cublas-rowwise"),
-                                  replace={"cublas-rowwise": "triton-rowwise-fastacc"})
+    # a GPU's plan on a CPU model (Plan.uniform drops kernels this machine cannot run;
+    # torch 2.11's build has no rowwise _scaled_mm on the CPU: its emulated twin)
+    rw = "cublas-rowwise" if get("cublas-rowwise").device_ok("cpu") else "emulated-rowwise-e4m3"
+    plan = loka.dispatch.override(Plan.uniform(model, rw),
+                                  replace={rw: "triton-rowwise-fastacc"})
     with mock.patch("loka.dispatch.swap._device_problem", lambda *a: None):
         loka.apply(model, plan)
     codes = cuda_step_code(model, (torch.randn(256, 128, dtype=torch.bfloat16),))
@@ -348,6 +356,7 @@ def test_a_tensors_amax_fuses_into_a_block_norm_and_a_rows_may_not(block, rowwis
     blocks Inductor reduces the row's amax from per-block partials in the norm's kernel:
     two, where the Probe's price is then a pass too many. Should Inductor change either,
     this fails and the pricing must follow."""
+    need_kernel("cublas-rowwise")
     m, k = 4096, 1024
     x = torch.randn(m, k, dtype=torch.bfloat16)
     full_reads = {}

@@ -7,8 +7,11 @@ from torch import nn
 
 import loka
 from loka.dispatch import Linear, optimize, step_timer
+from loka.kernels.registry import get
 
-KERNELS = ("bf16", "cublas-rowwise")
+# (torch 2.11's build has no rowwise _scaled_mm on the CPU: its emulated twin)
+RW = "cublas-rowwise" if get("cublas-rowwise").device_ok("cpu") else "emulated-rowwise-e4m3"
+KERNELS = ("bf16", RW)
 
 
 def _model():

@@ -10,6 +10,7 @@ from torch import nn
 from loka.config import LinearConfig, Role
 from loka.dispatch import Plan, plan
 from loka.jsonio import ReportError
+from loka.kernels.registry import get
 
 pytestmark = pytest.mark.usefixtures("fake_kernels")
 
@@ -77,12 +78,14 @@ def test_summary_and_fp8_sites(make_report, three):
 
 
 def test_uniform_plan_falls_back_per_role_where_the_kernel_cannot_run():
+    # (torch 2.11's build has no rowwise _scaled_mm on the CPU: its emulated twin)
+    rw = "cublas-rowwise" if get("cublas-rowwise").device_ok("cpu") else "emulated-rowwise-e4m3"
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 1))
-    p = Plan.uniform(model, "cublas-rowwise")
-    assert p.config("0") == LinearConfig.uniform("cublas-rowwise")
-    assert p.config("2") == LinearConfig("bf16", "bf16", "cublas-rowwise")
+    p = Plan.uniform(model, rw)
+    assert p.config("0") == LinearConfig.uniform(rw)
+    assert p.config("2") == LinearConfig("bf16", "bf16", rw)
     assert p.fp8_sites() == ["0", "2"]
-    assert Plan.uniform(model, "cublas-rowwise", module_filter="^0$").fp8_sites() == ["0"]
+    assert Plan.uniform(model, rw, module_filter="^0$").fp8_sites() == ["0"]
 
 
 # -- reliability (issue 29): hostile plan files -------------------------------------------------

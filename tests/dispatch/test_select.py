@@ -15,9 +15,12 @@ from loka.config import DispatchConfig, LinearConfig, Role
 from loka.dispatch import Plan, plan
 from loka.dispatch.select import resolve_budget
 from loka.jsonio import ReportError
+from loka.kernels.registry import get
 from loka.probe.report import ProbeReport
 
 pytestmark = pytest.mark.usefixtures("fake_kernels")
+# a real FP8 kernel of the CPU (torch 2.11's build has no rowwise _scaled_mm there)
+REAL = "cublas-rowwise" if get("cublas-rowwise").device_ok("cpu") else "cublas-tensorwise"
 
 
 @pytest.mark.parametrize("budget, want", [(0.01, "bf16"), (0.05, "t-slow-exact"),
@@ -113,10 +116,10 @@ def test_misaligned_site_keeps_the_baseline_for_the_roles_that_need_alignment(ma
 
 def test_unavailable_and_unregistered_kernels_are_excluded_with_a_note(make_report):
     kernels = {"cublas-tensorwise-fastacc": (0.01, 3.0), "some-future-kernel": (0.01, 3.0),
-               "cublas-rowwise": (0.05, 1.2)}
+               REAL: (0.05, 1.2)}
     report = make_report({"s": (64, 64, 128, {"fwd": kernels})}, device="cpu")
     p = plan(report, assume_fast=True)
-    assert p.sites["s"].kernel("fwd") == "cublas-rowwise"
+    assert p.sites["s"].kernel("fwd") == REAL
     notes = "\n".join(p.notes)
     assert "'cublas-tensorwise-fastacc' excluded: unavailable on cpu: fast accumulation" in notes
     assert "'some-future-kernel' excluded: not registered" in notes
@@ -125,7 +128,7 @@ def test_unavailable_and_unregistered_kernels_are_excluded_with_a_note(make_repo
 
 
 # -- reports without decisive timings ------------------------------------------------
-CPU_KERNELS = {"emulated-rowwise-e4m3": (0.08, None), "cublas-rowwise": (0.08, None),
+CPU_KERNELS = {"emulated-rowwise-e4m3": (0.08, None), REAL: (0.08, None),
                "emulated-tensorwise-e4m3": (0.12, None), "emulated-blockwise-e4m3": (0.5, None)}
 
 
@@ -141,7 +144,7 @@ def test_cpu_reports_plan_the_baseline_unless_assume_fast(timing, speed, make_re
     assert p.sites["s"].roles[Role.FWD].reason == "safe kernels have no decisive timing"
     p = plan(report, assume_fast=True)
     # a real kernel before emulated ones (references, never fast), then the lowest error
-    assert p.config("s") == LinearConfig.uniform("cublas-rowwise")
+    assert p.config("s") == LinearConfig.uniform(REAL)
     assert p.sites["s"].roles[Role.FWD].speedup is None
     assert plan(report, assume_fast=True, max_error=0.1,
                 allowed_kernels=["emulated-tensorwise-e4m3"]).config("s").fwd == "bf16"
@@ -345,12 +348,12 @@ def test_probe_plan_apply_guard_end_to_end():
         return ((m(b[0]) - b[1]) ** 2).mean()
 
     config = loka.ProbeConfig(timing=False, num_samples=8, bootstrap=50, compare_naive=False,
-                              kernels=("bf16", "emulated-rowwise-e4m3", "cublas-rowwise"))
+                              kernels=("bf16", "emulated-rowwise-e4m3", REAL))
     report = loka.probe(model, batches, loss_fn, config=config)
     assert plan(report).fp8_sites() == []  # untimed: the baseline, with a note
     p = plan(report, assume_fast=True)
-    assert p.config("0") == LinearConfig.uniform("cublas-rowwise")
-    assert p.config("4") == LinearConfig("bf16", "bf16", "cublas-rowwise")  # N = 1
+    assert p.config("0") == LinearConfig.uniform(REAL)
+    assert p.config("4") == LinearConfig("bf16", "bf16", REAL)  # N = 1
     assert all(c.error <= 0.2 for s in p.sites.values() for c in s.roles.values()
                if c.kernel != "bf16")
     loka.apply(model, p)

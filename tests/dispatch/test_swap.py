@@ -6,7 +6,9 @@ import loka
 from loka.config import LinearConfig, Role
 from loka.dispatch import Plan, PlanMismatchError
 from loka.dispatch.swap import ApplyReport, applied_plan, check
+from loka.kernels.registry import get
 from loka.numerics import sqnr
+from tests.support import need_kernel
 
 KERNELS = ["emulated-rowwise-e4m3", "emulated-tensorwise-e4m3", "cublas-rowwise",
            "cublas-tensorwise"]
@@ -38,6 +40,7 @@ def _same_state(model, snap):
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_apply_and_unapply_keep_the_state_dict(kernel, dtype):
+    need_kernel(kernel)
     model = Tower(dtype)
     snap = _snapshot(model)
     params = {n: id(p) for n, p in model.named_parameters()}
@@ -167,10 +170,12 @@ def test_kernels_that_cannot_run_on_the_model_device_are_refused():
 def test_check_is_a_dry_run():
     model = Tower()
     snap = _snapshot(model)
-    changes = check(model, Plan.uniform(model, "cublas-rowwise"))
+    # (torch 2.11's build has no rowwise _scaled_mm on the CPU: its emulated twin)
+    rw = "cublas-rowwise" if get("cublas-rowwise").device_ok("cpu") else "emulated-rowwise-e4m3"
+    changes = check(model, Plan.uniform(model, rw))
     assert [(c.site, c.action) for c in changes] == [
         ("user.0", "swap"), ("user.2", "swap"), ("item.0", "swap"), ("logit", "swap")]
-    assert changes[0].before is None and changes[0].after == LinearConfig.uniform("cublas-rowwise")
+    assert changes[0].before is None and changes[0].after == LinearConfig.uniform(rw)
     assert all(type(m) is nn.Linear for m in model.modules() if isinstance(m, nn.Linear))
     assert _same_state(model, snap) and not hasattr(model, "_loka_dispatch")
     assert loka.dispatch.check is check  # the CLI's spelling
@@ -235,7 +240,9 @@ def test_a_bad_plan_changes_nothing_not_even_an_applied_one():
     first = Plan.uniform(model, "emulated-rowwise-e4m3")
     loka.apply(model, first)
     bad = first.copy()
-    bad.sites["logit"].roles[Role.FWD].kernel = "cublas-rowwise"  # N=1 cannot align
+    # N=1 cannot align (a kernel of this CPU: torch 2.11 has no rowwise one here)
+    rw = "cublas-rowwise" if get("cublas-rowwise").device_ok("cpu") else "cublas-tensorwise"
+    bad.sites["logit"].roles[Role.FWD].kernel = rw
     with pytest.raises(ValueError, match="multiples of 16"):
         loka.apply(model, bad)
     assert applied_plan(model) is first

@@ -10,6 +10,7 @@ from torch import nn
 
 import loka
 from loka.config import ProbeConfig, Role
+from loka.kernels.registry import get
 from loka.probe import precompile
 from loka.probe.measure import KernelTimer, _Measurement
 from loka.probe.precompile import Entry, Precompile
@@ -62,7 +63,8 @@ def test_the_compile_plan_is_what_the_timing_pass_compiles():
              for n in probe.sites]
     entries = run.compile_plan(works)
     assert len(set(entries)) == len(entries)
-    assert {e.kernel for e in entries} == {"cublas-tensorwise", "cublas-rowwise"}
+    # the FP8 kernels of this CPU (torch 2.11's build has no rowwise _scaled_mm here)
+    assert {e.kernel for e in entries} == {k for k in KERNELS[1:] if get(k).device_ok("cpu")}
     # two distinct (role, shape) per role of the 32->64 and 64->64 Linears: 2 x 3 = 6,
     # the 64->64 twice (one entry); forwards once more with the weight quantized
     shapes = {(e.role, e.shape) for e in entries}

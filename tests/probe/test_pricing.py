@@ -17,6 +17,7 @@ from loka.probe.pricing import FUSED_SHARE, serve_time_us, split_quantization, s
 from loka.probe.producers import consumer_kind, consumers_of_outputs, producer_of
 from loka.probe.report import KernelResult, ProbeReport, RoleReport, SiteReport
 from loka.timing import TimingResult
+from tests.support import need_kernel
 
 ROWWISE, TENSORWISE = "cublas-rowwise", "cublas-tensorwise"
 
@@ -333,6 +334,7 @@ def test_serving_prices_xs_quantization_by_its_producer():
 def test_the_step_aware_probe_flags_a_kernel_fast_where_its_quantization_fuses(monkeypatch):
     """The same FP8 kernel, slower than bf16 as an isolated call (105 vs 100 us), is fast
     behind an activation (its x pass fuses) and not behind another GEMM."""
+    need_kernel(ROWWISE)
     _scripted(monkeypatch, {(BASELINE, False, False): 100.0,
                             (ROWWISE, False, False): 105.0, (ROWWISE, True, False): 85.0,
                             (ROWWISE, False, True): 60.0})
