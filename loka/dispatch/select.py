@@ -327,6 +327,11 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
 
     for kname, why in sorted(excluded.items()):
         notes.append(f"kernel {kname!r} excluded: {why}")
+    unmeasured = report.meta.get("kernels_not_measured")
+    if isinstance(unmeasured, Mapping) and unmeasured:
+        listed = "; ".join(f"{n} ({why})" for n, why in sorted(unmeasured.items()))
+        notes.append(f"kernels the Probe was asked for but could not run there, so not "
+                     f"measured: {listed}")
     if undecided:
         notes.append(f"{undecided} site-role(s) kept on {cfg.baseline}: their safe kernels have "
                      "no decisive timing (CPU wall-clock, emulated, untimed, or measured on "

@@ -42,6 +42,7 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -245,6 +246,22 @@ def kernel_names(config: ProbeConfig, device: torch.device) -> Optional[Tuple[st
     if torch.device(device).type != "cpu" and not config.all_kernels:
         return registry.PROBE_DEFAULT
     return None
+
+
+def not_runnable(config: ProbeConfig, device: torch.device) -> Dict[str, str]:
+    """The kernels ``config.kernels`` names that cannot run on ``device`` (or are not
+    registered), each with why: the Probe measures the others and says so (the report's
+    ``meta['kernels_not_measured']``, a warning, a note in every plan made from it)."""
+    out: Dict[str, str] = {}
+    for name in config.kernels or ():
+        try:
+            ok = registry.get(name).device_ok(device)
+        except KeyError:
+            out[name] = "not registered in this installation"
+            continue
+        if not ok:
+            out[name] = ok.reason
+    return out
 
 
 def compiles_for_timing(kern: Kernel, dev: torch.device, mode: str) -> bool:
@@ -776,6 +793,10 @@ def measure_report(sites: Mapping[str, SiteStats], modules: Mapping[str, nn.Line
         dev = torch.device(device) if device is not None else module.weight.device
         works.append(run.plan_site(name, sites[name], module, dev))
     used = works[0].dev if works else None
+    missing = not_runnable(config, used) if used is not None else {}
+    if missing:
+        warnings.warn("loka.probe: kernels asked for that cannot run here were not measured: "
+                      + "; ".join(f"{n} ({why})" for n, why in missing.items()), stacklevel=3)
     # the baselines' estimates first: they rule kernels out (roofline) before anything compiles
     run.estimate_baselines(works)
     pre = precompile.start(run.compile_plan(works), used, config) if works else None
@@ -799,7 +820,7 @@ def measure_report(sites: Mapping[str, SiteStats], modules: Mapping[str, nn.Line
             "baseline": BASELINE, "unobserved_sites": unobserved,
             "report_s": time.perf_counter() - start, "phases_s": dict(run.phases),
             "not_timed": dict(run.not_timed), "autotuned": _autotune_choices(),
-            "head_forwards_only": list(run.head),
+            "head_forwards_only": list(run.head), "kernels_not_measured": missing,
             "spent": {k: round(max(v - spent[k], 0.0), 3) for k, v in _spent().items()}}
     if seeded is not None:
         meta["autotune_seeded"] = seeded

@@ -284,3 +284,26 @@ def test_a_plan_file_with_a_bad_head_sites_is_refused(bad, probed, tmp_path):
     path.write_text(json.dumps(d))
     with pytest.raises(ReportError, match="budget.head_sites"):
         loka.Plan.load(path)
+
+
+def test_kernels_asked_for_that_cannot_run_are_said_not_measured():
+    """A kernel named in ProbeConfig.kernels that this device cannot run (fast accumulation
+    is CUDA-only) is not silently dropped: a warning, the report's meta, a note in the plan."""
+    torch.manual_seed(0)
+    model = OutOfOrder()
+    batches = [(torch.randn(64, 16), torch.randn(64, 1)) for _ in range(2)]
+    config = loka.ProbeConfig(timing=False, num_samples=4, bootstrap=20, compare_naive=False,
+                              kernels=("bf16", "emulated-rowwise-e4m3",
+                                       "cublas-rowwise-fastacc"))
+    with pytest.warns(UserWarning, match="cublas-rowwise-fastacc \\(fast accumulation"):
+        report = loka.probe(model, batches, lambda m, b: ((m(b[0]) - b[1]) ** 2).mean(),
+                            config=config)
+    missing = report.meta["kernels_not_measured"]
+    assert list(missing) == ["cublas-rowwise-fastacc"] and "CUDA" in missing[
+        "cublas-rowwise-fastacc"]
+    assert all("cublas-rowwise-fastacc" not in rr.kernels
+               for s in report.sites.values() for rr in s.roles.values())
+    again = ProbeReport.from_dict(json.loads(json.dumps(report.to_dict())))
+    p = plan(again, assume_fast=True)
+    assert any(n.startswith("kernels the Probe was asked for but could not run there")
+               and "cublas-rowwise-fastacc" in n for n in p.notes), p.notes
