@@ -38,11 +38,11 @@ MAX_FP8_OUT_N = 256
 """widest N whose FP8 output is quantized in the epilogue (one program holds a whole row)"""
 
 
-
 def _unused(like: torch.Tensor) -> torch.Tensor:
     """A pointer argument the kernel does not touch, of ``like``'s dtype and device: never a
     tensor passed already (:func:`loka.kernels.triton.common.launch`)."""
     return torch.empty((1,), dtype=like.dtype, device=like.device)
+
 
 def _cfg(bm, bn, bk, stages, warps, group=8):
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group},
