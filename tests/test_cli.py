@@ -461,6 +461,25 @@ def test_probe_and_plan_files(workflow):
     assert "emulated-rowwise-e4m3" in kernels  # FP8 where the budget allows, on error only
 
 
+def test_probe_says_which_sites_it_measured_forwards_only(workflow, tmp_path, capsys):
+    report = ProbeReport.load(workflow / "report.json")
+    head = report.meta["head_forwards_only"]
+    fwd_only = {loka.config.Role.FWD}
+    assert 1 <= len(head) <= 3 and all(set(report.sites[n].roles) == fwd_only for n in head)
+    out = tmp_path / "r.json"
+    code = cli.main(["probe", "wukong", "--preset", "tiny", "--steps", "2", "--every-n-steps", "1",
+                     "--batch-size", "64", "--num-samples", "2", "--sample-rows", "32",
+                     "--bootstrap", "10", "--no-naive", "--no-timing", "--kernels",
+                     "bf16,emulated-rowwise-e4m3", "--device", "cpu", "--head-sites", "1",
+                     "-o", str(out)])
+    assert code == 0
+    again = ProbeReport.load(out)
+    assert again.meta["head_forwards_only"] == head[-1:]
+    printed = capsys.readouterr().out
+    assert f"forwards only at the 1 site(s) nearest the loss, which a training plan keeps on " \
+           f"bf16: {head[-1]} (--head-sites 0 measures every role)" in printed
+
+
 def test_plan_with_delayed_scaling_writes_it_and_says_so(workflow, tmp_path, capsys):
     out = tmp_path / "delayed.json"
     code = cli.main(["plan", str(workflow / "report.json"), "-o", str(out), "--assume-fast",

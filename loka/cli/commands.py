@@ -474,6 +474,10 @@ def cmd_probe(args) -> int:
                        batch_size=batch_size)
     report.save(args.out)
     print(report.summary_table())
+    head = report.meta.get("head_forwards_only") or []
+    if head:
+        print(f"forwards only at the {len(head)} site(s) nearest the loss, which a training "
+              f"plan keeps on bf16: {', '.join(head)} (--head-sites 0 measures every role)")
     if device.type == "cuda":
         print(f"wrote {args.out}; next: loka plan {args.out} -o plan.json")
     else:
