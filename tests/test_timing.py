@@ -133,3 +133,30 @@ def test_a_cold_cache_makes_a_memory_bound_call_read_from_memory():
     cold = time_fn(lambda: out.copy_(a), "cuda", warmup=3, iters=20, flush_l2=True)
     assert cold.method == "cuda-graph" and "L2 flushed" in cold.note
     assert 0 < warm.median_us and cold.median_us >= 0.9 * warm.median_us
+
+
+def test_after_a_failed_capture_the_devices_rng_gets_a_fresh_copy_of_its_state(monkeypatch):
+    """(CPU, with stand-in generators; the GPU test above runs it for real.) The device's
+    own generator, by index, by device or the current one, swaps its state for a clone."""
+    from loka import timing
+
+    class Gen:
+        def __init__(self):
+            self.state, self.set_to = object(), None
+
+        def clone_state(self):
+            return ("clone of", self.state)
+
+        def graphsafe_set_state(self, s):
+            self.set_to = s
+
+    gens = [Gen(), Gen()]
+    monkeypatch.setattr(torch.cuda, "default_generators", gens, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    timing.release_rng_after_failed_capture()
+    assert gens[1].set_to == ("clone of", gens[1].state) and gens[0].set_to is None
+    timing.release_rng_after_failed_capture(0)
+    assert gens[0].set_to == ("clone of", gens[0].state)
+    gens[0].set_to = None
+    timing.release_rng_after_failed_capture(torch.device("cuda", 0))
+    assert gens[0].set_to is not None
