@@ -32,6 +32,20 @@ def row_major(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def _k_blocks_in_fours(scale: torch.Tensor) -> torch.Tensor:
+    """The weight's (K/128, N/128) blockwise scales as ``F.scaled_mm`` reads them: stored
+    column-major with the K-blocks padded to a multiple of four (``L4``, torch's own
+    check; torch 2.11 on an H100 refused K = 256, "scale_b must have shape 4 x 1"). The
+    padding rows are never read."""
+    kb, nb = scale.shape
+    l4 = -(-kb // 4) * 4
+    if l4 == kb:
+        return scale.t().contiguous().t()
+    padded = scale.new_ones((nb, l4))
+    padded[:, :kb] = scale.t()
+    return padded.t()
+
+
 def _scaled_mm(qa: QTensor, qb: QTensor, out_dtype: torch.dtype, fast_accum: bool,
                scaling: Granularity) -> torch.Tensor:
     a = row_major(qa.data)
@@ -43,7 +57,7 @@ def _scaled_mm(qa: QTensor, qb: QTensor, out_dtype: torch.dtype, fast_accum: boo
         # weight's 128x128 scales K-major, (K/128, N/128) stored column-major too (torch
         # 2.11 on an H100 refuses row-major ones: "scale_b must have strides (1, K/128)")
         sa = qa.scale.t().contiguous().t()
-        sb = qb.scale.t().contiguous().t()
+        sb = _k_blocks_in_fours(qb.scale)
         return F.scaled_mm(a, b, sa, F.ScalingType.BlockWise1x128, sb,
                            F.ScalingType.BlockWise128x128, output_dtype=out_dtype,
                            use_fast_accum=fast_accum)

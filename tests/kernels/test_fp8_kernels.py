@@ -177,3 +177,27 @@ def test_finite_operands_never_give_nan(name, value):
     assert not out.isnan().any()
     if get(name).is_emulated:  # scales applied in float64: the float64 result is finite
         assert torch.isfinite(out).all()
+
+
+@pytest.mark.skipif(not hasattr(torch.nn.functional, "scaled_mm"), reason="no F.scaled_mm")
+@pytest.mark.parametrize("k", [128, 256, 384, 512, 640])
+def test_blockwise_weight_scales_are_laid_out_as_scaled_mm_checks_them(k):
+    """F.scaled_mm reads a weight's 128x128 scales with its K-blocks padded to a multiple of
+    four (its meta function checks it; torch 2.11 on an H100 refused K = 256 otherwise).
+    Checked on meta tensors, and the padded table holds the scales where they were."""
+    from loka.kernels.cublas import _k_blocks_in_fours, _scaled_mm
+    from loka.numerics import Granularity, QTensor, get_format
+    m, n, fmt = 128, 256, get_format("e4m3")
+    a = torch.empty(m, k, device="meta", dtype=torch.float8_e4m3fn)
+    b = torch.empty(n, k, device="meta", dtype=torch.float8_e4m3fn).t()
+    qa = QTensor(a, torch.empty(m, k // 128, device="meta"), fmt, (1, 128),
+                 Granularity.BLOCKWISE)
+    qb = QTensor(b, torch.empty(k // 128, n // 128, device="meta"), fmt, (128, 128),
+                 Granularity.BLOCKWISE)
+    out = _scaled_mm(qa, qb, torch.bfloat16, False, Granularity.BLOCKWISE)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
+    scale = torch.rand(k // 128, n // 128) + 0.5
+    padded = _k_blocks_in_fours(scale)
+    l4 = -(-(k // 128) // 4) * 4
+    assert padded.shape == (l4, n // 128) and padded.stride() == (1, l4)
+    assert torch.equal(padded[:k // 128], scale)
