@@ -158,10 +158,7 @@ def release_rng_after_failed_capture(device: "torch.device | int | None" = None)
     "Offset increment outside graph capture encountered unexpectedly"), which would break
     the user's own training after a Probe or a timing. The copy continues the same random
     stream, so it changes nothing where the state was fine."""
-    index = None
-    if device is not None:
-        index = torch.device("cuda", device).index if isinstance(device, int) \
-            else torch.device(device).index
+    index = device if isinstance(device, int) or device is None else torch.device(device).index
     gen = torch.cuda.default_generators[torch.cuda.current_device() if index is None else index]
     if hasattr(gen, "graphsafe_set_state") and hasattr(gen, "clone_state"):
         gen.graphsafe_set_state(gen.clone_state())

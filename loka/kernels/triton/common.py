@@ -200,24 +200,35 @@ def launch(kernel):
     Inside an op's body no tensor may be passed twice (:func:`check_distinct`): tracing
     functionalizes the kernel, copying each argument it may write, and writes the copies
     back one argument after the other, so a tensor passed as two arguments ends up holding
-    the copy that the kernel did not write."""
+    the copy that the kernel did not write (an argument the kernel does not touch takes a
+    :func:`placeholder`)."""
     if not getattr(_OP_BODY, "on", False):
         return kernel
-    wrapped = wrap_triton(kernel)
-    name = getattr(getattr(kernel, "fn", kernel), "__name__", "kernel")
+    return _CheckedLaunch(wrap_triton(kernel),
+                          getattr(getattr(kernel, "fn", kernel), "__name__", "kernel"))
 
-    class _Checked:
-        traceable = wrapped
+
+class _CheckedLaunch:
+    """A ``wrap_triton`` kernel whose launches refuse a tensor passed twice."""
+
+    def __init__(self, traceable, name: str) -> None:
+        self.traceable = traceable
         """what ``torch.library.wrap_triton`` made of the kernel"""
+        self.name = name
 
-        def __getitem__(self, grid):
-            run = wrapped[grid]
+    def __getitem__(self, grid):
+        run = self.traceable[grid]
 
-            def call(*args, **kwargs):
-                check_distinct(name, list(args) + list(kwargs.values()))
-                return run(*args, **kwargs)
-            return call
-    return _Checked()
+        def call(*args, **kwargs):
+            check_distinct(self.name, list(args) + list(kwargs.values()))
+            return run(*args, **kwargs)
+        return call
+
+
+def placeholder(like: torch.Tensor) -> torch.Tensor:
+    """A pointer argument the kernel does not touch, of ``like``'s dtype and device: never a
+    tensor passed already (:func:`launch`)."""
+    return torch.empty((1,), dtype=like.dtype, device=like.device)
 
 
 def check_distinct(name: str, args) -> None:

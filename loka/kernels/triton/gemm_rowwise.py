@@ -30,18 +30,12 @@ import triton.language as tl
 from ...numerics import get_format
 from .common import (abs_amax, amax_to_scale, autotune, launch, check_float_input,
                      check_gemm_operands, fp8_meta, grouped_tile, next_pow2, round_to,
-                     scale_and_clamp, unsigned_zero_quotient)
+                     placeholder, scale_and_clamp, unsigned_zero_quotient)
 from .quantize import amax_partials, quantize_rowwise, reduce_partials
 
 ACTIVATIONS = {None: 0, "identity": 0, "hardswish": 1}
 MAX_FP8_OUT_N = 256
 """widest N whose FP8 output is quantized in the epilogue (one program holds a whole row)"""
-
-
-def _unused(like: torch.Tensor) -> torch.Tensor:
-    """A pointer argument the kernel does not touch, of ``like``'s dtype and device: never a
-    tensor passed already (:func:`loka.kernels.triton.common.launch`)."""
-    return torch.empty((1,), dtype=like.dtype, device=like.device)
 
 
 def _cfg(bm, bn, bk, stages, warps, group=8):
@@ -340,12 +334,12 @@ def gemm_rowwise(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
         cs = c
     else:
         c = torch.empty((m, n), dtype=out_dtype, device=a.device)
-        cs = _unused(c)
+        cs = placeholder(c)
     nblk = triton.cdiv(n, norm_stats) if norm_stats is not None else 0
-    ss = torch.zeros((m, nblk), dtype=torch.float32, device=a.device) if nblk else _unused(c)
+    ss = torch.zeros((m, nblk), dtype=torch.float32, device=a.device) if nblk else placeholder(c)
     grid = lambda meta_: (triton.cdiv(m, meta_["BLOCK_M"]) * triton.cdiv(n, meta_["BLOCK_N"]), split)  # noqa: E731
     launch(rowwise_gemm_kernel)[grid](
-        a, b, c, scale_a, scale_b, bias if bias is not None else _unused(scale_a), cs, ss,
+        a, b, c, scale_a, scale_b, bias if bias is not None else placeholder(scale_a), cs, ss,
         m, n, k, k_split, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         c.stride(0) if split > 1 else 0, c.stride(-2), c.stride(-1), sa_stride, sb_stride, 0, 0,
         HAS_BIAS=bias is not None, ACT=ACTIVATIONS[activation], NORM_BLOCK=norm_stats or 0,
@@ -467,7 +461,7 @@ def gemm_rowwise_inline(a: torch.Tensor, b: torch.Tensor, a_fmt="e4m3", b_fmt="e
     inline = {"QA_MAX": qa["FMT_MAX"], "QA_MANT": qa["MANT_BITS"], "QA_MIN_EXP": qa["MIN_EXP"],
               "QB_MAX": qb["FMT_MAX"], "QB_MANT": qb["MANT_BITS"], "QB_MIN_EXP": qb["MIN_EXP"]}
     launch(rowwise_gemm_kernel)[grid](
-        ta, tb, c, pa, pb, _unused(pa), _unused(c), _unused(c), m_, n_, k, k_split,
+        ta, tb, c, pa, pb, placeholder(pa), placeholder(c), placeholder(c), m_, n_, k, k_split,
         ta.stride(0), ta.stride(1),
         tb.stride(0), tb.stride(1), c.stride(0) if split > 1 else 0, stride_cm, stride_cn,
         sa_stride, sb_stride, npart_a, npart_b,
