@@ -225,14 +225,10 @@ def plan(report: "ProbeReport | str | os.PathLike", max_error: Optional[float] =
     def usable(name: str) -> bool:
         if name in excluded:
             return False
-        try:
-            kern = registry.get(name)
-        except KeyError:
-            excluded[name] = "not registered in this installation"
-            return False
-        ok = kern.device_ok(target)
-        if not ok:
-            excluded[name] = f"unavailable on {target}: {ok.reason}"
+        why = registry.why_not_runnable(name, target)
+        if why is not None:
+            excluded[name] = (why if why == registry.NOT_REGISTERED
+                              else f"unavailable on {target}: {why}")
             return False
         return True
 

@@ -129,6 +129,19 @@ class Kernel:
     def is_emulated(self) -> bool:
         return self.library is Library.EMULATED
 
+    @property
+    def quantizer_library(self) -> Library:
+        """Whose code quantizes this kernel's operands: the library of the kernel it
+        quantizes as (``quantizes_as``: the same PyTorch code, another GEMM), else its own.
+        What decides whether Inductor can fuse the quantization, whether a QTensor another
+        kernel made is laid out as this one's, and whether delayed scales apply."""
+        if self.quantizes_as:
+            try:
+                return get(self.quantizes_as).library
+            except KeyError:
+                pass
+        return self.library
+
     def padded_tokens(self, tokens: int) -> int:
         """The token count (rows of x and dy) as this kernel's weight-gradient GEMM sees it:
         ``loka.Linear`` pads that reduction to a multiple of :attr:`align` with zero rows,
@@ -220,6 +233,21 @@ def get(name: str) -> Kernel:
         return _REGISTRY[name]
     except KeyError:
         raise KeyError(f"no kernel named {name!r}; registered: {sorted(_REGISTRY)}") from None
+
+
+NOT_REGISTERED = "not registered in this installation"
+""":func:`why_not_runnable`'s answer for a name no kernel has"""
+
+
+def why_not_runnable(name: str, device: "torch.device | str") -> Optional[str]:
+    """Why the kernel ``name`` cannot run on ``device`` at all (:data:`NOT_REGISTERED`, or
+    its :meth:`Kernel.device_ok` reason); None where it can. One answer for every part that
+    is handed kernel names: the Probe's configured kernels and the plan's."""
+    try:
+        ok = get(name).device_ok(device)
+    except KeyError:
+        return NOT_REGISTERED
+    return None if ok else ok.reason
 
 
 def all_kernels() -> List[Kernel]:

@@ -254,13 +254,9 @@ def not_runnable(config: ProbeConfig, device: torch.device) -> Dict[str, str]:
     ``meta['kernels_not_measured']``, a warning, a note in every plan made from it)."""
     out: Dict[str, str] = {}
     for name in config.kernels or ():
-        try:
-            ok = registry.get(name).device_ok(device)
-        except KeyError:
-            out[name] = "not registered in this installation"
-            continue
-        if not ok:
-            out[name] = ok.reason
+        why = registry.why_not_runnable(name, device)
+        if why is not None:
+            out[name] = why
     return out
 
 
@@ -271,8 +267,10 @@ def compiles_for_timing(kern: Kernel, dev: torch.device, mode: str) -> bool:
         return False
 
     # own quantization kernels (Triton kernels, C++ libraries) gain no fusion from
-    # Inductor; emulated kernels are references, not candidates for speed
-    return kern.is_fp8 and kern.library in COMPILED_LIBRARIES and not ops.is_opaque(kern)
+    # Inductor; emulated kernels are references, not candidates for speed; a kernel that
+    # quantizes as a cuBLAS or torchao one does (``quantizes_as``) is compiled with it
+    return (kern.is_fp8 and kern.quantizer_library in COMPILED_LIBRARIES
+            and not ops.is_opaque(kern))
 
 
 class KernelTimer:

@@ -19,7 +19,8 @@ TRITON_NAMES = ["triton-rowwise", "triton-rowwise-fastacc", "triton-rowwise-cubl
                 "triton-rowwise-cublas-fastacc", "triton-rowwise-e5m2", "triton-rowwise-inline",
                 "triton-tensorwise",
                 "triton-tensorwise-cublas", "triton-tensorwise-cublas-fastacc",
-                "triton-blockwise", "triton-blockwise-cublas"]
+                "triton-blockwise", "triton-blockwise-cublas",
+                "torch-tensorwise-triton", "torch-tensorwise-triton-fastacc"]
 TWINS = {"triton-rowwise": "emulated-rowwise-e4m3", "triton-rowwise-fastacc": "emulated-rowwise-e4m3",
          "triton-rowwise-cublas": "emulated-rowwise-e4m3",
          "triton-rowwise-cublas-fastacc": "emulated-rowwise-e4m3", "triton-rowwise-e5m2": "emulated-rowwise-e5m2",
@@ -28,7 +29,9 @@ TWINS = {"triton-rowwise": "emulated-rowwise-e4m3", "triton-rowwise-fastacc": "e
          "triton-tensorwise-cublas": "emulated-tensorwise-e4m3",
          "triton-tensorwise-cublas-fastacc": "emulated-tensorwise-e4m3",
          "triton-blockwise": "emulated-blockwise-e4m3",
-         "triton-blockwise-cublas": "emulated-blockwise-e4m3"}
+         "triton-blockwise-cublas": "emulated-blockwise-e4m3",
+         "torch-tensorwise-triton": "emulated-tensorwise-e4m3",
+         "torch-tensorwise-triton-fastacc": "emulated-tensorwise-e4m3"}
 
 
 def kernels_run_here():
@@ -208,6 +211,28 @@ def test_kernels_agree_with_their_emulated_twins(role, out_dtype):
             tol = max(tol, 4e-3)  # a bf16 output (rowwise/blockwise libraries write bf16)
         assert relative_frobenius(y, e) < tol, name
         assert relative_frobenius(y, ref) < 0.08, name  # and it is a GEMM of these operands
+
+
+@needs_triton
+@pytest.mark.parametrize("k", [128, 256, 384, 640])
+def test_blockwise_kernels_take_k_that_is_not_whole_fours_of_blocks(k):
+    """The weight's 128x128 scales are padded to K-blocks in fours for ``F.scaled_mm``
+    (``loka.kernels.cublas._k_blocks_in_fours``); here at K = 1, 2, 3 and 5 blocks, in every
+    role (K is m, k or n of the role's operands), against the emulated twin."""
+    kernels_run_here()
+    names = [k_ for k_ in ("cublas-blockwise", "triton-blockwise-cublas", "triton-blockwise")
+             if get(k_).device_ok(DEVICE)]
+    if not names:
+        pytest.skip(f"no blockwise kernel runs on {DEVICE}")
+    for role in ("fwd", "dgrad", "wgrad"):
+        a, b = role_operands(role, 256, k, 384)
+        ref = a.double() @ b.double()
+        twin = get("emulated-blockwise-e4m3")(a, b, torch.float32)
+        for name in names:
+            y = get(name)(a, b, torch.float32)
+            assert y.shape == ref.shape, (name, role)
+            assert relative_frobenius(y, twin) < 4e-3, (name, role, k)
+            assert relative_frobenius(y, ref) < 0.08, (name, role, k)
 
 
 @needs_triton

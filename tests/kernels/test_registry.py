@@ -20,6 +20,18 @@ def test_unavailable_kernels_say_why():
     assert "cuda" in reasons["tf32"]
 
 
+def test_why_a_named_kernel_cannot_run_is_one_answer_for_probe_and_plan():
+    from loka.kernels import registry
+
+    assert registry.why_not_runnable("emulated-rowwise-e4m3", "cpu") is None
+    assert registry.why_not_runnable("no-such-kernel", "cpu") == registry.NOT_REGISTERED
+    assert registry.why_not_runnable("tf32", "cpu") == unavailable("cpu")["tf32"]
+    cfg = loka.ProbeConfig(kernels=("bf16", "tf32", "no-such-kernel"))
+    from loka.probe.measure import not_runnable
+    assert not_runnable(cfg, torch.device("cpu")) == {
+        "tf32": unavailable("cpu")["tf32"], "no-such-kernel": registry.NOT_REGISTERED}
+
+
 @pytest.mark.parametrize("name", ["emulated-tensorwise-e4m3", "cublas-tensorwise",
                                   "emulated-blockwise-e4m3"])
 def test_alignment_predicate(name):
