@@ -106,13 +106,12 @@ def _fits(kernel: Kernel, q: QTensor, operand: int) -> bool:
 
 def _shares(producer: Kernel, p_operand: int, consumer: Kernel, c_operand: int) -> bool:
     """Can the tensorwise FP8 operand ``p_operand`` (0 = a, 1 = b) quantized for
-    ``producer`` feed ``consumer`` as its operand ``c_operand``, as is? Both tensorwise,
-    quantized by one library's code (``Kernel.quantizer_library``, so they agree on the
-    layout of the FP8 data, whatever their GEMMs), with quantizers, and the same format.
-    The three reuses: fwd x -> wgrad b, fwd Wᵀ -> dgrad b (transposed), dgrad dy -> wgrad a
-    (transposed)."""
+    ``producer`` feed ``consumer`` as its operand ``c_operand``, as is? Both tensorwise, of
+    one library (so they agree on the layout of the FP8 data), with quantizers, and the
+    same format. The three reuses: fwd x -> wgrad b, fwd Wᵀ -> dgrad b (transposed),
+    dgrad dy -> wgrad a (transposed)."""
     return (producer.scaling is consumer.scaling is Scaling.TENSORWISE
-            and producer.quantizer_library == consumer.quantizer_library
+            and producer.library == consumer.library
             and producer.quantize_a is not None and consumer.quantize_a is not None
             and producer.formats[p_operand] == consumer.formats[c_operand])
 
@@ -139,10 +138,9 @@ kernels)"""
 
 
 def delayable(kernel: Kernel) -> bool:
-    """A tensorwise FP8 kernel whose quantizer is of :data:`DELAYABLE_LIBRARIES`
-    (``Kernel.quantizer_library``)."""
+    """A tensorwise FP8 kernel of :data:`DELAYABLE_LIBRARIES`."""
     return (kernel.scaling is Scaling.TENSORWISE and kernel.quantize_a is not None
-            and kernel.quantizer_library in DELAYABLE_LIBRARIES)
+            and kernel.library in DELAYABLE_LIBRARIES)
 
 
 def delayed_formats(kernels: Tuple[Kernel, Kernel, Kernel]) -> Tuple[Optional[str], ...]:

@@ -63,12 +63,8 @@ def plan_families(plan: Plan, report: Optional[ProbeReport] = None,
        (bench/BENCHMARKS.md, "The evaluation-set plan's 9 sites on one tensorwise
        family"), while their isolated speedups, which rank them, did not say so.
 
-    Kernels that quantize alike with the same GEMM library (a kernel and its
-    fast-accumulation twin, ``Kernel.quantizes_as``) count once: the first of them. A
-    kernel that quantizes as another but runs another library's GEMM is a family of its own:
-    the same FP8 copies, another launcher (``torch-tensorwise-triton``: LoKA's Triton GEMM,
-    which costs the host less per call than ``torch._scaled_mm``; a whole step bound by
-    the host tells them apart where the kernels' GPU times do not). ``allowed_kernels`` (as
+    Kernels that quantize alike (a kernel and its fast-accumulation twin,
+    ``Kernel.quantizes_as``) count once: the first of them. ``allowed_kernels`` (as
     :func:`loka.plan`'s) limits both."""
     allowed = None if allowed_kernels is None else set(allowed_kernels)
     count: dict = {}
@@ -79,12 +75,11 @@ def plan_families(plan: Plan, report: Optional[ProbeReport] = None,
                 count[choice.kernel] = count.get(choice.kernel, 0) + 1
                 roles.append((name, role))
 
-    def kind(k: str):  # kernels that quantize alike, one GEMM library (a fast-accum twin)
+    def kind(k: str) -> str:  # kernels that quantize alike (a fast-accumulation twin)
         try:
-            kern = registry.get(k)
+            return registry.get(k).quantizes_as or k
         except KeyError:
-            return k, None
-        return kern.quantizes_as or k, kern.library
+            return k
 
     def dedupe(names: List[str]) -> List[str]:
         seen, out = set(), []

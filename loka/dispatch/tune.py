@@ -40,9 +40,8 @@ FUSIBLE_TWINS: Dict[str, str] = {
     "triton-rowwise-cublas-fastacc": "cublas-rowwise-fastacc",
     "triton-tensorwise-cublas": "cublas-tensorwise",
     "triton-tensorwise-cublas-fastacc": "cublas-tensorwise-fastacc",
-    "triton-tensorwise": "torch-tensorwise-triton",
 }
-"""Kernels with the same numerics (bit-exact quantizers, the same GEMM) whose
+"""Kernels with the same numerics (bit-exact quantizers, the same cuBLAS GEMM) whose
 quantization is plain PyTorch: alone the Triton quantizer is faster, but inside a
 compiled model Inductor fuses the PyTorch one into the op that produces the operand (an
 activation, a norm), which the Probe's standalone timing cannot see.

@@ -129,19 +129,6 @@ class Kernel:
     def is_emulated(self) -> bool:
         return self.library is Library.EMULATED
 
-    @property
-    def quantizer_library(self) -> Library:
-        """Whose code quantizes this kernel's operands: the library of the kernel it
-        quantizes as (``quantizes_as``: the same PyTorch code, another GEMM), else its own.
-        What decides whether Inductor can fuse the quantization, whether a QTensor another
-        kernel made is laid out as this one's, and whether delayed scales apply."""
-        if self.quantizes_as:
-            try:
-                return get(self.quantizes_as).library
-            except KeyError:
-                pass
-        return self.library
-
     def padded_tokens(self, tokens: int) -> int:
         """The token count (rows of x and dy) as this kernel's weight-gradient GEMM sees it:
         ``loka.Linear`` pads that reduction to a multiple of :attr:`align` with zero rows,

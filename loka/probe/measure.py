@@ -267,10 +267,8 @@ def compiles_for_timing(kern: Kernel, dev: torch.device, mode: str) -> bool:
         return False
 
     # own quantization kernels (Triton kernels, C++ libraries) gain no fusion from
-    # Inductor; emulated kernels are references, not candidates for speed; a kernel that
-    # quantizes as a cuBLAS or torchao one does (``quantizes_as``) is compiled with it
-    return (kern.is_fp8 and kern.quantizer_library in COMPILED_LIBRARIES
-            and not ops.is_opaque(kern))
+    # Inductor; emulated kernels are references, not candidates for speed
+    return kern.is_fp8 and kern.library in COMPILED_LIBRARIES and not ops.is_opaque(kern)
 
 
 class KernelTimer:

@@ -7,7 +7,6 @@ kernels are ``triton_op`` ops that Inductor traces into (tests/kernels/test_trit
 
 import importlib.util
 import re
-from unittest import mock
 
 import pytest
 import torch
@@ -264,45 +263,3 @@ def test_on_a_simulated_gpu_static_scales_add_only_the_casts_no_producer_can_tak
         torch._dynamo.reset()
         found = launches(model, x)
         assert len([l for l in found if l.kind != "gemm_fp8"]) == counts[x.shape[0]] + 1
-
-
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                    reason="Inductor's CUDA code generation needs triton")
-def test_on_a_simulated_gpu_the_triton_gemm_launches_from_inductors_code_with_the_same_casts():
-    """``torch-tensorwise-triton`` quantizes as ``cublas-tensorwise`` and runs LoKA's Triton
-    GEMM: served with static scales, the compiled step makes the same FP8 copies in the same
-    kernels as the cuBLAS kernel's step, and each GEMM is a Triton launch from Inductor's
-    code, not a ``torch._scaled_mm`` call (what costs the host more per site)."""
-    from loka.bench.stepcode import cuda_step_code, inventory
-
-    found = {}
-    for kernel in ("cublas-tensorwise", "torch-tensorwise-triton"):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = Mixed().to(torch.bfloat16)
-        x = torch.randn(256, 128, dtype=torch.bfloat16)
-        # (a CUDA-only kernel on a CPU model: the code is generated for a CUDA device, as
-        # bench/step_code.py does)
-        plan = Plan.uniform(model, "cublas-tensorwise")
-        for sp in plan.sites.values():
-            sp.roles[ROLES[0]] = RoleChoice(kernel)
-            for role in ROLES[1:]:
-                sp.roles[role] = RoleChoice(plan.baseline)
-        with mock.patch("loka.dispatch.swap._device_problem", lambda *a: None):
-            loka.apply(model, plan, inference=True)
-        for i, m in enumerate(l for l in model.modules() if isinstance(l, Linear)):
-            m.set_input_amax(4.0 + i, rows=x.shape[0])
-        codes = cuda_step_code(model.eval(), (x,), train=False)
-        assert len(codes) == 1
-        found[kernel] = (inventory(codes[0]), codes[0])
-    cub, (tri, code) = found["cublas-tensorwise"][0], found["torch-tensorwise-triton"]
-    gemms = [l for l in tri if l.kind == "gemm_fp8"]
-    assert len(gemms) == 4 and all(l.name.startswith("rowwise_gemm_kernel") for l in gemms)
-    assert "_scaled_mm(" not in code and not [l for l in tri if l.kind == "gemm_bf16"]
-    assert re.findall(r"rowwise_gemm_kernel\w*\.run\(", code), code[-2000:]
-    # the same casts, in the same kernels (names less the op the cast feeds, and numbers)
-    def others(launches):
-        return sorted((re.sub(r"(_scaled_mm)|(_\d+$)", "", l.name), l.bytes_read,
-                        l.bytes_written) for l in launches if l.kind != "gemm_fp8")
-
-    assert others(tri) == others(cub)

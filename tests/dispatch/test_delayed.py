@@ -124,11 +124,6 @@ def test_which_operands_each_plan_of_kernels_delays():
     e5 = k("cublas-tensorwise-e5m2")
     assert delayed_formats((k(TW), e5, e5)) == ("e4m3", "e4m3", "e5m2")
     assert delayed_formats((k(B), k(B), k(B))) == (None, None, None)
-    # PyTorch's quantization with another GEMM (Kernel.quantizer_library): delayed too;
-    # LoKA's Triton quantizers are not
-    tt = k("torch-tensorwise-triton")
-    assert delayed_formats((tt, k(TW), tt)) == ("e4m3", "e4m3", "e4m3")
-    assert delayed_formats((k("triton-tensorwise"),) * 3) == (None, None, None)
     # (torch 2.11's build has no rowwise _scaled_mm on the CPU: its emulated twin)
     rw = "cublas-rowwise" if get("cublas-rowwise").device_ok("cpu") else "emulated-rowwise-e4m3"
     _, lin, ops = _pair(LinearConfig(rw, rw, rw))

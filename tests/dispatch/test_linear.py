@@ -286,18 +286,6 @@ def test_finite_float64_input_never_gives_nan(config, value):
 
 
 # -- tensorwise operands quantized once, shared across roles ---------------------------
-def test_tensorwise_operands_are_shared_by_whose_code_quantizes_them():
-    """A QTensor passes from one kernel to another where one library's code quantized both
-    (``Kernel.quantizer_library``), whatever their GEMMs: ``cublas-tensorwise`` and
-    ``torch-tensorwise-triton`` share; LoKA's Triton quantizers and PyTorch's do not."""
-    from loka.dispatch.linear import _shares
-
-    cub, tt = get("cublas-tensorwise"), get("torch-tensorwise-triton")
-    assert _shares(cub, 0, tt, 1) and _shares(tt, 1, cub, 1) and _shares(tt, 0, tt, 1)
-    assert not _shares(get("triton-tensorwise"), 0, tt, 1)
-    assert not _shares(cub, 0, get("cublas-rowwise"), 1)
-
-
 @pytest.mark.parametrize("kernel,grad_kernel", [
     ("emulated-tensorwise-e4m3", "emulated-tensorwise-e4m3"),
     ("cublas-tensorwise", "cublas-tensorwise"),

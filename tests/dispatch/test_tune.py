@@ -345,8 +345,7 @@ def test_whole_step_helpers_are_exported_where_the_docs_name_them():
     for kernel, twin in d.FUSIBLE_TWINS.items():  # same numerics: same formats and scaling
         a, b = get(kernel), get(twin)
         assert (a.formats, a.scaling, a.fast_accum) == (b.formats, b.scaling, b.fast_accum)
-        # a Triton quantizer's twin quantizes with PyTorch's code (Inductor fuses it)
-        assert a.quantizer_library is Library.TRITON and b.quantizer_library is Library.CUBLAS
+        assert a.library is Library.TRITON and b.library is Library.CUBLAS
 
 
 def test_optimize_tries_the_plans_kernels_as_families_and_keeps_the_faster_one(make_report):
@@ -463,23 +462,3 @@ def test_a_family_that_equals_the_plan_or_its_twins_is_not_timed_again(make_repo
     _, log = loka.dispatch.tune_speed(plan, model, lambda m: 10.0, report=report,
                                       families=["t-faster", "t-mid"], max_trials=3)
     assert len(log) == 3 and [e["family"] for e in log if "family" in e] == ["t-faster"]
-
-
-def test_a_kernel_that_quantizes_as_another_with_its_own_gemm_is_a_family_of_its_own(
-        make_report):
-    """``torch-tensorwise-triton-fastacc`` quantizes as ``cublas-tensorwise`` does, with
-    LoKA's Triton GEMM: the same FP8 copies, another launcher, so a family of its own;
-    ``cublas-tensorwise-fastacc`` (the same quantization, the same cuBLAS GEMM) is not."""
-    shapes = {"fm0": (32, 64), "fm1": (32, 64), "top": (64, 32), "head": (32, 16)}
-    kernels = {"t-mid": (0.1, 1.2), "cublas-tensorwise": (0.1, 1.3),
-               "cublas-tensorwise-fastacc": (0.1, 1.35),
-               "torch-tensorwise-triton-fastacc": (0.1, 1.25)}
-    report = make_report({n: (k, o, 8, {"fwd": dict(kernels)}) for n, (k, o) in shapes.items()})
-    plan = Plan.uniform(Tower(), "t-mid")
-    for sp in plan.sites.values():
-        sp.roles[Role.FWD] = loka.dispatch.RoleChoice("t-mid", budget=0.2)
-        for role in (Role.DGRAD, Role.WGRAD):
-            sp.roles[role] = loka.dispatch.RoleChoice(plan.baseline)
-    fams = loka.dispatch.plan_families(plan, report)
-    assert fams == ["cublas-tensorwise-fastacc", "torch-tensorwise-triton-fastacc"], fams
-    assert loka.dispatch.tune.FUSIBLE_TWINS["triton-tensorwise"] == "torch-tensorwise-triton"

@@ -19,8 +19,7 @@ TRITON_NAMES = ["triton-rowwise", "triton-rowwise-fastacc", "triton-rowwise-cubl
                 "triton-rowwise-cublas-fastacc", "triton-rowwise-e5m2", "triton-rowwise-inline",
                 "triton-tensorwise",
                 "triton-tensorwise-cublas", "triton-tensorwise-cublas-fastacc",
-                "triton-blockwise", "triton-blockwise-cublas",
-                "torch-tensorwise-triton", "torch-tensorwise-triton-fastacc"]
+                "triton-blockwise", "triton-blockwise-cublas"]
 TWINS = {"triton-rowwise": "emulated-rowwise-e4m3", "triton-rowwise-fastacc": "emulated-rowwise-e4m3",
          "triton-rowwise-cublas": "emulated-rowwise-e4m3",
          "triton-rowwise-cublas-fastacc": "emulated-rowwise-e4m3", "triton-rowwise-e5m2": "emulated-rowwise-e5m2",
@@ -29,9 +28,7 @@ TWINS = {"triton-rowwise": "emulated-rowwise-e4m3", "triton-rowwise-fastacc": "e
          "triton-tensorwise-cublas": "emulated-tensorwise-e4m3",
          "triton-tensorwise-cublas-fastacc": "emulated-tensorwise-e4m3",
          "triton-blockwise": "emulated-blockwise-e4m3",
-         "triton-blockwise-cublas": "emulated-blockwise-e4m3",
-         "torch-tensorwise-triton": "emulated-tensorwise-e4m3",
-         "torch-tensorwise-triton-fastacc": "emulated-tensorwise-e4m3"}
+         "triton-blockwise-cublas": "emulated-blockwise-e4m3"}
 
 
 def kernels_run_here():

@@ -161,17 +161,3 @@ def test_cpu_wallclock_timings_are_never_flagged_fast():
     ks = rep.sites[""].roles[Role.FWD].kernels
     assert all(kr.timing == "cpu-wallclock" and kr.speedup > 0 for kr in ks.values())
     assert not any(kr.fast for kr in ks.values())
-
-
-def test_a_kernel_that_quantizes_as_a_cublas_one_is_compiled_like_it():
-    """``torch-tensorwise-triton`` (PyTorch's tensorwise quantization, LoKA's Triton GEMM)
-    quantizes as ``cublas-tensorwise``: Inductor fuses its casts, so the Probe times it
-    compiled (derived from that kernel's compiled call); LoKA's own Triton quantizers are
-    not."""
-    kern = registry.get("torch-tensorwise-triton")
-    assert kern.library == "triton" and kern.quantizes_as == "cublas-tensorwise"
-    assert kern.quantizer_library == "cublas"
-    assert registry.get("triton-tensorwise").quantizer_library == "triton"
-    dev = torch.device("cuda")
-    assert compiles_for_timing(kern, dev, "auto")
-    assert not compiles_for_timing(registry.get("triton-tensorwise"), dev, "auto")

@@ -14,16 +14,7 @@ triton-tensorwise-cublas    same                                         ``_scal
 triton-tensorwise-cublas-fastacc  same                                   same, fast accum
 triton-blockwise            Triton, 1x128 / 128x128                      Triton blockwise
 triton-blockwise-cublas     same                                         ``F.scaled_mm``
-torch-tensorwise-triton     PyTorch's (``cublas-tensorwise``'s)          Triton (scalar scales)
-torch-tensorwise-triton-fastacc  same                                    same, fast accum
 =========================  ==========================================  ====================
-
-The ``torch-*`` kernels quantize as ``cublas-tensorwise`` does (``Kernel.quantizes_as``):
-under ``torch.compile`` Inductor fuses the cast into the op that produced the operand, or
-a static scale's cast into that op's kernel, and the GEMM is LoKA's Triton kernel, which
-compiled code launches from Inductor's own launcher. ``torch._scaled_mm`` costs the host
-tens of microseconds more per call than that launch; in a step bound by the host, that is
-what these kernels save (``bench/host_per_site.py``).
 
 Their numerics are those of the emulated recipes (``emulated-rowwise-e4m3`` etc.): the
 quantizers are bit-exact with :func:`loka.numerics.quantize`, so a QTensor from any
@@ -48,9 +39,8 @@ from ...config import GRAD_ROLES, Role
 from ...numerics import BLOCK, Granularity, QTensor, get_format
 from .. import capabilities as caps
 from ..cublas import _scaled_mm as _cublas_scaled_mm
-from ..cublas import col_major, row_major
 from ..ops import ensure_triton_ops, triton_kernel_op
-from ..recipes import Recipe, check_gemm_operands
+from ..recipes import check_gemm_operands
 from ..registry import YES, Capability, Kernel, Operand, register
 
 _GEMM_OUT = (torch.bfloat16, torch.float16, torch.float32)
@@ -315,38 +305,6 @@ def make_triton_kernel(name: str, granularity: Granularity, *, gemm: str,
         description=description)
 
 
-def make_recipe_triton_kernel(name: str, *, fast_accum: bool, description: str) -> Kernel:
-    """A registry kernel: ``cublas-tensorwise``'s PyTorch quantization (its ``Recipe``, so
-    Inductor fuses it into the operand's producer) and LoKA's Triton GEMM with scalar
-    scales."""
-    recipe = Recipe(Granularity.TENSORWISE)
-
-    def fn(a, b, out_dtype):
-        check_gemm_operands(a, b, out_dtype)
-        qa, qb = recipe.operands(a, b)
-        lib_dtype = out_dtype if out_dtype in _GEMM_OUT else torch.float32
-        # the layouts FP8 tensor cores read (K contiguous in both), as for cuBLAS: under
-        # torch.compile the cast that makes each operand writes it so
-        out = triton_gemm(row_major(qa.data), col_major(qb.data), qa.scale.reshape(1, 1),
-                          qb.scale.reshape(1, 1), "rowwise", lib_dtype, fast_accum)
-        return out if out.dtype == out_dtype else out.to(out_dtype)
-
-    fn.__name__ = name.replace("-", "_")
-
-    def requires(device: torch.device) -> Capability:
-        if not caps.triton_available(device):
-            return Capability(False, "Triton kernels need triton and a CUDA device")
-        ensure_triton_ops()  # before any compiled model traces them
-        return YES
-
-    return Kernel(
-        name=name, fn=fn, library="triton", formats=recipe.formats, scaling="tensorwise",
-        roles=frozenset(Role), devices=("cuda",), min_capability=(8, 9), vendor="nvidia",
-        align=16, requires=requires, quantize_a=recipe.quantize_a,
-        quantize_b=recipe.quantize_b, fast_accum=fast_accum, quantizes_as="cublas-tensorwise",
-        description=description)
-
-
 TW, RW, BW = Granularity.TENSORWISE, Granularity.ROWWISE, Granularity.BLOCKWISE
 TRITON_KERNELS = (
     make_triton_kernel("triton-rowwise", RW, gemm="triton",
@@ -379,12 +337,6 @@ TRITON_KERNELS = (
                        description="Triton 1x128/128x128 quantization + Triton blockwise GEMM"),
     make_triton_kernel("triton-blockwise-cublas", BW, gemm="cublas",
                        description="Triton 1x128/128x128 quantization + F.scaled_mm blockwise"),
-    make_recipe_triton_kernel("torch-tensorwise-triton", fast_accum=False,
-                              description="PyTorch tensorwise quantization (fused by Inductor) "
-                                          "+ Triton GEMM"),
-    make_recipe_triton_kernel("torch-tensorwise-triton-fastacc", fast_accum=True,
-                              description="PyTorch tensorwise quantization (fused by Inductor) "
-                                          "+ Triton GEMM, fast accumulation"),
 )
 for _kernel in TRITON_KERNELS:
     register(_kernel)
