@@ -12,7 +12,12 @@ with static activation scales runs: the cast to FP8 is written by the producer's
 * ``triton_gemm``: LoKA's Triton FP8 GEMM (``loka::triton_gemm``, tensorwise scales),
   which Inductor launches from the code it generates;
 * ``inductor_template``: ``torch._scaled_mm`` compiled with Inductor's own Triton GEMM
-  templates only (``max_autotune_gemm``, backends ``TRITON``).
+  templates only (``max_autotune_gemm``, backends ``TRITON``);
+* ``bf16_modules`` and ``loka_modules``: the same chain as ``nn.ReLU`` and ``nn.Linear``
+  modules, as written and with every forward on ``cublas-tensorwise-fastacc`` through
+  ``loka.apply(..., inference=True)`` and a static input scale per Linear: the public
+  path's host cost per site, Dynamo's guards on the modules included, beside the bare
+  launchers' above.
 
 Per variant: the wall time per step over back-to-back steps (median of ``--repeats``),
 the GPU time per step (CUDA graphs, :func:`loka.timing.time_fn`), and the wall time per site
@@ -38,6 +43,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -45,12 +51,13 @@ if str(ROOT) not in sys.path:
 
 from loka.timing import synchronize, time_fn  # noqa: E402
 
-VARIANTS = ("bf16", "scaled_mm", "loka_scaled_mm", "triton_gemm", "inductor_template")
+VARIANTS = ("bf16", "scaled_mm", "loka_scaled_mm", "triton_gemm", "inductor_template",
+            "bf16_modules", "loka_modules")
 FP8_MAX = 448.0
 
 
 def chain(variant: str, weights: List[torch.Tensor], wq: List[torch.Tensor],
-          x_scale: torch.Tensor, w_scales: List[torch.Tensor]) -> Callable:
+          x_scale: torch.Tensor, w_scales: List[torch.Tensor], rows: int = 0) -> Callable:
     """The step of ``variant``: ``h = relu(h); h = h @ W`` per site (fast accumulation on
     CUDA; the CPU build has none)."""
     inv = 1.0 / x_scale
@@ -92,9 +99,35 @@ def chain(variant: str, weights: List[torch.Tensor], wq: List[torch.Tensor],
                 h = triton_gemm(cast(torch.relu(h)), w, x_scale, s, "rowwise", torch.bfloat16,
                                 fast)
             return h
+    elif variant in ("bf16_modules", "loka_modules"):
+        model = nn.Sequential(*(m for w in weights for m in (nn.ReLU(), _linear(w))))
+        if variant == "loka_modules":
+            import loka
+            from loka.config import ROLES
+
+            kernel = "cublas-tensorwise-fastacc" if fast else "cublas-tensorwise"
+            plan = loka.Plan.uniform(model, kernel)
+            for sp in plan.sites.values():
+                for role in ROLES[1:]:
+                    sp.roles[role] = loka.dispatch.RoleChoice(plan.baseline)
+            loka.apply(model, plan, inference=True)
+            for m in model.modules():
+                if isinstance(m, loka.Linear):
+                    m.set_input_amax(float(x_scale) * FP8_MAX, rows=rows)
+        model.eval()
+
+        def step(x):
+            return model(x)
     else:
         raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
     return step
+
+
+def _linear(w: torch.Tensor) -> nn.Linear:
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    return lin
 
 
 def wall_per_step(call, device, steps: int, repeats: int) -> float:
@@ -124,30 +157,37 @@ def measure(variant: str, args, device) -> Dict[str, object]:
     # the graph another one compiled (the template variant differs only in Inductor options)
     torch._dynamo.reset()
     try:
-        step = chain(variant, weights, wq, x_scale, w_scales)
-        if variant == "inductor_template":
-            from torch._inductor import config as ic
+        with torch.inference_mode():  # served as a serving step is (no autograd wrapper)
+            return _measure(variant, args, device, row, weights, wq, x_scale, w_scales, x)
+    except Exception as e:  # noqa: BLE001 - a variant that fails is a row, not a stop
+        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    return row
 
-            with ic.patch(max_autotune_gemm=True, max_autotune_gemm_backends="TRITON"):
-                compiled = torch.compile(step, dynamic=False)
-                t0 = time.perf_counter()
-                compiled(x)
-        else:
+
+def _measure(variant, args, device, row, weights, wq, x_scale, w_scales, x):
+    """One variant's compile, times and error into ``row``."""
+    step = chain(variant, weights, wq, x_scale, w_scales, args.rows)
+    if variant == "inductor_template":
+        from torch._inductor import config as ic
+
+        with ic.patch(max_autotune_gemm=True, max_autotune_gemm_backends="TRITON"):
             compiled = torch.compile(step, dynamic=False)
             t0 = time.perf_counter()
             compiled(x)
-        row["compile_s"] = time.perf_counter() - t0
-        for _ in range(5):
-            compiled(x)
-        call = lambda: compiled(x)  # noqa: E731
-        row["wall_us_per_step"] = wall_per_step(call, device, args.steps, args.repeats)
-        if device.type == "cuda":
-            row["gpu_us_per_step"] = time_fn(call, device, warmup=3, iters=20).median_us
-        ref = chain("bf16", weights, wq, x_scale, w_scales)(x).float()
-        got = compiled(x).float()
-        row["rel_err_vs_bf16"] = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
-    except Exception as e:  # noqa: BLE001 - a variant that fails is a row, not a stop
-        row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    else:
+        compiled = torch.compile(step, dynamic=False)
+        t0 = time.perf_counter()
+        compiled(x)
+    row["compile_s"] = time.perf_counter() - t0
+    for _ in range(5):
+        compiled(x)
+    call = lambda: compiled(x)  # noqa: E731
+    row["wall_us_per_step"] = wall_per_step(call, device, args.steps, args.repeats)
+    if device.type == "cuda":
+        row["gpu_us_per_step"] = time_fn(call, device, warmup=3, iters=20).median_us
+    ref = chain("bf16", weights, wq, x_scale, w_scales)(x).float()
+    got = compiled(x).float()
+    row["rel_err_vs_bf16"] = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
     return row
 
 

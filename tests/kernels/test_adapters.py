@@ -192,9 +192,7 @@ def test_kernels_agree_with_their_emulated_twins(role, out_dtype):
     for name in runnable_names(role):
         kern, twin = get(name), get(TWINS[name])
         # blockwise kernels take whole 128-blocks along K and N; K is each of m, k, n in one
-        # of the roles (at fours of blocks the weight's scales need no padding:
-        # loka.kernels.cublas._k_blocks_in_fours, checked on meta tensors in
-        # test_fp8_kernels.py, has not run on a GPU at other K)
+        # of the roles (other K: the test below)
         a, b = role_operands(role, *((512, 512, 512) if kern.align == 128 else (48, 160, 64)))
         assert kern.fits(a.shape[0], a.shape[1], b.shape[1]), name
         ref = a.double() @ b.double()
