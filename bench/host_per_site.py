@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -46,10 +45,12 @@ import torch.nn.functional as F
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _p in (ROOT, ROOT / "bench"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
-from loka.timing import synchronize, time_fn  # noqa: E402
+from host_per_call import wall_per_call  # noqa: E402  (bench/, beside this script)
+from loka.timing import time_fn  # noqa: E402
 
 VARIANTS = ("bf16", "scaled_mm", "loka_scaled_mm", "triton_gemm", "inductor_template",
             "bf16_modules", "loka_modules")
@@ -130,18 +131,6 @@ def _linear(w: torch.Tensor) -> nn.Linear:
     return lin
 
 
-def wall_per_step(call, device, steps: int, repeats: int) -> float:
-    per = []
-    for _ in range(repeats):
-        synchronize(device)
-        t = time.perf_counter()
-        for _ in range(steps):
-            call()
-        synchronize(device)
-        per.append((time.perf_counter() - t) / steps * 1e6)
-    return statistics.median(per)
-
-
 def measure(variant: str, args, device) -> Dict[str, object]:
     gen = torch.Generator().manual_seed(0)
     d, sites = args.dim, args.sites
@@ -182,7 +171,7 @@ def _measure(variant, args, device, row, weights, wq, x_scale, w_scales, x):
     for _ in range(5):
         compiled(x)
     call = lambda: compiled(x)  # noqa: E731
-    row["wall_us_per_step"] = wall_per_step(call, device, args.steps, args.repeats)
+    row["wall_us_per_step"] = wall_per_call(call, device, args.steps, args.repeats)
     if device.type == "cuda":
         row["gpu_us_per_step"] = time_fn(call, device, warmup=3, iters=20).median_us
     ref = chain("bf16", weights, wq, x_scale, w_scales)(x).float()
