@@ -11,13 +11,23 @@ the compiled step issues as fast as bf16's. Per variant (``bf16``, then the plan
 * ``issue_ms``: median time the host takes to return from one step without waiting for the
   GPU (the host's own cost, what a host-bound step's wall time follows);
 
-both taken in ``--rounds`` alternating rounds of the two variants (bf16, plan, plan, bf16,
-...; ``loka.bench.evalset.round_order``), as a host whose speed drifts between variants
-would bias them otherwise (``paired``: bf16's median over the plan's, > 1: the plan is
-slower); then, one variant after the other:
+both taken in ``--rounds`` alternating rounds of the variants (bf16, plan, plan, bf16,
+...; with more variants each round rotates their order, :func:`rotated_order`), as a host
+whose speed drifts between variants would bias them otherwise (``paired``: bf16's median
+over each variant's, < 1: the variant is slower). ``--prefix-sites 1,3`` adds the
+variants ``plan@1``, ``plan@3``: the plan with its FP8 roles kept on its first 1 or 3 FP8
+sites only (the rest on the baseline), so that the host cost a plan adds can be read per
+site. ``--skip-guards`` times the same rounds again under
+``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` (``wall_noguard_ms``,
+``issue_noguard_ms``): the issue time without Dynamo's guards, a diagnostic only.
+``--compare-general`` adds ``plan-general``: the plan with every Linear's short static
+serving path switched off (``loka.Linear``'s general path, the autograd Function), to
+time what the short path saves. Then, one variant after the other:
 * ``gpu_ms``: the GPU time of one step (CUDA graphs, :func:`loka.timing.time_fn`);
 * ``guard_us``: Dynamo's cache lookup (its guards) per step, from ``torch.profiler``;
 * ``guard_check_us``: the guard check alone, timed directly (no profiler);
+* ``guard_lines``, ``tensor_guards``: the size of the guard tree, and the tensors it
+  matches (each one a graph input);
 * ``profile_top``: the profiler's ops by self CPU time per step;
 * ``python_top``: ``cProfile``'s Python functions by own time per step.
 
@@ -92,21 +102,68 @@ def make_step(model, batch):
     return step
 
 
-def paired(steps, device, args) -> Dict[str, dict]:
+def rotated_order(names: List[str], rounds: int) -> List[str]:
+    """Each round runs every variant once; round r starts at variant r (mod n), and odd
+    rounds run backwards, so each variant is first, last and beside each other in turn.
+    Two variants: A B, B A, ... (:func:`loka.bench.evalset.round_order`)."""
+    if len(names) == 2:
+        return [names[0] if v == "A" else names[1] for v in round_order(rounds)]
+    out = []
+    for r in range(rounds):
+        k = r % len(names)
+        turn = names[k:] + names[:k]
+        out += turn[::-1] if r % 2 else turn
+    return out
+
+
+def paired(steps, device, args, suffix: str = "") -> Dict[str, dict]:
     """Alternating rounds of each variant's synchronized and issue-time medians (each
     round: :func:`loka.bench.evalset.time_steps` after one untimed step)."""
     got = {name: {"wall": [], "issue": []} for name in steps}
-    names = list(steps)
     with torch.inference_mode():
-        for r in round_order(args.rounds):
-            name = names[0] if r == "A" else names[1]
+        for name in rotated_order(list(steps), args.rounds):
             timed = time_steps(steps[name], device, 1, args.steps)
             got[name]["wall"].append(timed["step_ms"])
             got[name]["issue"].append(timed["host_ms"])
-    return {name: {"wall_ms": statistics.median(v["wall"]),
-                   "issue_ms": statistics.median(v["issue"]),
-                   "wall_rounds_ms": v["wall"], "issue_rounds_ms": v["issue"]}
+    return {name: {f"wall{suffix}_ms": statistics.median(v["wall"]),
+                   f"issue{suffix}_ms": statistics.median(v["issue"]),
+                   f"wall{suffix}_rounds_ms": v["wall"], f"issue{suffix}_rounds_ms": v["issue"]}
             for name, v in got.items()}
+
+
+def prefix_plan(plan: "loka.Plan", k: int) -> "loka.Plan":
+    """``plan`` with its FP8 roles on its first ``k`` FP8 sites only (in the plan's order):
+    every role of a later site on the baseline; static scales of the kept sites only."""
+    out = plan.copy()
+    fp8 = [name for name, site in out.sites.items()
+           if any(c.kernel != out.baseline for c in site.roles.values())]
+    if not 1 <= k <= len(fp8):
+        raise ValueError(f"--prefix-sites {k}: the plan has {len(fp8)} FP8 sites")
+    for name in fp8[k:]:
+        for choice in out.sites[name].roles.values():
+            choice.kernel = out.baseline
+    out.static_scales = {n: a for n, a in out.static_scales.items() if n in fp8[:k]}
+    return out
+
+
+def general_path(model) -> int:
+    """Switch off the short static serving path of every ``loka.Linear`` of ``model``
+    (its key cleared, so each call takes the general path); the number switched."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, loka.Linear) and m.__dict__.get("_static_key") is not None:
+            m.__dict__["_static_key"] = None
+            n += 1
+    return n
+
+
+def guard_size(model) -> Dict[str, Optional[int]]:
+    """Lines of the compiled forward's guard tree and its tensor guards (None: unreadable)."""
+    entries = _debug_get_cache_entry_list(type(model).forward.__code__)
+    if not entries:
+        return {"guard_lines": None, "tensor_guards": None}
+    text = str(entries[0].guard_manager)
+    return {"guard_lines": text.count("\n"), "tensor_guards": text.count("TENSOR_MATCH:")}
 
 
 def guard_check_us(model, inputs, calls: int = 2000) -> Optional[float]:
@@ -147,11 +204,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--profile-steps", type=int, default=50)
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--prefix-sites", default="",
+                    help="comma-separated k: variants with the plan's first k FP8 sites only")
+    ap.add_argument("--compare-general", action="store_true",
+                    help="add the plan on loka.Linear's general path (no short static path)")
+    ap.add_argument("--skip-guards", action="store_true",
+                    help="time the rounds again with Dynamo's guards skipped (diagnostic)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     try:
         plan = loka.Plan.load(args.plan)
+        plans = {"plan": plan}
+        for k in [p for p in args.prefix_sites.split(",") if p.strip()]:
+            if not k.strip().isdigit():
+                raise ValueError(f"--prefix-sites takes whole numbers, got {k!r}")
+            plans[f"plan@{int(k)}"] = prefix_plan(plan, int(k))
+        if args.compare_general:
+            plans["plan-general"] = plan
     except (OSError, ValueError) as e:
         print(f"error: --plan {args.plan}: {e}", file=sys.stderr)
         return 2
@@ -165,25 +235,36 @@ def main(argv: Optional[List[str]] = None) -> int:
            "variants": {}}
     torch._dynamo.reset()
     steps, models = {}, {}
-    for name in ("bf16", "plan"):
+    for name in ["bf16", *plans]:
         model = models[name] = copy.deepcopy(base)
-        if name == "plan":
-            loka.apply(model, plan, inference=True)
+        if name != "bf16":
+            loka.apply(model, plans[name], inference=True)
+        if name == "plan-general":
+            general_path(model)
         steps[name] = make_step(model, batch)
         with torch.inference_mode():
             for _ in range(args.warmup):
                 steps[name]()
     doc["variants"] = paired(steps, device, args)
-    doc["paired"] = {k: doc["variants"]["bf16"][k] / doc["variants"]["plan"][k]
-                     for k in ("wall_ms", "issue_ms")}
+    keys = ["wall_ms", "issue_ms"]
+    if args.skip_guards:
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            for name, row in paired(steps, device, args, "_noguard").items():
+                doc["variants"][name].update(row)
+        keys += ["wall_noguard_ms", "issue_noguard_ms"]
+    bf = doc["variants"]["bf16"]
+    doc["paired_by_variant"] = {name: {k: bf[k] / v[k] for k in keys}
+                                for name, v in doc["variants"].items() if name != "bf16"}
+    doc["paired"] = doc["paired_by_variant"]["plan"]
     for name, step in steps.items():
         doc["variants"][name].update(profiles(step, device, args))
         with torch.inference_mode():
             doc["variants"][name]["guard_check_us"] = guard_check_us(models[name], batch[0])
+        doc["variants"][name].update(guard_size(models[name]))
         atomic_write_text(args.out, json.dumps(doc, indent=1) + "\n")
         v = doc["variants"][name]
-        print(name, {k: round(v[k], 4) for k in ("wall_ms", "issue_ms", "gpu_ms", "guard_us")
-                     if k in v}, flush=True)
+        print(name, {k: round(v[k], 4) for k in [*keys, "gpu_ms", "guard_us", "guard_check_us"]
+                     if v.get(k) is not None}, flush=True)
     print("bf16 over plan (paired):", {k: round(v, 3) for k, v in doc["paired"].items()})
     return 0
 

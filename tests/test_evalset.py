@@ -986,3 +986,46 @@ def test_step_host_profiles_both_variants_and_refuses_a_bad_plan(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     assert step_host.main(["--plan", str(tmp_path / "bad.json"), "--out", str(out),
                            "--device", "cpu", "--scale", "tiny"]) == 2
+
+
+def test_step_host_bisects_a_plan_by_site_and_against_the_general_path(tmp_path):
+    """--prefix-sites keeps the plan's first k FP8 sites; --compare-general runs the same
+    plan on loka.Linear's general path; --skip-guards times the rounds again without
+    Dynamo's guards. Every variant is timed in each round, in rotated order."""
+    sys.path.insert(0, str(BENCH))
+    import step_host
+    assert step_host.rotated_order(["a", "b"], 4) == ["a", "b", "b", "a"] * 2
+    order = step_host.rotated_order(["a", "b", "c"], 3)
+    assert order == ["a", "b", "c", "a", "c", "b", "c", "a", "b"]
+    model = EVAL_MODELS["dcnv2"]("tiny")
+    plan = loka.Plan.uniform(model, "cublas-tensorwise")
+    plan.static_scales = {name: 4.0 + i for i, name in enumerate(plan.sites)}
+    plan.device = "cpu"
+    fp8_sites = [n for n, s in plan.sites.items()
+                 if any(c.kernel != plan.baseline for c in s.roles.values())]
+    first = step_host.prefix_plan(plan, 2)
+    kept = [n for n, s in first.sites.items()
+            if any(c.kernel != first.baseline for c in s.roles.values())]
+    assert kept == fp8_sites[:2] and set(first.static_scales) <= set(kept)
+    with pytest.raises(ValueError, match="FP8 sites"):
+        step_host.prefix_plan(plan, len(fp8_sites) + 1)
+    ppath, out = tmp_path / "plan.json", tmp_path / "host.json"
+    plan.save(str(ppath))
+    assert step_host.main(["--model", "dcnv2", "--scale", "tiny", "--batch-size", "16",
+                           "--plan", str(ppath), "--steps", "2", "--warmup", "2",
+                           "--rounds", "2", "--prefix-sites", "1", "--compare-general",
+                           "--skip-guards", "--profile-steps", "2", "--top", "3",
+                           "--device", "cpu", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert list(doc["variants"]) == ["bf16", "plan", "plan@1", "plan-general"]
+    for name, v in doc["variants"].items():
+        assert len(v["issue_rounds_ms"]) == 2 == len(v["issue_noguard_rounds_ms"])
+        assert v["tensor_guards"] > 0 and v["guard_lines"] > v["tensor_guards"]
+    v = doc["variants"]
+    # the general path guards more than the short one; one site fewer tensors than all
+    assert v["plan-general"]["guard_lines"] > v["plan"]["guard_lines"]
+    assert v["plan@1"]["tensor_guards"] < v["plan"]["tensor_guards"]
+    assert set(doc["paired_by_variant"]) == {"plan", "plan@1", "plan-general"}
+    assert doc["paired"] == doc["paired_by_variant"]["plan"]
+    assert step_host.main(["--plan", str(ppath), "--prefix-sites", "x", "--out", str(out),
+                           "--device", "cpu", "--scale", "tiny"]) == 2

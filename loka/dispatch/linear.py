@@ -46,7 +46,11 @@ not save.
 Inference: :meth:`Linear.quantize_weight` stores Wᵀ in FP8 once; :meth:`drop_weight`
 then frees the high-precision weight (the state_dict then holds ``weight_fp8`` and
 ``weight_scale`` in place of ``weight``); :meth:`set_input_amax` switches the forward's
-activation quantization from dynamic to a static scale.
+activation quantization from dynamic to a static scale. A call with no gradient to record
+on a Linear that serves from its FP8 weight with a static scale, on a kernel with a
+:attr:`~loka.kernels.registry.Kernel.static_gemm`, takes that short path instead of the
+autograd Function (the same bits): a compiled step guards a few of the module's
+attributes per Linear, as it does for an ``nn.Linear``.
 
 Length: the module, its autograd Function and the swaps in and out of ``nn.Linear``
 (including under ``fully_shard``) share the module's internals; apart, each would reach
@@ -176,16 +180,24 @@ def _delayed_cast(t: torch.Tensor, state: Tuple[torch.Tensor, torch.Tensor], fmt
     return q
 
 
+# read by the hot path as names of this module, not as attributes of ``torch``: compiled
+# code checks, per call, that each module's ``torch`` it read is the caller's
+_is_autocast_enabled = torch.is_autocast_enabled
+_get_autocast_dtype = torch.get_autocast_dtype
+_is_grad_enabled = torch.is_grad_enabled
+_AUTOCAST_FROM = (torch.float32, torch.float16, torch.bfloat16)
+_F64 = torch.float64
+
+
 def _autocast_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
     """The dtype autocast would compute a Linear of ``x`` in, or None where it leaves
     ``x`` as it is: autocast off (or unknown) on ``x``'s device, ``x`` already in it, or
     ``x`` float64 (which autocast does not cast)."""
     device_type = x.device.type
-    if device_type == "meta" or not torch.is_autocast_enabled(device_type):
+    if device_type == "meta" or not _is_autocast_enabled(device_type):
         return None  # (meta: autocast has no state for it, and asking raises)
-    ad = torch.get_autocast_dtype(device_type)
-    return ad if x.dtype in (torch.float32, torch.float16, torch.bfloat16) and x.dtype != ad \
-        else None
+    ad = _get_autocast_dtype(device_type)
+    return ad if x.dtype in _AUTOCAST_FROM and x.dtype != ad else None
 
 
 def _as_b(q_t: QTensor) -> QTensor:
@@ -432,7 +444,7 @@ def _intern(kernel: Kernel) -> str:
 
 # attributes loka.Linear adds to an nn.Linear (dropped again by to_linear)
 _OWN_ATTRS = ("config", "_kernels", "_kernel_keys", "_all_baseline", "_wq", "input_amax",
-              "_xs_table",
+              "_xs_table", "_static_key",
               "monitor", "delayed_decay", "_delayed_formats", "_delayed_ready")
 _DELAYED_OPERANDS = ("x", "w", "dy")
 _DELAYED_BUFFERS = tuple(f"delayed_{kind}_{op}" for op in _DELAYED_OPERANDS
@@ -609,6 +621,7 @@ class Linear(nn.Linear):
     def weight_q(self, q: Optional[QTensor]) -> None:
         self.__dict__["_wq"] = None if q is None else QTensor(
             _held(q.data), _held(q.scale), q.fmt, q.block, q.granularity)
+        self._refresh_static_key()
 
     @property
     def _input_scales(self) -> Optional[torch.Tensor]:
@@ -617,6 +630,17 @@ class Linear(nn.Linear):
     @_input_scales.setter
     def _input_scales(self, table: Optional[torch.Tensor]) -> None:
         self.__dict__["_xs_table"] = None if table is None else _shared_table(table)
+        self._refresh_static_key()
+
+    def _refresh_static_key(self) -> None:
+        """Set ``_static_key``: the forward kernel's key in :data:`_INTERNED` where a call
+        without gradients can take the short static path (an FP8 weight, a static input
+        scale, and a forward kernel with a ``static_gemm``), else None."""
+        d = self.__dict__
+        kernels, keys = d.get("_kernels"), d.get("_kernel_keys")
+        ok = (kernels is not None and keys is not None and d.get("_wq") is not None
+              and d.get("_xs_table") is not None and kernels[0].static_gemm is not None)
+        d["_static_key"] = keys[0] if ok else None
 
     def _live_kernels(self) -> Tuple[Kernel, Kernel, Kernel]:
         """The kernels as the hot path reads them: through the module's global table
@@ -815,6 +839,20 @@ class Linear(nn.Linear):
 
     # -- hot path ------------------------------------------------------------------
     def forward(self, x: torch.Tensor, x_q: Optional[QTensor] = None) -> torch.Tensor:
+        key = self._static_key
+        if (key is not None and x_q is None and not _is_grad_enabled()
+                and self.monitor is None and x.dtype != _F64 and _autocast_dtype(x) is None):
+            # serving with a static scale: the cast and the GEMM, nothing else read
+            kern = _INTERNED.get(key)
+            if kern is not None and x.shape[-1] == self.in_features and x.numel() > 0 \
+                    and x.is_floating_point():
+                wq = self._wq
+                y = kern.static_gemm(x.reshape(-1, self.in_features), wq.data,
+                                     self._xs_table, wq.scale, x.dtype)
+                bias = self.bias
+                if bias is not None:
+                    y = y + bias.to(y.dtype)
+                return y.reshape(*x.shape[:-1], self.out_features)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected input (*, {self.in_features}), got {tuple(x.shape)}")
         if not x.is_floating_point():

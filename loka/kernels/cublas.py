@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from ..config import GRAD_ROLES, Role
-from ..numerics import Granularity, QTensor
+from ..numerics import Granularity, QTensor, get_format
 from . import capabilities as caps
 from . import ops
 from .recipes import Recipe, check_gemm_operands
@@ -73,6 +73,46 @@ def _scaled_mm(qa: QTensor, qb: QTensor, out_dtype: torch.dtype, fast_accum: boo
                             use_fast_accum=fast_accum)
 
 
+# bound once, so that the serving hot path (:func:`_make_static_gemm`) reads no attribute of
+# the ``torch`` module: Dynamo checks, per call of a compiled step, that every module's
+# ``torch`` it read is one object (a Python-level guard each)
+_torch_scaled_mm = torch._scaled_mm
+_is_compiling = torch.compiler.is_compiling
+_F32, _F64 = torch.float32, torch.float64
+
+
+def _make_static_gemm(scaling: Granularity, a_format: str, fast_accum: bool,
+                      gemm_out_dtype: Optional[torch.dtype]):
+    """The kernel's :attr:`~loka.kernels.registry.Kernel.static_gemm` (tensorwise and
+    rowwise): ``quantize(x2d, scale=table[...])`` then ``fn``, as the same tensor ops
+    (``loka.Linear``'s general path is the reference, bit for bit), with the kernel's
+    constants held as plain values."""
+    tensorwise = scaling is Granularity.TENSORWISE
+    fmt = get_format(a_format)
+    fmax, fp8 = float(fmt.max), fmt.dtype
+
+    def static_gemm(x2d, w, table, w_scale, out_dtype):
+        m = x2d.shape[0]
+        if tensorwise:
+            sa = table.reshape(())
+            sb = w_scale.reshape(())
+        else:  # (M, 1) row scales: a slice of the table, or its first row broadcast
+            sa = table[:m] if m <= table.shape[0] else table[:1].expand(m, 1)
+            sa = sa.contiguous()
+            sb = w_scale.contiguous()
+        a = (x2d.float() / sa).clamp(-fmax, fmax).to(fp8)
+        b = col_major(w)
+        lib_dtype = gemm_out_dtype or (out_dtype if out_dtype != _F64 else _F32)
+        if _is_compiling() and ops.scaled_mm_lowered():
+            y = ops.scaled_mm_op(a, b, sa, sb, lib_dtype, fast_accum)
+        else:
+            y = _torch_scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=lib_dtype,
+                                 use_fast_accum=fast_accum)
+        return y if y.dtype == out_dtype else y.to(out_dtype)
+
+    return static_gemm
+
+
 def make_scaled_mm_kernel(name: str, recipe: Recipe, *, fast_accum: bool = False,
                           roles=None, gemm_out_dtype=None, description: str = "",
                           quantizes_as: Optional[str] = None) -> Kernel:
@@ -106,6 +146,8 @@ def make_scaled_mm_kernel(name: str, recipe: Recipe, *, fast_accum: bool = False
         min_capability=(8, 9), vendor="any", align=align, requires=requires,
         quantize_a=recipe.quantize_a, quantize_b=recipe.quantize_b, fast_accum=fast_accum,
         quantizes_as=quantizes_as,
+        static_gemm=(None if scaling is Granularity.BLOCKWISE else
+                     _make_static_gemm(scaling, recipe.a_format, fast_accum, gemm_out_dtype)),
         description=description or f"torch._scaled_mm {scaling} {recipe.a_format}x{recipe.b_format}"
                                    + (" fast-accum" if fast_accum else ""),
     )

@@ -168,10 +168,12 @@ def _call_op(name: str, a, b, out_dtype: torch.dtype) -> torch.Tensor:
 
 def runnable(kernel: Kernel) -> Kernel:
     """The kernel as ``loka.Linear`` calls it: itself when traceable, else a copy whose
-    ``fn`` goes through ``torch.ops.loka.gemm`` (same name, quantizers and alignment)."""
+    ``fn`` goes through ``torch.ops.loka.gemm`` (same name, quantizers and alignment; no
+    ``static_gemm``, which would trace the GEMM)."""
     if not is_opaque(kernel):
         return kernel
-    return dataclasses.replace(kernel, fn=functools.partial(_call_op, kernel.name))
+    return dataclasses.replace(kernel, fn=functools.partial(_call_op, kernel.name),
+                               static_gemm=None)
 
 
 # -- torch._scaled_mm as compiled code sees it ------------------------------------------
@@ -205,6 +207,11 @@ def _(a, b, scale_a, scale_b, out_dtype, use_fast_accum):
         raise ValueError(f"loka::scaled_mm shapes do not match: a {tuple(a.shape)} @ "
                          f"b {tuple(b.shape)}")
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+scaled_mm_op = torch.ops.loka.scaled_mm
+"""the op, bound once: code Dynamo traces reads it without reading the ``torch`` module
+(whose every reader, module by module, compiled code checks is one object per call)"""
 
 
 def _register_scaled_mm_lowering() -> bool:

@@ -110,6 +110,12 @@ class Kernel:
     """the name of a kernel whose quantization of both operands is this one's, the same
     PyTorch code (only the GEMM differs, e.g. in fast accumulation): the Probe derives this
     kernel's compiled call from that one's and the two GEMMs, without a compile of its own"""
+    static_gemm: Optional[Callable[..., torch.Tensor]] = None
+    """the serving forward with a static input scale, ``(x2d (M, K), w (K, N) FP8 as
+    ``quantize_b`` made it, x_table, w_scale, out_dtype) -> y (M, N)``: the cast of x by
+    its scale table (a ``loka.Linear``'s ``_xs_table``) and the GEMM, the same bits as
+    ``fn`` on ``quantize(x, scale=...)``, in as little Python as possible (what compiled
+    code guards per call). None: ``loka.Linear`` takes its general path"""
     description: str = ""
 
     def __post_init__(self) -> None:

@@ -61,6 +61,7 @@ def test_serving_output_is_the_one_of_a_plain_tensor_state():
 
 def test_serving_from_the_fp8_weight_passes_no_high_precision_weight(monkeypatch):
     lin = _serving_linear()
+    lin.set_input_amax(None)  # dynamic scales: the general path serves
     seen = []
     real = L._LinearFunction.apply
 
@@ -74,6 +75,12 @@ def test_serving_from_the_fp8_weight_passes_no_high_precision_weight(monkeypatch
     assert seen[-1] is None
     lin(x)  # with autograd on, the weight is passed (a backward may need it)
     assert seen[-1] is lin.weight
+    # a static scale: the short path, which runs no autograd Function at all
+    lin.set_input_amax(4.0, rows=16)
+    seen.clear()
+    with torch.no_grad():
+        lin(x)
+    assert seen == []
 
 
 def test_kernels_are_reached_by_key_and_a_lost_key_is_interned_again():
