@@ -71,6 +71,7 @@ from ..kernels import ops, registry
 from ..kernels.registry import Kernel, Library, Scaling
 from ..numerics import (AMAX_EPS, Granularity, QTensor, as_granularity, get_format, operand_block,
                         quantize, round_scale_to_power_of_two)
+from ..numerics.scaling import is_qtensor
 from ..numerics.delayed import (DEFAULT_DECAY, STREAK_GROWTH, check_decay, new_state,
                                next_state, quantize_delayed, seed_state)
 
@@ -105,7 +106,7 @@ def _pad_q_rows(q: QTensor, multiple: int) -> QTensor:
 
 
 def _fits(kernel: Kernel, q: QTensor, operand: int) -> bool:
-    return kernel.scaling is Scaling.TENSORWISE and kernel.formats[operand] == q.fmt.name
+    return kernel.scaling == "tensorwise" and kernel.formats[operand] == q.fmt.name
 
 
 def _shares(producer: Kernel, p_operand: int, consumer: Kernel, c_operand: int) -> bool:
@@ -114,7 +115,9 @@ def _shares(producer: Kernel, p_operand: int, consumer: Kernel, c_operand: int) 
     one library (so they agree on the layout of the FP8 data), with quantizers, and the
     same format. The three reuses: fwd x -> wgrad b, fwd Wᵀ -> dgrad b (transposed),
     dgrad dy -> wgrad a (transposed)."""
-    return (producer.scaling is consumer.scaling is Scaling.TENSORWISE
+    # scalings compared by value: traced code then reads no member of ``Scaling``, which
+    # compiled code would check per call is the kernels' own
+    return (producer.scaling == consumer.scaling == "tensorwise"
             and producer.library == consumer.library
             and producer.quantize_a is not None and consumer.quantize_a is not None
             and producer.formats[p_operand] == consumer.formats[c_operand])
@@ -143,7 +146,7 @@ kernels)"""
 
 def delayable(kernel: Kernel) -> bool:
     """A tensorwise FP8 kernel of :data:`DELAYABLE_LIBRARIES`."""
-    return (kernel.scaling is Scaling.TENSORWISE and kernel.quantize_a is not None
+    return (kernel.scaling == "tensorwise" and kernel.quantize_a is not None
             and kernel.library in DELAYABLE_LIBRARIES)
 
 
@@ -185,6 +188,7 @@ def _delayed_cast(t: torch.Tensor, state: Tuple[torch.Tensor, torch.Tensor], fmt
 _is_autocast_enabled = torch.is_autocast_enabled
 _get_autocast_dtype = torch.get_autocast_dtype
 _is_grad_enabled = torch.is_grad_enabled
+_f_linear = F.linear
 _AUTOCAST_FROM = (torch.float32, torch.float16, torch.bfloat16)
 _F64 = torch.float64
 
@@ -244,7 +248,7 @@ class _LinearFunction(torch.autograd.Function):
             if wq_d is not None and kd.name != BASELINE:
                 ctx.w_q = wq_d.t()  # the dgrad kernel takes its transpose, W
         if kf.name == BASELINE:
-            y = F.linear(x2d, weight, bias)
+            y = _f_linear(x2d, weight, bias)
         else:
             a = xq_d if xq_d is not None else x_q if x_q is not None else x2d
             b = (wq_d.t() if wq_d is not None else weight_q if weight_q is not None
@@ -272,8 +276,8 @@ class _LinearFunction(torch.autograd.Function):
             if share_w or share_x:  # tensorwise: never with the rowwise two-layout quantizer
                 # tensorwise: one scale per tensor whatever the GEMM, so the FP8 copies of x
                 # and W made here serve the gradient GEMMs too (no requantization)
-                a = a if isinstance(a, QTensor) else kf.quantize_a(a)
-                b = b if isinstance(b, QTensor) else kf.quantize_b(b)
+                a = a if is_qtensor(a) else kf.quantize_a(a)
+                b = b if is_qtensor(b) else kf.quantize_b(b)
                 if share_w:
                     ctx.w_q = b
                 if share_x and not ctx.check_grads:
@@ -659,7 +663,7 @@ class Linear(nn.Linear):
         A producer may then skip writing the high-precision ``x`` and pass a placeholder
         of its shape and dtype (serving: the fused norm writes the FP8 tensor alone)."""
         mon = self.monitor
-        return (self._live_kernels()[0].is_fp8 and not torch.is_grad_enabled()
+        return (self._live_kernels()[0].is_fp8 and not _is_grad_enabled()
                 and not (mon is not None and mon.armed))
 
     @classmethod
@@ -861,7 +865,7 @@ class Linear(nn.Linear):
             if self.weight is None:  # weight dropped (inference): empty in, empty out
                 return x.new_zeros(*x.shape[:-1], self.out_features,
                                    dtype=_autocast_dtype(x) or x.dtype)
-            return F.linear(x, self.weight, self.bias)
+            return _f_linear(x, self.weight, self.bias)
         lead = x.shape[:-1]
         ad = _autocast_dtype(x)
         if ad is not None:
@@ -877,7 +881,7 @@ class Linear(nn.Linear):
             x_q = self._quantize_input(x2d)
         mon = self.monitor
         armed = mon is not None and mon.armed  # a Python flag: compiled graphs guard on it
-        grad = torch.is_grad_enabled()
+        grad = _is_grad_enabled()
         delayed = None
         if (self.delayed_decay is not None and grad and self.training
                 and any(self._delayed_formats)):

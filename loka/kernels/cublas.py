@@ -18,6 +18,15 @@ from .recipes import Recipe, check_gemm_operands
 from .registry import YES, Capability, Kernel, register
 
 
+# bound once, so that traced code (the GEMM call, and the serving path of
+# :func:`_make_static_gemm`) reads no attribute of the ``torch`` module: Dynamo checks, per
+# call of a compiled step, that every module's ``torch`` it read is the caller's (one
+# Python-level check each)
+_torch_scaled_mm = torch._scaled_mm
+_is_compiling = torch.compiler.is_compiling
+_F32, _F64 = torch.float32, torch.float64
+
+
 def col_major(t: torch.Tensor) -> torch.Tensor:
     """``_scaled_mm`` wants its second operand column-major; a free view when it is."""
     return t if t.stride(0) == 1 else t.t().contiguous().t()
@@ -47,10 +56,13 @@ def _k_blocks_in_fours(scale: torch.Tensor) -> torch.Tensor:
 
 
 def _scaled_mm(qa: QTensor, qb: QTensor, out_dtype: torch.dtype, fast_accum: bool,
-               scaling: Granularity) -> torch.Tensor:
+               scaling: "Granularity | str") -> torch.Tensor:
+    # ``scaling`` compared by value: traced code that reached one enum member by two paths
+    # (a kernel's closure, this module's ``Granularity``) would be checked per call that
+    # both are one object
     a = row_major(qa.data)
     b = col_major(qb.data)
-    if scaling is Granularity.BLOCKWISE:
+    if scaling == "blockwise":
         import torch.nn.functional as F
 
         # 1x128 scales must be outer-dim-major, (M, K/128) stored column-major, and the
@@ -62,23 +74,15 @@ def _scaled_mm(qa: QTensor, qb: QTensor, out_dtype: torch.dtype, fast_accum: boo
                            F.ScalingType.BlockWise128x128, output_dtype=out_dtype,
                            use_fast_accum=fast_accum)
     sa, sb = qa.scale, qb.scale
-    if scaling is Granularity.TENSORWISE:
+    if scaling == "tensorwise":
         sa, sb = sa.reshape(()), sb.reshape(())
     else:  # rowwise scales must be contiguous: a static scale broadcast over rows is not
         sa, sb = sa.contiguous(), sb.contiguous()
-    if torch.compiler.is_compiling() and ops.scaled_mm_lowered():
+    if _is_compiling() and ops.scaled_mm_lowered():
         # the same call; its operands' layouts made once per graph (loka.kernels.ops)
-        return torch.ops.loka.scaled_mm(a, b, sa, sb, out_dtype, fast_accum)
-    return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype,
+        return ops.scaled_mm_op(a, b, sa, sb, out_dtype, fast_accum)
+    return _torch_scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype,
                             use_fast_accum=fast_accum)
-
-
-# bound once, so that the serving hot path (:func:`_make_static_gemm`) reads no attribute of
-# the ``torch`` module: Dynamo checks, per call of a compiled step, that every module's
-# ``torch`` it read is one object (a Python-level guard each)
-_torch_scaled_mm = torch._scaled_mm
-_is_compiling = torch.compiler.is_compiling
-_F32, _F64 = torch.float32, torch.float64
 
 
 def _make_static_gemm(scaling: Granularity, a_format: str, fast_accum: bool,
@@ -119,12 +123,13 @@ def make_scaled_mm_kernel(name: str, recipe: Recipe, *, fast_accum: bool = False
     """A ``torch._scaled_mm`` kernel. ``gemm_out_dtype`` forces the library's output
     dtype (rowwise and blockwise produce bf16 only); the result is cast to the caller's."""
     scaling = recipe.scaling
+    scaling_name = str(scaling.value)  # a plain string: the enum is read through the recipe
 
     def fn(a, b, out_dtype):
         check_gemm_operands(a, b, out_dtype)
         qa, qb = recipe.operands(a, b)
-        lib_dtype = gemm_out_dtype or (out_dtype if out_dtype != torch.float64 else torch.float32)
-        out = _scaled_mm(qa, qb, lib_dtype, fast_accum, scaling)
+        lib_dtype = gemm_out_dtype or (out_dtype if out_dtype != _F64 else _F32)
+        out = _scaled_mm(qa, qb, lib_dtype, fast_accum, scaling_name)
         return out if out.dtype == out_dtype else out.to(out_dtype)
 
     fn.__name__ = name.replace("-", "_")

@@ -12,6 +12,11 @@ from typing import Tuple
 import torch
 
 from ..numerics import Granularity, QTensor, get_format, quantize
+from ..numerics.scaling import is_qtensor
+
+# read by traced code as a name of this module (not an attribute of ``torch``: compiled code
+# would check per call that this module's ``torch`` is the caller's)
+_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -42,8 +47,8 @@ class Recipe:
 
     def operands(self, a, b) -> Tuple[QTensor, QTensor]:
         """Quantize the operands that are not quantized yet; check the ones that are."""
-        qa = self._check(a, "a") if isinstance(a, QTensor) else self.quantize_a(a)
-        qb = self._check(b, "b") if isinstance(b, QTensor) else self.quantize_b(b)
+        qa = self._check(a, "a") if is_qtensor(a) else self.quantize_a(a)
+        qb = self._check(b, "b") if is_qtensor(b) else self.quantize_b(b)
         if qa.shape[1] != qb.shape[0]:
             raise ValueError(f"GEMM shapes do not match: a {tuple(qa.shape)} @ b {tuple(qb.shape)}")
         return qa, qb
@@ -62,7 +67,7 @@ def check_gemm_operands(a, b, out_dtype: torch.dtype) -> None:
     if a.shape[1] != b.shape[0]:
         raise ValueError(f"GEMM shapes do not match: a {tuple(a.shape)} @ b {tuple(b.shape)}")
     for name, t in (("a", a), ("b", b)):
-        if isinstance(t, torch.Tensor) and not t.is_floating_point():
+        if not is_qtensor(t) and not t.is_floating_point():
             raise TypeError(f"GEMM operand {name} must be floating point, got {t.dtype}")
-    if out_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+    if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"unsupported GEMM output dtype {out_dtype}")

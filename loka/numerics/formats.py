@@ -11,6 +11,11 @@ from typing import Dict
 
 import torch
 
+# read by traced code as names of this module, not as attributes of ``torch`` (compiled code
+# would check per call that this module's ``torch`` is the caller's)
+_finfo = torch.finfo
+_DTYPE = torch.dtype
+
 
 @dataclass(frozen=True)
 class FP8Format:
@@ -26,17 +31,17 @@ class FP8Format:
     @property
     def max(self) -> float:
         """largest finite magnitude (448 for e4m3fn, 57344 for e5m2)"""
-        return float(torch.finfo(self.dtype).max)
+        return float(_finfo(self.dtype).max)
 
     @property
     def min_normal(self) -> float:
         """smallest positive normal number; values below it lose mantissa bits"""
-        return float(torch.finfo(self.dtype).smallest_normal)
+        return float(_finfo(self.dtype).smallest_normal)
 
     @property
     def eps(self) -> float:
         """relative spacing at 1.0: half of it is the worst-case rounding error"""
-        return float(torch.finfo(self.dtype).eps)
+        return float(_finfo(self.dtype).eps)
 
     @property
     def vendor(self) -> str:
@@ -60,7 +65,7 @@ def get_format(fmt: "FP8Format | str | torch.dtype") -> FP8Format:
     """Look up a format by name, alias or torch dtype."""
     if isinstance(fmt, FP8Format):
         return fmt
-    if isinstance(fmt, torch.dtype):
+    if isinstance(fmt, _DTYPE):
         for f in FORMATS.values():
             if f.dtype == fmt:
                 return f

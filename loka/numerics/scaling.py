@@ -77,11 +77,13 @@ def operand_block(granularity: "Granularity | str", operand: str) -> Tuple[int, 
     g = as_granularity(granularity)
     if operand not in ("a", "b"):
         raise ValueError(f"operand must be 'a' or 'b', got {operand!r}")
-    if g is Granularity.TENSORWISE:
+    # compared by value (a str enum): traced code then reads no member of the class, which
+    # compiled code would check per call is the member ``granularity`` came from
+    if g == "tensorwise":
         return (-1, -1)
-    if g is Granularity.ROWWISE:
+    if g == "rowwise":
         return (1, -1) if operand == "a" else (-1, 1)
-    if g is Granularity.BLOCKWISE:
+    if g == "blockwise":
         return (1, BLOCK) if operand == "a" else (BLOCK, BLOCK)
     return (1, MX_BLOCK) if operand == "a" else (MX_BLOCK, 1)
 
@@ -124,6 +126,13 @@ class QTensor:
         return self.data.numel() * self.data.element_size() + self.scale.numel() * 4
 
 
+def is_qtensor(x) -> bool:
+    """``isinstance(x, QTensor)``, for code torch.compile traces: the class read through this
+    module, where ``quantize`` reads it, so that compiled code has no per-call check that
+    two modules' ``QTensor`` are one class."""
+    return isinstance(x, QTensor)
+
+
 def _resolve_block(shape: Tuple[int, int], block: Tuple[int, int]) -> Tuple[int, int]:
     r, c = shape
     br = r if block[0] == -1 else block[0]
@@ -136,11 +145,17 @@ def _grid(shape: Tuple[int, int], block: Tuple[int, int]) -> Tuple[int, int]:
     return tuple(1 if b == -1 else -(-n // b) for n, b in zip(shape, block))
 
 
+# read by traced code as names of this module, not as attributes of ``torch`` (compiled code
+# would check per call that this module's ``torch`` is the caller's)
+_F64 = torch.float64
+_as_tensor = torch.as_tensor
+
+
 def saturate_float64(x: torch.Tensor) -> torch.Tensor:
     """``x`` itself, or for float64 ``x`` in float32 with finite values beyond float32's
     range saturated (module doc); Inf and NaN stay as they are. For quantizers of other
     libraries (torchao's) that compute in float32, so that they saturate as LoKA's do."""
-    if x.dtype != torch.float64:
+    if x.dtype != _F64:
         return x
     return torch.where(torch.isfinite(x), x.clamp(-FLOAT32_MAX, FLOAT32_MAX), x).float()
 
@@ -233,7 +248,7 @@ def quantize(x: torch.Tensor, fmt: "FP8Format | str" = "e4m3",
     g = as_granularity(granularity)
     blk = operand_block(g, operand) if block is None else block
     if power_of_two is None:
-        power_of_two = g is Granularity.MX
+        power_of_two = g == "mx"
     shape = tuple(x.shape)
     br, bc = _resolve_block(shape, blk)
     if scale is None:
@@ -253,7 +268,7 @@ def quantize(x: torch.Tensor, fmt: "FP8Format | str" = "e4m3",
 
 def _static_scale(scale: torch.Tensor, grid: Tuple[int, int], check: bool) -> torch.Tensor:
     """A caller's dequantization scales as the (grid) float32 tensor ``quantize`` stores."""
-    scale = torch.as_tensor(scale)
+    scale = _as_tensor(scale)
     if scale.numel() != grid[0] * grid[1]:
         raise ValueError(f"static scale has {scale.numel()} value(s), but this operand has "
                          f"{grid[0]}x{grid[1]} block(s)")
