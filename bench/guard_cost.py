@@ -8,8 +8,10 @@ with a plan applied for inference), and reports per variant the number of guard 
 Dynamo prints, the time of one check of the cached frame's guards (the median of
 ``--repeats`` batches of 200 checks), and what a host profile of 10 calls puts under
 Dynamo's ``TorchDynamo Cache Lookup`` event per call (``profiled_lookup_us``: the event a
-GPU run's host profile shows; the profiler's own cost is in it). Guards are host work, the same on any device: it runs
-on the CPU (the plan's kernels must run there: cuBLAS names without ``-fastacc``).
+GPU run's host profile shows; the profiler's own cost is in it). ``--train`` does the
+same for a training step (the plan applied for training, the model compiled and called
+with gradients, one backward). Guards are host work, the same on any device: it runs on
+the CPU (the plan's kernels must run there: cuBLAS names without ``-fastacc``).
 
     PYTHONPATH=. python bench/guard_cost.py --model dcnv2 --plan plan.serve.json --out g.json
 """
@@ -17,6 +19,7 @@ on the CPU (the plan's kernels must run there: cuBLAS names without ``-fastacc``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import statistics
@@ -40,14 +43,18 @@ PROFILED_CALLS = 10
 """calls of the compiled model under torch.profiler, for its cache-lookup event"""
 
 
-def measure(model: torch.nn.Module, inputs, repeats: int) -> dict:
-    """Compile ``model``, call it once, and time its cached frame's guard check."""
+def measure(model: torch.nn.Module, inputs, repeats: int, train: bool = False) -> dict:
+    """Compile ``model``, call it once (with a backward for ``train``), and time its
+    cached frame's guard check."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     torch._dynamo.reset()
     compiled = torch.compile(model)
-    with torch.inference_mode():
-        compiled(*inputs)
+    if train:
+        compiled(*inputs).float().mean().backward()
+    with contextlib.nullcontext() if train else torch.inference_mode():
+        if not train:
+            compiled(*inputs)
         entries = _debug_get_cache_entry_list(type(model).forward.__code__)
         if len(entries) != 1:
             raise RuntimeError(f"expected one compiled frame, found {len(entries)}")
@@ -78,7 +85,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--eval-set", default=str(ROOT / "bench" / "evalset"))
     p.add_argument("--model", required=True)
     p.add_argument("--scale", default="paper", choices=("paper", "tiny"))
-    p.add_argument("--plan", required=True, help="a serving plan for the model (JSON)")
+    p.add_argument("--plan", required=True, help="a plan for the model (JSON)")
+    p.add_argument("--train", action="store_true",
+                   help="a training step's guards (default: a serving forward's)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", required=True)
@@ -91,17 +100,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ValueError, OSError) as e:
         p.error(str(e).splitlines()[0])
     torch.manual_seed(0)
-    model = es.EVAL_MODELS[args.model](args.scale).eval()
+    model = es.EVAL_MODELS[args.model](args.scale).train(args.train)
     inputs = model.make_batch(args.batch_size, "cpu", torch.float32, seed=0)[0]
-    rows = {"as written": measure(model, inputs, args.repeats)}
-    loka.apply(model, plan, inference=True)
-    rows["plan"] = measure(model, inputs, args.repeats)
+    rows = {"as written": measure(model, inputs, args.repeats, args.train)}
+    loka.apply(model, plan, inference=not args.train)
+    rows["plan"] = measure(model, inputs, args.repeats, args.train)
     rows["plan"]["fp8_site_roles"] = sum(c.kernel != plan.baseline for sp in plan.sites.values()
                                          for c in sp.roles.values())
     doc = {"schema": "loka.bench.guard_cost", "version": 1,
            "command": " ".join(["bench/guard_cost.py"]
                                + (argv if argv is not None else sys.argv[1:])),
-           "torch": torch.__version__, "model": args.model, "scale": args.scale, "rows": rows}
+           "torch": torch.__version__, "model": args.model, "scale": args.scale,
+           "mode": "train" if args.train else "serve", "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     for name, r in rows.items():
