@@ -93,13 +93,19 @@ def python_profile(step, steps: int, top: int):
     return rows[:top]
 
 
-def make_step(model, batch):
+def make_step(model, batch, mode_per_step: bool = False):
+    """The compiled forward; ``mode_per_step``: each call enters ``torch.inference_mode()``
+    itself, as ``loka.bench.evalset``'s serving step does (the rounds run inside one too)."""
     compiled = torch.compile(model)
     inputs = batch[0]
 
     def step():
         return compiled(*inputs)
-    return step
+
+    def step_in_mode():
+        with torch.inference_mode():
+            return compiled(*inputs)
+    return step_in_mode if mode_per_step else step
 
 
 def rotated_order(names: List[str], rounds: int) -> List[str]:
@@ -208,6 +214,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="comma-separated k: variants with the plan's first k FP8 sites only")
     ap.add_argument("--compare-general", action="store_true",
                     help="add the plan on loka.Linear's general path (no short static path)")
+    ap.add_argument("--mode-per-step", action="store_true",
+                    help="each step enters inference_mode itself (as the eval set's does)")
     ap.add_argument("--skip-guards", action="store_true",
                     help="time the rounds again with Dynamo's guards skipped (diagnostic)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -241,7 +249,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             loka.apply(model, plans[name], inference=True)
         if name == "plan-general":
             general_path(model)
-        steps[name] = make_step(model, batch)
+        steps[name] = make_step(model, batch, args.mode_per_step)
         with torch.inference_mode():
             for _ in range(args.warmup):
                 steps[name]()

@@ -547,6 +547,10 @@ def test_guard_cost_counts_and_times_the_guards_a_plan_adds(probed, tmp_path):
 
     plan = loka.plan(probed["dlrm"][2], inference=True, assume_fast=True)
     assert sum(c.kernel != plan.baseline for sp in plan.sites.values() for c in sp.roles.values())
+    for sp in plan.sites.values():  # the cuBLAS twin of the CPU Probe's emulated choice
+        for c in sp.roles.values():
+            if c.kernel == "emulated-rowwise-e4m3":
+                c.kernel = "cublas-rowwise"
     plan_path, out = tmp_path / "p.json", tmp_path / "g.json"
     plan.save(plan_path)
     args = ["--model", "dlrm", "--scale", "tiny", "--plan", str(plan_path), "--repeats", "2",
@@ -556,6 +560,17 @@ def test_guard_cost_counts_and_times_the_guards_a_plan_adds(probed, tmp_path):
     assert set(rows) == {"as written", "plan"} and rows["plan"]["fp8_site_roles"] > 0
     assert rows["plan"]["guard_lines"] > rows["as written"]["guard_lines"] > 0
     assert all(r["check_us"] > 0 and r["profiled_lookup_us"] > 0 for r in rows.values())
+    # no Python-evaluated aliasing check beyond the model's own: LoKA's traced code reads
+    # torch, its enums and QTensor by one path each
+    assert rows["plan"]["lambda_guards"] == rows["as written"]["lambda_guards"]
+    # a training step's guards (the plan's FP8 forwards applied for training)
+    assert guard_cost.main(args + ["--train"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["mode"] == "train"
+    rows = doc["rows"]
+    assert rows["plan"]["guard_lines"] > rows["as written"]["guard_lines"] > 0
+    # in training, Dynamo's autograd-Function wrapper adds its own check of torch
+    assert rows["plan"]["lambda_guards"] <= rows["as written"]["lambda_guards"] + 1
     with pytest.raises(SystemExit) as e:
         guard_cost.main(args[:1] + ["nope"] + args[2:])
     assert e.value.code == 2
@@ -1014,7 +1029,7 @@ def test_step_host_bisects_a_plan_by_site_and_against_the_general_path(tmp_path)
     assert step_host.main(["--model", "dcnv2", "--scale", "tiny", "--batch-size", "16",
                            "--plan", str(ppath), "--steps", "2", "--warmup", "2",
                            "--rounds", "2", "--prefix-sites", "1", "--compare-general",
-                           "--skip-guards", "--profile-steps", "2", "--top", "3",
+                           "--skip-guards", "--mode-per-step", "--profile-steps", "2", "--top", "3",
                            "--device", "cpu", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert list(doc["variants"]) == ["bf16", "plan", "plan@1", "plan-general"]

@@ -39,7 +39,9 @@ class Recipe:
 
     def _check(self, q: QTensor, operand: str) -> QTensor:
         fmt = get_format(self.a_format if operand == "a" else self.b_format)
-        if q.fmt != fmt or q.granularity != self.scaling:
+        # formats compared by name: the dataclass's own __eq__ reads the class through
+        # another path than the instance, which compiled code would check per call
+        if q.fmt.name != fmt.name or q.granularity != self.scaling:
             raise ValueError(
                 f"operand {operand} was quantized as {q.fmt}/{q.granularity}, but this "
                 f"recipe needs {fmt}/{self.scaling}")
