@@ -190,7 +190,6 @@ _get_autocast_dtype = torch.get_autocast_dtype
 _is_grad_enabled = torch.is_grad_enabled
 _f_linear = F.linear
 _AUTOCAST_FROM = (torch.float32, torch.float16, torch.bfloat16)
-_F64 = torch.float64
 
 
 def _autocast_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
@@ -641,9 +640,11 @@ class Linear(nn.Linear):
         without gradients can take the short static path (an FP8 weight, a static input
         scale, and a forward kernel with a ``static_gemm``), else None."""
         d = self.__dict__
-        kernels, keys = d.get("_kernels"), d.get("_kernel_keys")
-        ok = (kernels is not None and keys is not None and d.get("_wq") is not None
-              and d.get("_xs_table") is not None and kernels[0].static_gemm is not None)
+        kernels, keys, wq = d.get("_kernels"), d.get("_kernel_keys"), d.get("_wq")
+        ok = (kernels is not None and keys is not None and wq is not None
+              and d.get("_xs_table") is not None and kernels[0].static_gemm is not None
+              # a weight quantized as the kernel does (else the general path says why not)
+              and wq.fmt.name == kernels[0].formats[1] and wq.granularity == kernels[0].scaling)
         d["_static_key"] = keys[0] if ok else None
 
     def _live_kernels(self) -> Tuple[Kernel, Kernel, Kernel]:
@@ -845,11 +846,12 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor, x_q: Optional[QTensor] = None) -> torch.Tensor:
         key = self._static_key
         if (key is not None and x_q is None and not _is_grad_enabled()
-                and self.monitor is None and x.dtype != _F64 and _autocast_dtype(x) is None):
+                and self.monitor is None and x.dtype in _AUTOCAST_FROM
+                and _autocast_dtype(x) is None):
             # serving with a static scale: the cast and the GEMM, nothing else read
             kern = _INTERNED.get(key)
-            if kern is not None and x.shape[-1] == self.in_features and x.numel() > 0 \
-                    and x.is_floating_point():
+            if kern is not None and kern.static_gemm is not None \
+                    and x.shape[-1] == self.in_features and x.numel() > 0:
                 wq = self._wq
                 y = kern.static_gemm(x.reshape(-1, self.in_features), wq.data,
                                      self._xs_table, wq.scale, x.dtype)

@@ -91,7 +91,7 @@ def _make_static_gemm(scaling: Granularity, a_format: str, fast_accum: bool,
     rowwise): ``quantize(x2d, scale=table[...])`` then ``fn``, as the same tensor ops
     (``loka.Linear``'s general path is the reference, bit for bit), with the kernel's
     constants held as plain values."""
-    tensorwise = scaling is Granularity.TENSORWISE
+    tensorwise = scaling == "tensorwise"
     fmt = get_format(a_format)
     fmax, fp8 = float(fmt.max), fmt.dtype
 
@@ -104,7 +104,8 @@ def _make_static_gemm(scaling: Granularity, a_format: str, fast_accum: bool,
             sa = table[:m] if m <= table.shape[0] else table[:1].expand(m, 1)
             sa = sa.contiguous()
             sb = w_scale.contiguous()
-        a = (x2d.float() / sa).clamp(-fmax, fmax).to(fp8)
+        # row-major as cuBLAS needs it (a view of a transpose casts column-major)
+        a = row_major((x2d.float() / sa).clamp(-fmax, fmax).to(fp8))
         b = col_major(w)
         lib_dtype = gemm_out_dtype or (out_dtype if out_dtype != _F64 else _F32)
         if _is_compiling() and ops.scaled_mm_lowered():
@@ -123,7 +124,7 @@ def make_scaled_mm_kernel(name: str, recipe: Recipe, *, fast_accum: bool = False
     """A ``torch._scaled_mm`` kernel. ``gemm_out_dtype`` forces the library's output
     dtype (rowwise and blockwise produce bf16 only); the result is cast to the caller's."""
     scaling = recipe.scaling
-    scaling_name = str(scaling.value)  # a plain string: the enum is read through the recipe
+    scaling_name = str(scaling)  # a plain string: the enum is read through the recipe
 
     def fn(a, b, out_dtype):
         check_gemm_operands(a, b, out_dtype)

@@ -110,6 +110,52 @@ def test_the_short_path_runs_no_autograd_function_and_steps_aside_where_it_must(
     assert len(calls) == 5
 
 
+def test_the_short_path_hands_cublas_a_row_major_operand_whatever_the_input_layout(
+        monkeypatch):
+    """cuBLAS (on a GPU) takes a row-major a only: a 2-D input that is a transpose, or a
+    (1, T, K) view of one, casts column-major unless the short path makes it row-major, as
+    the general path's ``row_major`` does. The CPU's _scaled_mm accepts either, so the
+    layout is checked at the call."""
+    from loka.kernels import cublas
+    seen = []
+    real = cublas._torch_scaled_mm
+
+    def spy(a, b, **kw):
+        seen.append((a.stride(), tuple(a.shape)))
+        return real(a, b, **kw)
+    monkeypatch.setattr(cublas, "_torch_scaled_mm", spy)
+    for kernel in (TW, RW):
+        lin = _linear(kernel)
+        base = torch.randn(64, 12, dtype=torch.bfloat16)
+        for x in (base.t(), base.t().unsqueeze(0)):
+            assert not x.reshape(-1, 64).is_contiguous()
+            seen.clear()
+            with torch.no_grad():
+                y = lin(x)
+            (stride, shape), = seen
+            assert stride == (64, 1) and shape == (12, 64)
+            assert torch.equal(y.view(torch.int16), _general(lin, x).view(torch.int16))
+
+
+def test_inputs_the_general_path_refuses_are_refused_on_the_short_path_too():
+    """An FP8 input (floating point, but not one a Linear quantizes) and a weight_q set by
+    hand in another format or granularity than the forward kernel's: the general path
+    raises, so the short path must not serve them."""
+    lin = _linear(TW, bias=False)
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
+    with torch.no_grad(), pytest.raises(TypeError, match="quantize expects"):
+        lin(x.to(torch.float8_e4m3fn))
+    from loka.numerics import quantize
+    lin.weight_q = quantize(lin.weight.detach().t().float(), "e5m2", "tensorwise", "b")
+    assert lin._static_key is None
+    with torch.no_grad(), pytest.raises(ValueError, match="quantized as"):
+        lin(x)
+    lin.weight_q = quantize(lin.weight.detach().t().float(), "e4m3", "rowwise", "b")
+    assert lin._static_key is None
+    lin.quantize_weight()  # the kernel's own quantization: the short path again
+    assert lin._static_key == TW
+
+
 def test_the_static_key_follows_the_state():
     lin = _linear(TW)
     assert lin._static_key == TW
@@ -182,9 +228,9 @@ def _guards(model, x):
 
 def test_a_compiled_static_serving_step_guards_few_more_leaves_per_site_than_bf16():
     """Per FP8 site the guard tree grows by the three held tensors (FP8 weight, its scale,
-    the scale table) and a few flags, not by the kernel's Python (the general path added
-    about 30 leaves per site and a dozen Python-level aliasing guards); distinct static
-    scales add no aliasing guard at all."""
+    the scale table) and a few flags, not by the kernel's Python (the general path had 24
+    leaves per site against bf16's 11, over a hundred more with the first site, and a
+    dozen Python-level aliasing guards); distinct static scales add no aliasing guard."""
     x = torch.randn(16, 64, dtype=torch.bfloat16)
     counts = {}
     for n in (2, 4):
