@@ -50,11 +50,10 @@ def measure(model: torch.nn.Module, inputs, repeats: int, train: bool = False) -
 
     torch._dynamo.reset()
     compiled = torch.compile(model)
-    if train:
-        compiled(*inputs).float().mean().backward()
     with contextlib.nullcontext() if train else torch.inference_mode():
-        if not train:
-            compiled(*inputs)
+        out = compiled(*inputs)
+        if train:
+            out.float().mean().backward()
         entries = _debug_get_cache_entry_list(type(model).forward.__code__)
         if len(entries) != 1:
             raise RuntimeError(f"expected one compiled frame, found {len(entries)}")

@@ -73,7 +73,13 @@ def _scaled_mm(qa: QTensor, qb: QTensor, out_dtype: torch.dtype, fast_accum: boo
         return F.scaled_mm(a, b, sa, F.ScalingType.BlockWise1x128, sb,
                            F.ScalingType.BlockWise128x128, output_dtype=out_dtype,
                            use_fast_accum=fast_accum)
-    sa, sb = qa.scale, qb.scale
+    return _gemm(a, b, qa.scale, qb.scale, out_dtype, fast_accum, scaling)
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor,
+          out_dtype: torch.dtype, fast_accum: bool, scaling: str) -> torch.Tensor:
+    """The tensorwise or rowwise call on FP8 ``a`` (row-major) and ``b`` (column-major)
+    with their dequantization scales."""
     if scaling == "tensorwise":
         sa, sb = sa.reshape(()), sb.reshape(())
     else:  # rowwise scales must be contiguous: a static scale broadcast over rows is not
@@ -85,34 +91,30 @@ def _scaled_mm(qa: QTensor, qb: QTensor, out_dtype: torch.dtype, fast_accum: boo
                             use_fast_accum=fast_accum)
 
 
-def _make_static_gemm(scaling: Granularity, a_format: str, fast_accum: bool,
+def _lib_dtype(gemm_out_dtype: Optional[torch.dtype], out_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the library returns: the kernel's forced one, else the caller's (float32
+    for float64, which cuBLAS does not return)."""
+    return gemm_out_dtype or (out_dtype if out_dtype != _F64 else _F32)
+
+
+def _make_static_gemm(scaling: str, a_format: str, fast_accum: bool,
                       gemm_out_dtype: Optional[torch.dtype]):
     """The kernel's :attr:`~loka.kernels.registry.Kernel.static_gemm` (tensorwise and
     rowwise): ``quantize(x2d, scale=table[...])`` then ``fn``, as the same tensor ops
     (``loka.Linear``'s general path is the reference, bit for bit), with the kernel's
     constants held as plain values."""
-    tensorwise = scaling == "tensorwise"
     fmt = get_format(a_format)
     fmax, fp8 = float(fmt.max), fmt.dtype
 
     def static_gemm(x2d, w, table, w_scale, out_dtype):
         m = x2d.shape[0]
-        if tensorwise:
-            sa = table.reshape(())
-            sb = w_scale.reshape(())
-        else:  # (M, 1) row scales: a slice of the table, or its first row broadcast
-            sa = table[:m] if m <= table.shape[0] else table[:1].expand(m, 1)
-            sa = sa.contiguous()
-            sb = w_scale.contiguous()
+        # rowwise: (M, 1) row scales, a slice of the table or its first row broadcast
+        sa = (table.reshape(()) if scaling == "tensorwise" else
+              table[:m] if m <= table.shape[0] else table[:1].expand(m, 1))
         # row-major as cuBLAS needs it (a view of a transpose casts column-major)
         a = row_major((x2d.float() / sa).clamp(-fmax, fmax).to(fp8))
-        b = col_major(w)
-        lib_dtype = gemm_out_dtype or (out_dtype if out_dtype != _F64 else _F32)
-        if _is_compiling() and ops.scaled_mm_lowered():
-            y = ops.scaled_mm_op(a, b, sa, sb, lib_dtype, fast_accum)
-        else:
-            y = _torch_scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=lib_dtype,
-                                 use_fast_accum=fast_accum)
+        y = _gemm(a, col_major(w), sa, w_scale, _lib_dtype(gemm_out_dtype, out_dtype),
+                  fast_accum, scaling)
         return y if y.dtype == out_dtype else y.to(out_dtype)
 
     return static_gemm
@@ -129,8 +131,8 @@ def make_scaled_mm_kernel(name: str, recipe: Recipe, *, fast_accum: bool = False
     def fn(a, b, out_dtype):
         check_gemm_operands(a, b, out_dtype)
         qa, qb = recipe.operands(a, b)
-        lib_dtype = gemm_out_dtype or (out_dtype if out_dtype != _F64 else _F32)
-        out = _scaled_mm(qa, qb, lib_dtype, fast_accum, scaling_name)
+        out = _scaled_mm(qa, qb, _lib_dtype(gemm_out_dtype, out_dtype), fast_accum,
+                         scaling_name)
         return out if out.dtype == out_dtype else out.to(out_dtype)
 
     fn.__name__ = name.replace("-", "_")
@@ -153,7 +155,8 @@ def make_scaled_mm_kernel(name: str, recipe: Recipe, *, fast_accum: bool = False
         quantize_a=recipe.quantize_a, quantize_b=recipe.quantize_b, fast_accum=fast_accum,
         quantizes_as=quantizes_as,
         static_gemm=(None if scaling is Granularity.BLOCKWISE else
-                     _make_static_gemm(scaling, recipe.a_format, fast_accum, gemm_out_dtype)),
+                     _make_static_gemm(scaling_name, recipe.a_format, fast_accum,
+                                       gemm_out_dtype)),
         description=description or f"torch._scaled_mm {scaling} {recipe.a_format}x{recipe.b_format}"
                                    + (" fast-accum" if fast_accum else ""),
     )

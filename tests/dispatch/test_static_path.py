@@ -4,6 +4,7 @@ runs the GEMM without the autograd Function. It must give the general path's bit
 aside wherever the general path does more (a producer's FP8 input, a monitor, autocast,
 float64, empty input, gradients), and leave a compiled step fewer guards per Linear."""
 
+import copy
 import re
 
 import pytest
@@ -190,7 +191,6 @@ def test_the_static_key_follows_the_state():
 
 
 def test_a_copy_serves_the_same_bits():
-    import copy
     lin = _linear(RW)
     x = torch.randn(8, 64, dtype=torch.bfloat16)
     twin = copy.deepcopy(lin)
@@ -238,7 +238,7 @@ def test_a_compiled_static_serving_step_guards_few_more_leaves_per_site_than_bf1
         bf16 = _Chain(n).to(torch.bfloat16).eval()
         plan = loka.Plan.uniform(bf16, TW)
         plan.static_scales = {name: 3.0 + i for i, name in enumerate(plan.sites)}
-        fp8 = bf16_copy(bf16)
+        fp8 = copy.deepcopy(bf16)
         loka.apply(fp8, plan, inference=True)
         assert all(m._static_key == TW for m in fp8.modules() if isinstance(m, loka.Linear))
         counts[n] = (_guards(bf16, x), _guards(fp8, x))
@@ -249,7 +249,3 @@ def test_a_compiled_static_serving_step_guards_few_more_leaves_per_site_than_bf1
     assert lam4 == lam2 == lam_b  # no aliasing guard per site
     assert f2 - b2 <= 40 + 2 * per_site  # the first site's share of shared guards is small
 
-
-def bf16_copy(model):
-    import copy
-    return copy.deepcopy(model)
