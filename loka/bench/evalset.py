@@ -103,7 +103,7 @@ from ..numerics.delayed import DEFAULT_DECAY
 from ..probe import ProbeReport
 from ..probe import probe as probe_model
 from ..timing import synchronize
-from . import stepcode
+from . import profiling, stepcode
 from .env import source_digest
 from .profiling import QUANTIZE_KERNELS, host_self_us
 
@@ -675,9 +675,14 @@ def run_row(case: Case, variant: str, mode: str, graphs: bool, args, device,
                        host_over_gpu=row["host_ms"] / max(prof["gpu_ms_per_step"], 1e-9),
                        # the row's own peak: above what it found allocated
                        peak_mem_gib=(torch.cuda.max_memory_allocated(device) - held) / 2**30)
+            try:  # a diagnostic: it never fails the row
+                row["gpu_idle"] = profiling.gpu_idle(step, args.profile_steps)
+            except Exception as e:  # noqa: BLE001
+                row["gpu_idle"] = {"error": f"{type(e).__name__}: {e}"[:300]}
         else:
             row.update(gpu_ms=None, profile_ms=None, top_kernels_ms=None, kernel_rates=None,
-                       wall_over_gpu=None, host_over_gpu=None, peak_mem_gib=None)
+                       wall_over_gpu=None, host_over_gpu=None, peak_mem_gib=None,
+                       gpu_idle=None)
         if pair_with is not None:
             try:  # a diagnostic: it never fails the row
                 for s in (pair_with, step):

@@ -10,7 +10,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-__all__ = ["KERNEL_CLASSES", "QUANTIZE_KERNELS", "host_self_us", "kernel_class",
+__all__ = ["KERNEL_CLASSES", "QUANTIZE_KERNELS", "STEP_MARK", "attribute_idle", "gpu_idle",
+           "host_self_us", "idle_intervals", "idle_summary", "kernel_class",
            "op_breakdown", "profile_breakdown"]
 
 KERNEL_CLASSES = ("gemm", "gemm-fp8", "quantize", "triton", "embedding", "optimizer", "other")
@@ -126,3 +127,134 @@ def profile_breakdown(step: Callable[[], object], steps: int = 5, top: int = 30,
         out["host_top_ops_us"] = sorted(([k, v] for k, v in cpu_self.items()),
                                         key=lambda kv: -kv[1])[:top]
     return out
+
+
+# ------------------------------------------------------------------ where the GPU waits
+
+STEP_MARK = "loka::timed_step"
+"""the ``record_function`` label :func:`gpu_idle` puts around each profiled step"""
+
+_RUNTIME = ("cuda", "cu", "Pregraph bytecode")
+"""host events that are the CUDA runtime's own calls: an idle GPU under one of them is
+waiting for a launch (or a synchronization) that the enclosing operator issued"""
+
+
+def _interval_union(intervals: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    merged: List[Tuple[float, float]] = []
+    for s, e in sorted(intervals):
+        if merged and s <= merged[-1][1]:
+            if e > merged[-1][1]:
+                merged[-1] = (merged[-1][0], e)
+        else:
+            merged.append((s, e))
+    return merged
+
+
+def idle_intervals(window: Tuple[float, float],
+                   kernels: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    """The parts of ``window`` (start, end) in which no kernel of ``kernels`` runs, in
+    order: before the first kernel, between kernels (overlapping kernels merged) and after
+    the last one."""
+    w0, w1 = window
+    busy = _interval_union([(max(s, w0), min(e, w1)) for s, e in kernels if e > w0 and s < w1])
+    gaps, t = [], w0
+    for s, e in busy:
+        if s > t:
+            gaps.append((t, s))
+        t = max(t, e)
+    if w1 > t:
+        gaps.append((t, w1))
+    return gaps
+
+
+def attribute_idle(gaps: List[Tuple[float, float]],
+                   host: List[Tuple[str, float, float]]) -> Dict[str, Dict[str, float]]:
+    """Which host work the GPU waited on: every instant of ``gaps`` given to the innermost
+    host event (name, start, end) running then, and to the outermost one (the step's
+    phase: a compiled graph's call, the optimizer, the loss's own operators). A CUDA
+    runtime call is named with the operator that made it (``aten::mm > cudaLaunchKernel``).
+    Time with no host event running is ``(no host event)``. Returns ``{"inner": {name:
+    us}, "outer": {name: us}}``."""
+    inner: Dict[str, float] = {}
+    outer: Dict[str, float] = {}
+    events = sorted(host, key=lambda h: (h[1], -h[2]))
+    for g0, g1 in gaps:
+        live = [h for h in events if h[2] > g0 and h[1] < g1]
+        cuts = sorted({g0, g1, *(max(h[1], g0) for h in live), *(min(h[2], g1) for h in live)})
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            if b <= a:
+                continue
+            mid = (a + b) / 2
+            running = [h for h in live if h[1] <= mid < h[2]]
+            if not running:
+                inner["(no host event)"] = inner.get("(no host event)", 0.0) + b - a
+                outer["(no host event)"] = outer.get("(no host event)", 0.0) + b - a
+                continue
+            running.sort(key=lambda h: h[2] - h[1])  # innermost first
+            name = running[0][0]
+            if name.startswith(_RUNTIME) and len(running) > 1:
+                caller = next((h[0] for h in running[1:] if not h[0].startswith(_RUNTIME)),
+                              None)
+                name = f"{caller} > {name}" if caller else name
+            inner[name] = inner.get(name, 0.0) + b - a
+            top = running[-1][0]
+            outer[top] = outer.get(top, 0.0) + b - a
+    return {"inner": inner, "outer": outer}
+
+
+def idle_summary(windows: List[Tuple[float, float]], kernels: List[Tuple[float, float]],
+                 host: List[Tuple[str, float, float]], top: int = 12) -> dict:
+    """Per-step means over ``windows`` (one per step, from its call to the end of its
+    synchronization): wall, GPU-busy and idle time (us), the idle time before the step's
+    first kernel (``lead_us``, the host's start-up: Dynamo's guards, the wrapper's
+    prologue) and after its last (``tail_us``, the synchronization's latency), and the
+    ``top`` host events the idle time went to (:func:`attribute_idle`), innermost and
+    outermost, largest first."""
+    n = max(len(windows), 1)
+    wall = busy = lead = tail = 0.0
+    all_gaps: List[Tuple[float, float]] = []
+    for w in windows:
+        gaps = idle_intervals(w, kernels)
+        wall += w[1] - w[0]
+        idle = sum(e - s for s, e in gaps)
+        busy += (w[1] - w[0]) - idle
+        if gaps and gaps[0][0] == w[0]:
+            lead += gaps[0][1] - gaps[0][0]
+        if gaps and gaps[-1][1] == w[1] and (len(gaps) > 1 or gaps[0][0] != w[0]):
+            tail += gaps[-1][1] - gaps[-1][0]
+        all_gaps += gaps
+    marked = [h for h in host if h[0] != STEP_MARK]
+    parts = attribute_idle(all_gaps, marked)
+
+    def ranked(d):
+        return [[k[:160], round(v / n, 1)] for k, v in sorted(d.items(), key=lambda kv: -kv[1])
+                if v / n >= 0.05][:top]
+
+    return {"steps": len(windows), "wall_us": wall / n, "busy_us": busy / n,
+            "idle_us": (wall - busy) / n, "lead_us": lead / n, "tail_us": tail / n,
+            "idle_by_host_event_us": ranked(parts["inner"]),
+            "idle_by_phase_us": ranked(parts["outer"])}
+
+
+def gpu_idle(step: Callable[[], object], steps: int = 3, top: int = 12) -> dict:
+    """Where a CUDA step's wall time is not GPU time: ``steps`` synchronized steps of an
+    already warmed-up ``step`` (as the timing loop runs them: each from an idle GPU),
+    profiled host and device together; :func:`idle_summary` of the result. The profiler
+    slows the host, so the idle time here is larger than in unprofiled steps; what it is
+    spent under is the finding."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            with torch.autograd.profiler.record_function(STEP_MARK):
+                step()
+                torch.cuda.synchronize()
+    kernels, host, windows = [], [], []
+    for evt in prof.events():
+        tr = evt.time_range
+        if evt.device_type == DeviceType.CUDA:
+            kernels.append((float(tr.start), float(tr.end)))
+        elif evt.device_type == DeviceType.CPU:
+            if evt.name == STEP_MARK:
+                windows.append((float(tr.start), float(tr.end)))
+            host.append((str(evt.name), float(tr.start), float(tr.end)))
+    return idle_summary(sorted(windows), kernels, host, top)
