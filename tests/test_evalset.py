@@ -789,8 +789,14 @@ def test_the_prediction_is_also_made_on_gpu_time_and_says_when_the_host_bounds_t
     assert ceil["gemm_ms"] == pytest.approx(sum(
         rr.baseline_us for sr in rep.sites.values() for role, rr in sr.roles.items()
         if role.value == "fwd") / 1e3)
-    (cell,) = [c["loka"] for c in lev.summarize(group)]
+    (summary,) = lev.summarize(group)
+    cell = summary["loka"]
     assert cell["ceiling"]["measured_speedup"] == ceil["measured_speedup"]
+    # the host-speed control: bf16's host time beside its GPU time, per group and per cell
+    assert summary["host_bound"] is False and summary["bf16"]["host_ms"] == 1.0
+    assert "gpu_idle_us" not in cell  # no idle profile in these rows
+    lk["gpu_idle"] = {"idle_us": 123.0}
+    assert lev.summarize(group)[0]["loka"]["gpu_idle_us"] == 123.0
     assert "ceil x" in lev.table(group).splitlines()[0]
     group, lk = rows(host_ms=2.5)  # the host takes longer than the GPU
     lev.add_prediction(group, lk, rep)
@@ -799,8 +805,12 @@ def test_the_prediction_is_also_made_on_gpu_time_and_says_when_the_host_bounds_t
     lev.add_prediction(group, lk, rep)
     assert "predicted_gpu_ms" not in lk["prediction"]
     assert "gpu_prediction_note" in lk["prediction"]
-    (cell,) = [c["loka"] for c in lev.summarize(group)]
+    (summary,) = lev.summarize(group)
+    cell = summary["loka"]
     assert cell["gpu_prediction_error"] is None and cell["host_bound"] is True
+    assert summary["host_bound"] is True  # bf16: 1.0 ms of host time against 1e-6 of GPU
+    group[0]["gpu_ms"] = None  # not profiled (a CPU row): no control
+    assert lev.summarize(group)[0]["host_bound"] is None
 
 
 # ------------------------------------------------------------------ bench/blockwise_fusion.py

@@ -815,8 +815,12 @@ def summarize(rows: List[dict]) -> List[dict]:
             if r is None:
                 return None
             c = {"variant": r["variant"], "step_ms": r["step_ms"], "gpu_ms": r.get("gpu_ms"),
+                 "host_ms": r.get("host_ms"),
                  "vs_bf16": (r.get("vs_bf16") or {}).get("step"),
                  "fp8_sites": r.get("fp8_sites")}
+            idle = r.get("gpu_idle") or {}
+            if "idle_us" in idle:  # profiled: the GPU's idle time per step, what it waited on
+                c["gpu_idle_us"] = idle["idle_us"]
             pred = r.get("prediction") or {}
             if "prediction_error" in pred:  # measured / predicted - 1, both predictions
                 c["prediction_error"] = pred["prediction_error"]
@@ -833,7 +837,13 @@ def summarize(rows: List[dict]) -> List[dict]:
                                                      "measured_speedup",
                                                      "measured_speedup_eligible")}
             return c
+        # the host-speed control: a group whose bf16 step the host issues more slowly than
+        # the GPU runs it is host-bound, and its wall ratios measure the host, not FP8
+        host_bound = (bool(bf16["host_ms"] > bf16["gpu_ms"])
+                      if bf16 is not None and bf16.get("gpu_ms") and bf16.get("host_ms") is not None
+                      else None)
         out.append({"model": k[0], "batch_size": k[1], "mode": k[2], "graphs": k[3],
+                    "host_bound": host_bound,
                     "bf16": cell(bf16), "best_torchao": cell(best), "loka": cell(lk),
                     "loka_optimize": cell(opt), "loka_static": cell(static),
                     "loka_optimize_static": cell(opt_static)})
