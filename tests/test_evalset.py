@@ -629,6 +629,34 @@ def test_paired_rounds_hold_the_ratio_where_the_host_drifts(monkeypatch):
     assert len(paired["round_ms"]["A"]) == 6 and (paired["rounds"], paired["steps"]) == (6, 3)
 
 
+def test_pipelined_steps_pay_the_synchronization_once_per_block(monkeypatch):
+    """Steps issued back to back: a scripted step of 2 ms of host time whose device work
+    ends 5 ms after the last call (the sync's wait) costs (n * 2 + 5) / n per step, where
+    time_steps pays 2 + 5 for each; the paired variant alternates blocks and gives bf16's
+    (A's) time over the other's."""
+    import time as _time
+    from loka.bench import evalset as lev
+
+    clock = [0.0]
+    monkeypatch.setattr(_time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(lev, "synchronize", lambda device: clock.__setitem__(0, clock[0] + 0.005))
+
+    def step(cost):
+        def run():
+            clock[0] += cost
+        return run
+
+    cpu = torch.device("cpu")
+    p = lev.time_pipelined(step(0.002), cpu, steps=10, repeats=3)
+    # the first synchronize (an idle device) adds 5 ms before the first block only
+    assert p["pipelined_ms"] == pytest.approx((10 * 2 + 5) / 10)
+    assert p["pipelined_ms_max"] == pytest.approx(p["pipelined_ms"]) and p["pipelined_steps"] == 10
+    assert lev.time_steps(step(0.002), cpu, 1, 4)["step_ms"] == pytest.approx(7.0)
+    paired = lev.paired_pipelined(step(0.004), step(0.002), cpu, rounds=2, steps=5)
+    assert paired["ratio_a_over_b"] == pytest.approx((5 * 4 + 5) / (5 * 2 + 5))
+    assert len(paired["round_ms"]["A"]) == len(paired["round_ms"]["B"]) == 2
+
+
 @pytest.mark.parametrize("argv", [["--paired-rounds", "1"], ["--paired-rounds", "-2"],
                                   ["--paired-rounds", "2", "--paired-steps", "0"]])
 def test_bad_paired_options_are_refused(argv, tmp_path, capsys):

@@ -58,6 +58,13 @@ def test_summary_splits_each_step_into_busy_lead_idle_and_tail():
     assert sum(v for _, v in s["idle_by_phase_us"]) == pytest.approx(s["idle_us"])
 
 
+def test_idle_under_the_profilers_own_events_is_set_apart():
+    host = [("Activity Buffer Request", 0.0, 30.0), ("TorchDynamo Cache Lookup", 30.0, 40.0)]
+    s = idle_summary([(0.0, 100.0)], [(40.0, 100.0)], host)
+    assert s["idle_us"] == pytest.approx(40.0) and s["profiler_us"] == pytest.approx(30.0)
+    assert dict(s["idle_by_host_event_us"]) == {"TorchDynamo Cache Lookup": 10.0}
+
+
 def test_a_step_whose_gpu_never_waits_has_no_idle_time():
     s = idle_summary([(0.0, 50.0)], [(0.0, 30.0), (29.0, 50.0)], [("x", 0.0, 50.0)])
     assert s["idle_us"] == 0.0 and s["lead_us"] == 0.0 and s["tail_us"] == 0.0

@@ -44,7 +44,9 @@ site count, the Probe's wall time, the output's change against bf16, and ratios 
 the bf16 row of the same model, batch, mode and graph setting (with ``--paired-rounds``,
 also in alternating rounds beside the bf16 row's step, kept for the group: ``paired_vs_bf16``,
 for hosts whose speed drifts between rows; a row without a bf16 row to pair with, left out
-or failed, has none). The JSON is rewritten
+or failed, has none; ``paired_pipelined_vs_bf16``: the same rounds with steps issued back
+to back, one synchronization per round, as a training loop or a loaded server runs them,
+and each row's ``pipelined_ms``). The JSON is rewritten
 (atomically) after every row, so a run cut short keeps what it measured. On a CPU the run
 checks the pipeline only: its timings say nothing about FP8 on a GPU (the JSON's ``env``
 says so).
@@ -525,6 +527,27 @@ def time_steps(step, device, warmup: int, steps: int) -> dict:
             "first_value": first_value}
 
 
+def time_pipelined(step, device, steps: int, repeats: int = 3) -> dict:
+    """Steps issued back to back, as a training loop or a loaded server issues them: each
+    of ``repeats`` blocks is ``steps`` calls with one synchronization at the end, timed
+    from an idle device to that synchronization; ``pipelined_ms`` is the median block's
+    time per step. The host issues the next step while the GPU runs the last, so the
+    per-step start-up and synchronization that :func:`time_steps` pays are paid once per
+    block: what is left is the larger of the host's and the GPU's time per step. A step
+    that returns an output the next call overwrites (a CUDA-graph replay) is fine here,
+    nothing reads it."""
+    synchronize(device)
+    per_step = []
+    for _ in range(max(1, repeats)):
+        t = time.perf_counter()
+        for _ in range(steps):
+            step()
+        synchronize(device)
+        per_step.append((time.perf_counter() - t) * 1e3 / steps)
+    return {"pipelined_ms": statistics.median(per_step), "pipelined_ms_min": min(per_step),
+            "pipelined_ms_max": max(per_step), "pipelined_steps": steps}
+
+
 def round_order(rounds: int) -> List[str]:
     """A B, B A, A B, ...: each of two variants goes first in half the rounds."""
     return [v for r in range(rounds) for v in (("A", "B") if r % 2 == 0 else ("B", "A"))]
@@ -553,6 +576,17 @@ def paired_rounds(step_a: Callable[[], object], step_b: Callable[[], object],
         medians[v].append(time_steps(step_a if v == "A" else step_b, device, 1,
                                      steps)["step_ms"])
     return {"rounds": rounds, "steps": steps, "round_ms": medians, **paired_summary(medians)}
+
+
+def paired_pipelined(step_a: Callable[[], object], step_b: Callable[[], object],
+                     device: torch.device, rounds: int, steps: int) -> dict:
+    """:func:`paired_rounds` with each round one block of ``steps`` steps issued back to
+    back (:func:`time_pipelined`, one block): the pair's throughput ratio."""
+    per_step: Dict[str, List[float]] = {"A": [], "B": []}
+    for v in round_order(rounds):
+        per_step[v].append(time_pipelined(step_a if v == "A" else step_b, device, steps,
+                                          repeats=1)["pipelined_ms"])
+    return {"rounds": rounds, "steps": steps, "round_ms": per_step, **paired_summary(per_step)}
 
 
 def host_syncs(step: Callable[[], object], device: torch.device) -> Optional[List[str]]:
@@ -654,6 +688,7 @@ def run_row(case: Case, variant: str, mode: str, graphs: bool, args, device,
                    step_ms_max=timing["step_ms_max"], host_ms=timing["host_ms"],
                    first_step_s=timing["first_step_s"],
                    samples_per_s=case.batch_size / (timing["step_ms"] / 1e3))
+        row.update(time_pipelined(step, device, args.steps))
         if mode == "train":
             row["loss_first_step"] = timing["first_value"]
         try:  # a diagnostic: it never fails the row
@@ -691,6 +726,8 @@ def run_row(case: Case, variant: str, mode: str, graphs: bool, args, device,
                 synchronize(device)
                 row["paired_vs_bf16"] = paired_rounds(pair_with, step, device,
                                                       args.paired_rounds, args.paired_steps)
+                row["paired_pipelined_vs_bf16"] = paired_pipelined(
+                    pair_with, step, device, args.paired_rounds, args.paired_steps)
             except Exception as e:  # noqa: BLE001
                 row["paired_vs_bf16"] = {"error": f"{type(e).__name__}: {e}"[:300]}
         if keep_step:
@@ -830,6 +867,10 @@ def summarize(rows: List[dict]) -> List[dict]:
             paired = r.get("paired_vs_bf16") or {}
             if "ratio_a_over_b" in paired:  # bf16's wall time over this row's, paired
                 c["paired_vs_bf16"] = paired["ratio_a_over_b"]
+            c["pipelined_ms"] = r.get("pipelined_ms")
+            paired = r.get("paired_pipelined_vs_bf16") or {}
+            if "ratio_a_over_b" in paired:  # the same with steps issued back to back
+                c["paired_pipelined_vs_bf16"] = paired["ratio_a_over_b"]
             ceil = r.get("ceiling") or {}
             if "measured_speedup" in ceil:  # the most FP8 GEMMs could give this step
                 c["ceiling"] = {k: ceil[k] for k in ("on", "gemm_share", "roofline_speedup",
@@ -897,7 +938,7 @@ def write(path: str, env: dict, rows: List[dict], probes: List[dict]) -> None:
 
 def table(rows: List[dict]) -> str:
     head = (f"{'model':7s} {'B':>6s} {'mode':5s} {'variant':27s} {'graphs':6s} {'ms':>9s} "
-            f"{'gpu ms':>8s} {'host ms':>8s} {'vs bf16':>7s} {'gpu x':>6s} {'pair x':>6s} "
+            f"{'gpu ms':>8s} {'host ms':>8s} {'vs bf16':>7s} {'gpu x':>6s} {'pair x':>6s} {'pipe x':>6s} "
             f"{'ceil x':>6s} {'fp8':>4s} {'GiB':>6s}  status")
     lines = [head, "-" * len(head)]
 
@@ -906,13 +947,14 @@ def table(rows: List[dict]) -> str:
     for r in rows:
         v, g = ((r.get("vs_bf16") or {}).get(k) for k in ("step", "gpu"))
         pair = (r.get("paired_vs_bf16") or {}).get("ratio_a_over_b")
+        pipe = (r.get("paired_pipelined_vs_bf16") or {}).get("ratio_a_over_b")
         # the most the kernels the report timed could give this step (head sites kept)
         ceil = (r.get("ceiling") or {}).get("measured_speedup_eligible")
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {(r['reason'] or '')[:60]}"
         lines.append(f"{r['model']:7s} {r['batch_size']:6d} {r['mode']:5s} {r['variant']:27s} "
                      f"{str(r['graphs']):6s} {f(r.get('step_ms'), '9.3f')} {f(r.get('gpu_ms'), '8.3f')} "
                      f"{f(r.get('host_ms'), '8.3f')} "
-                     f"{f(v, '7.3f')} {f(g, '6.3f')} {f(pair, '6.3f')} {f(ceil, '6.3f')} "
+                     f"{f(v, '7.3f')} {f(g, '6.3f')} {f(pair, '6.3f')} {f(pipe, '6.3f')} {f(ceil, '6.3f')} "
                      f"{f(r.get('fp8_sites'), '4d')} "
                      f"{f(r.get('peak_mem_gib'), '6.2f')}  {status}")
     return "\n".join(lines)

@@ -134,6 +134,10 @@ def profile_breakdown(step: Callable[[], object], steps: int = 5, top: int = 30,
 STEP_MARK = "loka::timed_step"
 """the ``record_function`` label :func:`gpu_idle` puts around each profiled step"""
 
+PROFILER_EVENTS = ("Activity Buffer Request",)
+"""host events of the profiler's own work: idle time under them is the profiler's cost
+(``profiler_us``), which unprofiled steps do not pay"""
+
 _RUNTIME = ("cuda", "cu", "Pregraph bytecode")
 """host events that are the CUDA runtime's own calls: an idle GPU under one of them is
 waiting for a launch (or a synchronization) that the enclosing operator issued"""
@@ -207,9 +211,10 @@ def idle_summary(windows: List[Tuple[float, float]], kernels: List[Tuple[float, 
     """Per-step means over ``windows`` (one per step, from its call to the end of its
     synchronization): wall, GPU-busy and idle time (us), the idle time before the step's
     first kernel (``lead_us``, the host's start-up: Dynamo's guards, the wrapper's
-    prologue) and after its last (``tail_us``, the synchronization's latency), and the
-    ``top`` host events the idle time went to (:func:`attribute_idle`), innermost and
-    outermost, largest first."""
+    prologue, the first launch) and after its last (``tail_us``, the synchronization's
+    latency), the part spent under the profiler's own events (``profiler_us``, left out of
+    the rankings), and the ``top`` host events the idle time went to
+    (:func:`attribute_idle`), innermost and outermost, largest first."""
     n = max(len(windows), 1)
     wall = busy = lead = tail = 0.0
     all_gaps: List[Tuple[float, float]] = []
@@ -228,10 +233,12 @@ def idle_summary(windows: List[Tuple[float, float]], kernels: List[Tuple[float, 
 
     def ranked(d):
         return [[k[:160], round(v / n, 1)] for k, v in sorted(d.items(), key=lambda kv: -kv[1])
-                if v / n >= 0.05][:top]
+                if v / n >= 0.05 and k not in PROFILER_EVENTS][:top]
 
+    profiler = sum(v for k, v in parts["inner"].items() if k in PROFILER_EVENTS)
     return {"steps": len(windows), "wall_us": wall / n, "busy_us": busy / n,
             "idle_us": (wall - busy) / n, "lead_us": lead / n, "tail_us": tail / n,
+            "profiler_us": profiler / n,
             "idle_by_host_event_us": ranked(parts["inner"]),
             "idle_by_phase_us": ranked(parts["outer"])}
 
