@@ -447,7 +447,7 @@ def _intern(kernel: Kernel) -> str:
 
 # attributes loka.Linear adds to an nn.Linear (dropped again by to_linear)
 _OWN_ATTRS = ("config", "_kernels", "_kernel_keys", "_all_baseline", "_wq", "input_amax",
-              "_xs_table", "_static_key",
+              "_xs_table", "_static_key", "_serve_key",
               "monitor", "delayed_decay", "_delayed_formats", "_delayed_ready")
 _DELAYED_OPERANDS = ("x", "w", "dy")
 _DELAYED_BUFFERS = tuple(f"delayed_{kind}_{op}" for op in _DELAYED_OPERANDS
@@ -638,14 +638,19 @@ class Linear(nn.Linear):
     def _refresh_static_key(self) -> None:
         """Set ``_static_key``: the forward kernel's key in :data:`_INTERNED` where a call
         without gradients can take the short static path (an FP8 weight, a static input
-        scale, and a forward kernel with a ``static_gemm``), else None."""
+        scale, and a forward kernel with a ``static_gemm``), else None; and ``_serve_key``:
+        the same key where such a call can take the short dynamic path (an FP8 weight, an
+        FP8 forward kernel, no static scale: the kernel quantizes x and checks the weight
+        itself, as it does inside the autograd Function)."""
         d = self.__dict__
         kernels, keys, wq = d.get("_kernels"), d.get("_kernel_keys"), d.get("_wq")
-        ok = (kernels is not None and keys is not None and wq is not None
-              and d.get("_xs_table") is not None and kernels[0].static_gemm is not None
+        held = kernels is not None and keys is not None and wq is not None
+        ok = (held and d.get("_xs_table") is not None and kernels[0].static_gemm is not None
               # a weight quantized as the kernel does (else the general path says why not)
               and wq.fmt.name == kernels[0].formats[1] and wq.granularity == kernels[0].scaling)
         d["_static_key"] = keys[0] if ok else None
+        dynamic = held and d.get("_xs_table") is None and kernels[0].name != BASELINE
+        d["_serve_key"] = keys[0] if dynamic else None
 
     def _live_kernels(self) -> Tuple[Kernel, Kernel, Kernel]:
         """The kernels as the hot path reads them: through the module's global table
@@ -855,6 +860,19 @@ class Linear(nn.Linear):
                 wq = self._wq
                 y = kern.static_gemm(x.reshape(-1, self.in_features), wq.data,
                                      self._xs_table, wq.scale, x.dtype)
+                bias = self.bias
+                if bias is not None:
+                    y = y + bias.to(y.dtype)
+                return y.reshape(*x.shape[:-1], self.out_features)
+        key = self._serve_key
+        if (key is not None and x_q is None and not _is_grad_enabled()
+                and self.monitor is None and x.dtype in _AUTOCAST_FROM
+                and _autocast_dtype(x) is None):
+            # serving with dynamic scales: the kernel quantizes x and runs the GEMM, as the
+            # autograd Function's forward does without gradients, without tracing it
+            kern = _INTERNED.get(key)
+            if kern is not None and x.shape[-1] == self.in_features and x.numel() > 0:
+                y = kern(x.reshape(-1, self.in_features), self._wq, x.dtype)
                 bias = self.bias
                 if bias is not None:
                     y = y + bias.to(y.dtype)

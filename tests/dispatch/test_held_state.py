@@ -61,7 +61,7 @@ def test_serving_output_is_the_one_of_a_plain_tensor_state():
 
 def test_serving_from_the_fp8_weight_passes_no_high_precision_weight(monkeypatch):
     lin = _serving_linear()
-    lin.set_input_amax(None)  # dynamic scales: the general path serves
+    lin.set_input_amax(None)  # dynamic scales
     seen = []
     real = L._LinearFunction.apply
 
@@ -72,7 +72,12 @@ def test_serving_from_the_fp8_weight_passes_no_high_precision_weight(monkeypatch
     x = torch.randn(16, 64, dtype=torch.bfloat16)
     with torch.no_grad():
         lin(x)
+    assert seen == []  # the short dynamic path: no autograd Function
+    lin.monitor = L.SiteMonitor()  # (unarmed) a monitor takes the general path
+    with torch.no_grad():
+        lin(x)
     assert seen[-1] is None
+    lin.monitor = None
     lin(x)  # with autograd on, the weight is passed (a backward may need it)
     assert seen[-1] is lin.weight
     # a static scale: the short path, which runs no autograd Function at all
