@@ -1,6 +1,10 @@
 """Helpers several test files share."""
 
+import re
+from typing import List, Tuple
+
 import pytest
+import torch
 
 from loka.kernels import registry
 
@@ -12,3 +16,45 @@ def need_kernel(name: str, device: str = "cpu") -> None:
     ok = registry.get(name).device_ok(device)
     if not ok:
         pytest.skip(f"{name} on {device}: {ok.reason}")
+
+
+class LinearChain(torch.nn.Module):
+    """n Linears (64 -> 64, no bias) of the user's own stacking, each followed by its own
+    activation: the smallest model whose compiled step has one site per Linear."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64, bias=False) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def guard_leaves(model: torch.nn.Module, x: torch.Tensor) -> Tuple[int, int]:
+    """Compile ``model``, call it once without gradients, and count the leaves of its one
+    cached frame's guard tree and its Python-level (LAMBDA) guards."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model)(x)
+    entries = _debug_get_cache_entry_list(type(model).forward.__code__)
+    assert len(entries) == 1
+    text = str(entries[0].guard_manager)
+    leaves = [ln for ln in text.splitlines()
+              if re.search(r"\+- [A-Z_]+:", ln) and "GuardManager" not in ln]
+    return len(leaves), text.count("LAMBDA_GUARD")
+
+
+def spy_function_calls(monkeypatch) -> List[int]:
+    """A list that grows by one at every call of loka.Linear's autograd Function."""
+    from loka.dispatch import linear as L
+    calls: List[int] = []
+    real = L._LinearFunction.apply
+
+    def spy(*args):
+        calls.append(1)
+        return real(*args)
+    monkeypatch.setattr(L._LinearFunction, "apply", spy)
+    return calls

@@ -938,7 +938,8 @@ def write(path: str, env: dict, rows: List[dict], probes: List[dict]) -> None:
 
 def table(rows: List[dict]) -> str:
     head = (f"{'model':7s} {'B':>6s} {'mode':5s} {'variant':27s} {'graphs':6s} {'ms':>9s} "
-            f"{'gpu ms':>8s} {'host ms':>8s} {'vs bf16':>7s} {'gpu x':>6s} {'pair x':>6s} {'pipe x':>6s} "
+            f"{'gpu ms':>8s} {'host ms':>8s} {'vs bf16':>7s} {'gpu x':>6s} {'pair x':>6s} "
+            f"{'pipe x':>6s} "
             f"{'ceil x':>6s} {'fp8':>4s} {'GiB':>6s}  status")
     lines = [head, "-" * len(head)]
 
@@ -954,7 +955,8 @@ def table(rows: List[dict]) -> str:
         lines.append(f"{r['model']:7s} {r['batch_size']:6d} {r['mode']:5s} {r['variant']:27s} "
                      f"{str(r['graphs']):6s} {f(r.get('step_ms'), '9.3f')} {f(r.get('gpu_ms'), '8.3f')} "
                      f"{f(r.get('host_ms'), '8.3f')} "
-                     f"{f(v, '7.3f')} {f(g, '6.3f')} {f(pair, '6.3f')} {f(pipe, '6.3f')} {f(ceil, '6.3f')} "
+                     f"{f(v, '7.3f')} {f(g, '6.3f')} {f(pair, '6.3f')} {f(pipe, '6.3f')} "
+                     f"{f(ceil, '6.3f')} "
                      f"{f(r.get('fp8_sites'), '4d')} "
                      f"{f(r.get('peak_mem_gib'), '6.2f')}  {status}")
     return "\n".join(lines)

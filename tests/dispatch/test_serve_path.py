@@ -3,18 +3,17 @@ serves from its FP8 weight with dynamic scales hands x and the FP8 weight to its
 kernel, which quantizes x and runs the GEMM, without the autograd Function. It must give
 the general path's bits, step aside wherever the general path does more (a producer's FP8
 input, a monitor, autocast, float64, empty input, gradients, a static scale), and leave a
-compiled step fewer guards per Linear than the general path."""
+compiled step fewer guards per Linear than the general path. (Which calls it leaves to the
+general path: tests/dispatch/test_static_path.py, for both short paths.)"""
 
 import copy
-import re
 
 import pytest
 import torch
-from torch import nn
 
 import loka
 from loka.config import LinearConfig
-from loka.dispatch import linear as L
+from tests.support import LinearChain, guard_leaves
 
 TW, RW, EMU = "cublas-tensorwise", "cublas-rowwise", "emulated-rowwise-e4m3"
 
@@ -75,48 +74,6 @@ def test_the_short_dynamic_path_against_float64():
     assert float((y.double() - full).abs().max() / full.abs().max()) < 0.1
 
 
-def _spy(monkeypatch):
-    calls = []
-    real = L._LinearFunction.apply
-
-    def spy(*args):
-        calls.append(1)
-        return real(*args)
-    monkeypatch.setattr(L._LinearFunction, "apply", spy)
-    return calls
-
-
-def test_the_short_dynamic_path_runs_no_function_and_steps_aside_where_it_must(monkeypatch):
-    lin = _linear(TW)
-    calls = _spy(monkeypatch)
-    x = torch.randn(16, 64, dtype=torch.bfloat16)
-    with torch.no_grad():
-        y = lin(x)
-        with torch.inference_mode():
-            assert torch.equal(lin(x), y)
-        assert calls == []
-        q = lin.kernels[0].quantize_a(x)
-        assert torch.equal(lin(x, x_q=q), y)  # a producer's FP8 input: the general path
-        assert len(calls) == 1
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            lin(x.float())
-        assert len(calls) == 2
-        lin.float()
-        lin(x.double())
-        assert len(calls) == 3
-        lin.to(torch.bfloat16)
-        assert lin(x[:0]).shape == (0, 48) and len(calls) == 3  # empty: before either
-    lin.monitor = L.SiteMonitor()
-    with torch.no_grad():
-        assert torch.equal(lin(x), y)
-    assert len(calls) == 4
-    lin.monitor = None
-    lin(x)  # gradients on
-    assert len(calls) == 5
-    with torch.no_grad(), pytest.raises(ValueError, match=r"expected input \(\*, 64\)"):
-        lin(torch.randn(4, 63, dtype=torch.bfloat16))
-
-
 def test_the_serve_key_follows_the_state():
     lin = _linear(TW)
     assert lin._serve_key == TW
@@ -155,27 +112,6 @@ def test_a_weight_of_another_format_is_refused_as_on_the_general_path():
         _general(lin, x)
 
 
-class _Chain(nn.Module):
-    def __init__(self, n):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(64, 64, bias=False) for _ in range(n))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-        return x
-
-
-def _leaves(model, x):
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(model)(x)
-    (entry,) = _debug_get_cache_entry_list(type(model).forward.__code__)
-    return sum(1 for ln in str(entry.guard_manager).splitlines()
-               if re.search(r"\+- [A-Z_]+:", ln) and "GuardManager" not in ln)
-
-
 def test_a_compiled_dynamic_serving_step_guards_fewer_leaves_than_the_general_path():
     x = torch.randn(16, 64, dtype=torch.bfloat16)
     per_site = {}
@@ -183,13 +119,13 @@ def test_a_compiled_dynamic_serving_step_guards_fewer_leaves_than_the_general_pa
         counts = []
         for n in (2, 4):
             torch.manual_seed(0)
-            model = _Chain(n).to(torch.bfloat16).eval()
+            model = LinearChain(n).to(torch.bfloat16).eval()
             loka.apply(model, loka.Plan.uniform(model, TW), inference=True)
             lins = [m for m in model.modules() if isinstance(m, loka.Linear)]
             assert all(m._serve_key == TW for m in lins)
             if path == "general":
                 for m in lins:
                     m.__dict__["_serve_key"] = None
-            counts.append(_leaves(model, x))
+            counts.append(guard_leaves(model, x)[0])
         per_site[path] = (counts[1] - counts[0]) / 2
     assert 0 < per_site["short"] < per_site["general"], per_site

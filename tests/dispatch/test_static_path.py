@@ -5,16 +5,15 @@ aside wherever the general path does more (a producer's FP8 input, a monitor, au
 float64, empty input, gradients), and leave a compiled step fewer guards per Linear."""
 
 import copy
-import re
 
 import pytest
 import torch
-from torch import nn
 
 import loka
 from loka.config import LinearConfig
 from loka.dispatch import linear as L
 from loka.kernels import ops, registry
+from tests.support import LinearChain, guard_leaves, spy_function_calls
 
 TW, RW = "cublas-tensorwise", "cublas-rowwise"
 
@@ -66,28 +65,28 @@ def test_the_short_path_gives_the_general_paths_bits(kernel, bias, dtype, shape)
     assert float(err) < (1e-2 if bf16_out else 1e-5)
 
 
-def _spy(monkeypatch):
-    calls = []
-    real = L._LinearFunction.apply
-
-    def spy(*args):
-        calls.append(1)
-        return real(*args)
-    monkeypatch.setattr(L._LinearFunction, "apply", spy)
-    return calls
-
-
-def test_the_short_path_runs_no_autograd_function_and_steps_aside_where_it_must(monkeypatch):
+@pytest.mark.parametrize("static", [True, False])
+def test_the_short_paths_run_no_autograd_function_and_step_aside_where_they_must(
+        monkeypatch, static):
+    """Both short paths, the static one and its dynamic twin (no static scale,
+    tests/dispatch/test_serve_path.py), leave the same calls to the general path."""
     lin = _linear(TW)
-    calls = _spy(monkeypatch)
+    if not static:
+        lin.set_input_amax(None)
+    assert (lin._static_key, lin._serve_key) == ((TW, None) if static else (None, TW))
+    calls = spy_function_calls(monkeypatch)
     x = torch.randn(16, 64, dtype=torch.bfloat16)
     with torch.no_grad():
         y = lin(x)
+        with torch.inference_mode():
+            assert torch.equal(lin(x), y)
         assert calls == []
         # a producer's FP8 input: the general path consumes it
         q = lin.kernels[0].quantize_a(x.reshape(-1, 64))
-        lin(x, x_q=q)
+        y_q = lin(x, x_q=q)
         assert len(calls) == 1
+        if not static:  # the same dynamic cast the short path made
+            assert torch.equal(y_q, y)
         # autocast to bf16 on a float32 input
         with torch.autocast("cpu", dtype=torch.bfloat16):
             lin(x.float())
@@ -100,6 +99,8 @@ def test_the_short_path_runs_no_autograd_function_and_steps_aside_where_it_must(
         # an empty input
         assert lin(x[:0]).shape == (0, 48)
         assert len(calls) == 3  # the empty case returns before the Function too
+        with pytest.raises(ValueError, match=r"expected input \(\*, 64\)"):
+            lin(torch.randn(4, 63, dtype=torch.bfloat16))
     # a monitor (the guard's statistics) takes the general path
     lin.monitor = L.SiteMonitor()
     with torch.no_grad():
@@ -199,33 +200,6 @@ def test_a_copy_serves_the_same_bits():
     assert twin._static_key == RW
 
 
-class _Chain(nn.Module):
-    """n Linears of the user's own stacking, each followed by its own activation."""
-
-    def __init__(self, n):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(64, 64, bias=False) for _ in range(n))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-        return x
-
-
-def _guards(model, x):
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    torch._dynamo.reset()
-    compiled = torch.compile(model)
-    with torch.no_grad():
-        compiled(x)
-    entries = _debug_get_cache_entry_list(type(model).forward.__code__)
-    assert len(entries) == 1
-    text = str(entries[0].guard_manager)
-    leaves = [ln for ln in text.splitlines()
-              if re.search(r"\+- [A-Z_]+:", ln) and "GuardManager" not in ln]
-    return len(leaves), text.count("LAMBDA_GUARD")
-
-
 def test_a_compiled_static_serving_step_guards_few_more_leaves_per_site_than_bf16():
     """Per FP8 site the guard tree grows by the three held tensors (FP8 weight, its scale,
     the scale table) and a few flags, not by the kernel's Python (the general path had 24
@@ -235,13 +209,13 @@ def test_a_compiled_static_serving_step_guards_few_more_leaves_per_site_than_bf1
     counts = {}
     for n in (2, 4):
         torch.manual_seed(0)
-        bf16 = _Chain(n).to(torch.bfloat16).eval()
+        bf16 = LinearChain(n).to(torch.bfloat16).eval()
         plan = loka.Plan.uniform(bf16, TW)
         plan.static_scales = {name: 3.0 + i for i, name in enumerate(plan.sites)}
         fp8 = copy.deepcopy(bf16)
         loka.apply(fp8, plan, inference=True)
         assert all(m._static_key == TW for m in fp8.modules() if isinstance(m, loka.Linear))
-        counts[n] = (_guards(bf16, x), _guards(fp8, x))
+        counts[n] = (guard_leaves(bf16, x), guard_leaves(fp8, x))
     (b2, _), (f2, lam2) = counts[2]
     (b4, lam_b), (f4, lam4) = counts[4]
     per_site = ((f4 - b4) - (f2 - b2)) / 2
