@@ -726,10 +726,13 @@ def run_row(case: Case, variant: str, mode: str, graphs: bool, args, device,
                 synchronize(device)
                 row["paired_vs_bf16"] = paired_rounds(pair_with, step, device,
                                                       args.paired_rounds, args.paired_steps)
+            except Exception as e:  # noqa: BLE001
+                row["paired_vs_bf16"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            try:  # a diagnostic of its own: it never costs the row the synchronized pair
                 row["paired_pipelined_vs_bf16"] = paired_pipelined(
                     pair_with, step, device, args.paired_rounds, args.paired_steps)
             except Exception as e:  # noqa: BLE001
-                row["paired_vs_bf16"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+                row["paired_pipelined_vs_bf16"] = {"error": f"{type(e).__name__}: {e}"[:300]}
         if keep_step:
             row["_step"] = step
     except Skip as e:
