@@ -17,6 +17,15 @@ ranks: CUDA allocator peak, or the process's peak RSS on the CPU).
     torchrun --nproc_per_node 1 bench/distributed/run.py --preset paper --mods paper
     python bench/distributed/run.py --device cpu --preset tiny --steps 2 --warmup 1  # smoke
 
+With ``--ne-steps N`` each arm also trains a fresh model for N steps on a synthetic stream
+whose global batch (``--ne-batch``) is the same whatever the world size, each rank its
+rows, and scores ``--ne-eval-batches`` held-out global batches: NE, and each example's log
+loss in the global order (``<out>.ne.npz``, plain arrays). Against a ``--baseline`` run
+with one rank and the same NE settings, each arm gets ``ne_vs_baseline``: the relative NE
+change over the same examples, its 95% paired interval, and whether the interval holds
+zero (the quality check of a multi-GPU run: data parallelism changes only the order of
+the gradients' sums).
+
 Without torchrun it runs as one rank. Rank 0 writes the JSON (``--out``, default
 ``bench/results/distributed_<preset>_w<world>.json``).
 """
@@ -32,8 +41,10 @@ import resource
 import statistics
 import sys
 import time
+import zipfile
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -44,6 +55,7 @@ from loka.config import ModsConfig
 from loka.data import SyntheticCTR
 from loka.dispatch import Plan
 from loka.jsonio import atomic_write_text
+from loka.quality.stats import example_log_losses, ratio_interval
 from loka.train.loop import loss_fn
 
 ARMS = ("bf16", "torchao", "loka")
@@ -178,6 +190,88 @@ def run_arm(args, device, arm, world):
     return out
 
 
+def _gather_rows(t: torch.Tensor, world: int) -> torch.Tensor:
+    """Every rank's rows of ``t`` (equal counts), in rank order: the global batch's order
+    (:func:`loka.distributed.shard_batch` gives rank r the r-th slice)."""
+    if world == 1:
+        return t
+    t = t.contiguous().to(ld.collective_device())
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t)
+    return torch.cat(parts)
+
+
+def normalized_entropy(losses: np.ndarray, labels: np.ndarray) -> float:
+    """Mean log loss over the entropy of the labels' base rate (NE; below 1: better than
+    predicting the base rate)."""
+    p = float(np.clip(labels.mean(), 1e-12, 1 - 1e-12))
+    return float(losses.mean() / -(p * np.log(p) + (1 - p) * np.log(1 - p)))
+
+
+def ne_check(args, device, arm, world):
+    """Train a fresh model of ``arm`` for ``--ne-steps`` steps (global batch ``--ne-batch``,
+    each rank its rows), then score ``--ne-eval-batches`` held-out global batches. Returns
+    the arm's NE fields and the per-example log losses and labels (global order; every
+    rank holds them)."""
+    model, note = _build(args, device, arm)
+    if model is None:
+        return {"skipped": note}, None, None
+    if args.ne_batch % world:
+        raise ValueError(f"--ne-batch {args.ne_batch} does not split over {world} ranks")
+    stream = SyntheticCTR(model.feature_spec, args.ne_batch, seed=1, device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    for _ in range(args.ne_steps):
+        loss = loss_fn(model, ld.shard_batch(next(stream)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _after_step(model, arm)
+    held_out = stream.held_out()
+    logits, labels = [], []
+    with torch.no_grad():
+        for _ in range(args.ne_eval_batches):
+            batch = next(held_out)
+            logits.append(_gather_rows(model(ld.shard_batch(batch)).float(), world).cpu())
+            labels.append(batch.labels.float().cpu())
+    z = torch.cat(logits).double().numpy()
+    y = torch.cat(labels).double().numpy()
+    losses = example_log_losses(z, y)
+    if not np.isfinite(losses).all():
+        raise RuntimeError(f"{arm}: non-finite log loss after {args.ne_steps} steps")
+    return ({"ne": normalized_entropy(losses, y), "ne_examples": int(y.size)}, losses, y)
+
+
+def _ne_settings(args) -> dict:
+    return {"ne_steps": args.ne_steps, "ne_batch": args.ne_batch,
+            "ne_eval_batches": args.ne_eval_batches, "lr": args.lr}
+
+
+def ne_vs_baseline(baseline: dict, baseline_path: Path, arm: str, losses: np.ndarray,
+                   labels: np.ndarray, settings: dict) -> dict:
+    """This run's per-example log losses against the world-size-1 baseline's, paired by
+    example: ``mean(this) / mean(baseline) - 1`` and its 95% interval; ``matches``: the
+    interval holds zero. A baseline with other NE settings or without this arm's losses
+    is reported as not comparable."""
+    if baseline.get("ne_settings") != settings:
+        return {"comparable": False,
+                "reason": f"baseline NE settings {baseline.get('ne_settings')} != {settings}"}
+    npz = baseline_path.parent / baseline.get("ne_losses_file", "")
+    if not baseline.get("ne_losses_file") or not npz.is_file():
+        return {"comparable": False, "reason": f"no per-example losses beside {baseline_path}"}
+    try:
+        with np.load(npz, allow_pickle=False) as saved:
+            if f"{arm}_losses" not in saved.files:
+                return {"comparable": False, "reason": f"the baseline has no {arm} losses"}
+            base, base_labels = saved[f"{arm}_losses"], saved["labels"]
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+        return {"comparable": False, "reason": f"cannot read {npz}: {type(e).__name__}: {e}"}
+    if base.shape != losses.shape or not np.array_equal(base_labels, labels):
+        return {"comparable": False, "reason": "the baseline scored other examples"}
+    change, low, high = ratio_interval(base, losses)
+    return {"comparable": True, "relative_change": change, "interval_95": [low, high],
+            "matches": bool(low <= 0.0 <= high)}
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="wukong")
@@ -193,7 +287,15 @@ def parse(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--distinct-batches", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--baseline", help="this script's JSON of a world-size-1 run: scaling efficiency")
+    p.add_argument("--baseline", help="this script's JSON of a world-size-1 run: scaling "
+                                      "efficiency, and with --ne-steps the NE comparison")
+    p.add_argument("--ne-steps", type=int, default=0,
+                   help="train a fresh model per arm this many steps and score held-out "
+                        "batches (0: no NE check)")
+    p.add_argument("--ne-batch", type=int, default=256,
+                   help="the NE check's global batch (the same for every world size)")
+    p.add_argument("--ne-eval-batches", type=int, default=8,
+                   help="held-out global batches the NE check scores")
     p.add_argument("--out")
     args = p.parse_args(argv)
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
@@ -202,6 +304,8 @@ def parse(argv=None):
         p.error(f"--arms: unknown {bad}; choose from {', '.join(ARMS)}")
     if min(args.steps, args.distinct_batches) < 1 or args.warmup < 0:
         p.error("--steps and --distinct-batches must be >= 1, --warmup >= 0")
+    if args.ne_steps < 0 or min(args.ne_batch, args.ne_eval_batches) < 1:
+        p.error("--ne-steps must be >= 0, --ne-batch and --ne-eval-batches >= 1")
     return args
 
 
@@ -217,6 +321,7 @@ def main(argv=None) -> dict:
         if baseline.get("world_size") != 1:
             sys.exit(f"--baseline {args.baseline}: not a world-size-1 run")
     arms = {}
+    ne_arrays = {}
     for arm in args.arms:
         try:
             arms[arm] = run_arm(args, device, arm, world)
@@ -231,6 +336,14 @@ def main(argv=None) -> dict:
             arms[arm] = {"error": f"{type(e).__name__}: {first[:300]}"}
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        if args.ne_steps and "error" not in arms[arm] and "skipped" not in arms[arm]:
+            fields, losses, labels = ne_check(args, device, arm, world)
+            arms[arm].update(fields)
+            if losses is not None:
+                ne_arrays[f"{arm}_losses"], ne_arrays["labels"] = losses, labels
+                if baseline is not None:
+                    arms[arm]["ne_vs_baseline"] = ne_vs_baseline(
+                        baseline, Path(args.baseline), arm, losses, labels, _ne_settings(args))
         base = (baseline or {}).get("arms", {}).get(arm, {})
         if "samples_per_s" in arms[arm]:
             arms[arm]["scaling_efficiency"] = (
@@ -242,9 +355,16 @@ def main(argv=None) -> dict:
               else platform.processor() or platform.machine(),
               "torch": torch.__version__, "backend": dist.get_backend(),
               "created": datetime.datetime.now(datetime.timezone.utc).isoformat(), "arms": arms}
+    out = Path(args.out or f"bench/results/distributed_{args.preset}_w{world}.json")
+    if args.ne_steps:
+        result["ne_settings"] = _ne_settings(args)
+        if ne_arrays:
+            result["ne_losses_file"] = out.name + ".ne.npz"
     if rank == 0:
-        out = Path(args.out or f"bench/results/distributed_{args.preset}_w{world}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
+        if ne_arrays:
+            with open(out.parent / result["ne_losses_file"], "wb") as f:
+                np.savez(f, **ne_arrays)
         atomic_write_text(out, json.dumps(result, indent=2) + "\n")
         print(json.dumps(result, indent=2))
     dist.barrier()

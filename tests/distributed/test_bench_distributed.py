@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ["--device", "cpu", "--preset", "tiny", "--mods", "none", "--steps", "1",
          "--warmup", "1", "--distinct-batches", "1", "--batch-size", "32"]
+NE = ["--ne-steps", "3", "--ne-batch", "64", "--ne-eval-batches", "2"]
 
 
 TEARDOWN_ABORT = "terminate called without an active exception"
@@ -38,10 +39,26 @@ def _run(cmd, timeout=240, cwd=ROOT):
 @pytest.mark.slow
 def test_bench_runs_on_one_and_two_ranks_and_reports_every_field(tmp_path):
     one, two = tmp_path / "w1.json", tmp_path / "w2.json"
-    _run([sys.executable, "bench/distributed/run.py", *SMOKE, "--out", str(one)])
+    _run([sys.executable, "bench/distributed/run.py", *SMOKE, *NE, "--out", str(one)])
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-          "bench/distributed/run.py", *SMOKE, "--baseline", str(one), "--out", str(two)])
+          "bench/distributed/run.py", *SMOKE, *NE, "--baseline", str(one), "--out", str(two)])
     r1, r2 = json.loads(one.read_text()), json.loads(two.read_text())
+    # the NE check: the same 128 held-out examples scored after 3 steps of the same global
+    # batches; two ranks change only the order of the gradients' sums (bf16 arm) or also
+    # gather the weights in FP8 (loka arm): the paired interval holds zero
+    assert r2["ne_settings"] == r1["ne_settings"] == {"ne_steps": 3, "ne_batch": 64,
+                                                      "ne_eval_batches": 2, "lr": 1e-3}
+    for arm in ("bf16", "loka"):
+        assert r1["arms"][arm]["ne_examples"] == r2["arms"][arm]["ne_examples"] == 128
+        assert 0.5 < r1["arms"][arm]["ne"] < 1.5 and "ne_vs_baseline" not in r1["arms"][arm]
+        cmp = r2["arms"][arm]["ne_vs_baseline"]
+        assert cmp["comparable"] and cmp["matches"]
+        low, high = cmp["interval_95"]
+        assert low <= cmp["relative_change"] <= high and high - low < 0.01
+        assert cmp["relative_change"] == pytest.approx(
+            r2["arms"][arm]["ne"] / r1["arms"][arm]["ne"] - 1, abs=1e-12)
+    assert abs(r2["arms"]["bf16"]["ne_vs_baseline"]["relative_change"]) < 1e-6
+    assert (tmp_path / r2["ne_losses_file"]).is_file()
     assert (r1["world_size"], r2["world_size"]) == (1, 2)
     assert r2["arms"]["torchao"] == {"skipped": "torchao is not installed"} or \
         "skipped" in r2["arms"]["torchao"]
@@ -68,3 +85,70 @@ def test_bench_refuses_bad_arguments():
                           cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert proc.returncode == 2 and "--arms: unknown ['fp4']" in proc.stderr
+
+
+def _script():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("dist_run", ROOT / "bench/distributed/run.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_normalized_entropy_against_float64_by_hand():
+    import numpy as np
+    run = _script()
+    y = np.array([1.0, 0.0, 0.0, 1.0, 0.0])
+    z = np.array([2.0, -1.0, 0.5, -0.3, -4.0])
+    losses = run.example_log_losses(z, y)
+    p = 0.4
+    want = np.mean([np.log1p(np.exp(-2.0)), np.log1p(np.exp(-1.0)), np.log1p(np.exp(0.5)),
+                    np.log1p(np.exp(0.3)), np.log1p(np.exp(-4.0))]) / \
+        -(p * np.log(p) + (1 - p) * np.log(1 - p))
+    assert run.normalized_entropy(losses, y) == pytest.approx(want, rel=1e-12)
+    # predicting the base rate scores NE 1
+    base = np.full(5, np.log(p / (1 - p)))
+    assert run.normalized_entropy(run.example_log_losses(base, y), y) == pytest.approx(1.0)
+
+
+def test_ne_against_a_baseline_says_when_it_cannot_compare(tmp_path):
+    import numpy as np
+    run = _script()
+    settings = {"ne_steps": 3, "ne_batch": 64, "ne_eval_batches": 2, "lr": 1e-3}
+    rng = np.random.default_rng(0)
+    labels = (rng.random(200) < 0.3).astype(np.float64)
+    base = rng.random(200) + 0.1
+    with open(tmp_path / "b.json.ne.npz", "wb") as f:
+        np.savez(f, bf16_losses=base, labels=labels)
+    baseline = {"ne_settings": settings, "ne_losses_file": "b.json.ne.npz"}
+    path = tmp_path / "b.json"
+    same = run.ne_vs_baseline(baseline, path, "bf16", base.copy(), labels, settings)
+    assert same["comparable"] and same["relative_change"] == 0.0 and same["matches"]
+    worse = run.ne_vs_baseline(baseline, path, "bf16", base * 1.05, labels, settings)
+    assert worse["relative_change"] == pytest.approx(0.05) and not worse["matches"]
+    for why, args in {
+            "settings": ({**baseline, "ne_settings": {**settings, "ne_steps": 4}}, "bf16",
+                         base, labels),
+            "no losses": ({"ne_settings": settings}, "bf16", base, labels),
+            "arm": (baseline, "loka", base, labels),
+            "examples": (baseline, "bf16", base, 1.0 - labels),
+            "size": (baseline, "bf16", base[:10], labels[:10])}.items():
+        out = run.ne_vs_baseline(args[0], path, args[1], args[2], args[3], settings)
+        assert out["comparable"] is False and out["reason"], why
+    corrupt = tmp_path / "c.json.ne.npz"
+    corrupt.write_bytes(b"not a zip")
+    out = run.ne_vs_baseline({"ne_settings": settings, "ne_losses_file": corrupt.name}, path,
+                             "bf16", base, labels, settings)
+    assert out["comparable"] is False and out["reason"].startswith("cannot read")
+    good = (tmp_path / "b.json.ne.npz").read_bytes()
+    corrupt.write_bytes(good[: len(good) // 2])  # a zip cut short
+    out = run.ne_vs_baseline({"ne_settings": settings, "ne_losses_file": corrupt.name}, path,
+                             "bf16", base, labels, settings)
+    assert out["comparable"] is False and out["reason"].startswith("cannot read")
+
+
+def test_bench_refuses_bad_ne_arguments():
+    proc = subprocess.run([sys.executable, "bench/distributed/run.py", "--ne-batch", "0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 2 and "--ne-batch and --ne-eval-batches >= 1" in proc.stderr
