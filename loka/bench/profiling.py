@@ -139,8 +139,9 @@ PROFILER_EVENTS = ("Activity Buffer Request",)
 (``profiler_us``), which unprofiled steps do not pay"""
 
 _RUNTIME = ("cuda", "cu", "Pregraph bytecode")
-"""host events that are the CUDA runtime's own calls: an idle GPU under one of them is
-waiting for a launch (or a synchronization) that the enclosing operator issued"""
+"""host events named with their caller: the CUDA runtime's and driver's own calls (an idle
+GPU under one of them waits for a launch, or a synchronization, that the enclosing
+operator issued) and Dynamo's pregraph bytecode (run for the compiled region around it)"""
 
 
 def _interval_union(intervals: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
