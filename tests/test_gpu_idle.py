@@ -65,6 +65,38 @@ def test_idle_under_the_profilers_own_events_is_set_apart():
     assert dict(s["idle_by_host_event_us"]) == {"TorchDynamo Cache Lookup": 10.0}
 
 
+def test_the_profilers_own_work_is_its_own_phase_whatever_it_interrupted():
+    host = [("Torch-Compiled Region: 0/0", 0.0, 100.0), ("Activity Buffer Request", 10.0, 40.0)]
+    s = idle_summary([(0.0, 100.0)], [(60.0, 100.0)], host)
+    assert s["profiler_us"] == pytest.approx(30.0)
+    assert dict(s["idle_by_host_event_us"]) == {"Torch-Compiled Region: 0/0": 30.0}
+    assert dict(s["idle_by_phase_us"]) == {"Torch-Compiled Region: 0/0": 30.0}
+
+
+def test_the_timeline_keeps_device_work_and_leaves_out_gpu_side_annotations():
+    """A record_function range also has a GPU-side span (a CUDA event flagged as a user
+    annotation) from its first kernel to its last: counted as work it would hide the
+    gaps between them."""
+    from types import SimpleNamespace as E
+    from torch.autograd import DeviceType
+
+    def ev(name, t0, t1, dev, ann=False):
+        return E(name=name, time_range=E(start=t0, end=t1), device_type=dev,
+                 is_user_annotation=ann)
+    events = [ev(STEP_MARK, 0.0, 100.0, DeviceType.CPU),
+              ev("Torch-Compiled Region: 0/0", 5.0, 80.0, DeviceType.CPU),
+              ev("Torch-Compiled Region: 0/0", 10.0, 95.0, DeviceType.CUDA, ann=True),
+              ev("triton_poi_fused_0", 10.0, 20.0, DeviceType.CUDA),
+              ev("Memcpy DtoD", 50.0, 60.0, DeviceType.CUDA),
+              ev("nvjet_gemm", 90.0, 95.0, DeviceType.CUDA)]
+    kernels, host, windows = profiling.timeline(events)
+    assert kernels == [(10.0, 20.0), (50.0, 60.0), (90.0, 95.0)]
+    assert windows == [(0.0, 100.0)] and len(host) == 2
+    s = idle_summary(windows, kernels, host)
+    assert s["idle_us"] == pytest.approx(75.0) and s["busy_us"] == pytest.approx(25.0)
+    assert s["lead_us"] == pytest.approx(10.0) and s["tail_us"] == pytest.approx(5.0)
+
+
 def test_a_step_whose_gpu_never_waits_has_no_idle_time():
     s = idle_summary([(0.0, 50.0)], [(0.0, 30.0), (29.0, 50.0)], [("x", 0.0, 50.0)])
     assert s["idle_us"] == 0.0 and s["lead_us"] == 0.0 and s["tail_us"] == 0.0

@@ -242,7 +242,11 @@ def ne_check(args, device, arm, world):
 
 
 def _ne_settings(args) -> dict:
-    return {"ne_steps": args.ne_steps, "ne_batch": args.ne_batch,
+    """What two runs' NE checks must share to be compared: the model, its Mods, the loka
+    arm's kernel or plan, and the check's own sizes."""
+    return {"model": args.model, "preset": args.preset, "mods": args.mods,
+            "kernel": args.kernel, "plan": Path(args.plan).name if args.plan else None,
+            "ne_steps": args.ne_steps, "ne_batch": args.ne_batch,
             "ne_eval_batches": args.ne_eval_batches, "lr": args.lr}
 
 
@@ -337,7 +341,15 @@ def main(argv=None) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if args.ne_steps and "error" not in arms[arm] and "skipped" not in arms[arm]:
-            fields, losses, labels = ne_check(args, device, arm, world)
+            try:
+                fields, losses, labels = ne_check(args, device, arm, world)
+            except Exception as e:
+                if world > 1:
+                    raise  # as for the timing: every rank stops
+                print(f"{arm} NE check failed: {type(e).__name__}: {e}", file=sys.stderr)
+                first = (str(e).splitlines() or [""])[0]
+                fields, losses, labels = {"ne_error": f"{type(e).__name__}: {first[:300]}"}, \
+                    None, None
             arms[arm].update(fields)
             if losses is not None:
                 ne_arrays[f"{arm}_losses"], ne_arrays["labels"] = losses, labels

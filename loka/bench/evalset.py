@@ -688,7 +688,10 @@ def run_row(case: Case, variant: str, mode: str, graphs: bool, args, device,
                    step_ms_max=timing["step_ms_max"], host_ms=timing["host_ms"],
                    first_step_s=timing["first_step_s"],
                    samples_per_s=case.batch_size / (timing["step_ms"] / 1e3))
-        row.update(time_pipelined(step, device, args.steps))
+        try:  # a diagnostic: it never fails the row
+            row.update(time_pipelined(step, device, args.steps))
+        except Exception as e:  # noqa: BLE001
+            row.update(pipelined_ms=None, pipelined_error=f"{type(e).__name__}: {e}"[:300])
         if mode == "train":
             row["loss_first_step"] = timing["first_value"]
         try:  # a diagnostic: it never fails the row

@@ -12,7 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 
 __all__ = ["KERNEL_CLASSES", "QUANTIZE_KERNELS", "STEP_MARK", "attribute_idle", "gpu_idle",
            "host_self_us", "idle_intervals", "idle_summary", "kernel_class",
-           "op_breakdown", "profile_breakdown"]
+           "op_breakdown", "profile_breakdown", "timeline"]
 
 KERNEL_CLASSES = ("gemm", "gemm-fp8", "quantize", "triton", "embedding", "optimizer", "other")
 QUANTIZE_KERNELS = ("rowwise_quant_kernel", "rowwise_amax_split_kernel",
@@ -197,12 +197,13 @@ def attribute_idle(gaps: List[Tuple[float, float]],
                 continue
             running.sort(key=lambda h: h[2] - h[1])  # innermost first
             name = running[0][0]
+            # the profiler's own work is its own phase too, whatever it interrupted
+            top = name if name in PROFILER_EVENTS else running[-1][0]
             if name.startswith(_RUNTIME) and len(running) > 1:
                 caller = next((h[0] for h in running[1:] if not h[0].startswith(_RUNTIME)),
                               None)
                 name = f"{caller} > {name}" if caller else name
             inner[name] = inner.get(name, 0.0) + b - a
-            top = running[-1][0]
             outer[top] = outer.get(top, 0.0) + b - a
     return {"inner": inner, "outer": outer}
 
@@ -256,13 +257,24 @@ def gpu_idle(step: Callable[[], object], steps: int = 3, top: int = 12) -> dict:
             with torch.autograd.profiler.record_function(STEP_MARK):
                 step()
                 torch.cuda.synchronize()
+    kernels, host, windows = timeline(prof.events())
+    return idle_summary(windows, kernels, host, top)
+
+
+def timeline(events) -> Tuple[List[Tuple[float, float]], List[Tuple[str, float, float]],
+                              List[Tuple[float, float]]]:
+    """``(kernels, host, windows)`` from a profiler's events: the device's work (kernels,
+    copies, memsets: CUDA events that are not user annotations, whose GPU-side spans of a
+    ``record_function`` range cover the gaps between the kernels they hold), every host
+    event as (name, start, end), and the :data:`STEP_MARK` windows in order (us)."""
     kernels, host, windows = [], [], []
-    for evt in prof.events():
+    for evt in events:
         tr = evt.time_range
         if evt.device_type == DeviceType.CUDA:
-            kernels.append((float(tr.start), float(tr.end)))
+            if not getattr(evt, "is_user_annotation", False):
+                kernels.append((float(tr.start), float(tr.end)))
         elif evt.device_type == DeviceType.CPU:
             if evt.name == STEP_MARK:
                 windows.append((float(tr.start), float(tr.end)))
             host.append((str(evt.name), float(tr.start), float(tr.end)))
-    return idle_summary(sorted(windows), kernels, host, top)
+    return kernels, host, sorted(windows)

@@ -18,9 +18,14 @@ from tests.support import LinearChain, guard_leaves
 TW, RW, EMU = "cublas-tensorwise", "cublas-rowwise", "emulated-rowwise-e4m3"
 
 
-def _linear(kernel, bias=True, dtype=torch.bfloat16, n_in=64, n_out=48):
+def _linear(kernel, bias=True, dtype=torch.bfloat16, n_in=64, n_out=48, uniform=False):
+    """``uniform``: the gradient roles on ``kernel`` too (a tensorwise forward then shares
+    its FP8 x with the weight gradient, and the general path quantizes x before the GEMM
+    instead of inside it)."""
     torch.manual_seed(0)
-    lin = loka.Linear(n_in, n_out, bias=bias, config=LinearConfig(fwd=kernel)).to(dtype)
+    config = (LinearConfig(fwd=kernel, dgrad=kernel, wgrad=kernel) if uniform
+              else LinearConfig(fwd=kernel))
+    lin = loka.Linear(n_in, n_out, bias=bias, config=config).to(dtype)
     lin.quantize_weight()
     return lin
 
@@ -40,12 +45,14 @@ def _bits(t):
     return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
 
-@pytest.mark.parametrize("kernel", [TW, RW, EMU])
+@pytest.mark.parametrize("kernel", [TW, RW, EMU, "emulated-tensorwise-e4m3"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(16, 64), (2, 5, 64), (3, 64)])
-def test_the_short_dynamic_path_gives_the_general_paths_bits(kernel, bias, dtype, shape):
-    lin = _linear(kernel, bias=bias, dtype=dtype)
+@pytest.mark.parametrize("uniform", [False, True])
+def test_the_short_dynamic_path_gives_the_general_paths_bits(kernel, bias, dtype, shape,
+                                                             uniform):
+    lin = _linear(kernel, bias=bias, dtype=dtype, uniform=uniform)
     assert lin._serve_key == lin._kernel_keys[0] and lin._static_key is None
     x = torch.randn(*shape, dtype=dtype) * 2
     x[..., 0] = 50.0  # an outlier: dynamic scales follow it

@@ -46,8 +46,9 @@ def test_bench_runs_on_one_and_two_ranks_and_reports_every_field(tmp_path):
     # the NE check: the same 128 held-out examples scored after 3 steps of the same global
     # batches; two ranks change only the order of the gradients' sums (bf16 arm) or also
     # gather the weights in FP8 (loka arm): the paired interval holds zero
-    assert r2["ne_settings"] == r1["ne_settings"] == {"ne_steps": 3, "ne_batch": 64,
-                                                      "ne_eval_batches": 2, "lr": 1e-3}
+    assert r2["ne_settings"] == r1["ne_settings"] == {
+        "model": "wukong", "preset": "tiny", "mods": "none", "kernel": None, "plan": None,
+        "ne_steps": 3, "ne_batch": 64, "ne_eval_batches": 2, "lr": 1e-3}
     for arm in ("bf16", "loka"):
         assert r1["arms"][arm]["ne_examples"] == r2["arms"][arm]["ne_examples"] == 128
         assert 0.5 < r1["arms"][arm]["ne"] < 1.5 and "ne_vs_baseline" not in r1["arms"][arm]
@@ -114,7 +115,8 @@ def test_normalized_entropy_against_float64_by_hand():
 def test_ne_against_a_baseline_says_when_it_cannot_compare(tmp_path):
     import numpy as np
     run = _script()
-    settings = {"ne_steps": 3, "ne_batch": 64, "ne_eval_batches": 2, "lr": 1e-3}
+    settings = {"model": "wukong", "preset": "tiny", "mods": "none", "kernel": None,
+                "plan": None, "ne_steps": 3, "ne_batch": 64, "ne_eval_batches": 2, "lr": 1e-3}
     rng = np.random.default_rng(0)
     labels = (rng.random(200) < 0.3).astype(np.float64)
     base = rng.random(200) + 0.1
@@ -129,6 +131,8 @@ def test_ne_against_a_baseline_says_when_it_cannot_compare(tmp_path):
     for why, args in {
             "settings": ({**baseline, "ne_settings": {**settings, "ne_steps": 4}}, "bf16",
                          base, labels),
+            "model": ({**baseline, "ne_settings": {**settings, "mods": "paper"}}, "bf16",
+                      base, labels),
             "no losses": ({"ne_settings": settings}, "bf16", base, labels),
             "arm": (baseline, "loka", base, labels),
             "examples": (baseline, "bf16", base, 1.0 - labels),
