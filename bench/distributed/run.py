@@ -23,8 +23,9 @@ rows, and scores ``--ne-eval-batches`` held-out global batches: NE, and each exa
 loss in the global order (``<out>.ne.npz``, plain arrays). Against a ``--baseline`` run
 with one rank and the same NE settings, each arm gets ``ne_vs_baseline``: the relative NE
 change over the same examples, its 95% paired interval, and whether the interval holds
-zero (the quality check of a multi-GPU run: data parallelism changes only the order of
-the gradients' sums).
+zero (the quality check of a multi-GPU run: for bf16, data parallelism changes only the
+order of the gradients' sums; an FP8 arm also scales each rank's activations by that
+rank's rows and, for LoKA, gathers its weights in FP8).
 
 Without torchrun it runs as one rank. Rank 0 writes the JSON (``--out``, default
 ``bench/results/distributed_<preset>_w<world>.json``).

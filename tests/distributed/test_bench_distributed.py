@@ -45,7 +45,8 @@ def test_bench_runs_on_one_and_two_ranks_and_reports_every_field(tmp_path):
     r1, r2 = json.loads(one.read_text()), json.loads(two.read_text())
     # the NE check: the same 128 held-out examples scored after 3 steps of the same global
     # batches; two ranks change only the order of the gradients' sums (bf16 arm) or also
-    # gather the weights in FP8 (loka arm): the paired interval holds zero
+    # gather the weights in FP8 and scale each rank's rows alone (loka arm): the paired
+    # interval holds zero
     assert r2["ne_settings"] == r1["ne_settings"] == {
         "model": "wukong", "preset": "tiny", "mods": "none", "kernel": None, "plan": None,
         "ne_steps": 3, "ne_batch": 64, "ne_eval_batches": 2, "lr": 1e-3}
