@@ -160,3 +160,19 @@ def test_after_a_failed_capture_the_devices_rng_gets_a_fresh_copy_of_its_state(m
     gens[0].set_to = None
     timing.release_rng_after_failed_capture(torch.device("cuda", 0))
     assert gens[0].set_to is not None
+
+
+def test_time_steps_reports_the_hosts_time_per_step(monkeypatch):
+    """A scripted clock: each call takes 2 ms of host time, the calls made back to back;
+    on the CPU the host's time per step is the step's (3 calls after 1 warm-up)."""
+    import time as _time
+    from loka import timing
+
+    clock = [0.0]
+    monkeypatch.setattr(_time, "perf_counter", lambda: clock[0])
+
+    def step():
+        clock[0] += 0.002
+    t = timing.time_steps(step, "cpu", steps=3, warmup=1)
+    assert t["median_ms"] == pytest.approx(2.0) and t["host_ms"] == pytest.approx(2.0)
+    assert t["timing"] == "cpu-wallclock"

@@ -457,6 +457,7 @@ def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch
         chosen = fp8_sites(result.plan)
         extra = {"plan": chosen, "_plan": result.plan, "optimize_speedup": result.speedup,
                  "optimize_rounds": result.rounds, "optimize_trials": len(result.trials),
+                 "optimize_host_bound": result.host_bound,
                  "optimize_log": [{"sites": len(t.get("sites", ())),
                                    **{k: t[k] for k in ("family", "twins", "removed", "role", "time")
                                       if k in t}} for t in result.trials],

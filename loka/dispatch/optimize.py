@@ -18,7 +18,7 @@ import gc
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, List, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -30,6 +30,7 @@ from ..numerics.delayed import check_decay
 from ..probe import probe
 from ..probe.report import ProbeReport
 from ..timing import time_steps
+from .linear import Linear
 from .predict import fp8_ceiling, predict_step
 from .schema import Plan
 from .select import kernel_speedup, override
@@ -141,6 +142,11 @@ class OptimizeResult:
     """the final A/B rounds: ``{"baseline": ms, "plan": ms}`` each"""
     timed: bool = False
     """whether whole steps were timed (False: the plan was made on error alone)"""
+    host_bound: Optional[bool] = None
+    """whether the step without FP8 is host-bound on the GPU: the host took at least
+    :data:`HOST_BOUND_SHARE` of its time to issue it (its calls made back to back). There
+    GPU time saved saves no wall time: CUDA graphs or a larger batch let FP8 pay. None
+    where the timer did not say (a caller's ``time_step`` without ``last``, or the CPU)."""
 
     @property
     def speedup(self) -> Optional[float]:
@@ -152,13 +158,23 @@ class OptimizeResult:
         return base / mine if mine > 0 else None
 
 
+HOST_BOUND_SHARE = 0.9
+"""a step whose host issues it in at least this share of its time is host-bound"""
+
+
+def _fp8_linears(model: nn.Module) -> int:
+    return sum(1 for m in model.modules() if isinstance(m, Linear) and not m._all_baseline)
+
+
 def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tensor]] = None, *,
                inference: bool = False,
                forward: Optional[Callable[[nn.Module, object], object]] = None,
                compile: bool = True,
                compile_mode: Optional[str] = None, steps: int = 10, warmup: int = 3,
                device: "torch.device | str | None" = None) -> Callable[[nn.Module], float]:
-    """A ``time_step(model) -> median ms`` for whole-step tuning.
+    """A ``time_step(model) -> median ms`` for whole-step tuning; after each call
+    ``time_step.last`` holds that timing's ``median_ms``, ``host_ms`` (the host's time per
+    step, issued back to back) and ``device``.
 
     Each call compiles the model afresh (``torch.compile``, ``compile_mode`` e.g.
     ``"reduce-overhead"`` for CUDA graphs; Dynamo's caches are reset so that a model whose
@@ -186,7 +202,10 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
                 loss = loss_fn(run, batch)
                 loss.backward()
                 model.zero_grad(set_to_none=True)
-        return float(time_steps(step, dev, steps, warmup)["median_ms"])
+        t = time_steps(step, dev, steps, warmup)
+        time_step.last = {"median_ms": float(t["median_ms"]), "host_ms": float(t["host_ms"]),
+                          "device": dev.type}
+        return float(t["median_ms"])
 
     def time_step(model: nn.Module) -> float:
         was_training = model.training
@@ -196,7 +215,21 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
         finally:
             model.train(was_training)
             gc.collect()  # compiled callables sit in reference cycles: free this trial's graph
+    time_step.last = None
     return time_step
+
+
+def _recording(time_step: Callable[[nn.Module], float], seen: List[Tuple[float, float]]):
+    """``time_step``, keeping (host ms, step ms) of each timing of the model without FP8
+    on a GPU that the timer reports (``time_step.last``)."""
+    def timed(model: nn.Module) -> float:
+        ms = time_step(model)
+        last = getattr(time_step, "last", None)
+        if (isinstance(last, dict) and last.get("device") == "cuda"
+                and last.get("host_ms") is not None and not _fp8_linears(model)):
+            seen.append((float(last["host_ms"]), float(ms)))
+        return ms
+    return timed
 
 
 def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, object], torch.Tensor],
@@ -316,6 +349,8 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
                                compile=compile, compile_mode=compile_mode, steps=steps,
                                warmup=warmup)
 
+    baseline_host: List[Tuple[float, float]] = []
+    time_step = _recording(time_step, baseline_host)
     say(f"timing whole steps (at most {max_trials})")
     tuned, log = tune_speed(start, model, time_step, inference=inference, twins=FUSIBLE_TWINS,
                             report=report, max_trials=max_trials,
@@ -347,11 +382,19 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
                                 "faster than the baseline's in every A/B round")
             tuned.notes.append("optimize: the plan did not beat the baseline in every A/B round; "
                                "every site is on the baseline")
+    if baseline_host:
+        host = statistics.median(h for h, _ in baseline_host)
+        step_ms = statistics.median(ms for _, ms in baseline_host)
+        result.host_bound = bool(host >= HOST_BOUND_SHARE * step_ms)
+        if result.host_bound:
+            say(f"the step without FP8 is host-bound: its host issues it in {host:.3f} of "
+                f"{step_ms:.3f} ms, so GPU time saved saves no wall time; CUDA graphs "
+                f"(compile_mode='reduce-overhead') or a larger batch let FP8 pay")
     tuned.budget["optimize"] = {"rounds": result.rounds, "trials": len(log),
                                 "speedup": _finite(result.speedup),
                                 "predicted_speedup": _finite(predicted),
                                 "isolated_predicted_speedup": _finite(isolated),
-                                "ceiling": ceiling}
+                                "ceiling": ceiling, "host_bound": result.host_bound}
     result.plan = tuned
     say(f"kept {len(tuned.fp8_sites())} FP8 site(s)"
         + (f", step {result.speedup:.3f}x of the baseline" if result.speedup else ""))

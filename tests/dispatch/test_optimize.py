@@ -208,3 +208,57 @@ def test_a_serving_probe_measures_forwards_only():
          for n, sp in loka.plan(full, inference=True, assume_fast=True).sites.items()}
     given = optimize(_model(), _batches(), _loss, inference=True, config=_config())
     assert all(set(s.roles) == set(loka.config.ROLES) for s in given.report.sites.values())
+
+
+def _reporting(per_site_ms, host_ms):
+    """A scripted timer (as :func:`_scripted`) that also reports, as ``step_timer`` does,
+    the host's time to issue the step and a GPU device."""
+    base, calls = _scripted(per_site_ms)
+
+    def time_step(model):
+        ms = base(model)
+        time_step.last = {"median_ms": ms, "host_ms": host_ms, "device": "cuda"}
+        return ms
+    time_step.last = None
+    return time_step, calls
+
+
+@pytest.mark.parametrize("host_ms, bound", [(9.5, True), (4.0, False)])
+def test_optimize_says_when_the_step_without_fp8_is_host_bound(host_ms, bound):
+    """The baseline step takes 10 ms: a host that issues it in 9.5 ms sets its pace (FP8's
+    GPU savings cannot show), one that issues it in 4 ms does not."""
+    lines = []
+    time_step, _ = _reporting(-1.0, host_ms)
+    result = optimize(_model(), _batches(), _loss, config=_config(), time_step=time_step,
+                      rounds=2, progress=lines.append)
+    assert result.host_bound is bound
+    assert result.plan.budget["optimize"]["host_bound"] is bound
+    said = [ln for ln in lines if "host-bound" in ln]
+    assert (len(said) == 1 and "9.500 of 10.000 ms" in said[0]
+            and "reduce-overhead" in said[0]) if bound else said == []
+
+
+def test_a_timer_that_does_not_report_the_host_leaves_it_unknown():
+    time_step, _ = _scripted(-1.0)
+    result = optimize(_model(), _batches(), _loss, config=_config(), time_step=time_step,
+                      rounds=2)
+    assert result.host_bound is None and result.plan.budget["optimize"]["host_bound"] is None
+    # on the CPU the host always sets the pace: a CPU timing says nothing of it
+    cpu, _ = _reporting(-1.0, 10.0)
+    base = cpu
+
+    def on_cpu(model):
+        ms = base(model)
+        on_cpu.last = dict(base.last, device="cpu")
+        return ms
+    assert optimize(_model(), _batches(), _loss, config=_config(), time_step=on_cpu,
+                    rounds=2).host_bound is None
+
+
+def test_step_timer_reports_the_last_timing():
+    model = _model()
+    timer = step_timer(_batches()[0], _loss, compile=False, steps=2, warmup=1)
+    assert timer.last is None
+    ms = timer(model)
+    assert timer.last["median_ms"] == ms and timer.last["device"] == "cpu"
+    assert 0 < timer.last["host_ms"]
