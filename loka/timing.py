@@ -246,9 +246,9 @@ def time_steps(step: Callable[[], object], device: "torch.device | str", steps: 
 
     Returns:
         ``median_ms``, ``min_ms``, ``max_ms`` over the timed calls, ``warmup_s`` (the
-        warm-up's wall-clock seconds), ``host_ms`` (the host's time per call, the calls
-        issued back to back before waiting for the device) and ``timing`` ('cuda-events'
-        or 'cpu-wallclock').
+        warm-up's wall-clock seconds), ``host_ms`` (on CUDA the host's time to issue one
+        call from an idle device, median of up to three more calls; elsewhere the median
+        call, whose work runs in it) and ``timing`` ('cuda-events' or 'cpu-wallclock').
     """
     device = torch.device(device)
     t0 = time.perf_counter()
@@ -260,24 +260,27 @@ def time_steps(step: Callable[[], object], device: "torch.device | str", steps: 
     if device.type == "cuda":
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(steps)]
-        t0 = time.perf_counter()
         for start, end in events:
             start.record()
             step()
             end.record()
-        issued = time.perf_counter()
         synchronize(device)
         times = [s.elapsed_time(e) for s, e in events]
+        # the host's time to issue one step from an idle device (calls back to back could
+        # fill the launch queue and wait for the device): near the step's own time, the
+        # host sets the pace
+        host = []
+        for _ in range(min(steps, 3)):
+            t = time.perf_counter()
+            step()
+            host.append((time.perf_counter() - t) * 1e3)
+            synchronize(device)
     else:
-        t0 = time.perf_counter()
         for _ in range(steps):
             t = time.perf_counter()
             step()
             times.append((time.perf_counter() - t) * 1e3)
-        issued = time.perf_counter()
+        host = times  # the work runs in the call
     return {"median_ms": statistics.median(times), "min_ms": min(times),
-            "max_ms": max(times), "warmup_s": warm_s,
-            # the host's time to issue a step, the calls made back to back: near the step's
-            # own time, the host sets the pace (on the CPU it always equals it)
-            "host_ms": (issued - t0) * 1e3 / steps,
+            "max_ms": max(times), "warmup_s": warm_s, "host_ms": statistics.median(host),
             "timing": "cuda-events" if device.type == "cuda" else "cpu-wallclock"}

@@ -163,16 +163,19 @@ def test_after_a_failed_capture_the_devices_rng_gets_a_fresh_copy_of_its_state(m
 
 
 def test_time_steps_reports_the_hosts_time_per_step(monkeypatch):
-    """A scripted clock: each call takes 2 ms of host time, the calls made back to back;
-    on the CPU the host's time per step is the step's (3 calls after 1 warm-up)."""
+    """A scripted clock, calls of 2, 4 and 3 ms after a warm-up: on the CPU the host's time
+    to issue a step is the step's own, the median call."""
     import time as _time
     from loka import timing
 
     clock = [0.0]
     monkeypatch.setattr(_time, "perf_counter", lambda: clock[0])
 
+    costs = iter([0.001, 0.002, 0.004, 0.003])
+
     def step():
-        clock[0] += 0.002
+        clock[0] += next(costs)
     t = timing.time_steps(step, "cpu", steps=3, warmup=1)
-    assert t["median_ms"] == pytest.approx(2.0) and t["host_ms"] == pytest.approx(2.0)
+    assert t["median_ms"] == pytest.approx(3.0) and t["host_ms"] == pytest.approx(3.0)
+    assert t["min_ms"] == pytest.approx(2.0) and t["max_ms"] == pytest.approx(4.0)
     assert t["timing"] == "cpu-wallclock"

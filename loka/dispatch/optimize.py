@@ -144,7 +144,7 @@ class OptimizeResult:
     """whether whole steps were timed (False: the plan was made on error alone)"""
     host_bound: Optional[bool] = None
     """whether the step without FP8 is host-bound on the GPU: the host took at least
-    :data:`HOST_BOUND_SHARE` of its time to issue it (its calls made back to back). There
+    :data:`HOST_BOUND_SHARE` of its time to issue it. There
     GPU time saved saves no wall time: CUDA graphs or a larger batch let FP8 pay. None
     where the timer did not say (a caller's ``time_step`` without ``last``, or the CPU)."""
 
@@ -173,8 +173,8 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
                compile_mode: Optional[str] = None, steps: int = 10, warmup: int = 3,
                device: "torch.device | str | None" = None) -> Callable[[nn.Module], float]:
     """A ``time_step(model) -> median ms`` for whole-step tuning; after each call
-    ``time_step.last`` holds that timing's ``median_ms``, ``host_ms`` (the host's time per
-    step, issued back to back) and ``device``.
+    ``time_step.last`` holds that timing's ``median_ms``, ``host_ms`` (the host's time to
+    issue one step, :func:`loka.timing.time_steps`) and ``device``.
 
     Each call compiles the model afresh (``torch.compile``, ``compile_mode`` e.g.
     ``"reduce-overhead"`` for CUDA graphs; Dynamo's caches are reset so that a model whose
