@@ -20,8 +20,8 @@ sites only (the rest on the baseline), so that the host cost a plan adds can be 
 site. ``--skip-guards`` times the same rounds again under
 ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)`` (``wall_noguard_ms``,
 ``issue_noguard_ms``): the issue time without Dynamo's guards, a diagnostic only.
-``--compare-general`` adds ``plan-general``: the plan with every Linear's short static
-serving path switched off (``loka.Linear``'s general path, the autograd Function), to
+``--compare-general`` adds ``plan-general``: the plan with every Linear's short serving
+paths switched off (``loka.Linear``'s general path, the autograd Function), to
 time what the short path saves. Then, one variant after the other:
 * ``gpu_ms``: the GPU time of one step (CUDA graphs, :func:`loka.timing.time_fn`);
 * ``guard_us``: Dynamo's cache lookup (its guards) per step, from ``torch.profiler``;
@@ -153,12 +153,14 @@ def prefix_plan(plan: "loka.Plan", k: int) -> "loka.Plan":
 
 
 def general_path(model) -> int:
-    """Switch off the short static serving path of every ``loka.Linear`` of ``model``
-    (its key cleared, so each call takes the general path); the number switched."""
+    """Switch off the short serving paths (static and dynamic) of every ``loka.Linear`` of
+    ``model`` (their keys cleared, so each call takes the general path); the number
+    switched."""
     n = 0
     for m in model.modules():
-        if isinstance(m, loka.Linear) and m.__dict__.get("_static_key") is not None:
-            m.__dict__["_static_key"] = None
+        if isinstance(m, loka.Linear) and (m.__dict__.get("_static_key") is not None
+                                           or m.__dict__.get("_serve_key") is not None):
+            m.__dict__["_static_key"] = m.__dict__["_serve_key"] = None
             n += 1
     return n
 
@@ -213,7 +215,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--prefix-sites", default="",
                     help="comma-separated k: variants with the plan's first k FP8 sites only")
     ap.add_argument("--compare-general", action="store_true",
-                    help="add the plan on loka.Linear's general path (no short static path)")
+                    help="add the plan on loka.Linear's general path (no short serving path)")
     ap.add_argument("--mode-per-step", action="store_true",
                     help="each step enters inference_mode itself (as the eval set's does)")
     ap.add_argument("--skip-guards", action="store_true",

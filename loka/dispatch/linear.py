@@ -849,30 +849,20 @@ class Linear(nn.Linear):
 
     # -- hot path ------------------------------------------------------------------
     def forward(self, x: torch.Tensor, x_q: Optional[QTensor] = None) -> torch.Tensor:
-        key = self._static_key
+        static_key = self._static_key  # (the two keys are never both set)
+        key = static_key if static_key is not None else self._serve_key
         if (key is not None and x_q is None and not _is_grad_enabled()
                 and self.monitor is None and x.dtype in _AUTOCAST_FROM
                 and _autocast_dtype(x) is None):
-            # serving with a static scale: the cast and the GEMM, nothing else read
-            kern = _INTERNED.get(key)
-            if kern is not None and kern.static_gemm is not None \
-                    and x.shape[-1] == self.in_features and x.numel() > 0:
-                wq = self._wq
-                y = kern.static_gemm(x.reshape(-1, self.in_features), wq.data,
-                                     self._xs_table, wq.scale, x.dtype)
-                bias = self.bias
-                if bias is not None:
-                    y = y + bias.to(y.dtype)
-                return y.reshape(*x.shape[:-1], self.out_features)
-        key = self._serve_key
-        if (key is not None and x_q is None and not _is_grad_enabled()
-                and self.monitor is None and x.dtype in _AUTOCAST_FROM
-                and _autocast_dtype(x) is None):
-            # serving with dynamic scales: the kernel quantizes x and runs the GEMM, as the
+            # serving from the FP8 weight: with a static scale the cast and the GEMM, with
+            # dynamic scales the kernel's own quantization of x and its GEMM, as the
             # autograd Function's forward does without gradients, without tracing it
             kern = _INTERNED.get(key)
-            if kern is not None and x.shape[-1] == self.in_features and x.numel() > 0:
-                y = kern(x.reshape(-1, self.in_features), self._wq, x.dtype)
+            if (kern is not None and x.shape[-1] == self.in_features and x.numel() > 0
+                    and (static_key is None or kern.static_gemm is not None)):
+                x2d, wq = x.reshape(-1, self.in_features), self._wq
+                y = (kern(x2d, wq, x.dtype) if static_key is None else
+                     kern.static_gemm(x2d, wq.data, self._xs_table, wq.scale, x.dtype))
                 bias = self.bias
                 if bias is not None:
                     y = y + bias.to(y.dtype)
