@@ -132,6 +132,17 @@ def _after_step(model, arm):
         precompute_float8_dynamic_scale_for_fsdp(model)
 
 
+def _train_step(model, opt, arm, batch):
+    """One training step of an arm on this rank's batch: loss, backward, optimizer step,
+    and the scales of the next step's FP8 all-gathers; its loss."""
+    loss = loss_fn(model, batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    _after_step(model, arm)
+    return loss
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -155,12 +166,7 @@ def run_arm(args, device, arm, world):
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     def step(batch):
-        loss = loss_fn(model, batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        _after_step(model, arm)
-        return loss
+        return _train_step(model, opt, arm, batch)
 
     times = []
     for i in range(args.warmup + args.steps):
@@ -222,11 +228,7 @@ def ne_check(args, device, arm, world):
     stream = SyntheticCTR(model.feature_spec, args.ne_batch, seed=1, device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     for _ in range(args.ne_steps):
-        loss = loss_fn(model, ld.shard_batch(next(stream)))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        _after_step(model, arm)
+        _train_step(model, opt, arm, ld.shard_batch(next(stream)))
     held_out = stream.held_out()
     logits, labels = [], []
     with torch.no_grad():

@@ -572,22 +572,25 @@ def paired_rounds(step_a: Callable[[], object], step_b: Callable[[], object],
     step. A host whose speed drifts (shared machines: the same step's wall time moved by
     up to 3x between rows of one run) drifts under both alike, so the per-round ratio
     holds where two rows timed one after the other do not."""
-    medians: Dict[str, List[float]] = {"A": [], "B": []}
-    for v in round_order(rounds):
-        medians[v].append(time_steps(step_a if v == "A" else step_b, device, 1,
-                                     steps)["step_ms"])
-    return {"rounds": rounds, "steps": steps, "round_ms": medians, **paired_summary(medians)}
+    return _alternate(step_a, step_b, rounds, steps,
+                      lambda step: time_steps(step, device, 1, steps)["step_ms"])
 
 
 def paired_pipelined(step_a: Callable[[], object], step_b: Callable[[], object],
                      device: torch.device, rounds: int, steps: int) -> dict:
     """:func:`paired_rounds` with each round one block of ``steps`` steps issued back to
     back (:func:`time_pipelined`, one block): the pair's throughput ratio."""
-    per_step: Dict[str, List[float]] = {"A": [], "B": []}
+    return _alternate(step_a, step_b, rounds, steps,
+                      lambda step: time_pipelined(step, device, steps, repeats=1)["pipelined_ms"])
+
+
+def _alternate(step_a, step_b, rounds: int, steps: int, time_one) -> dict:
+    """``time_one(step) -> ms`` of A and B in the order of :func:`round_order`."""
+    per_round: Dict[str, List[float]] = {"A": [], "B": []}
     for v in round_order(rounds):
-        per_step[v].append(time_pipelined(step_a if v == "A" else step_b, device, steps,
-                                          repeats=1)["pipelined_ms"])
-    return {"rounds": rounds, "steps": steps, "round_ms": per_step, **paired_summary(per_step)}
+        per_round[v].append(time_one(step_a if v == "A" else step_b))
+    return {"rounds": rounds, "steps": steps, "round_ms": per_round,
+            **paired_summary(per_round)}
 
 
 def host_syncs(step: Callable[[], object], device: torch.device) -> Optional[List[str]]:
