@@ -233,7 +233,7 @@ def synchronize(device: "torch.device | str") -> None:
 
 
 def time_steps(step: Callable[[], object], device: "torch.device | str", steps: int,
-               warmup: int) -> Dict[str, object]:
+               warmup: int, host: bool = False) -> Dict[str, object]:
     """Times of ``steps`` calls of a whole step, after ``warmup`` untimed ones (compilation
     and CUDA-graph capture happen there), each call timed on its own.
 
@@ -243,12 +243,14 @@ def time_steps(step: Callable[[], object], device: "torch.device | str", steps: 
             included, as a step pays them), elsewhere by the wall clock.
         steps: timed calls (at least one).
         warmup: untimed calls first.
+        host: also measure ``host_ms`` (on CUDA, up to three more calls).
 
     Returns:
         ``median_ms``, ``min_ms``, ``max_ms`` over the timed calls, ``warmup_s`` (the
-        warm-up's wall-clock seconds), ``host_ms`` (on CUDA the host's time to issue one
-        call from an idle device, median of up to three more calls; elsewhere the median
-        call, whose work runs in it) and ``timing`` ('cuda-events' or 'cpu-wallclock').
+        warm-up's wall-clock seconds), ``timing`` ('cuda-events' or 'cpu-wallclock')
+        and, with ``host``, ``host_ms`` (on CUDA the host's time to issue one call from an
+        idle device, median of up to three more calls; elsewhere the median call, whose
+        work runs in it).
     """
     device = torch.device(device)
     t0 = time.perf_counter()
@@ -269,18 +271,21 @@ def time_steps(step: Callable[[], object], device: "torch.device | str", steps: 
         # the host's time to issue one step from an idle device (calls back to back could
         # fill the launch queue and wait for the device): near the step's own time, the
         # host sets the pace
-        host = []
-        for _ in range(min(steps, 3)):
+        issue = []
+        for _ in range(min(steps, 3) if host else 0):
             t = time.perf_counter()
             step()
-            host.append((time.perf_counter() - t) * 1e3)
+            issue.append((time.perf_counter() - t) * 1e3)
             synchronize(device)
     else:
         for _ in range(steps):
             t = time.perf_counter()
             step()
             times.append((time.perf_counter() - t) * 1e3)
-        host = times  # the work runs in the call
-    return {"median_ms": statistics.median(times), "min_ms": min(times),
-            "max_ms": max(times), "warmup_s": warm_s, "host_ms": statistics.median(host),
-            "timing": "cuda-events" if device.type == "cuda" else "cpu-wallclock"}
+        issue = times  # the work runs in the call
+    out = {"median_ms": statistics.median(times), "min_ms": min(times),
+           "max_ms": max(times), "warmup_s": warm_s,
+           "timing": "cuda-events" if device.type == "cuda" else "cpu-wallclock"}
+    if host:
+        out["host_ms"] = statistics.median(issue)
+    return out

@@ -175,7 +175,10 @@ def test_time_steps_reports_the_hosts_time_per_step(monkeypatch):
 
     def step():
         clock[0] += next(costs)
-    t = timing.time_steps(step, "cpu", steps=3, warmup=1)
+    t = timing.time_steps(step, "cpu", steps=3, warmup=1, host=True)
     assert t["median_ms"] == pytest.approx(3.0) and t["host_ms"] == pytest.approx(3.0)
     assert t["min_ms"] == pytest.approx(2.0) and t["max_ms"] == pytest.approx(4.0)
+    # asked for only: timings that do not use it do not pay the extra calls on a GPU
+    costs = iter([0.001, 0.002])
+    assert "host_ms" not in timing.time_steps(step, "cpu", steps=1, warmup=1)
     assert t["timing"] == "cpu-wallclock"

@@ -203,7 +203,7 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
                 loss = loss_fn(run, batch)
                 loss.backward()
                 model.zero_grad(set_to_none=True)
-        t = time_steps(step, dev, steps, warmup)
+        t = time_steps(step, dev, steps, warmup, host=True)
         time_step.last = {"median_ms": float(t["median_ms"]), "host_ms": float(t["host_ms"]),
                           "device": dev.type}
         return float(t["median_ms"])
