@@ -27,6 +27,12 @@ zero (the quality check of a multi-GPU run: for bf16, data parallelism changes o
 order of the gradients' sums; an FP8 arm also scales each rank's activations by that
 rank's rows and, for LoKA, gathers its weights in FP8).
 
+With ``--compile`` each arm's sharded model runs under ``torch.compile`` (``model.compile()``
+after ``fully_shard``): FSDP2's hooks, which issue the all-gathers and reduce-scatters, are
+closed to Dynamo and run eagerly between the compiled regions, whose kernels are
+Inductor's, LoKA's FP8 casts fused where they can be; each arm records how many graphs it
+compiled (``compiled_graphs``). A ``--baseline`` must have been run the same way.
+
 Without torchrun it runs as one rank. Rank 0 writes the JSON (``--out``, default
 ``bench/results/distributed_<preset>_w<world>.json``).
 """
@@ -115,6 +121,8 @@ def _build(args, device, arm):
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if arm == "bf16" and \
         device.type == "cuda" else MixedPrecisionPolicy()
     _shard(model, mp)
+    if args.compile:
+        model.compile()
     return model, note
 
 
@@ -154,7 +162,13 @@ def _peak_mb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def _graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
+
+
 def run_arm(args, device, arm, world):
+    graphs_before = _graphs_compiled()
     model, note = _build(args, device, arm)
     if model is None:
         return {"skipped": note}
@@ -192,6 +206,8 @@ def run_arm(args, device, arm, world):
            "global_batch": batch_size * world, "all_gather_bytes_per_step": int(summed[0]),
            "all_gather_s_per_step": float(summed[1]) / world, "peak_memory_mb": float(peak[2]),
            "all_gathers_per_step": counted.count}
+    if args.compile:
+        out["compiled_graphs"] = _graphs_compiled() - graphs_before
     if note:
         out["note"] = note
     return out
@@ -250,7 +266,7 @@ def _ne_settings(args) -> dict:
     return {"model": args.model, "preset": args.preset, "mods": args.mods,
             "kernel": args.kernel, "plan": Path(args.plan).name if args.plan else None,
             "ne_steps": args.ne_steps, "ne_batch": args.ne_batch,
-            "ne_eval_batches": args.ne_eval_batches, "lr": args.lr}
+            "ne_eval_batches": args.ne_eval_batches, "lr": args.lr, "compile": args.compile}
 
 
 def ne_vs_baseline(baseline: dict, baseline_path: Path, arm: str, losses: np.ndarray,
@@ -303,6 +319,8 @@ def parse(argv=None):
                    help="the NE check's global batch (the same for every world size)")
     p.add_argument("--ne-eval-batches", type=int, default=8,
                    help="held-out global batches the NE check scores")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each arm's sharded model (FSDP2's hooks stay eager)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
@@ -327,6 +345,9 @@ def main(argv=None) -> dict:
         baseline = json.loads(Path(args.baseline).read_text())
         if baseline.get("world_size") != 1:
             sys.exit(f"--baseline {args.baseline}: not a world-size-1 run")
+        if bool(baseline.get("compile", False)) != args.compile:
+            sys.exit(f"--baseline {args.baseline}: run with compile="
+                     f"{bool(baseline.get('compile', False))}, this run with compile={args.compile}")
     arms = {}
     ne_arrays = {}
     for arm in args.arms:
@@ -365,7 +386,7 @@ def main(argv=None) -> dict:
                 arms[arm]["samples_per_s"] / (world * base["samples_per_s"])
                 if "samples_per_s" in base else (1.0 if world == 1 else None))
     result = {"model": args.model, "preset": args.preset, "mods": args.mods,
-              "world_size": world, "device": str(device.type),
+              "world_size": world, "compile": args.compile, "device": str(device.type),
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
               else platform.processor() or platform.machine(),
               "torch": torch.__version__, "backend": dist.get_backend(),

@@ -49,7 +49,8 @@ def test_bench_runs_on_one_and_two_ranks_and_reports_every_field(tmp_path):
     # interval holds zero
     assert r2["ne_settings"] == r1["ne_settings"] == {
         "model": "wukong", "preset": "tiny", "mods": "none", "kernel": None, "plan": None,
-        "ne_steps": 3, "ne_batch": 64, "ne_eval_batches": 2, "lr": 1e-3}
+        "ne_steps": 3, "ne_batch": 64, "ne_eval_batches": 2, "lr": 1e-3, "compile": False}
+    assert r1["compile"] is False and "compiled_graphs" not in r1["arms"]["loka"]
     for arm in ("bf16", "loka"):
         assert r1["arms"][arm]["ne_examples"] == r2["arms"][arm]["ne_examples"] == 128
         assert 0.5 < r1["arms"][arm]["ne"] < 1.5 and "ne_vs_baseline" not in r1["arms"][arm]
@@ -80,6 +81,51 @@ def test_bench_runs_on_one_and_two_ranks_and_reports_every_field(tmp_path):
     assert "all-gather FP8" in r2["arms"]["loka"]["note"]
     assert r2["arms"]["loka"]["all_gather_bytes_per_step"] < \
         r2["arms"]["bf16"]["all_gather_bytes_per_step"]
+
+
+@pytest.mark.slow
+def test_compiled_step_gathers_fp8_weights_on_two_ranks_and_keeps_the_ne(tmp_path):
+    """``--compile``: the loka arm's sharded model under torch.compile, FSDP2's hooks
+    eager between its graphs; on two ranks its weights still all-gather in FP8 into the
+    compiled regions, and the NE of the same held-out examples matches the compiled
+    one-rank run's."""
+    one, two = tmp_path / "c1.json", tmp_path / "c2.json"
+    arms = ["--arms", "loka", "--compile"]
+    _run([sys.executable, "bench/distributed/run.py", *SMOKE, *NE, *arms, "--out", str(one)],
+         timeout=600)
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+          "bench/distributed/run.py", *SMOKE, *NE, *arms, "--baseline", str(one),
+          "--out", str(two)], timeout=600)
+    r1, r2 = json.loads(one.read_text()), json.loads(two.read_text())
+    assert r1["compile"] is True and r2["compile"] is True
+    assert r2["ne_settings"]["compile"] is True
+    a1, a2 = r1["arms"]["loka"], r2["arms"]["loka"]
+    assert a1["compiled_graphs"] >= 1 and a2["compiled_graphs"] >= 1
+    # every Linear of the tiny Wukong but the logit (1 output) gathers FP8 on two ranks
+    assert a2["note"] == "6 of 7 planned Linears all-gather FP8"
+    assert a1["all_gather_bytes_per_step"] == 0 < a2["all_gather_bytes_per_step"]
+    assert 0.5 < a1["ne"] < 1.5 and a1["ne_examples"] == a2["ne_examples"] == 128
+    cmp = a2["ne_vs_baseline"]
+    low, high = cmp["interval_95"]
+    assert cmp["comparable"] and cmp["matches"] and high - low < 0.01
+
+
+def test_bench_refuses_a_baseline_compiled_otherwise(tmp_path):
+    base = tmp_path / "w1.json"
+    base.write_text(json.dumps({"world_size": 1, "compile": False, "arms": {}}))
+    proc = _run_failing([sys.executable, "bench/distributed/run.py", *SMOKE, "--compile",
+                         "--baseline", str(base), "--out", str(tmp_path / "x.json")])
+    assert "run with compile=False, this run with compile=True" in proc.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+def _run_failing(cmd):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    return proc
 
 
 def test_bench_refuses_bad_arguments():
@@ -117,7 +163,8 @@ def test_ne_against_a_baseline_says_when_it_cannot_compare(tmp_path):
     import numpy as np
     run = _script()
     settings = {"model": "wukong", "preset": "tiny", "mods": "none", "kernel": None,
-                "plan": None, "ne_steps": 3, "ne_batch": 64, "ne_eval_batches": 2, "lr": 1e-3}
+                "plan": None, "ne_steps": 3, "ne_batch": 64, "ne_eval_batches": 2, "lr": 1e-3,
+                "compile": False}
     rng = np.random.default_rng(0)
     labels = (rng.random(200) < 0.3).astype(np.float64)
     base = rng.random(200) + 0.1
@@ -134,6 +181,8 @@ def test_ne_against_a_baseline_says_when_it_cannot_compare(tmp_path):
                          base, labels),
             "model": ({**baseline, "ne_settings": {**settings, "mods": "paper"}}, "bf16",
                       base, labels),
+            "compile": ({**baseline, "ne_settings": {**settings, "compile": True}}, "bf16",
+                        base, labels),
             "no losses": ({"ne_settings": settings}, "bf16", base, labels),
             "arm": (baseline, "loka", base, labels),
             "examples": (baseline, "bf16", base, 1.0 - labels),
