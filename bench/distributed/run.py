@@ -58,6 +58,7 @@ import torch.distributed as dist
 import loka
 import loka.distributed as ld
 from loka.assembly import build_reference
+from loka.bench.env import source_digest
 from loka.config import ModsConfig
 from loka.data import SyntheticCTR
 from loka.dispatch import Plan
@@ -389,7 +390,8 @@ def main(argv=None) -> dict:
               "world_size": world, "compile": args.compile, "device": str(device.type),
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
               else platform.processor() or platform.machine(),
-              "torch": torch.__version__, "backend": dist.get_backend(),
+              "torch": torch.__version__, "source_sha1": source_digest(),
+              "backend": dist.get_backend(),
               "created": datetime.datetime.now(datetime.timezone.utc).isoformat(), "arms": arms}
     out = Path(args.out or f"bench/results/distributed_{args.preset}_w{world}.json")
     if args.ne_steps:

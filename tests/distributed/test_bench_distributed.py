@@ -51,6 +51,8 @@ def test_bench_runs_on_one_and_two_ranks_and_reports_every_field(tmp_path):
         "model": "wukong", "preset": "tiny", "mods": "none", "kernel": None, "plan": None,
         "ne_steps": 3, "ne_batch": 64, "ne_eval_batches": 2, "lr": 1e-3, "compile": False}
     assert r1["compile"] is False and "compiled_graphs" not in r1["arms"]["loka"]
+    from loka.bench.env import source_digest
+    assert r1["source_sha1"] == r2["source_sha1"] == source_digest()
     for arm in ("bf16", "loka"):
         assert r1["arms"][arm]["ne_examples"] == r2["arms"][arm]["ne_examples"] == 128
         assert 0.5 < r1["arms"][arm]["ne"] < 1.5 and "ne_vs_baseline" not in r1["arms"][arm]
