@@ -58,6 +58,7 @@ import torch.distributed as dist
 import loka
 import loka.distributed as ld
 from loka.assembly import build_reference
+from loka.bench.config import BenchConfig
 from loka.bench.env import source_digest
 from loka.config import ModsConfig
 from loka.data import SyntheticCTR
@@ -95,7 +96,8 @@ def _shard(model, mp_policy):
 
 def _build(args, device, arm):
     from torch.distributed.fsdp import MixedPrecisionPolicy
-    model = build_reference(args.model, args.preset, MODS[args.mods], device, seed=0)
+    model = build_reference(args.model, args.preset, MODS[args.mods], device, seed=0,
+                            table_rows=args.table_rows or None)
     note = None
     if arm == "loka":
         plan = (Plan.load(args.plan) if args.plan else
@@ -265,7 +267,8 @@ def _ne_settings(args) -> dict:
     """What two runs' NE checks must share to be compared: the model, its Mods, the loka
     arm's kernel or plan, and the check's own sizes."""
     return {"model": args.model, "preset": args.preset, "mods": args.mods,
-            "kernel": args.kernel, "plan": Path(args.plan).name if args.plan else None,
+            "table_rows": args.table_rows, "kernel": args.kernel,
+            "plan": Path(args.plan).name if args.plan else None,
             "ne_steps": args.ne_steps, "ne_batch": args.ne_batch,
             "ne_eval_batches": args.ne_eval_batches, "lr": args.lr, "compile": args.compile}
 
@@ -303,10 +306,15 @@ def parse(argv=None):
     p.add_argument("--mods", choices=sorted(MODS), default="paper")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--arms", default=",".join(ARMS), help="comma-separated, of " + ", ".join(ARMS))
-    p.add_argument("--plan", help="a LoKA plan JSON for the loka arm (default: --kernel everywhere)")
+    p.add_argument("--plan",
+                   help="a LoKA plan JSON for the loka arm (default: --kernel everywhere)")
     p.add_argument("--kernel", help="the loka arm's kernel without --plan "
                                     "(default: cublas-rowwise; emulated-rowwise-e4m3 on the CPU)")
     p.add_argument("--batch-size", type=int, help="per rank (default: the model's)")
+    p.add_argument("--table-rows", type=int, default=BenchConfig.table_rows,
+                   help="cap on embedding-table rows, as loka bench caps them (default "
+                        f"{BenchConfig.table_rows}; 0: the preset's tables, whose dense "
+                        "gradients and AdamW update then dominate the step)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--distinct-batches", type=int, default=4)
@@ -330,6 +338,8 @@ def parse(argv=None):
         p.error(f"--arms: unknown {bad}; choose from {', '.join(ARMS)}")
     if min(args.steps, args.distinct_batches) < 1 or args.warmup < 0:
         p.error("--steps and --distinct-batches must be >= 1, --warmup >= 0")
+    if args.table_rows < 0:
+        p.error("--table-rows must be >= 0 (0: the preset's tables)")
     if args.ne_steps < 0 or min(args.ne_batch, args.ne_eval_batches) < 1:
         p.error("--ne-steps must be >= 0, --ne-batch and --ne-eval-batches >= 1")
     return args
@@ -348,7 +358,8 @@ def main(argv=None) -> dict:
             sys.exit(f"--baseline {args.baseline}: not a world-size-1 run")
         if bool(baseline.get("compile", False)) != args.compile:
             sys.exit(f"--baseline {args.baseline}: run with compile="
-                     f"{bool(baseline.get('compile', False))}, this run with compile={args.compile}")
+                     f"{bool(baseline.get('compile', False))}, "
+                     f"this run with compile={args.compile}")
     arms = {}
     ne_arrays = {}
     for arm in args.arms:
@@ -387,7 +398,8 @@ def main(argv=None) -> dict:
                 arms[arm]["samples_per_s"] / (world * base["samples_per_s"])
                 if "samples_per_s" in base else (1.0 if world == 1 else None))
     result = {"model": args.model, "preset": args.preset, "mods": args.mods,
-              "world_size": world, "compile": args.compile, "device": str(device.type),
+              "table_rows": args.table_rows, "world_size": world, "compile": args.compile,
+              "device": str(device.type),
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
               else platform.processor() or platform.machine(),
               "torch": torch.__version__, "source_sha1": source_digest(),

@@ -48,8 +48,9 @@ def test_bench_runs_on_one_and_two_ranks_and_reports_every_field(tmp_path):
     # gather the weights in FP8 and scale each rank's rows alone (loka arm): the paired
     # interval holds zero
     assert r2["ne_settings"] == r1["ne_settings"] == {
-        "model": "wukong", "preset": "tiny", "mods": "none", "kernel": None, "plan": None,
-        "ne_steps": 3, "ne_batch": 64, "ne_eval_batches": 2, "lr": 1e-3, "compile": False}
+        "model": "wukong", "preset": "tiny", "mods": "none", "table_rows": 1000, "kernel": None,
+        "plan": None, "ne_steps": 3, "ne_batch": 64, "ne_eval_batches": 2, "lr": 1e-3,
+        "compile": False}
     assert r1["compile"] is False and "compiled_graphs" not in r1["arms"]["loka"]
     from loka.bench.env import source_digest
     assert r1["source_sha1"] == r2["source_sha1"] == source_digest()
@@ -164,8 +165,9 @@ def test_normalized_entropy_against_float64_by_hand():
 def test_ne_against_a_baseline_says_when_it_cannot_compare(tmp_path):
     import numpy as np
     run = _script()
-    settings = {"model": "wukong", "preset": "tiny", "mods": "none", "kernel": None,
-                "plan": None, "ne_steps": 3, "ne_batch": 64, "ne_eval_batches": 2, "lr": 1e-3,
+    settings = {"model": "wukong", "preset": "tiny", "mods": "none", "table_rows": 1000,
+                "kernel": None, "plan": None, "ne_steps": 3, "ne_batch": 64,
+                "ne_eval_batches": 2, "lr": 1e-3,
                 "compile": False}
     rng = np.random.default_rng(0)
     labels = (rng.random(200) < 0.3).astype(np.float64)
@@ -201,6 +203,13 @@ def test_ne_against_a_baseline_says_when_it_cannot_compare(tmp_path):
     out = run.ne_vs_baseline({"ne_settings": settings, "ne_losses_file": corrupt.name}, path,
                              "bf16", base, labels, settings)
     assert out["comparable"] is False and out["reason"].startswith("cannot read")
+
+
+def test_bench_refuses_negative_table_rows():
+    proc = subprocess.run([sys.executable, "bench/distributed/run.py", "--table-rows", "-1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.returncode == 2 and "--table-rows must be >= 0" in proc.stderr
 
 
 def test_bench_refuses_bad_ne_arguments():
