@@ -97,7 +97,8 @@ def _shard(model, mp_policy):
 def _build(args, device, arm):
     from torch.distributed.fsdp import MixedPrecisionPolicy
     model = build_reference(args.model, args.preset, MODS[args.mods], device, seed=0,
-                            table_rows=args.table_rows or None)
+                            table_rows=args.table_rows or None,
+                            fused_embeddings=args.fused_embeddings)
     note = None
     if arm == "loka":
         plan = (Plan.load(args.plan) if args.plan else
@@ -267,7 +268,8 @@ def _ne_settings(args) -> dict:
     """What two runs' NE checks must share to be compared: the model, its Mods, the loka
     arm's kernel or plan, and the check's own sizes."""
     return {"model": args.model, "preset": args.preset, "mods": args.mods,
-            "table_rows": args.table_rows, "kernel": args.kernel,
+            "table_rows": args.table_rows, "fused_embeddings": args.fused_embeddings,
+            "kernel": args.kernel,
             "plan": Path(args.plan).name if args.plan else None,
             "ne_steps": args.ne_steps, "ne_batch": args.ne_batch,
             "ne_eval_batches": args.ne_eval_batches, "lr": args.lr, "compile": args.compile}
@@ -319,6 +321,11 @@ def parse(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--distinct-batches", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--fused-embeddings", action=argparse.BooleanOptionalAction,
+                   default=BenchConfig.fused_embeddings,
+                   help="all tables in one (loka.models.fused_embedding), as loka bench runs "
+                        "them: one embedding bag and one dense gradient per step instead of "
+                        "one per table, each with its own sort and launches")
     p.add_argument("--baseline", help="this script's JSON of a world-size-1 run: scaling "
                                       "efficiency, and with --ne-steps the NE comparison")
     p.add_argument("--ne-steps", type=int, default=0,
@@ -398,7 +405,8 @@ def main(argv=None) -> dict:
                 arms[arm]["samples_per_s"] / (world * base["samples_per_s"])
                 if "samples_per_s" in base else (1.0 if world == 1 else None))
     result = {"model": args.model, "preset": args.preset, "mods": args.mods,
-              "table_rows": args.table_rows, "world_size": world, "compile": args.compile,
+              "table_rows": args.table_rows, "fused_embeddings": args.fused_embeddings,
+              "world_size": world, "compile": args.compile,
               "device": str(device.type),
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
               else platform.processor() or platform.machine(),

@@ -48,9 +48,9 @@ def test_bench_runs_on_one_and_two_ranks_and_reports_every_field(tmp_path):
     # gather the weights in FP8 and scale each rank's rows alone (loka arm): the paired
     # interval holds zero
     assert r2["ne_settings"] == r1["ne_settings"] == {
-        "model": "wukong", "preset": "tiny", "mods": "none", "table_rows": 1000, "kernel": None,
-        "plan": None, "ne_steps": 3, "ne_batch": 64, "ne_eval_batches": 2, "lr": 1e-3,
-        "compile": False}
+        "model": "wukong", "preset": "tiny", "mods": "none", "table_rows": 1000,
+        "fused_embeddings": True, "kernel": None, "plan": None, "ne_steps": 3, "ne_batch": 64,
+        "ne_eval_batches": 2, "lr": 1e-3, "compile": False}
     assert r1["compile"] is False and "compiled_graphs" not in r1["arms"]["loka"]
     from loka.bench.env import source_digest
     assert r1["source_sha1"] == r2["source_sha1"] == source_digest()
@@ -166,9 +166,8 @@ def test_ne_against_a_baseline_says_when_it_cannot_compare(tmp_path):
     import numpy as np
     run = _script()
     settings = {"model": "wukong", "preset": "tiny", "mods": "none", "table_rows": 1000,
-                "kernel": None, "plan": None, "ne_steps": 3, "ne_batch": 64,
-                "ne_eval_batches": 2, "lr": 1e-3,
-                "compile": False}
+                "fused_embeddings": True, "kernel": None, "plan": None, "ne_steps": 3,
+                "ne_batch": 64, "ne_eval_batches": 2, "lr": 1e-3, "compile": False}
     rng = np.random.default_rng(0)
     labels = (rng.random(200) < 0.3).astype(np.float64)
     base = rng.random(200) + 0.1
