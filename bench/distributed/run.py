@@ -27,11 +27,12 @@ zero (the quality check of a multi-GPU run: for bf16, data parallelism changes o
 order of the gradients' sums; an FP8 arm also scales each rank's activations by that
 rank's rows and, for LoKA, gathers its weights in FP8).
 
-With ``--compile`` each arm's sharded model runs under ``torch.compile`` (``model.compile()``
-after ``fully_shard``): FSDP2's hooks, which issue the all-gathers and reduce-scatters, are
-closed to Dynamo and run eagerly between the compiled regions, whose kernels are
-Inductor's, LoKA's FP8 casts fused where they can be; each arm records how many graphs it
-compiled (``compiled_graphs``). A ``--baseline`` must have been run the same way.
+With ``--compile`` each block FSDP shards and each other child of the root module runs under
+``torch.compile`` (``module.compile()``; the root's glue between them stays eager): FSDP2's
+hooks, which issue the all-gathers and reduce-scatters, are closed to Dynamo and run
+eagerly between the compiled regions, whose kernels are Inductor's, LoKA's FP8 casts fused
+where they can be; each arm records how many graphs it compiled (``compiled_graphs``). A
+``--baseline`` must have been run the same way.
 
 Without torchrun it runs as one rank. Rank 0 writes the JSON (``--out``, default
 ``bench/results/distributed_<preset>_w<world>.json``).
@@ -86,12 +87,24 @@ def _init(device_kind: str):
     return device
 
 
+BLOCKS = ("layers", "blocks")
+
+
 def _shard(model, mp_policy):
     from torch.distributed.fsdp import fully_shard
-    blocks = [m for name in ("layers", "blocks") for m in getattr(model, name, [])]
-    for block in blocks:
+    for block in [m for name in BLOCKS for m in getattr(model, name, [])]:
         fully_shard(block, mp_policy=mp_policy)
     fully_shard(model, mp_policy=mp_policy)
+
+
+def _compile(model) -> None:
+    """``module.compile()`` on each block FSDP shards and on each other child of the root;
+    the root's own forward (the glue between them) stays eager. Compiling the root whole
+    does not work under FSDP2: its hooks are closed to Dynamo, and a graph break inside
+    the root's loop over its blocks makes Dynamo run the whole root forward eagerly."""
+    for name, child in model.named_children():
+        for module in (child if name in BLOCKS else [child]):
+            module.compile()
 
 
 def _build(args, device, arm):
@@ -126,7 +139,7 @@ def _build(args, device, arm):
         device.type == "cuda" else MixedPrecisionPolicy()
     _shard(model, mp)
     if args.compile:
-        model.compile()
+        _compile(model)
     return model, note
 
 

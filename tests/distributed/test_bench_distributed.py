@@ -146,6 +146,35 @@ def _script():
     return mod
 
 
+def test_compile_wraps_each_block_and_child_but_not_the_root():
+    """Under FSDP2 the root stays eager: a graph break at a block's hook inside the root's
+    loop would make Dynamo run the whole root forward eagerly."""
+    import torch
+    from torch import nn
+    run = _script()
+
+    class Toy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(4, 8)
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x):
+            x = self.embed(x)
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+            return self.head(x)
+
+    model = Toy()
+    x = torch.randn(5, 4)
+    want = model(x)
+    run._compile(model)
+    compiled = [n for n, m in model.named_modules() if m._compiled_call_impl is not None]
+    assert compiled == ["embed", "layers.0", "layers.1", "layers.2", "head"]
+    torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-6)
+
+
 def test_normalized_entropy_against_float64_by_hand():
     import numpy as np
     run = _script()
