@@ -51,6 +51,7 @@ import sys
 import time
 import zipfile
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -277,9 +278,27 @@ def ne_check(args, device, arm, world):
     return ({"ne": normalized_entropy(losses, y), "ne_examples": int(y.size)}, losses, y)
 
 
+RUN_SETTINGS = ("model", "preset", "mods", "table_rows", "fused_embeddings", "compile")
+"""What a ``--baseline`` run must share with this one for its step times and NE to compare."""
+BEFORE_OPTIONS = {"table_rows": 0, "fused_embeddings": False, "compile": False}
+"""How runs written before an option existed ran (the preset's tables, one per feature,
+eager)."""
+
+
+def baseline_mismatch(baseline: dict, args) -> Optional[str]:
+    """The run settings (:data:`RUN_SETTINGS`) in which ``baseline`` differs from this run,
+    as ``'key=theirs (this run: ours)'`` joined by commas; None where none does."""
+    differ = []
+    for key in RUN_SETTINGS:
+        theirs = baseline.get(key, BEFORE_OPTIONS.get(key))
+        if theirs != getattr(args, key):
+            differ.append(f"{key}={theirs!r} (this run: {getattr(args, key)!r})")
+    return ", ".join(differ) or None
+
+
 def _ne_settings(args) -> dict:
-    """What two runs' NE checks must share to be compared: the model, its Mods, the loka
-    arm's kernel or plan, and the check's own sizes."""
+    """What two runs' NE checks must share to be compared: the model, its Mods and tables,
+    whether it was compiled, the loka arm's kernel or plan, and the check's own sizes."""
     return {"model": args.model, "preset": args.preset, "mods": args.mods,
             "table_rows": args.table_rows, "fused_embeddings": args.fused_embeddings,
             "kernel": args.kernel,
@@ -376,10 +395,9 @@ def main(argv=None) -> dict:
         baseline = json.loads(Path(args.baseline).read_text())
         if baseline.get("world_size") != 1:
             sys.exit(f"--baseline {args.baseline}: not a world-size-1 run")
-        if bool(baseline.get("compile", False)) != args.compile:
-            sys.exit(f"--baseline {args.baseline}: run with compile="
-                     f"{bool(baseline.get('compile', False))}, "
-                     f"this run with compile={args.compile}")
+        differ = baseline_mismatch(baseline, args)
+        if differ:
+            sys.exit(f"--baseline {args.baseline}: run with {differ}")
     arms = {}
     ne_arrays = {}
     for arm in args.arms:

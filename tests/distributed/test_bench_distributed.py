@@ -113,13 +113,33 @@ def test_compiled_step_gathers_fp8_weights_on_two_ranks_and_keeps_the_ne(tmp_pat
     assert cmp["comparable"] and cmp["matches"] and high - low < 0.01
 
 
-def test_bench_refuses_a_baseline_compiled_otherwise(tmp_path):
+def test_bench_refuses_a_baseline_run_otherwise(tmp_path):
     base = tmp_path / "w1.json"
-    base.write_text(json.dumps({"world_size": 1, "compile": False, "arms": {}}))
+    base.write_text(json.dumps({"world_size": 1, "model": "wukong", "preset": "tiny",
+                                "mods": "none", "table_rows": 1000, "fused_embeddings": True,
+                                "compile": False, "arms": {}}))
     proc = _run_failing([sys.executable, "bench/distributed/run.py", *SMOKE, "--compile",
                          "--baseline", str(base), "--out", str(tmp_path / "x.json")])
-    assert "run with compile=False, this run with compile=True" in proc.stderr
+    assert "run with compile=False (this run: True)" in proc.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_baseline_mismatch_names_each_setting_and_reads_older_runs():
+    run = _script()
+    args = run.parse(["--device", "cpu", "--preset", "tiny", "--mods", "none"])
+    same = {"model": "wukong", "preset": "tiny", "mods": "none", "table_rows": 1000,
+            "fused_embeddings": True, "compile": False}
+    assert run.baseline_mismatch(same, args) is None
+    assert run.baseline_mismatch({**same, "table_rows": 0, "mods": "paper"}, args) == \
+        "mods='paper' (this run: 'none'), table_rows=0 (this run: 1000)"
+    # a run written before --table-rows, --fused-embeddings and --compile existed ran the
+    # preset's tables, one per feature, eagerly
+    older = {k: v for k, v in same.items() if k in ("model", "preset", "mods")}
+    assert run.baseline_mismatch(older, args) == \
+        "table_rows=0 (this run: 1000), fused_embeddings=False (this run: True)"
+    old_args = run.parse(["--device", "cpu", "--preset", "tiny", "--mods", "none",
+                          "--table-rows", "0", "--no-fused-embeddings"])
+    assert run.baseline_mismatch(older, old_args) is None
 
 
 def _run_failing(cmd):
