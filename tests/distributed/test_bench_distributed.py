@@ -151,11 +151,16 @@ def _run_failing(cmd):
     return proc
 
 
-def test_bench_refuses_bad_arguments():
-    proc = subprocess.run([sys.executable, "bench/distributed/run.py", "--arms", "fp4"],
+@pytest.mark.parametrize("argv, message", [
+    (["--arms", "fp4"], "--arms: unknown ['fp4']"),
+    (["--table-rows", "-1"], "--table-rows must be >= 0"),
+    (["--ne-batch", "0"], "--ne-batch and --ne-eval-batches >= 1"),
+])
+def test_bench_refuses_bad_arguments(argv, message):
+    proc = subprocess.run([sys.executable, "bench/distributed/run.py", *argv],
                           cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert proc.returncode == 2 and "--arms: unknown ['fp4']" in proc.stderr
+    assert proc.returncode == 2 and message in proc.stderr
 
 
 def _script():
@@ -251,17 +256,3 @@ def test_ne_against_a_baseline_says_when_it_cannot_compare(tmp_path):
     out = run.ne_vs_baseline({"ne_settings": settings, "ne_losses_file": corrupt.name}, path,
                              "bf16", base, labels, settings)
     assert out["comparable"] is False and out["reason"].startswith("cannot read")
-
-
-def test_bench_refuses_negative_table_rows():
-    proc = subprocess.run([sys.executable, "bench/distributed/run.py", "--table-rows", "-1"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert proc.returncode == 2 and "--table-rows must be >= 0" in proc.stderr
-
-
-def test_bench_refuses_bad_ne_arguments():
-    proc = subprocess.run([sys.executable, "bench/distributed/run.py", "--ne-batch", "0"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert proc.returncode == 2 and "--ne-batch and --ne-eval-batches >= 1" in proc.stderr
