@@ -27,12 +27,14 @@ zero (the quality check of a multi-GPU run: for bf16, data parallelism changes o
 order of the gradients' sums; an FP8 arm also scales each rank's activations by that
 rank's rows and, for LoKA, gathers its weights in FP8).
 
-With ``--compile`` each block FSDP shards and each other child of the root module runs under
+With ``--compile`` each child of the root module, and each member of a child that is a
+``ModuleList`` or ``ModuleDict`` (the blocks FSDP shards among them), runs under
 ``torch.compile`` (``module.compile()``; the root's glue between them stays eager): FSDP2's
 hooks, which issue the all-gathers and reduce-scatters, are closed to Dynamo and run
 eagerly between the compiled regions, whose kernels are Inductor's, LoKA's FP8 casts fused
-where they can be; each arm records how many graphs it compiled (``compiled_graphs``). A
-``--baseline`` must have been run the same way.
+where they can be. Dynamo's caches are emptied before each arm, which records how many
+graphs it compiled (``compiled_graphs``). A ``--baseline`` must share the run's settings
+(:func:`run_settings`).
 
 Without torchrun it runs as one rank. Rank 0 writes the JSON (``--out``, default
 ``bench/results/distributed_<preset>_w<world>.json``).
@@ -98,14 +100,24 @@ def _shard(model, mp_policy):
     fully_shard(model, mp_policy=mp_policy)
 
 
+COMPILE_SCOPE = "children"
+"""what ``--compile`` compiles (:func:`_compile`); compiled runs written before it, which
+compiled the root module whole, read as ``'root'``"""
+
+
 def _compile(model) -> None:
-    """``module.compile()`` on each block FSDP shards and on each other child of the root;
-    the root's own forward (the glue between them) stays eager. Compiling the root whole
-    does not work under FSDP2: its hooks are closed to Dynamo, and a graph break inside
-    the root's loop over its blocks makes Dynamo run the whole root forward eagerly."""
-    for name, child in model.named_children():
-        for module in (child if name in BLOCKS else [child]):
-            module.compile()
+    """``module.compile()`` on each child of the root, and on each member of a child that
+    is a ``ModuleList`` or ``ModuleDict`` (the blocks FSDP shards among them): containers
+    are never called themselves. The root's own forward (the glue between them) stays
+    eager. Compiling the root whole does not work under FSDP2: its hooks are closed to
+    Dynamo, and a graph break inside the root's loop over its blocks makes Dynamo run the
+    whole root forward eagerly."""
+    for child in model.children():
+        if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            for module in child.children():
+                module.compile()
+        else:
+            child.compile()
 
 
 def _build(args, device, arm):
@@ -185,7 +197,17 @@ def _graphs_compiled() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def _fresh_compiler(args) -> None:
+    """With ``--compile``, Dynamo's caches emptied before an arm builds its model: each arm
+    compiles its own graphs (``compiled_graphs`` counts them), with the shapes it runs, and
+    never meets the recompile limit of the code objects the arms share."""
+    if args.compile:
+        import torch._dynamo
+        torch._dynamo.reset()
+
+
 def run_arm(args, device, arm, world):
+    _fresh_compiler(args)
     graphs_before = _graphs_compiled()
     model, note = _build(args, device, arm)
     if model is None:
@@ -254,6 +276,7 @@ def ne_check(args, device, arm, world):
     each rank its rows), then score ``--ne-eval-batches`` held-out global batches. Returns
     the arm's NE fields and the per-example log losses and labels (global order; every
     rank holds them)."""
+    _fresh_compiler(args)
     model, note = _build(args, device, arm)
     if model is None:
         return {"skipped": note}, None, None
@@ -278,33 +301,41 @@ def ne_check(args, device, arm, world):
     return ({"ne": normalized_entropy(losses, y), "ne_examples": int(y.size)}, losses, y)
 
 
-RUN_SETTINGS = ("model", "preset", "mods", "table_rows", "fused_embeddings", "compile")
-"""What a ``--baseline`` run must share with this one for its step times and NE to compare."""
-BEFORE_OPTIONS = {"table_rows": 0, "fused_embeddings": False, "compile": False}
-"""How runs written before an option existed ran (the preset's tables, one per feature,
-eager)."""
+def run_settings(args) -> dict:
+    """What a ``--baseline`` run must share with this one for its step times and NE to
+    compare: the model and how it is built, the device, the per-rank batch (None: the
+    model's), what was compiled, and the loka arm's kernel or plan (its file name)."""
+    return {"model": args.model, "preset": args.preset, "mods": args.mods,
+            "device": args.device, "batch_size": args.batch_size,
+            "table_rows": args.table_rows, "fused_embeddings": args.fused_embeddings,
+            "compile": args.compile, "compile_scope": COMPILE_SCOPE if args.compile else None,
+            "kernel": args.kernel, "plan": Path(args.plan).name if args.plan else None}
+
+
+def as_recorded(settings: dict) -> dict:
+    """A run's recorded settings, with what runs written before an option existed did:
+    the preset's tables, one per feature, eager or (``compile`` true) compiled whole, the
+    model's batch, the default kernel."""
+    older = {"batch_size": None, "table_rows": 0, "fused_embeddings": False,
+             "compile": False, "compile_scope": "root" if settings.get("compile") else None,
+             "kernel": None, "plan": None}
+    return {**older, **settings}
 
 
 def baseline_mismatch(baseline: dict, args) -> Optional[str]:
-    """The run settings (:data:`RUN_SETTINGS`) in which ``baseline`` differs from this run,
+    """The run settings (:func:`run_settings`) in which ``baseline`` differs from this run,
     as ``'key=theirs (this run: ours)'`` joined by commas; None where none does."""
-    differ = []
-    for key in RUN_SETTINGS:
-        theirs = baseline.get(key, BEFORE_OPTIONS.get(key))
-        if theirs != getattr(args, key):
-            differ.append(f"{key}={theirs!r} (this run: {getattr(args, key)!r})")
+    theirs = as_recorded(baseline)
+    differ = [f"{key}={theirs.get(key)!r} (this run: {ours!r})"
+              for key, ours in run_settings(args).items() if theirs.get(key) != ours]
     return ", ".join(differ) or None
 
 
 def _ne_settings(args) -> dict:
-    """What two runs' NE checks must share to be compared: the model, its Mods and tables,
-    whether it was compiled, the loka arm's kernel or plan, and the check's own sizes."""
-    return {"model": args.model, "preset": args.preset, "mods": args.mods,
-            "table_rows": args.table_rows, "fused_embeddings": args.fused_embeddings,
-            "kernel": args.kernel,
-            "plan": Path(args.plan).name if args.plan else None,
-            "ne_steps": args.ne_steps, "ne_batch": args.ne_batch,
-            "ne_eval_batches": args.ne_eval_batches, "lr": args.lr, "compile": args.compile}
+    """What two runs' NE checks must share to be compared: the run's settings
+    (:func:`run_settings`) and the check's own sizes."""
+    return {**run_settings(args), "ne_steps": args.ne_steps, "ne_batch": args.ne_batch,
+            "ne_eval_batches": args.ne_eval_batches, "lr": args.lr}
 
 
 def ne_vs_baseline(baseline: dict, baseline_path: Path, arm: str, losses: np.ndarray,
@@ -313,7 +344,8 @@ def ne_vs_baseline(baseline: dict, baseline_path: Path, arm: str, losses: np.nda
     example: ``mean(this) / mean(baseline) - 1`` and its 95% interval; ``matches``: the
     interval holds zero. A baseline with other NE settings or without this arm's losses
     is reported as not comparable."""
-    if baseline.get("ne_settings") != settings:
+    theirs = as_recorded(baseline["ne_settings"]) if baseline.get("ne_settings") else None
+    if theirs != settings:
         return {"comparable": False,
                 "reason": f"baseline NE settings {baseline.get('ne_settings')} != {settings}"}
     npz = baseline_path.parent / baseline.get("ne_losses_file", "")
@@ -368,7 +400,8 @@ def parse(argv=None):
     p.add_argument("--ne-eval-batches", type=int, default=8,
                    help="held-out global batches the NE check scores")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile each arm's sharded model (FSDP2's hooks stay eager)")
+                   help="torch.compile each child of the root module and each block (the "
+                        "root's glue and FSDP2's hooks stay eager)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
@@ -435,10 +468,7 @@ def main(argv=None) -> dict:
             arms[arm]["scaling_efficiency"] = (
                 arms[arm]["samples_per_s"] / (world * base["samples_per_s"])
                 if "samples_per_s" in base else (1.0 if world == 1 else None))
-    result = {"model": args.model, "preset": args.preset, "mods": args.mods,
-              "table_rows": args.table_rows, "fused_embeddings": args.fused_embeddings,
-              "world_size": world, "compile": args.compile,
-              "device": str(device.type),
+    result = {**run_settings(args), "world_size": world,
               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
               else platform.processor() or platform.machine(),
               "torch": torch.__version__, "source_sha1": source_digest(),

@@ -48,10 +48,13 @@ def test_bench_runs_on_one_and_two_ranks_and_reports_every_field(tmp_path):
     # gather the weights in FP8 and scale each rank's rows alone (loka arm): the paired
     # interval holds zero
     assert r2["ne_settings"] == r1["ne_settings"] == {
-        "model": "wukong", "preset": "tiny", "mods": "none", "table_rows": 1000,
-        "fused_embeddings": True, "kernel": None, "plan": None, "ne_steps": 3, "ne_batch": 64,
-        "ne_eval_batches": 2, "lr": 1e-3, "compile": False}
-    assert r1["compile"] is False and "compiled_graphs" not in r1["arms"]["loka"]
+        "model": "wukong", "preset": "tiny", "mods": "none", "device": "cpu", "batch_size": 32,
+        "table_rows": 1000, "fused_embeddings": True, "compile": False, "compile_scope": None,
+        "kernel": None, "plan": None, "ne_steps": 3, "ne_batch": 64, "ne_eval_batches": 2,
+        "lr": 1e-3}
+    assert {k: r1[k] for k in ("device", "batch_size", "compile", "compile_scope")} == {
+        "device": "cpu", "batch_size": 32, "compile": False, "compile_scope": None}
+    assert "compiled_graphs" not in r1["arms"]["loka"]
     from loka.bench.env import source_digest
     assert r1["source_sha1"] == r2["source_sha1"] == source_digest()
     for arm in ("bf16", "loka"):
@@ -88,25 +91,28 @@ def test_bench_runs_on_one_and_two_ranks_and_reports_every_field(tmp_path):
 
 @pytest.mark.slow
 def test_compiled_step_gathers_fp8_weights_on_two_ranks_and_keeps_the_ne(tmp_path):
-    """``--compile``: the loka arm's sharded model under torch.compile, FSDP2's hooks
-    eager between its graphs; on two ranks its weights still all-gather in FP8 into the
-    compiled regions, and the NE of the same held-out examples matches the compiled
-    one-rank run's."""
-    one, two = tmp_path / "c1.json", tmp_path / "c2.json"
+    """``--compile``: the loka arm's blocks and the root's children under torch.compile,
+    FSDP2's hooks eager between their graphs; on two ranks its weights still all-gather
+    in FP8 into the compiled regions, as many bytes as eager, and the NE of the same
+    held-out examples matches the compiled one-rank run's."""
+    one, two, eager = tmp_path / "c1.json", tmp_path / "c2.json", tmp_path / "e2.json"
     arms = ["--arms", "loka", "--compile"]
     _run([sys.executable, "bench/distributed/run.py", *SMOKE, *NE, *arms, "--out", str(one)],
          timeout=600)
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
           "bench/distributed/run.py", *SMOKE, *NE, *arms, "--baseline", str(one),
           "--out", str(two)], timeout=600)
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+          "bench/distributed/run.py", *SMOKE, "--arms", "loka", "--out", str(eager)])
     r1, r2 = json.loads(one.read_text()), json.loads(two.read_text())
-    assert r1["compile"] is True and r2["compile"] is True
+    assert r1["compile"] is True and r2["compile_scope"] == "children"
     assert r2["ne_settings"]["compile"] is True
     a1, a2 = r1["arms"]["loka"], r2["arms"]["loka"]
     assert a1["compiled_graphs"] >= 1 and a2["compiled_graphs"] >= 1
     # every Linear of the tiny Wukong but the logit (1 output) gathers FP8 on two ranks
     assert a2["note"] == "6 of 7 planned Linears all-gather FP8"
-    assert a1["all_gather_bytes_per_step"] == 0 < a2["all_gather_bytes_per_step"]
+    assert a1["all_gather_bytes_per_step"] == 0 < a2["all_gather_bytes_per_step"] == \
+        json.loads(eager.read_text())["arms"]["loka"]["all_gather_bytes_per_step"]
     assert 0.5 < a1["ne"] < 1.5 and a1["ne_examples"] == a2["ne_examples"] == 128
     cmp = a2["ne_vs_baseline"]
     low, high = cmp["interval_95"]
@@ -116,30 +122,42 @@ def test_compiled_step_gathers_fp8_weights_on_two_ranks_and_keeps_the_ne(tmp_pat
 def test_bench_refuses_a_baseline_run_otherwise(tmp_path):
     base = tmp_path / "w1.json"
     base.write_text(json.dumps({"world_size": 1, "model": "wukong", "preset": "tiny",
-                                "mods": "none", "table_rows": 1000, "fused_embeddings": True,
+                                "mods": "none", "device": "cpu", "batch_size": 32,
+                                "table_rows": 1000, "fused_embeddings": True,
                                 "compile": False, "arms": {}}))
     proc = _run_failing([sys.executable, "bench/distributed/run.py", *SMOKE, "--compile",
                          "--baseline", str(base), "--out", str(tmp_path / "x.json")])
-    assert "run with compile=False (this run: True)" in proc.stderr
+    assert proc.stderr.strip().endswith(
+        "run with compile=False (this run: True), compile_scope=None (this run: 'children')")
     assert not (tmp_path / "x.json").exists()
 
 
 def test_baseline_mismatch_names_each_setting_and_reads_older_runs():
     run = _script()
     args = run.parse(["--device", "cpu", "--preset", "tiny", "--mods", "none"])
-    same = {"model": "wukong", "preset": "tiny", "mods": "none", "table_rows": 1000,
-            "fused_embeddings": True, "compile": False}
+    same = run.run_settings(args)
     assert run.baseline_mismatch(same, args) is None
     assert run.baseline_mismatch({**same, "table_rows": 0, "mods": "paper"}, args) == \
         "mods='paper' (this run: 'none'), table_rows=0 (this run: 1000)"
+    for key, theirs in {"device": "cuda", "batch_size": 8, "kernel": "cublas-rowwise",
+                        "plan": "p.plan.json"}.items():
+        assert run.baseline_mismatch({**same, key: theirs}, args).startswith(f"{key}=")
     # a run written before --table-rows, --fused-embeddings and --compile existed ran the
-    # preset's tables, one per feature, eagerly
-    older = {k: v for k, v in same.items() if k in ("model", "preset", "mods")}
+    # preset's tables, one per feature, eagerly; a compiled one from before compile_scope
+    # compiled the root whole
+    older = {k: same[k] for k in ("model", "preset", "mods", "device")}
     assert run.baseline_mismatch(older, args) == \
         "table_rows=0 (this run: 1000), fused_embeddings=False (this run: True)"
     old_args = run.parse(["--device", "cpu", "--preset", "tiny", "--mods", "none",
                           "--table-rows", "0", "--no-fused-embeddings"])
     assert run.baseline_mismatch(older, old_args) is None
+    compiled = run.parse(["--device", "cpu", "--preset", "tiny", "--mods", "none",
+                          "--compile"])
+    assert run.baseline_mismatch({**run.run_settings(compiled), "compile_scope": None}, compiled) \
+        is not None
+    whole = {k: v for k, v in run.run_settings(compiled).items() if k != "compile_scope"}
+    assert run.baseline_mismatch(whole, compiled) == \
+        "compile_scope='root' (this run: 'children')"
 
 
 def _run_failing(cmd):
@@ -173,7 +191,8 @@ def _script():
 
 def test_compile_wraps_each_block_and_child_but_not_the_root():
     """Under FSDP2 the root stays eager: a graph break at a block's hook inside the root's
-    loop would make Dynamo run the whole root forward eagerly."""
+    loop would make Dynamo run the whole root forward eagerly. Containers are never
+    called, so their members are compiled, whatever the container's name."""
     import torch
     from torch import nn
     run = _script()
@@ -182,12 +201,14 @@ def test_compile_wraps_each_block_and_child_but_not_the_root():
         def __init__(self):
             super().__init__()
             self.embed = nn.Linear(4, 8)
-            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+            self.cross = nn.ModuleList([nn.Linear(8, 8)])
+            self.towers = nn.ModuleDict({"a": nn.Linear(8, 8)})
             self.head = nn.Linear(8, 1)
 
         def forward(self, x):
             x = self.embed(x)
-            for layer in self.layers:
+            for layer in [*self.layers, *self.cross, *self.towers.values()]:
                 x = torch.relu(layer(x))
             return self.head(x)
 
@@ -196,7 +217,7 @@ def test_compile_wraps_each_block_and_child_but_not_the_root():
     want = model(x)
     run._compile(model)
     compiled = [n for n, m in model.named_modules() if m._compiled_call_impl is not None]
-    assert compiled == ["embed", "layers.0", "layers.1", "layers.2", "head"]
+    assert compiled == ["embed", "layers.0", "layers.1", "cross.0", "towers.a", "head"]
     torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-6)
 
 
@@ -219,9 +240,9 @@ def test_normalized_entropy_against_float64_by_hand():
 def test_ne_against_a_baseline_says_when_it_cannot_compare(tmp_path):
     import numpy as np
     run = _script()
-    settings = {"model": "wukong", "preset": "tiny", "mods": "none", "table_rows": 1000,
-                "fused_embeddings": True, "kernel": None, "plan": None, "ne_steps": 3,
-                "ne_batch": 64, "ne_eval_batches": 2, "lr": 1e-3, "compile": False}
+    settings = {**run.run_settings(run.parse(["--device", "cpu", "--preset", "tiny",
+                                              "--mods", "none"])),
+                "ne_steps": 3, "ne_batch": 64, "ne_eval_batches": 2, "lr": 1e-3}
     rng = np.random.default_rng(0)
     labels = (rng.random(200) < 0.3).astype(np.float64)
     base = rng.random(200) + 0.1
