@@ -19,10 +19,17 @@ NE = ["--ne-steps", "3", "--ne-batch", "64", "--ne-eval-batches", "2"]
 TEARDOWN_ABORT = "terminate called without an active exception"
 
 
-def _run(cmd, timeout=240, cwd=ROOT):
+def _env() -> dict:
+    """This process's environment for a script run alone: one thread, the repository on
+    the path, no torchrun rank variables inherited."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
+    return env
+
+
+def _run(cmd, timeout=240, cwd=ROOT):
+    env = _env()
     for _ in range(3):
         proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
                               timeout=timeout)
@@ -161,10 +168,8 @@ def test_baseline_mismatch_names_each_setting_and_reads_older_runs():
 
 
 def _run_failing(cmd):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode != 0
     return proc
 
@@ -175,9 +180,7 @@ def _run_failing(cmd):
     (["--ne-batch", "0"], "--ne-batch and --ne-eval-batches >= 1"),
 ])
 def test_bench_refuses_bad_arguments(argv, message):
-    proc = subprocess.run([sys.executable, "bench/distributed/run.py", *argv],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    proc = _run_failing([sys.executable, "bench/distributed/run.py", *argv])
     assert proc.returncode == 2 and message in proc.stderr
 
 
