@@ -177,6 +177,11 @@ class ProbeConfig:
     """on GPUs, skip an emulated kernel where the real kernel it emulates runs too (same
     quantization numerics, no speed to offer; saves measurement time); ignored on the CPU
     and when ``kernels`` is given"""
+    twin_errors: bool = True
+    """a kernel whose output equals a measured kernel's bit for bit (``Kernel.same_bits_as``:
+    LoKA's Triton quantizers with cuBLAS's GEMM, against PyTorch's quantizers with the same
+    GEMM) takes that kernel's error samples instead of sampling its own (the report's
+    ``errors_from`` names it); False: every kernel samples its own"""
     time_unsafe: bool = False
     """also time kernels whose error is over ``max_error`` at a site and role (False: they
     are no candidates there, and timing, the Probe's largest cost, is skipped; a plan made
@@ -197,6 +202,11 @@ class ProbeConfig:
     """child processes that compile the timing pass's compiled calls while the errors are
     sampled (:mod:`loka.probe.precompile`; the report's ``meta['precompile']`` says what
     they did); None: half the CPU cores, at most 8, on CUDA, and none on the CPU; 0: none"""
+    tune_ahead: bool = True
+    """on CUDA, while the precompile children are still compiling after the errors are
+    sampled, LoKA's Triton kernels autotune at the shapes they will be timed at (their
+    configs chosen then; every timing still starts after the children are done); False:
+    they autotune when first timed"""
     autotune_from: Optional[str] = None
     """a Probe report of an earlier run (best: on the same GPU type) whose Triton
     autotuning choices (``meta['autotuned']``) are loaded before timing: shapes it tuned

@@ -1082,3 +1082,50 @@ def test_step_host_bisects_a_plan_by_site_and_against_the_general_path(tmp_path)
     assert doc["paired"] == doc["paired_by_variant"]["plan"]
     assert step_host.main(["--plan", str(ppath), "--prefix-sites", "x", "--out", str(out),
                            "--device", "cpu", "--scale", "tiny"]) == 2
+
+
+# ------------------------------------------------------------------ bench/probe_time.py
+def test_probe_time_profiles_a_probe_on_fresh_caches(tmp_path):
+    """bench/probe_time.py on the CPU, in a process of its own (the fresh caches are set
+    before torch is imported): the Probe's wall time, its phases, cProfile's top rows and
+    the named groups; the caches it names are new folders its compiles could fill."""
+    out = tmp_path / "pt.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(BENCH / "probe_time.py"), "--fresh-caches",
+                           "--scale", "tiny", "--batch-size", "32", "--probe-batches", "2",
+                           "--device", "cpu", "--top", "7", "--probe-config",
+                           '{"num_samples": 2, "progress": false}', "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "loka.bench.probe_time" and doc["sites"] == 11
+    caches = doc["fresh_caches"]
+    assert set(caches) == {"TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"}
+    assert all(os.path.isdir(d) and "loka-probe-time-" in d for d in caches.values())
+    assert doc["probe_config"]["num_samples"] == 2
+    phases = doc["meta"]["phases_s"]
+    assert phases["errors"] > 0 and phases["timing"] > 0
+    assert doc["probe_wall_s"] >= phases["errors"] + phases["timing"]
+    assert len(doc["top_cumulative"]) == 7 == len(doc["top_own"])
+    cum = [r["cumulative_s"] for r in doc["top_cumulative"]]
+    assert cum == sorted(cum, reverse=True) and cum[0] <= doc["probe_wall_s"] * 1.01
+    assert any(r["function"].endswith(":probe") for r in doc["top_cumulative"])
+    assert set(doc["groups_s"]) >= {"dynamo", "triton_compile", "precompile_wait"}
+
+
+def test_probe_time_refuses_bad_input(tmp_path, capsys):
+    sys.path.insert(0, str(BENCH))
+    import probe_time
+    out = str(tmp_path / "x.json")
+    for argv, message in ((["--probe-config", "{bad"], "--probe-config: not JSON"),
+                          (["--probe-config", "[1]"], "expected a JSON object"),
+                          (["--probe-config", '{"num_samples": 0}'], "--probe-config:"),
+                          (["--probe-config", '{"nope": 1}'], "--probe-config:"),
+                          (["--batch-size", "0"], "must be >= 1")):
+        with pytest.raises(SystemExit) as e:
+            probe_time.main([*argv, "--device", "cpu", "--out", out])
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    assert probe_time.main(["--model", "nope", "--device", "cpu", "--scale", "tiny",
+                            "--out", out]) == 2
+    assert "unknown model 'nope'" in capsys.readouterr().err
+    assert not os.path.exists(out)

@@ -206,6 +206,19 @@ def _fresh_compiler(args) -> None:
         torch._dynamo.reset()
 
 
+def _profile(step, device, steps: int) -> dict:
+    """This rank's GPU time per step by kernel class with the ten largest kernels
+    (:func:`loka.bench.evalset.profile_gpu`), and its host time per step
+    (:func:`~loka.bench.evalset.profile_host`), each over ``steps`` more steps: where the
+    step's time goes beside its median."""
+    from loka.bench.evalset import profile_gpu, profile_host
+
+    gpu = profile_gpu(step, steps)
+    gpu.pop("kernels_ms", None)
+    gpu["top_kernels_ms"] = gpu["top_kernels_ms"][:10]
+    return {**gpu, **profile_host(step, device, steps)}
+
+
 def run_arm(args, device, arm, world):
     _fresh_compiler(args)
     graphs_before = _graphs_compiled()
@@ -248,6 +261,8 @@ def run_arm(args, device, arm, world):
            "all_gathers_per_step": counted.count}
     if args.compile:
         out["compiled_graphs"] = _graphs_compiled() - graphs_before
+    if args.profile_steps:
+        out["profile"] = _profile(lambda: step(batches[0]), device, args.profile_steps)
     if note:
         out["note"] = note
     return out
@@ -402,6 +417,9 @@ def parse(argv=None):
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each child of the root module and each block (the "
                         "root's glue and FSDP2's hooks stay eager)")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="CUDA only: after the timing, profile this many steps of each arm on "
+                        "this rank (GPU time by kernel class, the largest kernels, host time)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     args.arms = [a.strip() for a in args.arms.split(",") if a.strip()]
@@ -414,6 +432,8 @@ def parse(argv=None):
         p.error("--table-rows must be >= 0 (0: the preset's tables)")
     if args.ne_steps < 0 or min(args.ne_batch, args.ne_eval_batches) < 1:
         p.error("--ne-steps must be >= 0, --ne-batch and --ne-eval-batches >= 1")
+    if args.profile_steps < 0 or (args.profile_steps and args.device != "cuda"):
+        p.error("--profile-steps must be >= 0, and profiles CUDA runs only")
     return args
 
 

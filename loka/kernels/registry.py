@@ -110,6 +110,10 @@ class Kernel:
     """the name of a kernel whose quantization of both operands is this one's, the same
     PyTorch code (only the GEMM differs, e.g. in fast accumulation): the Probe derives this
     kernel's compiled call from that one's and the two GEMMs, without a compile of its own"""
+    same_bits_as: Optional[str] = None
+    """the name of a kernel whose output this one's equals bit for bit on every operand
+    (quantizers bit-exact with that kernel's, the same GEMM call): where the Probe measures
+    both it samples that kernel's errors once (``ProbeConfig.twin_errors``)"""
     static_gemm: Optional[Callable[..., torch.Tensor]] = None
     """the serving forward with a static input scale, ``(x2d (M, K), w (K, N) FP8 as
     ``quantize_b`` made it, x_table, w_scale, out_dtype) -> y (M, N)``: the cast of x by

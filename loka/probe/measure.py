@@ -192,6 +192,21 @@ def run_samples(pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]], kernels: Seq
     return out
 
 
+def _mean(values: Sequence[float]) -> float:
+    """The mean of finite-or-not samples (NaN where any is NaN: never within a budget)."""
+    return float(sum(values) / len(values)) if values else math.nan
+
+
+def twin_sources(kernels: Sequence[Kernel]) -> Dict[str, str]:
+    """``{kernel: twin}`` for each kernel of ``kernels`` whose output equals a kernel's
+    among them bit for bit (``Kernel.same_bits_as``): its errors are that kernel's, and
+    only the twin's are sampled (``ProbeConfig.twin_errors``)."""
+    names = {k.name for k in kernels}
+    return {k.name: k.same_bits_as for k in kernels
+            if k.same_bits_as is not None and k.same_bits_as in names
+            and k.same_bits_as != k.name}
+
+
 def bootstrap_stat(values, resamples: int = 1000, seed: int = 0, level: float = 0.95
                    ) -> ErrorStat:
     """Mean of per-sample values with a percentile-bootstrap confidence interval.
@@ -332,6 +347,23 @@ class KernelTimer:
         return TimingResult(us, method, min(call.iters, gemm.iters),
                             note=f"derived: {twin}'s compiled call with this kernel's GEMM")
 
+    def tune(self, kernel: str, role: Role, shape: Tuple[int, int, int], dev: torch.device,
+             dtype: torch.dtype, weight_q: bool = False) -> bool:
+        """Call an eagerly timed kernel once on the operands :meth:`time` will use, without
+        timing it: its Triton autotuners pick their configs for these shapes now (under
+        ``ProbeConfig.autotune_configs``), and the later timing launches the chosen ones.
+        Returns whether the call ran (a failure is left for :meth:`time` to record)."""
+        a, b = self._pair(role, shape, dev, dtype)
+        kern = registry.get(kernel)
+        try:
+            with torch.no_grad(), autotune_limit(self.config.autotune_configs):
+                if weight_q:
+                    b = kern.quantize_b(b)
+                kern(a, b, dtype)
+            return True
+        except Exception:  # noqa: BLE001 - timed (and recorded as failed) later
+            return False
+
     def _pair(self, role, shape, dev, dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         key = (role, tuple(shape), dtype, str(dev))
         if key not in self._operands:
@@ -398,6 +430,8 @@ class _RoleWork:
     kernels: List[Kernel] = dataclasses.field(default_factory=list)
     errors: Dict[str, Union[SampleErrors, Failure]] = dataclasses.field(default_factory=dict)
     naive: Dict[str, Union[SampleErrors, Failure]] = dataclasses.field(default_factory=dict)
+    errors_from: Dict[str, str] = dataclasses.field(default_factory=dict)
+    """kernels whose errors are a bit-identical twin's (:func:`twin_sources`)"""
     est_base_us: Optional[float] = None
     """the baseline's time from a short timing before the errors (what to compile ahead)"""
 
@@ -556,23 +590,64 @@ class _Measurement:
         kept, shared = [], {}
         for rw in work.roles:
             self.where = f"{site.name} {rw.role.value}"
+            rw.errors_from = twin_sources(rw.kernels) if cfg.twin_errors else {}
+            sampled = [k for k in rw.kernels if k.name not in rw.errors_from]
             try:
-                with self.phase("errors", dev), _untuned(rw.kernels):
+                with self.phase("errors", dev), _untuned(sampled):
                     sampler = OperandSampler(site, rw.role, dev, dtype, source=cfg.source,
                                              weight_source=cfg.weight_source,
                                              weight=work.module.weight, seed=cfg.seed,
                                              shared=shared)
                     rw.errors = run_samples(sampler.pairs(cfg.num_samples, rw.m_err),
-                                            rw.kernels, dtype)
+                                            sampled, dtype)
             except ValueError as e:  # too little data to build the sampler
                 work.skipped[rw.role.value] = Failure.of(e).reason
                 continue
+            for name, twin in rw.errors_from.items():
+                rw.errors[name] = rw.errors[twin]
             # entered (and reported) when off
-            with self.phase("naive", dev), _untuned(rw.kernels):
-                rw.naive = (self.naive(site, rw.role, dev, dtype, rw.kernels, rw.m_err)
+            with self.phase("naive", dev), _untuned(sampled):
+                rw.naive = (self.naive(site, rw.role, dev, dtype, sampled, rw.m_err)
                             if cfg.compare_naive else {})
+            for name, twin in rw.errors_from.items():
+                if twin in rw.naive:
+                    rw.naive[name] = rw.naive[twin]
             kept.append(rw)
         work.roles = kept
+
+    def tune_ahead(self, works: Sequence["_SiteWork"]) -> int:
+        """While the compiling children finish (:mod:`loka.probe.precompile`), let LoKA's
+        Triton kernels autotune at the shapes the timing pass will time them at: each
+        timed eager call of a Triton kernel whose errors are within ``max_error`` (or
+        ``time_unsafe``) and that the roofline does not rule out, and its forward with the
+        weight quantized beforehand. Autotuning picks configs and times nothing kept; the
+        timings themselves still start once the children are done. Returns the calls
+        made (the report's ``meta['tuned_ahead']``)."""
+        cfg, calls = self.config, 0
+        if not cfg.timing:
+            return 0
+        for work in works:
+            for rw in work.roles:
+                for k in rw.kernels:
+                    if (k.library is not Library.TRITON or not k.is_fp8
+                            or compiles_for_timing(k, work.dev, cfg.timing_compile)):
+                        continue
+                    measured = rw.errors.get(k.name)
+                    if not isinstance(measured, SampleErrors) or not (
+                            cfg.time_unsafe or _mean(measured.mere) < cfg.max_error):
+                        continue
+                    shape = rw.timed_shape(k)
+                    if self._roofline_bound(k, rw.role, shape, work.dev, work.dtype,
+                                            rw.est_base_us, work.site.producers) is not None:
+                        continue
+                    self.where = f"{work.name} {rw.role.value}"
+                    variants = (False, True) if (rw.role is Role.FWD
+                                                 and k.quantize_b is not None) else (False,)
+                    for weight_q in variants:
+                        with self.phase("tune_ahead", work.dev):
+                            calls += self.timer.tune(k.name, rw.role, shape, work.dev,
+                                                     work.dtype, weight_q)
+        return calls
 
     def finish(self, work: "_SiteWork") -> SiteReport:
         """Time what :meth:`errors` found worth timing and assemble the site's report."""
@@ -600,7 +675,7 @@ class _Measurement:
         rr = RoleReport(role, rw.shape, base_us)
         seed = seed_for(cfg.seed, site.name, role.value, "bootstrap")
         for k in rw.kernels:
-            kr = KernelResult(k.name)
+            kr = KernelResult(k.name, errors_from=rw.errors_from.get(k.name))
             measured = rw.errors[k.name]
             if isinstance(measured, Failure):
                 kr.error = measured.reason
@@ -796,11 +871,13 @@ def measure_report(sites: Mapping[str, SiteStats], modules: Mapping[str, nn.Line
     # the baselines' estimates first: they rule kernels out (roofline) before anything compiles
     run.estimate_baselines(works)
     pre = precompile.start(run.compile_plan(works), used, config) if works else None
-    precompiled = None
+    precompiled, tuned_ahead = None, 0
     try:
         for work in works:
             run.errors(work)
             bar.update()
+        if config.tune_ahead and pre is not None and pre.running():
+            tuned_ahead = run.tune_ahead(works)
         precompiled = pre.wait(status=bar.set_postfix_str) if pre is not None else None
     finally:
         if pre is not None:
@@ -817,6 +894,8 @@ def measure_report(sites: Mapping[str, SiteStats], modules: Mapping[str, nn.Line
             "report_s": time.perf_counter() - start, "phases_s": dict(run.phases),
             "not_timed": dict(run.not_timed), "autotuned": _autotune_choices(),
             "head_forwards_only": list(run.head), "kernels_not_measured": missing,
+            "twin_errors": sum(len(rw.errors_from) for w in works for rw in w.roles),
+            "tuned_ahead": tuned_ahead,
             "spent": {k: round(max(v - spent[k], 0.0), 3) for k, v in _spent().items()}}
     if seeded is not None:
         meta["autotune_seeded"] = seeded

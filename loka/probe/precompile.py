@@ -14,7 +14,10 @@ while the parent samples errors. The parent's own compiles of the same graphs th
 from those caches instead of generating and compiling code again.
 
 The children change no measurement: the parent waits for them (:meth:`Precompile.wait`)
-before it times its first kernel, so their GPU and CPU work never overlaps a timing. A
+before it times its first kernel, so their GPU and CPU work never overlaps a timing. While
+it waits, LoKA's Triton kernels autotune at their timed shapes
+(``ProbeConfig.tune_ahead``): the choice of a config may see the children's work, the
+timings of the chosen configs do not. A
 child that fails, or is still running after :data:`WAIT_S`, costs the parent only the
 compiles it then does itself; what happened is in the report's ``meta['precompile']``.
 
@@ -156,6 +159,10 @@ class Precompile:
         self.workdir = workdir
         self.skipped = skipped
         self.started = time.perf_counter()
+
+    def running(self) -> bool:
+        """Whether any child is still compiling."""
+        return any(p.poll() is None for p, _ in self.procs)
 
     def wait(self, status: Callable[[str], None] = lambda s: None,
              timeout: float = WAIT_S) -> Dict[str, object]:

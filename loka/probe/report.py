@@ -162,6 +162,9 @@ class KernelResult:
     fuse or the split is missing"""
     serve_speedup: Optional[float] = None
     """baseline time / ``serve_us``"""
+    errors_from: Optional[str] = None
+    """the kernel whose error samples these are (its output equals this kernel's bit for
+    bit, ``Kernel.same_bits_as``; ``ProbeConfig.twin_errors``); None: sampled here"""
     roofline_bound: Optional[float] = None
     """where the roofline bound is why the kernel was not timed (``not_timed``): the
     speedup over the measured baseline that the timed call could reach at most at the
@@ -187,6 +190,8 @@ class KernelResult:
             d["speedup_weight_q"] = encode_number(self.speedup_weight_q)
         if self.not_timed is not None:
             d["not_timed"] = self.not_timed
+        if self.errors_from is not None:
+            d["errors_from"] = self.errors_from
         for k in ("time_us_gemm", "step_us", "step_speedup", "serve_us", "serve_speedup",
                   "roofline_bound"):
             if getattr(self, k) is not None:
@@ -210,6 +215,10 @@ class KernelResult:
                   "time_us_gemm", "step_us", "step_speedup", "serve_us", "serve_speedup",
                   "roofline_bound")}
         not_timed = field_str(d, "not_timed", where, optional=True)
+        errors_from = field_str(d, "errors_from", where, optional=True)
+        if errors_from is not None and errors_from in ("", name):
+            raise ReportError(f"{field_path(where, 'errors_from')}: expected another "
+                              f"kernel's name, got {errors_from!r}")
         if times["roofline_bound"] is None:  # a report from before the field: its text
             m = _ROOFLINE_RE.match(not_timed or "")
             times["roofline_bound"] = float(m.group(1)) if m else None
@@ -234,7 +243,7 @@ class KernelResult:
                    time_us_gemm=times["time_us_gemm"], step_us=times["step_us"],
                    step_speedup=times["step_speedup"], serve_us=times["serve_us"],
                    serve_speedup=times["serve_speedup"], roofline_bound=times["roofline_bound"],
-                   **stats)
+                   errors_from=errors_from, **stats)
 
 
 @dataclass

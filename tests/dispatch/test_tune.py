@@ -346,6 +346,10 @@ def test_whole_step_helpers_are_exported_where_the_docs_name_them():
         a, b = get(kernel), get(twin)
         assert (a.formats, a.scaling, a.fast_accum) == (b.formats, b.scaling, b.fast_accum)
         assert a.library is Library.TRITON and b.library is Library.CUBLAS
+        assert a.same_bits_as == twin  # the Probe samples their errors once
+    from loka.kernels import registry
+    assert {k.name: k.same_bits_as for k in registry.all_kernels()
+            if k.same_bits_as} == d.FUSIBLE_TWINS
 
 
 def test_optimize_tries_the_plans_kernels_as_families_and_keeps_the_faster_one(make_report):

@@ -178,6 +178,8 @@ def _run_failing(cmd):
     (["--arms", "fp4"], "--arms: unknown ['fp4']"),
     (["--table-rows", "-1"], "--table-rows must be >= 0"),
     (["--ne-batch", "0"], "--ne-batch and --ne-eval-batches >= 1"),
+    (["--device", "cpu", "--profile-steps", "2"], "profiles CUDA runs only"),
+    (["--profile-steps", "-1"], "--profile-steps must be >= 0"),
 ])
 def test_bench_refuses_bad_arguments(argv, message):
     proc = _run_failing([sys.executable, "bench/distributed/run.py", *argv])

@@ -161,3 +161,62 @@ def test_cpu_wallclock_timings_are_never_flagged_fast():
     ks = rep.sites[""].roles[Role.FWD].kernels
     assert all(kr.timing == "cpu-wallclock" and kr.speedup > 0 for kr in ks.values())
     assert not any(kr.fast for kr in ks.values())
+
+
+@pytest.fixture
+def bit_twin():
+    """A kernel whose output is the emulated rowwise kernel's, bit for bit (its ``fn``),
+    registered with ``same_bits_as`` naming it; its calls counted."""
+    calls = []
+    real = registry.get("emulated-rowwise-e4m3")
+
+    def fn(a, b, out):
+        calls.append(tuple(a.shape))
+        return real.fn(a, b, out)
+    register(Kernel("test-bit-twin", fn, library="custom", formats=real.formats,
+                    scaling=real.scaling, same_bits_as=real.name))
+    yield "test-bit-twin", real.name, calls
+    unregister("test-bit-twin")
+
+
+def test_a_bit_identical_twin_takes_its_twins_error_samples(bit_twin):
+    """``ProbeConfig.twin_errors``: the twin is never called for errors, its statistics are
+    the measured kernel's, the report names where they came from and reads it back; off,
+    it samples its own, which for bit-identical outputs are the same numbers."""
+    from loka.probe import ProbeReport
+    from loka.probe.measure import twin_sources
+    name, real, calls = bit_twin
+    model = nn.Linear(32, 16)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(64, 32, generator=g) for _ in range(2)]
+
+    def run(**kw):
+        return loka.probe(model, batches, lambda m, x: m(x).square().mean(),
+                          config=ProbeConfig(num_samples=4, naive_samples=3, bootstrap=50,
+                                             progress=False, timing=False, compare_naive=True,
+                                             kernels=(real, name), **kw))
+    shared = run()
+    assert calls == []  # neither errors nor naive errors called it
+    assert shared.meta["twin_errors"] == 3  # one kernel, three roles
+    roles = shared.sites[""].roles
+    assert set(roles) == {Role.FWD, Role.DGRAD, Role.WGRAD}
+    for rr in roles.values():
+        twin, measured = rr.kernels[name], rr.kernels[real]
+        assert twin.errors_from == real and measured.errors_from is None
+        assert twin.mere == measured.mere and twin.sqnr == measured.sqnr
+        assert twin.naive_mere == measured.naive_mere and twin.safe == measured.safe
+        assert 0 < measured.mere.mean < 0.2
+    back = ProbeReport.from_dict(shared.to_dict())
+    assert back.sites[""].roles[Role.FWD].kernels[name].errors_from == real
+    own = run(twin_errors=False)
+    assert len(calls) == 3 * (4 + 3) and own.meta["twin_errors"] == 0
+    for role, rr in own.sites[""].roles.items():
+        assert rr.kernels[name].errors_from is None
+        assert rr.kernels[name].mere.mean == shared.sites[""].roles[role].kernels[name].mere.mean
+    # the twin must be measured too, and a kernel is never its own twin
+    assert twin_sources([registry.get(name)]) == {}
+    assert twin_sources([registry.get(name), registry.get(real)]) == {name: real}
+    bad = shared.to_dict()
+    bad["sites"][""]["roles"]["fwd"]["kernels"][name]["errors_from"] = name
+    with pytest.raises(loka.probe.ReportError, match="errors_from: expected another kernel"):
+        ProbeReport.from_dict(bad)

@@ -184,3 +184,76 @@ def test_the_timer_estimate_is_not_kept():
     assert timer._results == {}
     assert timer.estimate("no-such-kernel", Role.FWD, (16, 32, 16), torch.device("cpu"),
                           torch.float32) is None
+
+
+@pytest.fixture
+def fake_triton():
+    """Kernels registered as LoKA Triton kernels on the CPU (the emulated rowwise kernel's
+    numerics; one of them returns zeros, far over any error budget), their calls' operand
+    shapes recorded."""
+    from loka.kernels import Kernel, register, unregister
+    real = get("emulated-rowwise-e4m3")
+    calls = {"test-triton-ok": [], "test-triton-bad": []}
+
+    def make(name, zero):
+        def fn(a, b, out):
+            calls[name].append((tuple(a.shape), tuple(b.shape), type(b).__name__))
+            y = real.fn(a, b, out)
+            return torch.zeros_like(y) if zero else y
+        register(Kernel(name, fn, library="triton", formats=real.formats,
+                        scaling=real.scaling, quantize_a=real.quantize_a,
+                        quantize_b=real.quantize_b))
+    make("test-triton-ok", False)
+    make("test-triton-bad", True)
+    yield calls
+    for name in calls:
+        unregister(name)
+
+
+def test_tune_ahead_calls_each_timed_triton_kernel_once_at_its_timed_shape(fake_triton):
+    """After the errors, each Triton kernel the timing pass will time is called once per
+    timed variant (the forward also with its weight quantized) on the timer's own operands;
+    a kernel over the error budget and every compiled or non-Triton kernel are not."""
+    calls = fake_triton
+    model = _model()
+    cfg = ProbeConfig(timing_compile="on", precompile_workers=0, num_samples=2, bootstrap=0,
+                      progress=False, kernels=("bf16", "cublas-tensorwise", "test-triton-ok",
+                                               "test-triton-bad"))
+    probe = loka.Probe(model, config=cfg)
+    with probe:
+        model(torch.randn(64, 32)).square().mean().backward()
+    run = _Measurement(cfg)
+    works = [run.plan_site(n, probe.sites[n], probe.modules[n], torch.device("cpu"))
+             for n in probe.sites]
+    for w in works:
+        run.errors(w)
+    calls["test-triton-ok"].clear()
+    calls["test-triton-bad"].clear()
+    assert run.tune_ahead(works) == 2 * 4  # 2 Linears x (fwd, fwd weight-q, dgrad, wgrad)
+    assert calls["test-triton-bad"] == []
+    got = calls["test-triton-ok"]
+    # fwd (64, 32) x (32, 64) of the first Linear; its weight quantized once (a QTensor)
+    assert ((64, 32), (32, 64), "Tensor") in got and ((64, 32), (32, 64), "QTensor") in got
+    assert ((64, 64), (64, 32), "Tensor") in got  # the first Linear's dgrad
+    assert "tune_ahead" in run.phases
+    # the timing pass then runs on the same operand pairs
+    assert len(run.timer._operands) == len({(rw.role, rw.shape) for w in works
+                                            for rw in w.roles})
+    off = _Measurement(ProbeConfig(timing=False, kernels=cfg.kernels, progress=False))
+    assert off.tune_ahead(works) == 0
+
+
+def test_the_probe_tunes_ahead_only_while_children_compile(fake_triton, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    kernels = ("bf16", "cublas-tensorwise", "test-triton-ok")
+    with_children = _probe(1, kernels=kernels)
+    assert with_children.meta["precompile"]["compiled"] == 4  # 2 Linears x 2 variants
+    assert with_children.meta["tuned_ahead"] == 2 * 2  # 2 Linears' forwards, 2 variants
+    assert "tune_ahead" in with_children.meta["phases_s"]
+    alone = _probe(0, kernels=kernels)
+    assert alone.meta["tuned_ahead"] == 0 and "tune_ahead" not in alone.meta["phases_s"]
+    off = _probe(1, kernels=kernels, tune_ahead=False)
+    assert off.meta["tuned_ahead"] == 0 and off.meta["precompile"]["compiled"] == 4
+    for rep in (with_children, alone, off):  # the kernel is timed either way
+        kr = rep.sites["0"].roles[Role.FWD].kernels["test-triton-ok"]
+        assert kr.time_us > 0 and kr.time_us_weight_q > 0

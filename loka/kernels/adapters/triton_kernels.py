@@ -251,11 +251,14 @@ def _checked(q: QTensor, fmt, granularity: Granularity, operand: str) -> QTensor
 
 def make_triton_kernel(name: str, granularity: Granularity, *, gemm: str,
                        a_format: str = "e4m3", b_format: str = "e4m3",
-                       fast_accum: bool = False, roles=None, description: str) -> Kernel:
+                       fast_accum: bool = False, roles=None, same_bits_as: Optional[str] = None,
+                       description: str) -> Kernel:
     """A registry kernel: Triton quantization of both operands, then ``gemm``:
     'triton' (LoKA's Triton GEMM) or 'cublas' (``torch._scaled_mm`` / ``F.scaled_mm``);
     or 'triton-inline' (rowwise only): the Triton GEMM that casts float operands in its
-    own loads after one amax pass each (QTensor operands are used as they are)."""
+    own loads after one amax pass each (QTensor operands are used as they are).
+    ``same_bits_as``: the cuBLAS kernel whose PyTorch quantizers these Triton ones match bit
+    for bit, with the same GEMM call (``Kernel.same_bits_as``)."""
     if gemm == "triton-inline" and granularity is not Granularity.ROWWISE:
         raise ValueError("the inline-quantizing GEMM is rowwise")
     quantize_a, quantize_b = make_quantizers(granularity, a_format, b_format)
@@ -299,6 +302,7 @@ def make_triton_kernel(name: str, granularity: Granularity, *, gemm: str,
         devices=("cuda",), min_capability=(8, 9), vendor="nvidia",
         align=BLOCK if granularity is Granularity.BLOCKWISE else 16, requires=requires,
         quantize_a=quantize_a, quantize_b=quantize_b, fast_accum=fast_accum,
+        same_bits_as=same_bits_as,
         # the inline GEMM casts float operands in its own loads: no FP8 copies to share
         quantize_dual=(make_dual_quantizer(a_format)
                        if granularity is Granularity.ROWWISE and gemm != "triton-inline" else None),
@@ -314,8 +318,10 @@ TRITON_KERNELS = (
                        description="Triton rowwise quantization + Triton rowwise GEMM, fast "
                                    "accumulation"),
     make_triton_kernel("triton-rowwise-cublas", RW, gemm="cublas",
+                       same_bits_as="cublas-rowwise",
                        description="Triton rowwise quantization + torch._scaled_mm rowwise"),
     make_triton_kernel("triton-rowwise-cublas-fastacc", RW, gemm="cublas", fast_accum=True,
+                       same_bits_as="cublas-rowwise-fastacc",
                        description="Triton rowwise quantization + torch._scaled_mm rowwise, "
                                    "fast accumulation"),
     make_triton_kernel("triton-rowwise-e5m2", RW, gemm="triton", a_format="e5m2",
@@ -329,8 +335,10 @@ TRITON_KERNELS = (
     make_triton_kernel("triton-tensorwise", TW, gemm="triton",
                        description="Triton two-stage tensorwise quantization + Triton GEMM"),
     make_triton_kernel("triton-tensorwise-cublas", TW, gemm="cublas",
+                       same_bits_as="cublas-tensorwise",
                        description="Triton tensorwise quantization + torch._scaled_mm"),
     make_triton_kernel("triton-tensorwise-cublas-fastacc", TW, gemm="cublas", fast_accum=True,
+                       same_bits_as="cublas-tensorwise-fastacc",
                        description="Triton tensorwise quantization + torch._scaled_mm, fast "
                                    "accumulation"),
     make_triton_kernel("triton-blockwise", BW, gemm="triton",
