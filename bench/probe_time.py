@@ -70,7 +70,7 @@ parent's cumulative time in the outermost call of each (recursion counted once)"
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--eval-set", default=os.path.join(_ROOT, "bench", "evalset"))
     ap.add_argument("--model", default="wukong")
@@ -88,6 +88,9 @@ def parse(argv=None):
     ap.add_argument("--top", type=int, default=60)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    if args.fresh_caches and not _CACHES:
+        ap.error("--fresh-caches must be on the command line (the caches are set before "
+                 "torch is imported), not passed to main()")
     if args.batch_size < 1 or args.probe_batches < 1 or args.top < 1:
         ap.error("--batch-size, --probe-batches and --top must be >= 1")
     try:

@@ -180,8 +180,10 @@ class ProbeConfig:
     twin_errors: bool = True
     """a kernel whose output equals a measured kernel's bit for bit (``Kernel.same_bits_as``:
     LoKA's Triton quantizers with cuBLAS's GEMM, against PyTorch's quantizers with the same
-    GEMM) takes that kernel's error samples instead of sampling its own (the report's
-    ``errors_from`` names it); False: every kernel samples its own"""
+    GEMM) runs on the first sample only, beside that kernel, and where the outputs are
+    equal takes its error samples (the report's ``errors_from`` names it; where they are
+    not, it samples its own, ``meta['twin_mismatches']``); False: every kernel samples
+    its own"""
     time_unsafe: bool = False
     """also time kernels whose error is over ``max_error`` at a site and role (False: they
     are no candidates there, and timing, the Probe's largest cost, is skipped; a plan made
@@ -203,8 +205,8 @@ class ProbeConfig:
     sampled (:mod:`loka.probe.precompile`; the report's ``meta['precompile']`` says what
     they did); None: half the CPU cores, at most 8, on CUDA, and none on the CPU; 0: none"""
     tune_ahead: bool = True
-    """on CUDA, while the precompile children are still compiling after the errors are
-    sampled, LoKA's Triton kernels autotune at the shapes they will be timed at (their
+    """while the precompile children (on CUDA by default) are still compiling after the
+    errors are sampled, LoKA's Triton kernels autotune at the shapes they will be timed at (their
     configs chosen then; every timing still starts after the children are done); False:
     they autotune when first timed"""
     autotune_from: Optional[str] = None

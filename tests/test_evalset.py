@@ -1110,7 +1110,10 @@ def test_probe_time_profiles_a_probe_on_fresh_caches(tmp_path):
     cum = [r["cumulative_s"] for r in doc["top_cumulative"]]
     assert cum == sorted(cum, reverse=True) and cum[0] <= doc["probe_wall_s"] * 1.01
     assert any(r["function"].endswith(":probe") for r in doc["top_cumulative"])
-    assert set(doc["groups_s"]) >= {"dynamo", "triton_compile", "precompile_wait"}
+    groups = doc["groups_s"]
+    assert set(groups) >= {"dynamo", "triton_compile", "precompile_wait", "cuda_synchronize"}
+    assert all(0 <= v <= doc["probe_wall_s"] for v in groups.values())
+    assert groups["precompile_wait"] == 0 == groups["triton_compile"]  # no child, no Triton
 
 
 def test_probe_time_refuses_bad_input(tmp_path, capsys):
@@ -1121,7 +1124,9 @@ def test_probe_time_refuses_bad_input(tmp_path, capsys):
                           (["--probe-config", "[1]"], "expected a JSON object"),
                           (["--probe-config", '{"num_samples": 0}'], "--probe-config:"),
                           (["--probe-config", '{"nope": 1}'], "--probe-config:"),
-                          (["--batch-size", "0"], "must be >= 1")):
+                          (["--batch-size", "0"], "must be >= 1"),
+                          (["--fresh"], "unrecognized arguments: --fresh"),
+                          (["--fresh-caches"], "must be on the command line")):
         with pytest.raises(SystemExit) as e:
             probe_time.main([*argv, "--device", "cpu", "--out", out])
         assert e.value.code == 2 and message in capsys.readouterr().err

@@ -159,8 +159,17 @@ def _reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def run_samples(pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]], kernels: Sequence[Kernel],
-                dtype: torch.dtype) -> Dict[str, Union[SampleErrors, Failure]]:
+                dtype: torch.dtype, twins: Optional[Mapping[str, Sequence[Kernel]]] = None,
+                checked: Optional[Dict[str, Optional[str]]] = None
+                ) -> Dict[str, Union[SampleErrors, Failure]]:
     """Every kernel on every pair ``(a (M, K), b (K, N))`` against one reference per pair.
+
+    Args:
+        twins: ``{twin name: [kernel, ...]}``: kernels that are not sampled because their
+            output is said to equal the twin's (one of ``kernels``) bit for bit. On the
+            first pair each runs beside its twin, and ``checked[kernel name]`` says None
+            where the two outputs are equal, else why not (it raised, its twin raised, or
+            the outputs differ).
 
     Returns:
         ``{kernel name: SampleErrors}``, or a :class:`Failure` for a kernel that raised
@@ -170,16 +179,21 @@ def run_samples(pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]], kernels: Seq
     failed: Dict[str, Failure] = {}
     signals = []
     with torch.no_grad():
-        for a, b in pairs:
+        for i, (a, b) in enumerate(pairs):
             ref = _Reference(_reference(a, b))
             signals.append(ref.signal)
             for k in kernels:
                 if k.name in failed:
                     continue
                 try:
-                    acc[k.name].append(ref.measure(k(a, b, dtype)))
+                    out = k(a, b, dtype)
+                    acc[k.name].append(ref.measure(out))
                 except Exception as e:  # noqa: BLE001 - a failing kernel is a result
                     failed[k.name] = Failure.of(e)
+                    out = None
+                if i == 0 and twins and checked is not None:
+                    for dep in twins.get(k.name, ()):
+                        checked[dep.name] = _same_bits(dep, a, b, dtype, out)
     signal = torch.stack(signals).tolist() if signals else []
     out: Dict[str, Union[SampleErrors, Failure]] = {}
     for name, vals in acc.items():
@@ -192,19 +206,30 @@ def run_samples(pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]], kernels: Seq
     return out
 
 
-def _mean(values: Sequence[float]) -> float:
-    """The mean of finite-or-not samples (NaN where any is NaN: never within a budget)."""
-    return float(sum(values) / len(values)) if values else math.nan
+def _same_bits(kern: Kernel, a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype,
+               want: Optional[torch.Tensor]) -> Optional[str]:
+    """None where ``kern(a, b)`` equals its twin's output ``want`` bit for bit, else why not."""
+    if want is None:
+        return "its twin failed"
+    try:
+        got = kern(a, b, dtype)
+    except Exception as e:  # noqa: BLE001
+        return f"it raised {one_line(e)}"
+    if got.shape != want.shape or got.dtype != want.dtype or not torch.equal(got, want):
+        return "its output differs from its twin's"
+    return None
 
 
 def twin_sources(kernels: Sequence[Kernel]) -> Dict[str, str]:
     """``{kernel: twin}`` for each kernel of ``kernels`` whose output equals a kernel's
-    among them bit for bit (``Kernel.same_bits_as``): its errors are that kernel's, and
-    only the twin's are sampled (``ProbeConfig.twin_errors``)."""
+    among them bit for bit (``Kernel.same_bits_as``), where that twin is sampled itself
+    (it names no twin among them: in a chain or a cycle the kernels sampled decide, none
+    is copied from a copy): its errors are the twin's (``ProbeConfig.twin_errors``)."""
     names = {k.name for k in kernels}
-    return {k.name: k.same_bits_as for k in kernels
-            if k.same_bits_as is not None and k.same_bits_as in names
-            and k.same_bits_as != k.name}
+    named = {k.name: k.same_bits_as for k in kernels
+             if k.same_bits_as is not None and k.same_bits_as in names
+             and k.same_bits_as != k.name}
+    return {name: twin for name, twin in named.items() if twin not in named}
 
 
 def bootstrap_stat(values, resamples: int = 1000, seed: int = 0, level: float = 0.95
@@ -470,6 +495,9 @@ class _Measurement:
         self.status = status
         """shows what is being measured (the progress bar's postfix)"""
         self.where = ""
+        self.twin_mismatches: List[str] = []
+        """site, role and kernel where a kernel's output did not equal its twin's (then
+        sampled itself; the report's ``meta['twin_mismatches']``)"""
         self.head: Tuple[str, ...] = ()
         """the sites nearest the loss, measured forwards only (``ProbeConfig.head_sites``)"""
 
@@ -592,14 +620,32 @@ class _Measurement:
             self.where = f"{site.name} {rw.role.value}"
             rw.errors_from = twin_sources(rw.kernels) if cfg.twin_errors else {}
             sampled = [k for k in rw.kernels if k.name not in rw.errors_from]
+            checked: Dict[str, Optional[str]] = {}
             try:
-                with self.phase("errors", dev), _untuned(sampled):
-                    sampler = OperandSampler(site, rw.role, dev, dtype, source=cfg.source,
-                                             weight_source=cfg.weight_source,
-                                             weight=work.module.weight, seed=cfg.seed,
-                                             shared=shared)
-                    rw.errors = run_samples(sampler.pairs(cfg.num_samples, rw.m_err),
-                                            sampled, dtype)
+                with self.phase("errors", dev), _untuned(rw.kernels):
+                    def draw():
+                        return OperandSampler(site, rw.role, dev, dtype, source=cfg.source,
+                                              weight_source=cfg.weight_source,
+                                              weight=work.module.weight, seed=cfg.seed,
+                                              shared=shared).pairs(cfg.num_samples, rw.m_err)
+                    twins: Dict[str, List[Kernel]] = {}
+                    for name, twin in rw.errors_from.items():
+                        twins.setdefault(twin, []).extend(
+                            k for k in rw.kernels if k.name == name)
+                    rw.errors = run_samples(draw(), sampled, dtype, twins, checked)
+                    # a twin that failed, or a kernel that did not match it: sampled itself,
+                    # on the same pairs (the sampler's stream restarts from its seed)
+                    for name, twin in rw.errors_from.items():
+                        if checked.get(name) is None and isinstance(rw.errors[twin], Failure):
+                            checked[name] = "its twin failed"
+                    own = [k for k in rw.kernels if checked.get(k.name) is not None]
+                    for k in own:
+                        del rw.errors_from[k.name]
+                        self.twin_mismatches.append(
+                            f"{site.name} {rw.role.value} {k.name}: {checked[k.name]}")
+                    if own:
+                        rw.errors.update(run_samples(draw(), own, dtype))
+                        sampled += own
             except ValueError as e:  # too little data to build the sampler
                 work.skipped[rw.role.value] = Failure.of(e).reason
                 continue
@@ -634,7 +680,9 @@ class _Measurement:
                         continue
                     measured = rw.errors.get(k.name)
                     if not isinstance(measured, SampleErrors) or not (
-                            cfg.time_unsafe or _mean(measured.mere) < cfg.max_error):
+                            cfg.time_unsafe or self._within_budget(
+                                bootstrap_stat(measured.mere, cfg.bootstrap,
+                                               self._bootstrap_seed(work, rw)))):
                         continue
                     shape = rw.timed_shape(k)
                     if self._roofline_bound(k, rw.role, shape, work.dev, work.dtype,
@@ -648,6 +696,14 @@ class _Measurement:
                             calls += self.timer.tune(k.name, rw.role, shape, work.dev,
                                                      work.dtype, weight_q)
         return calls
+
+    def _bootstrap_seed(self, work: "_SiteWork", rw: "_RoleWork") -> int:
+        return seed_for(self.config.seed, work.site.name, rw.role.value, "bootstrap")
+
+    def _within_budget(self, mere: Optional[ErrorStat]) -> bool:
+        """A kernel's ``safe`` flag from its errors: the MERE's upper bound is finite and
+        under ``max_error``."""
+        return mere is not None and math.isfinite(mere.hi) and mere.hi < self.config.max_error
 
     def finish(self, work: "_SiteWork") -> SiteReport:
         """Time what :meth:`errors` found worth timing and assemble the site's report."""
@@ -673,7 +729,7 @@ class _Measurement:
                 baseline = self.timer.time(BASELINE, role, rw.shape, dev, dtype)
             base_us = baseline.median_us if isinstance(baseline, TimingResult) else None
         rr = RoleReport(role, rw.shape, base_us)
-        seed = seed_for(cfg.seed, site.name, role.value, "bootstrap")
+        seed = self._bootstrap_seed(work, rw)
         for k in rw.kernels:
             kr = KernelResult(k.name, errors_from=rw.errors_from.get(k.name))
             measured = rw.errors[k.name]
@@ -686,8 +742,7 @@ class _Measurement:
             naive_k = rw.naive.get(k.name)
             if isinstance(naive_k, SampleErrors):
                 kr.naive_mere = bootstrap_stat(naive_k.mere, cfg.bootstrap, seed)
-            kr.safe = (kr.error is None and kr.mere is not None and math.isfinite(kr.mere.hi)
-                       and kr.mere.hi < cfg.max_error)
+            kr.safe = kr.error is None and self._within_budget(kr.mere)
             if cfg.timing and kr.error is None:
                 kr.not_timed = self._not_timed(kr, k, role, rw.timed_shape(k), dev, dtype,
                                                base_us, site.producers)
@@ -895,7 +950,7 @@ def measure_report(sites: Mapping[str, SiteStats], modules: Mapping[str, nn.Line
             "not_timed": dict(run.not_timed), "autotuned": _autotune_choices(),
             "head_forwards_only": list(run.head), "kernels_not_measured": missing,
             "twin_errors": sum(len(rw.errors_from) for w in works for rw in w.roles),
-            "tuned_ahead": tuned_ahead,
+            "tuned_ahead": tuned_ahead, "twin_mismatches": run.twin_mismatches[:20],
             "spent": {k: round(max(v - spent[k], 0.0), 3) for k, v in _spent().items()}}
     if seeded is not None:
         meta["autotune_seeded"] = seeded

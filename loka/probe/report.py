@@ -218,7 +218,7 @@ class KernelResult:
         errors_from = field_str(d, "errors_from", where, optional=True)
         if errors_from is not None and errors_from in ("", name):
             raise ReportError(f"{field_path(where, 'errors_from')}: expected another "
-                              f"kernel's name, got {errors_from!r}")
+                              f"kernel's name, got {errors_from!r} (it names itself)")
         if times["roofline_bound"] is None:  # a report from before the field: its text
             m = _ROOFLINE_RE.match(not_timed or "")
             times["roofline_bound"] = float(m.group(1)) if m else None
@@ -296,6 +296,12 @@ class RoleReport:
             if kr.kernel != k:
                 raise ReportError(f"{field_path(where, 'kernels')}[{k!r}]: holds kernel {kr.kernel!r}")
             kernels[k] = kr
+        for k, kr in kernels.items():
+            twin = kr.errors_from
+            if twin is not None and (twin not in kernels or kernels[twin].errors_from):
+                why = (f"no kernel {twin!r} in this role" if twin not in kernels else
+                       f"{twin!r} is itself copied from {kernels[twin].errors_from!r}")
+                raise ReportError(f"{field_path(where, 'kernels')}[{k!r}].errors_from: {why}")
         return cls(role, tuple(shape), _non_negative(d, "baseline_us", where), kernels)
 
 

@@ -165,39 +165,54 @@ def test_cpu_wallclock_timings_are_never_flagged_fast():
 
 @pytest.fixture
 def bit_twin():
-    """A kernel whose output is the emulated rowwise kernel's, bit for bit (its ``fn``),
-    registered with ``same_bits_as`` naming it; its calls counted."""
-    calls = []
+    """Kernels registered with ``same_bits_as`` naming the emulated rowwise kernel: one
+    whose output is that kernel's (its ``fn``), and ``make(name, how, twin)`` for others
+    (``how``: 'same', 'differs' (off by one ulp somewhere), 'raises'); calls counted."""
+    calls = {}
     real = registry.get("emulated-rowwise-e4m3")
 
-    def fn(a, b, out):
-        calls.append(tuple(a.shape))
-        return real.fn(a, b, out)
-    register(Kernel("test-bit-twin", fn, library="custom", formats=real.formats,
-                    scaling=real.scaling, same_bits_as=real.name))
-    yield "test-bit-twin", real.name, calls
-    unregister("test-bit-twin")
+    def make(name, how="same", twin=real.name):
+        calls[name] = []
+
+        def fn(a, b, out):
+            calls[name].append(tuple(a.shape))
+            if how == "raises":
+                raise RuntimeError("no kernel image")
+            y = real.fn(a, b, out)
+            if how == "differs":
+                y = y.clone()
+                y.view(-1)[0] = torch.nextafter(y.view(-1)[0], torch.tensor(math.inf))
+            return y
+        register(Kernel(name, fn, library="custom", formats=real.formats,
+                        scaling=real.scaling, same_bits_as=twin))
+        return name
+    make("test-bit-twin")
+    yield "test-bit-twin", real.name, calls, make
+    for name in calls:
+        unregister(name)
 
 
-def test_a_bit_identical_twin_takes_its_twins_error_samples(bit_twin):
-    """``ProbeConfig.twin_errors``: the twin is never called for errors, its statistics are
-    the measured kernel's, the report names where they came from and reads it back; off,
-    it samples its own, which for bit-identical outputs are the same numbers."""
-    from loka.probe import ProbeReport
-    from loka.probe.measure import twin_sources
-    name, real, calls = bit_twin
+def _twin_probe(kernels, **kw):
+    torch.manual_seed(0)
     model = nn.Linear(32, 16)
     g = torch.Generator().manual_seed(0)
     batches = [torch.randn(64, 32, generator=g) for _ in range(2)]
+    return loka.probe(model, batches, lambda m, x: m(x).square().mean(),
+                      config=ProbeConfig(num_samples=4, naive_samples=3, bootstrap=50,
+                                         progress=False, timing=False, compare_naive=True,
+                                         kernels=kernels, **kw))
 
-    def run(**kw):
-        return loka.probe(model, batches, lambda m, x: m(x).square().mean(),
-                          config=ProbeConfig(num_samples=4, naive_samples=3, bootstrap=50,
-                                             progress=False, timing=False, compare_naive=True,
-                                             kernels=(real, name), **kw))
-    shared = run()
-    assert calls == []  # neither errors nor naive errors called it
-    assert shared.meta["twin_errors"] == 3  # one kernel, three roles
+
+def test_a_bit_identical_twin_takes_its_twins_error_samples(bit_twin):
+    """``ProbeConfig.twin_errors``: the twin runs once per role, on the first sample beside
+    the kernel it copies (their outputs compared), never for the other samples or the
+    naive errors; its statistics are the measured kernel's; the report names where they
+    came from and reads it back. Off, it samples its own: the same numbers."""
+    from loka.probe import ProbeReport
+    name, real, calls, _ = bit_twin
+    shared = _twin_probe((real, name))
+    assert len(calls[name]) == 3  # the check on each role's first sample
+    assert shared.meta["twin_errors"] == 3 and shared.meta["twin_mismatches"] == []
     roles = shared.sites[""].roles
     assert set(roles) == {Role.FWD, Role.DGRAD, Role.WGRAD}
     for rr in roles.values():
@@ -208,15 +223,61 @@ def test_a_bit_identical_twin_takes_its_twins_error_samples(bit_twin):
         assert 0 < measured.mere.mean < 0.2
     back = ProbeReport.from_dict(shared.to_dict())
     assert back.sites[""].roles[Role.FWD].kernels[name].errors_from == real
-    own = run(twin_errors=False)
-    assert len(calls) == 3 * (4 + 3) and own.meta["twin_errors"] == 0
+    calls[name].clear()
+    own = _twin_probe((real, name), twin_errors=False)
+    assert len(calls[name]) == 3 * (4 + 3) and own.meta["twin_errors"] == 0
     for role, rr in own.sites[""].roles.items():
         assert rr.kernels[name].errors_from is None
         assert rr.kernels[name].mere.mean == shared.sites[""].roles[role].kernels[name].mere.mean
-    # the twin must be measured too, and a kernel is never its own twin
-    assert twin_sources([registry.get(name)]) == {}
-    assert twin_sources([registry.get(name), registry.get(real)]) == {name: real}
+    # the report refuses an errors_from that names itself, no kernel of the role, or a copy
+    for bad_value, message in ((name, "names itself"), ("no-such", "no kernel 'no-such'"),):
+        bad = shared.to_dict()
+        bad["sites"][""]["roles"]["fwd"]["kernels"][name]["errors_from"] = bad_value
+        with pytest.raises(loka.probe.ReportError, match=message):
+            ProbeReport.from_dict(bad)
     bad = shared.to_dict()
-    bad["sites"][""]["roles"]["fwd"]["kernels"][name]["errors_from"] = name
-    with pytest.raises(loka.probe.ReportError, match="errors_from: expected another kernel"):
+    bad["sites"][""]["roles"]["fwd"]["kernels"][real]["errors_from"] = name
+    with pytest.raises(loka.probe.ReportError, match="itself copied"):
         ProbeReport.from_dict(bad)
+
+
+def test_a_twin_that_fails_or_differs_is_sampled_itself(bit_twin):
+    """A kernel whose output differs from its twin's on the first sample, or that raises,
+    or whose twin raised, samples its own errors (the pairs are the same: the sampler
+    restarts from its seed); the report's meta lists each case."""
+    name, real, calls, make = bit_twin
+    differs, raises = make("test-differs", "differs"), make("test-raises", "raises")
+    broken = make("test-broken-twin", "raises", twin=None)
+    copies_broken = make("test-copies-broken", "same", twin=broken)
+    rep = _twin_probe((real, name, differs, raises, broken, copies_broken))
+    fwd = rep.sites[""].roles[Role.FWD].kernels
+    assert fwd[name].errors_from == real  # the good twin still copies
+    assert fwd[differs].errors_from is None
+    assert fwd[differs].mere.mean == pytest.approx(fwd[real].mere.mean, rel=1e-3)
+    assert fwd[differs].mere != fwd[real].mere  # its own samples: one value moved
+    assert fwd[raises].errors_from is None
+    assert fwd[raises].error == "RuntimeError: no kernel image" and not fwd[raises].safe
+    assert fwd[copies_broken].errors_from is None and fwd[copies_broken].error is None
+    assert fwd[copies_broken].mere == fwd[real].mere  # its own samples, the real numerics
+    reasons = rep.meta["twin_mismatches"]
+    assert f" fwd {differs}: its output differs from its twin's" in "".join(reasons)
+    assert f" fwd {raises}: it raised RuntimeError: no kernel image" in "".join(reasons)
+    assert f" fwd {copies_broken}: its twin failed" in "".join(reasons)
+    assert len(reasons) == 3 * 3 and rep.meta["twin_errors"] == 3  # only the good twin
+
+
+def test_twin_sources_copy_only_from_kernels_sampled_themselves(bit_twin):
+    from loka.probe.measure import twin_sources
+    name, real, _, make = bit_twin
+    k = registry.get
+    assert twin_sources([k(name)]) == {}  # the twin must be measured too
+    assert twin_sources([k(name), k(real)]) == {name: real}
+    chain = make("test-chain", twin=name)  # chain -> test-bit-twin -> real
+    assert twin_sources([k(chain), k(name), k(real)]) == {name: real}
+    assert twin_sources([k(chain), k(name)]) == {chain: name}
+    a, b = make("test-cycle-a", twin="test-cycle-b"), make("test-cycle-b", twin="test-cycle-a")
+    assert twin_sources([k(a), k(b)]) == {}  # both sampled
+    rep = _twin_probe((real, name, chain))
+    fwd = rep.sites[""].roles[Role.FWD].kernels
+    assert fwd[chain].errors_from is None and fwd[name].errors_from == real
+    assert fwd[chain].mere == fwd[real].mere
