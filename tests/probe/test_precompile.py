@@ -243,24 +243,43 @@ def test_tune_ahead_calls_each_timed_triton_kernel_once_at_its_timed_shape(fake_
     assert off.tune_ahead(works) == 0
 
 
-def test_the_probe_tunes_ahead_only_while_children_compile(fake_triton, tmp_path, monkeypatch):
-    """Tuned ahead where a child is still compiling once the errors are done (made sure of
-    here: whether a real child is still running then depends on the machine's speed), not
-    where none is (no children, or all done), nor with ``tune_ahead=False``."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+def test_the_probe_tunes_ahead_only_while_children_compile(fake_triton, monkeypatch):
+    """Tuned ahead where a child is still compiling once the errors are done, not where
+    none is (no children, or all done), nor with ``tune_ahead=False``. The children are
+    stood in for (what a real one compiles is tested above; whether it is still running
+    after the errors depends on the machine's speed)."""
     kernels = ("bf16", "cublas-tensorwise", "test-triton-ok")
-    monkeypatch.setattr(Precompile, "running", lambda self: True)
+    state = {"running": True, "started": []}
+
+    class Children:
+        def __init__(self, entries):
+            self.entries = list(entries)
+
+        def running(self):
+            return state["running"]
+
+        def wait(self, status=None):
+            return {"entries": len(self.entries), "workers": 1, "compiled": 0}
+
+        def stop(self):
+            pass
+
+    def start(entries, device, config):
+        state["started"].append(len(entries))
+        return Children(entries) if config.precompile_workers else None
+    monkeypatch.setattr(precompile, "start", start)
     with_children = _probe(1, kernels=kernels)
-    assert with_children.meta["precompile"]["compiled"] == 4  # 2 Linears x 2 variants
+    assert with_children.meta["precompile"]["entries"] == 4  # 2 Linears x 2 variants
     assert with_children.meta["tuned_ahead"] == 2 * 2  # 2 Linears' forwards, 2 variants
     assert "tune_ahead" in with_children.meta["phases_s"]
     alone = _probe(0, kernels=kernels)
     assert alone.meta["tuned_ahead"] == 0 and "tune_ahead" not in alone.meta["phases_s"]
     off = _probe(1, kernels=kernels, tune_ahead=False)
-    assert off.meta["tuned_ahead"] == 0 and off.meta["precompile"]["compiled"] == 4
-    monkeypatch.setattr(Precompile, "running", lambda self: False)
+    assert off.meta["tuned_ahead"] == 0 and off.meta["precompile"]["entries"] == 4
+    state["running"] = False
     done = _probe(1, kernels=kernels)
-    assert done.meta["tuned_ahead"] == 0 and done.meta["precompile"]["compiled"] == 4
+    assert done.meta["tuned_ahead"] == 0 and done.meta["precompile"]["entries"] == 4
+    assert state["started"] == [4] * 4
     for rep in (with_children, alone, off, done):  # the kernel is timed either way
         kr = rep.sites["0"].roles[Role.FWD].kernels["test-triton-ok"]
         assert kr.time_us > 0 and kr.time_us_weight_q > 0
