@@ -11,10 +11,11 @@ cold, one process each, on one machine:
     python bench/probe_time.py --scale tiny --batch-size 64 --device cpu --out cpu.json  # smoke
 
 Writes JSON: the Probe's wall time, the report's ``meta`` (phases, compile and autotuning
-seconds, precompile), the top functions of the parent process by cumulative and by own
+seconds, the parent's FX graph cache hits and misses, precompile), the top functions of the parent process by cumulative and by own
 time, and the parent's time in a few named groups (Dynamo, Inductor, Triton's compiler,
 LoKA's autotuner, host syncs). Children are not profiled; their wall time is in
-``meta['precompile']``.
+``meta['precompile']``. cProfile does not see into frames Dynamo evaluates: compiled code
+is attributed to its callers, and the groups of compile work can read 0 on a GPU run.
 """
 
 from __future__ import annotations
@@ -86,6 +87,9 @@ def parse(argv=None):
                     help="empty Triton and Inductor caches for this run (a fresh machine)")
     ap.add_argument("--no-profile", action="store_true", help="time only, no cProfile")
     ap.add_argument("--top", type=int, default=60)
+    ap.add_argument("--report-out", default=None,
+                    help="also save the Probe's report (JSON) here: its kernels' times and "
+                         "errors, to compare runs")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if args.fresh_caches and not _CACHES:
@@ -169,6 +173,8 @@ def main(argv=None) -> int:
         if prof is not None:
             prof.disable()
     wall = time.perf_counter() - t0
+    if args.report_out:
+        report.save(args.report_out)
     out = {"schema": "loka.bench.probe_time", "version": 1,
            "env": environment(device), "model": args.model, "scale": args.scale,
            "batch_size": args.batch_size, "probe_batches": args.probe_batches,

@@ -1093,12 +1093,16 @@ def test_probe_time_profiles_a_probe_on_fresh_caches(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(BENCH / "probe_time.py"), "--fresh-caches",
                            "--scale", "tiny", "--batch-size", "32", "--probe-batches", "2",
-                           "--device", "cpu", "--top", "7", "--probe-config",
+                           "--device", "cpu", "--top", "7", "--report-out",
+                           str(tmp_path / "r.json"), "--probe-config",
                            '{"num_samples": 2, "progress": false}', "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert doc["schema"] == "loka.bench.probe_time" and doc["sites"] == 11
+    saved = loka.ProbeReport.load(str(tmp_path / "r.json"))
+    assert len(saved.sites) == 11 and saved.meta["phases_s"] == doc["meta"]["phases_s"]
+    assert doc["meta"]["spent"]["fxgraph_bypasses"] == 0
     caches = doc["fresh_caches"]
     assert set(caches) == {"TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"}
     assert all(os.path.isdir(d) and "loka-probe-time-" in d for d in caches.values())

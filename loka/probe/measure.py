@@ -853,10 +853,18 @@ def _untuned(kernels: Sequence[Kernel]):
 
 def _spent() -> Dict[str, float]:
     """Seconds spent so far in this process by Dynamo and Inductor compiling, and by LoKA's
-    Triton autotuners (with the configs' own compiles), and the configs benchmarked."""
-    from torch._dynamo.utils import compilation_time_metrics
+    Triton autotuners (with the configs' own compiles), and the configs benchmarked; the
+    compiled graphs Inductor loaded from its FX graph cache (``fxgraph_hits``: what the
+    precompile children made), compiled itself (``fxgraph_misses``) or could not cache
+    (``fxgraph_bypasses``)."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
 
     out = {"compile_s": float(sum(compilation_time_metrics.get("_compile.compile_inner", ())))}
+    inductor = counters["inductor"]
+    for key, name in (("fxgraph_cache_hit", "fxgraph_hits"),
+                      ("fxgraph_cache_miss", "fxgraph_misses"),
+                      ("fxgraph_cache_bypass", "fxgraph_bypasses")):
+        out[name] = float(inductor.get(key, 0))
     common = sys.modules.get("loka.kernels.triton.common")
     configs, seconds = common.tuning_spent() if common is not None else (0, 0.0)
     out.update(autotune_s=float(seconds), autotune_configs=float(configs))

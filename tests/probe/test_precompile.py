@@ -88,6 +88,7 @@ report = _probe(int(sys.argv[1]), kernels=("bf16", "cublas-tensorwise"))
 kinds = sorted({kr.timing for s in report.sites.values()
                 for name, kr in s.roles[Role.FWD].kernels.items() if name != "bf16"})
 print(json.dumps({"pre": report.meta.get("precompile"), "inductor": dict(counters["inductor"]),
+                  "spent": report.meta["spent"],
                   "timings": kinds, "sites": sorted(report.sites)}))
 """
 
@@ -115,11 +116,15 @@ def test_children_compile_what_the_parent_then_loads(tmp_path):
     assert pre["compiled"] == pre["entries"] == 4
     assert got["inductor"].get("fxgraph_cache_hit") == 4
     assert got["inductor"].get("fxgraph_cache_miss", 0) == 0
+    # the report says so: every graph of the timing pass loaded from the children's cache
+    assert (got["spent"]["fxgraph_hits"], got["spent"]["fxgraph_misses"]) == (4, 0)
     assert got["timings"] == ["cpu-wallclock+compiled"]  # every FP8 kernel timed compiled
     alone = _run_probe(0, tmp_path / "cache2")
     assert alone["pre"] is None
     assert alone["inductor"].get("fxgraph_cache_miss") == 4
     assert alone["inductor"].get("fxgraph_cache_hit", 0) == 0
+    assert (alone["spent"]["fxgraph_hits"], alone["spent"]["fxgraph_misses"]) == (0, 4)
+    assert alone["spent"]["fxgraph_bypasses"] == 0
     assert alone["sites"] == got["sites"] == ["0", "2"]
 
 
