@@ -11,9 +11,9 @@ cold, one process each, on one machine:
     python bench/probe_time.py --scale tiny --batch-size 64 --device cpu --out cpu.json  # smoke
 
 Writes JSON: the Probe's wall time, the report's ``meta`` (phases, compile and autotuning
-seconds, the parent's FX graph cache hits and misses, precompile), the top functions of the parent process by cumulative and by own
-time, and the parent's time in a few named groups (Dynamo, Inductor, Triton's compiler,
-LoKA's autotuner, host syncs). Children are not profiled; their wall time is in
+seconds, the parent's FX graph cache hits and misses, precompile), the top functions of
+the parent process by cumulative and by own time, and the parent's time in a few named
+groups (Dynamo, Inductor, Triton's compiler, LoKA's autotuner, host syncs). Children are not profiled; their wall time is in
 ``meta['precompile']``. cProfile does not see into frames Dynamo evaluates: compiled code
 is attributed to its callers, and the groups of compile work can read 0 on a GPU run.
 """
