@@ -186,14 +186,14 @@ def run_samples(pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]], kernels: Seq
                 if k.name in failed:
                     continue
                 try:
-                    out = k(a, b, dtype)
-                    acc[k.name].append(ref.measure(out))
+                    y = k(a, b, dtype)
+                    acc[k.name].append(ref.measure(y))
                 except Exception as e:  # noqa: BLE001 - a failing kernel is a result
                     failed[k.name] = Failure.of(e)
-                    out = None
+                    y = None
                 if i == 0 and twins and checked is not None:
                     for dep in twins.get(k.name, ()):
-                        checked[dep.name] = _same_bits(dep, a, b, dtype, out)
+                        checked[dep.name] = _same_bits(dep, a, b, dtype, y)
     signal = torch.stack(signals).tolist() if signals else []
     out: Dict[str, Union[SampleErrors, Failure]] = {}
     for name, vals in acc.items():
@@ -628,10 +628,10 @@ class _Measurement:
                                               weight_source=cfg.weight_source,
                                               weight=work.module.weight, seed=cfg.seed,
                                               shared=shared).pairs(cfg.num_samples, rw.m_err)
+                    by_name = {k.name: k for k in rw.kernels}
                     twins: Dict[str, List[Kernel]] = {}
                     for name, twin in rw.errors_from.items():
-                        twins.setdefault(twin, []).extend(
-                            k for k in rw.kernels if k.name == name)
+                        twins.setdefault(twin, []).append(by_name[name])
                     rw.errors = run_samples(draw(), sampled, dtype, twins, checked)
                     # a twin that failed, or a kernel that did not match it: sampled itself,
                     # on the same pairs (the sampler's stream restarts from its seed)
