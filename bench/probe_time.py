@@ -14,8 +14,10 @@ Writes JSON: the Probe's wall time, the report's ``meta`` (phases, compile and a
 seconds, the parent's FX graph cache hits and misses, precompile), the top functions of
 the parent process by cumulative and by own time, and the parent's time in a few named
 groups (Dynamo, Inductor, Triton's compiler, LoKA's autotuner, host syncs). Children are not profiled; their wall time is in
-``meta['precompile']``. cProfile does not see into frames Dynamo evaluates: compiled code
-is attributed to its callers, and the groups of compile work can read 0 on a GPU run.
+``meta['precompile']``; why any of the parent's graphs bypassed the FX graph or
+AOTAutograd cache is in ``cache_bypass_reasons``. cProfile does not see into frames Dynamo
+evaluates: compiled code is attributed to its callers, and the groups of compile work can
+read 0 on a GPU run.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import argparse  # noqa: E402
 import cProfile  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
+import logging  # noqa: E402
 import pstats  # noqa: E402
 import time  # noqa: E402
 
@@ -148,6 +151,39 @@ def _groups(stats: pstats.Stats) -> dict:
     return out
 
 
+class _Bypasses(logging.Handler):
+    """Why a compiled graph of the parent skipped Inductor's FX graph cache or AOTAutograd's
+    (their INFO records that start 'Bypassing'), counted by reason."""
+
+    LOGGERS = ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache")
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.reasons: dict = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if text.startswith("Bypassing"):
+            key = f"{record.name}: {text[:300]}"
+            self.reasons[key] = self.reasons.get(key, 0) + 1
+
+    def __enter__(self):
+        for name in self.LOGGERS:
+            lg = logging.getLogger(name)
+            self._levels = getattr(self, "_levels", {})
+            self._levels[name] = lg.level
+            if not lg.isEnabledFor(logging.INFO):
+                lg.setLevel(logging.INFO)
+            lg.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name in self.LOGGERS:
+            lg = logging.getLogger(name)
+            lg.removeHandler(self)
+            lg.setLevel(self._levels[name])
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     device = torch.device(args.device)
@@ -166,7 +202,8 @@ def main(argv=None) -> int:
     if prof is not None:
         prof.enable()
     try:
-        report = probe_model(model, batches, es.loss_fn, config=args.config)
+        with _Bypasses() as bypasses:
+            report = probe_model(model, batches, es.loss_fn, config=args.config)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     finally:
@@ -180,6 +217,7 @@ def main(argv=None) -> int:
            "batch_size": args.batch_size, "probe_batches": args.probe_batches,
            "fresh_caches": dict(_CACHES), "probe_config": dataclasses.asdict(args.config),
            "probe_wall_s": wall, "meta": report.meta,
+           "cache_bypass_reasons": bypasses.reasons,
            "sites": len(report.sites)}
     if prof is not None:
         stats = pstats.Stats(prof)

@@ -1102,7 +1102,8 @@ def test_probe_time_profiles_a_probe_on_fresh_caches(tmp_path):
     assert doc["schema"] == "loka.bench.probe_time" and doc["sites"] == 11
     saved = loka.ProbeReport.load(str(tmp_path / "r.json"))
     assert len(saved.sites) == 11 and saved.meta["phases_s"] == doc["meta"]["phases_s"]
-    assert doc["meta"]["spent"]["fxgraph_bypasses"] == 0
+    assert doc["meta"]["spent"]["fxgraph_bypasses"] == 0 == doc["meta"]["spent"]["aot_bypasses"]
+    assert doc["cache_bypass_reasons"] == {}
     caches = doc["fresh_caches"]
     assert set(caches) == {"TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"}
     assert all(os.path.isdir(d) and "loka-probe-time-" in d for d in caches.values())
@@ -1118,6 +1119,30 @@ def test_probe_time_profiles_a_probe_on_fresh_caches(tmp_path):
     assert set(groups) >= {"dynamo", "triton_compile", "precompile_wait", "cuda_synchronize"}
     assert all(0 <= v <= doc["probe_wall_s"] for v in groups.values())
     assert groups["precompile_wait"] == 0 == groups["triton_compile"]  # no child, no Triton
+
+
+def test_probe_time_counts_why_graphs_bypass_the_caches():
+    """The handler counts the caches' 'Bypassing' records by reason, ignores other records,
+    and leaves the loggers as it found them."""
+    import logging
+
+    sys.path.insert(0, str(BENCH))
+    import probe_time
+
+    fx = logging.getLogger("torch._inductor.codecache")
+    level = fx.level
+    with probe_time._Bypasses() as seen:
+        for _ in range(2):
+            fx.info("Bypassing FX Graph Cache because '%s'", "Unsupported post grad custom pass")
+        fx.info("FX graph cache hit for key %s", "abc")
+        logging.getLogger("torch._functorch._aot_autograd.autograd_cache").info(
+            "Bypassing autograd cache due to: %s", "no shape env")
+    assert seen.reasons == {
+        "torch._inductor.codecache: Bypassing FX Graph Cache because "
+        "'Unsupported post grad custom pass'": 2,
+        "torch._functorch._aot_autograd.autograd_cache: Bypassing autograd cache due to: "
+        "no shape env": 1}
+    assert fx.level == level and seen not in fx.handlers
 
 
 def test_probe_time_refuses_bad_input(tmp_path, capsys):

@@ -856,7 +856,8 @@ def _spent() -> Dict[str, float]:
     Triton autotuners (with the configs' own compiles), and the configs benchmarked; the
     compiled graphs Inductor loaded from its FX graph cache (``fxgraph_hits``: what the
     precompile children made), compiled itself (``fxgraph_misses``) or could not cache
-    (``fxgraph_bypasses``)."""
+    (``fxgraph_bypasses``), and the same three counts of AOTAutograd's cache
+    (``aot_hits``, ``aot_misses``, ``aot_bypasses``), which sits in front of it."""
     from torch._dynamo.utils import compilation_time_metrics, counters
 
     out = {"compile_s": float(sum(compilation_time_metrics.get("_compile.compile_inner", ())))}
@@ -865,6 +866,10 @@ def _spent() -> Dict[str, float]:
                       ("fxgraph_cache_miss", "fxgraph_misses"),
                       ("fxgraph_cache_bypass", "fxgraph_bypasses")):
         out[name] = float(inductor.get(key, 0))
+    aot = counters["aot_autograd"]
+    for key, name in (("autograd_cache_hit", "aot_hits"), ("autograd_cache_miss", "aot_misses"),
+                      ("autograd_cache_bypass", "aot_bypasses")):
+        out[name] = float(aot.get(key, 0))
     common = sys.modules.get("loka.kernels.triton.common")
     configs, seconds = common.tuning_spent() if common is not None else (0, 0.0)
     out.update(autotune_s=float(seconds), autotune_configs=float(configs))

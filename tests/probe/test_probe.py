@@ -294,13 +294,17 @@ def test_the_report_says_what_compiling_and_autotuning_cost():
         return rep.meta["spent"]
     on, off = spent("on"), spent("off")
     assert set(on) == set(off) == {"compile_s", "autotune_s", "autotune_configs",
-                                   "fxgraph_hits", "fxgraph_misses", "fxgraph_bypasses"}
+                                   "fxgraph_hits", "fxgraph_misses", "fxgraph_bypasses",
+                                   "aot_hits", "aot_misses", "aot_bypasses"}
     assert on["compile_s"] > 0.05 and off["compile_s"] == 0.0
     # one graph per distinct timed call (the two Linears share a shape: the forward with
     # the weight quantized or not), compiled or loaded from the FX graph cache; none
     # without compiling
     assert on["fxgraph_hits"] + on["fxgraph_misses"] == 2 and on["fxgraph_bypasses"] == 0
     assert off["fxgraph_hits"] == off["fxgraph_misses"] == off["fxgraph_bypasses"] == 0
+    # AOTAutograd's cache is asked first, once per graph: a hit there skips Inductor's
+    assert on["aot_hits"] + on["aot_misses"] + on["aot_bypasses"] == 2
+    assert off["aot_hits"] == off["aot_misses"] == off["aot_bypasses"] == 0
     assert on["autotune_configs"] == off["autotune_configs"] == 0 and off["autotune_s"] == 0
 
 
