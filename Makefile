@@ -33,8 +33,12 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(BIN)/loka demo
 
+# test files run in parallel, one worker per core up to four (pytest-xdist; a file's tests
+# stay in one worker, so module fixtures are built once)
+TEST_JOBS ?= $(shell $(PY) -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))")
+
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -x -m "not slow"
