@@ -41,7 +41,7 @@ SURFACE = {
                           "--mods", "--tables", "--out", "--plan", "--preset", "--seed", "--skip-bad-lines",
                           "-o"],
     "kernels": COMMON + ["--json"],
-    "optimize": COMMON + ["--batch-size", "--budget-batches", "--checkpoint", "--compile-mode", "--data", "--delayed-decay", "--delayed-scaling", "--head-sites", "--inference",
+    "optimize": COMMON + ["--batch-size", "--budget-batches", "--checkpoint", "--compile-mode", "--data", "--delayed-decay", "--delayed-scaling", "--head-sites", "--inductor-config", "--inference",
                           "--kernels", "--max-error", "--max-ne-change", "--max-trials", "--min-speedup",
                           "--mods", "--tables",
                           "--no-compile", "--num-samples", "--out", "--preset", "--report",
@@ -116,6 +116,7 @@ DEFAULTS = {
     "optimize": {"batch_size": None, "budget_batches": None, "checkpoint": None, "compile_mode": None,
                  "data": "synthetic", "max_ne_change": None,
                  "delayed_decay": None, "delayed_scaling": False, "head_sites": 3,
+                 "inductor_config": [],
                  "inference": False, "kernels": None, "max_error": 0.2, "max_trials": 16,
                  "min_speedup": 1.05, "model": "MODEL", "mods": "none", "tables": "torch", "no_compile": False,
                  "num_samples": 16, "out": "plan.json", "preset": "tiny", "report": None,
@@ -722,6 +723,31 @@ def test_optimize_holds_a_serving_plan_to_an_ne_budget(tmp_path, capsys, monkeyp
 def test_optimize_refuses_an_unknown_kernel(capsys):
     code, _, err = run(["optimize", "wukong", "--kernels", "bf16,cublas-nope"], capsys)
     assert code == 2 and "unknown kernel" in err
+
+
+def test_optimize_passes_inductor_options_to_its_timed_steps(capsys, monkeypatch):
+    """``--inductor-config KEY=VALUE`` reaches loka.optimize as compile_options; a key that is
+    not an Inductor option, a VALUE that is not JSON, or the option with --no-compile is a
+    usage error before any work."""
+    import loka.cli.commands as commands
+
+    got = {}
+
+    def fake_optimize(*args, **kw):
+        got.update(kw)
+        raise cli.CliError("stopped here")
+    monkeypatch.setattr(commands, "optimize", fake_optimize)
+    code, _, err = run(["optimize", "wukong", "--preset", "tiny", "--device", "cpu", "--steps",
+                        "1", "--inductor-config", "cpp_wrapper=true", "--inductor-config",
+                        "realize_reads_threshold=3"], capsys)
+    assert code == 1 and "stopped here" in err
+    assert got["compile_options"] == {"cpp_wrapper": True, "realize_reads_threshold": 3}
+    for argv, msg in ((["--inductor-config", "nope=1"], "an option of torch._inductor.config"),
+                      (["--inductor-config", "cpp_wrapper=yes"], "VALUE must be JSON"),
+                      (["--inductor-config", "cpp_wrapper=true", "--no-compile"],
+                       "drop --no-compile")):
+        code, _, err = run(["optimize", "wukong", "--preset", "tiny", *argv], capsys)
+        assert code == 2 and msg in err, err
 
 
 # -- runs: damaged checkpoints, a locked --out, a finished run, plans, file modes ----------

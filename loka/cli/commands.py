@@ -26,6 +26,7 @@ import torch
 from .. import bench
 from ..assembly import (AssemblyError, Optimizers, build_model, criteo_features, device_batches,
                         make_streams, parse_data)
+from ..bench.stepcode import inductor_options
 from ..config import ROLES, ProbeConfig, Role
 from ..data import CriteoFormatError
 from ..demo.runner import run as run_demo
@@ -505,6 +506,12 @@ def cmd_optimize(args) -> int:
                     "for training plans: loka quality --max-ne-change")
     if args.budget_batches is not None and args.max_ne_change is None:
         raise usage("--budget-batches needs --max-ne-change")
+    try:
+        compile_options = inductor_options(args.inductor_config)
+    except ValueError as e:
+        raise usage(f"--inductor-config {e}") from None
+    if compile_options and args.no_compile:
+        raise usage("--inductor-config sets options of compiled steps: drop --no-compile")
     device = resolve_device(args)
     kernels, all_kernels = probe_kernels(args.kernels)
     model, desc, mods, batch_size, stream = _model_and_stream(args, device)
@@ -551,7 +558,7 @@ def cmd_optimize(args) -> int:
                       forward=forward, config=config,
                       max_error=args.max_error, min_speedup=args.min_speedup,
                       head_sites=args.head_sites, compile=not args.no_compile,
-                      compile_mode=args.compile_mode,
+                      compile_mode=args.compile_mode, compile_options=compile_options,
                       rounds=args.rounds, max_trials=args.max_trials,
                       progress=lambda line: print(f"  {line}"),
                       delayed_scaling=delayed_option(args), refine=refine,

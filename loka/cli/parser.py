@@ -423,6 +423,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile-mode", default=None,
                    help="torch.compile mode of the timed steps, e.g. reduce-overhead (CUDA graphs)")
     p.add_argument("--no-compile", action="store_true", help="time eager steps")
+    p.add_argument("--inductor-config", action="append", default=[], metavar="KEY=VALUE",
+                   help="a torch._inductor.config option for the timed steps' compiles, as "
+                        "your own steps will run (repeatable; VALUE is JSON, e.g. "
+                        "cpp_wrapper=true)")
     p.add_argument("--rounds", type=positive(int, "--rounds"), default=3,
                    help="final A/B rounds the plan must win, each of them")
     p.add_argument("--max-trials", type=positive(int, "--max-trials", 2), default=16,

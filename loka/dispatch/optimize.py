@@ -18,7 +18,7 @@ import gc
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -167,18 +167,40 @@ def _fp8_linears(model: nn.Module) -> int:
     return sum(1 for m in model.modules() if isinstance(m, Linear) and not m._all_baseline)
 
 
+def _compile_options(options: Optional[Mapping[str, object]]) -> Dict[str, object]:
+    """``options`` checked as ``torch._inductor.config`` settings (e.g. ``{"cpp_wrapper":
+    True}``): a dict of them, empty for None; ValueError naming the first key that is not
+    an option of ``torch._inductor.config``."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise ValueError(f"compile_options must map option names to values, got "
+                         f"{type(options).__name__}")
+    from torch._inductor import config as inductor_config
+
+    for key in options:
+        if not isinstance(key, str) or key.startswith("_") or not hasattr(inductor_config, key):
+            raise ValueError(f"compile_options: {key!r} is not an option of "
+                             "torch._inductor.config")
+    return dict(options)
+
+
 def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tensor]] = None, *,
                inference: bool = False,
                forward: Optional[Callable[[nn.Module, object], object]] = None,
                compile: bool = True,
                compile_mode: Optional[str] = None, steps: int = 10, warmup: int = 3,
-               device: "torch.device | str | None" = None) -> Callable[[nn.Module], float]:
+               device: "torch.device | str | None" = None,
+               compile_options: Optional[Mapping[str, object]] = None
+               ) -> Callable[[nn.Module], float]:
     """A ``time_step(model) -> median ms`` for whole-step tuning; after each call
     ``time_step.last`` holds that timing's ``median_ms``, ``host_ms`` (the host's time to
     issue one step, :func:`loka.timing.time_steps`) and ``device``.
 
     Each call compiles the model afresh (``torch.compile``, ``compile_mode`` e.g.
-    ``"reduce-overhead"`` for CUDA graphs; Dynamo's caches are reset so that a model whose
+    ``"reduce-overhead"`` for CUDA graphs, ``compile_options`` Inductor settings for its
+    compiles, e.g. ``{"cpp_wrapper": True}``, whose launches cost the host less; Dynamo's
+    caches are reset so that a model whose
     Linears were swapped compiles as it now is), runs ``warmup`` steps, then times
     ``steps`` steps with :func:`loka.timing.time_steps`. A training step is the forward,
     ``loss_fn(model, batch)`` and the backward, gradients dropped; the weights are not
@@ -189,6 +211,7 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
         raise ValueError(f"step_timer needs steps >= 1 and warmup >= 0, got {steps}, {warmup}")
     if not inference and loss_fn is None:
         raise ValueError("step_timer needs a loss_fn to time training steps")
+    options = _compile_options(compile_options)
 
     def timed(model: nn.Module) -> float:
         dev = torch.device(device) if device is not None else next(model.parameters()).device
@@ -203,7 +226,13 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
                 loss = loss_fn(run, batch)
                 loss.backward()
                 model.zero_grad(set_to_none=True)
-        t = time_steps(step, dev, steps, warmup, host=True)
+        if options and compile:
+            from torch._inductor import config as inductor_config
+
+            with inductor_config.patch(options):  # read while the warm-up steps compile
+                t = time_steps(step, dev, steps, warmup, host=True)
+        else:
+            t = time_steps(step, dev, steps, warmup, host=True)
         time_step.last = {"median_ms": float(t["median_ms"]), "host_ms": float(t["host_ms"]),
                           "device": dev.type}
         return float(t["median_ms"])
@@ -242,6 +271,7 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
              time_step: Optional[Callable[[nn.Module], float]] = None,
              forward: Optional[Callable[[nn.Module, object], object]] = None,
              compile: bool = True, compile_mode: Optional[str] = None,
+             compile_options: Optional[Mapping[str, object]] = None,
              max_trials: int = 16, rounds: int = 3, steps: int = 10, warmup: int = 3,
              progress: Optional[Callable[[str], None]] = None,
              refine: Optional[Callable[[Plan], Plan]] = None,
@@ -266,7 +296,8 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
             :func:`step_timer` on the first batch (on CUDA only: without a GPU and without
             a ``time_step`` the plan is made on error alone and is not timed).
         forward: ``forward(model, batch)`` for serving steps (default ``model(batch)``).
-        compile, compile_mode, steps, warmup: the default timer's settings.
+        compile, compile_mode, compile_options, steps, warmup: the default timer's
+            settings (:func:`step_timer`); time the steps compiled as they will run.
         max_trials: at most this many timings while tuning.
         rounds: final A/B rounds (baseline, then plan, each timed afresh); the plan is kept
             only if it is faster in every round.
@@ -297,6 +328,7 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     if static_scales and not inference:
         raise ValueError("static_scales is for serving (inference=True); training takes "
                          "delayed_scaling")
+    options = _compile_options(compile_options)
     say = progress or (lambda _line: None)
     batches = list(batches)
     if not batches:
@@ -348,7 +380,7 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     if time_step is None:
         time_step = step_timer(batches[0], loss_fn, inference=inference, forward=forward,
                                compile=compile, compile_mode=compile_mode, steps=steps,
-                               warmup=warmup)
+                               warmup=warmup, compile_options=options)
 
     baseline_host: List[Tuple[float, float]] = []
     time_step = _recording(time_step, baseline_host)
@@ -390,12 +422,14 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
         if result.host_bound:
             say(f"the step without FP8 is host-bound: its host issues it in {host:.3f} of "
                 f"{step_ms:.3f} ms, so GPU time saved saves no wall time; CUDA graphs "
-                f"(compile_mode='reduce-overhead') or a larger batch let FP8 pay")
+                f"(compile_mode='reduce-overhead'), Inductor's C++ wrapper "
+                f"(compile_options={{'cpp_wrapper': True}}) or a larger batch let FP8 pay")
     tuned.budget["optimize"] = {"rounds": result.rounds, "trials": len(log),
                                 "speedup": _finite(result.speedup),
                                 "predicted_speedup": _finite(predicted),
                                 "isolated_predicted_speedup": _finite(isolated),
-                                "ceiling": ceiling, "host_bound": result.host_bound}
+                                "ceiling": ceiling, "host_bound": result.host_bound,
+                                "compile_options": options}
     result.plan = tuned
     say(f"kept {len(tuned.fp8_sites())} FP8 site(s)"
         + (f", step {result.speedup:.3f}x of the baseline" if result.speedup else ""))

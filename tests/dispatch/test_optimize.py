@@ -263,3 +263,43 @@ def test_step_timer_reports_the_last_timing():
     ms = timer(model)
     assert timer.last["median_ms"] == ms and timer.last["device"] == "cpu"
     assert 0 < timer.last["host_ms"]
+
+
+def test_step_timer_compiles_under_the_inductor_options_it_is_given(monkeypatch):
+    """``compile_options`` hold while the timed steps compile (their first call), and not
+    after; a key that is not an Inductor option, or options that are not a mapping, are
+    refused before anything runs."""
+    from torch._inductor import config as inductor_config
+
+    seen = []
+
+    def fake_compile(model, **kw):
+        def run(*args):
+            seen.append(inductor_config.cpp_wrapper)
+            return model(*args)
+        return run
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    before = inductor_config.cpp_wrapper
+    timer = step_timer(_batches()[0], _loss, steps=2, warmup=1,
+                       compile_options={"cpp_wrapper": not before})
+    assert timer(_model()) > 0
+    assert seen == [not before] * 3 and inductor_config.cpp_wrapper is before
+    plain = step_timer(_batches()[0], _loss, steps=1, warmup=0)
+    plain(_model())
+    assert seen[-1] is before
+    with pytest.raises(ValueError, match="'no_such_option' is not an option of torch._induc"):
+        step_timer(_batches()[0], _loss, compile_options={"no_such_option": 1})
+    with pytest.raises(ValueError, match="must map option names to values, got list"):
+        step_timer(_batches()[0], _loss, compile_options=["cpp_wrapper"])
+
+
+def test_optimize_records_the_inductor_options_and_refuses_unknown_ones():
+    time_step, _ = _scripted(-1.0)
+    result = optimize(_model(), _batches(), _loss, config=_config(), time_step=time_step,
+                      rounds=2, compile_options={"cpp_wrapper": True})
+    assert result.plan.budget["optimize"]["compile_options"] == {"cpp_wrapper": True}
+    assert loka.Plan.from_dict(result.plan.to_dict()).budget["optimize"]["compile_options"] \
+        == {"cpp_wrapper": True}
+    with pytest.raises(ValueError, match="'_private' is not an option"):
+        optimize(_model(), _batches(), _loss, config=_config(), time_step=time_step,
+                 compile_options={"_private": 1})
