@@ -35,7 +35,7 @@ demo: setup
 
 # test files run in parallel, one worker per core up to four (pytest-xdist; a file's tests
 # stay in one worker, so module fixtures are built once)
-TEST_JOBS ?= $(shell $(PY) -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))")
+TEST_JOBS ?= $(shell $(PY) -c "import os; n = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count(); print(max(1, min(4, n or 1)))")
 
 test: setup
 	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile

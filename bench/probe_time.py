@@ -151,37 +151,41 @@ def _groups(stats: pstats.Stats) -> dict:
     return out
 
 
-class _Bypasses(logging.Handler):
+class _Bypasses(logging.Filter):
     """Why a compiled graph of the parent skipped Inductor's FX graph cache or AOTAutograd's
-    (their INFO records that start 'Bypassing'), counted by reason."""
+    (their INFO records that start 'Bypassing'), counted by reason. The two loggers are
+    lowered to INFO to emit them; the filter drops every record (these included) that
+    their level before would have dropped, so nothing more reaches torch's handlers."""
 
     LOGGERS = ("torch._inductor.codecache", "torch._functorch._aot_autograd.autograd_cache")
 
     def __init__(self) -> None:
-        super().__init__(logging.INFO)
+        super().__init__()
         self.reasons: dict = {}
+        self._before: dict = {}
 
-    def emit(self, record: logging.LogRecord) -> None:
+    def filter(self, record: logging.LogRecord) -> bool:
         text = record.getMessage()
         if text.startswith("Bypassing"):
             key = f"{record.name}: {text[:300]}"
             self.reasons[key] = self.reasons.get(key, 0) + 1
+        level, effective = self._before.get(record.name, (logging.NOTSET, logging.NOTSET))
+        return record.levelno >= effective
 
     def __enter__(self):
         for name in self.LOGGERS:
             lg = logging.getLogger(name)
-            self._levels = getattr(self, "_levels", {})
-            self._levels[name] = lg.level
+            self._before[name] = (lg.level, lg.getEffectiveLevel())
             if not lg.isEnabledFor(logging.INFO):
                 lg.setLevel(logging.INFO)
-            lg.addHandler(self)
+            lg.addFilter(self)
         return self
 
     def __exit__(self, *exc) -> None:
         for name in self.LOGGERS:
             lg = logging.getLogger(name)
-            lg.removeHandler(self)
-            lg.setLevel(self._levels[name])
+            lg.removeFilter(self)
+            lg.setLevel(self._before[name][0])
 
 
 def main(argv=None) -> int:

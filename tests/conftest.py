@@ -49,22 +49,3 @@ def run_under_interpreter():
 
     return run
 
-
-def cpu_scaled_mm_scales_operands() -> bool:
-    """Whether this CPU build's ``torch._scaled_mm`` (oneDNN) applies the scales to the
-    operands before it accumulates, as it does on CPUs with AMX, instead of to the float32
-    accumulator as cuBLAS does: then +x and -x whose scaled products overflow float32 sum
-    to inf - inf = NaN where cuBLAS gives 0. Third-party kernels (torchao's) inherit it."""
-    a = torch.tensor([[448.0, -448.0] * 8] * 16).to(torch.float8_e4m3fn)
-    b = torch.ones(16, 16).to(torch.float8_e4m3fn).t().contiguous().t()
-    out = torch._scaled_mm(a, b, scale_a=torch.tensor(1e36), scale_b=torch.tensor(1.0),
-                           out_dtype=torch.float32)
-    return bool(out.isnan().any())
-
-
-def assert_finite_operands(kern, a: torch.Tensor, b: torch.Tensor) -> None:
-    """The FP8 operands ``kern`` makes of ``a`` (M, K) and ``b`` (K, N) have finite,
-    positive scales and no NaN."""
-    for q in (kern.quantize_a(a), kern.quantize_b(b)):
-        assert torch.isfinite(q.scale).all() and bool((q.scale > 0).all())
-        assert not q.data.float().isnan().any()

@@ -1122,27 +1122,41 @@ def test_probe_time_profiles_a_probe_on_fresh_caches(tmp_path):
 
 
 def test_probe_time_counts_why_graphs_bypass_the_caches():
-    """The handler counts the caches' 'Bypassing' records by reason, ignores other records,
-    and leaves the loggers as it found them."""
+    """The filter counts the caches' 'Bypassing' records by reason, passes on only what the
+    loggers' levels before let through, and leaves the loggers as it found them."""
     import logging
 
     sys.path.insert(0, str(BENCH))
     import probe_time
 
     fx = logging.getLogger("torch._inductor.codecache")
-    level = fx.level
-    with probe_time._Bypasses() as seen:
-        for _ in range(2):
-            fx.info("Bypassing FX Graph Cache because '%s'", "Unsupported post grad custom pass")
-        fx.info("FX graph cache hit for key %s", "abc")
-        logging.getLogger("torch._functorch._aot_autograd.autograd_cache").info(
-            "Bypassing autograd cache due to: %s", "no shape env")
-    assert seen.reasons == {
-        "torch._inductor.codecache: Bypassing FX Graph Cache because "
-        "'Unsupported post grad custom pass'": 2,
-        "torch._functorch._aot_autograd.autograd_cache: Bypassing autograd cache due to: "
-        "no shape env": 1}
-    assert fx.level == level and seen not in fx.handlers
+    aot = logging.getLogger("torch._functorch._aot_autograd.autograd_cache")
+    passed = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            passed.append(record.getMessage())
+    keep, level = Keep(logging.DEBUG), fx.level
+    fx.addHandler(keep)
+    try:
+        for before, through in ((logging.WARNING, 0), (logging.INFO, 3)):
+            fx.setLevel(before)
+            passed.clear()
+            with probe_time._Bypasses() as seen:
+                for _ in range(2):
+                    fx.info("Bypassing FX Graph Cache because '%s'", "Unsupported custom pass")
+                fx.info("FX graph cache hit for key %s", "abc")
+                aot.info("Bypassing autograd cache due to: %s", "no shape env")
+            assert seen.reasons == {
+                "torch._inductor.codecache: Bypassing FX Graph Cache because "
+                "'Unsupported custom pass'": 2,
+                "torch._functorch._aot_autograd.autograd_cache: Bypassing autograd cache due "
+                "to: no shape env": 1}
+            assert len(passed) == through  # fx's own 3 records, where INFO was on before
+            assert fx.level == before and seen not in fx.filters and seen not in aot.filters
+    finally:
+        fx.removeHandler(keep)
+        fx.setLevel(level)
 
 
 def test_probe_time_refuses_bad_input(tmp_path, capsys):

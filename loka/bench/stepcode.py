@@ -274,10 +274,11 @@ def inductor_options(items: Sequence[str]) -> Dict[str, object]:
     each KEY an option of ``torch._inductor.config``, each VALUE JSON (``3``, ``true``);
     ValueError naming the item otherwise."""
     from torch._inductor import config as inductor_config
+    known = inductor_config.get_config_copy()  # its options (not its os or patch)
     out: Dict[str, object] = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not hasattr(inductor_config, key):
+        if not sep or key not in known:
             raise ValueError(f"{item!r}: expected KEY=VALUE with KEY an option of "
                              "torch._inductor.config")
         try:

@@ -15,6 +15,7 @@ FP8 speed: the plan is then made on error alone and says so in its notes.
 from __future__ import annotations
 
 import gc
+import json
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -167,10 +168,11 @@ def _fp8_linears(model: nn.Module) -> int:
     return sum(1 for m in model.modules() if isinstance(m, Linear) and not m._all_baseline)
 
 
-def _compile_options(options: Optional[Mapping[str, object]]) -> Dict[str, object]:
+def check_compile_options(options: Optional[Mapping[str, object]]) -> Dict[str, object]:
     """``options`` checked as ``torch._inductor.config`` settings (e.g. ``{"cpp_wrapper":
-    True}``): a dict of them, empty for None; ValueError naming the first key that is not
-    an option of ``torch._inductor.config``."""
+    True}``, ``{"triton.cudagraphs": False}``): a dict of them, empty for None; ValueError
+    naming the first key that is not one of its options (the module's other attributes,
+    ``os`` or ``patch``, are not)."""
     if options is None:
         return {}
     if not isinstance(options, Mapping):
@@ -178,11 +180,25 @@ def _compile_options(options: Optional[Mapping[str, object]]) -> Dict[str, objec
                          f"{type(options).__name__}")
     from torch._inductor import config as inductor_config
 
+    known = inductor_config.get_config_copy()
     for key in options:
-        if not isinstance(key, str) or key.startswith("_") or not hasattr(inductor_config, key):
+        if not isinstance(key, str) or key not in known:
             raise ValueError(f"compile_options: {key!r} is not an option of "
                              "torch._inductor.config")
     return dict(options)
+
+
+def _recorded(options: Mapping[str, object]) -> Dict[str, object]:
+    """``options`` as a plan records them: JSON values as they are, others (a custom pass)
+    by their ``repr``."""
+    out = {}
+    for key, value in options.items():
+        try:
+            json.dumps(value, allow_nan=False)
+            out[key] = value
+        except (TypeError, ValueError):
+            out[key] = repr(value)
+    return out
 
 
 def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tensor]] = None, *,
@@ -211,7 +227,10 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
         raise ValueError(f"step_timer needs steps >= 1 and warmup >= 0, got {steps}, {warmup}")
     if not inference and loss_fn is None:
         raise ValueError("step_timer needs a loss_fn to time training steps")
-    options = _compile_options(compile_options)
+    options = check_compile_options(compile_options)
+    if options and not compile:
+        raise ValueError("compile_options set options of compiled steps: compile=False "
+                         "times eager ones")
 
     def timed(model: nn.Module) -> float:
         dev = torch.device(device) if device is not None else next(model.parameters()).device
@@ -297,7 +316,8 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
             a ``time_step`` the plan is made on error alone and is not timed).
         forward: ``forward(model, batch)`` for serving steps (default ``model(batch)``).
         compile, compile_mode, compile_options, steps, warmup: the default timer's
-            settings (:func:`step_timer`); time the steps compiled as they will run.
+            settings (:func:`step_timer`; ``compile_options`` are refused with a
+            ``time_step`` or ``compile=False``): time the steps compiled as they will run.
         max_trials: at most this many timings while tuning.
         rounds: final A/B rounds (baseline, then plan, each timed afresh); the plan is kept
             only if it is faster in every round.
@@ -328,7 +348,13 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     if static_scales and not inference:
         raise ValueError("static_scales is for serving (inference=True); training takes "
                          "delayed_scaling")
-    options = _compile_options(compile_options)
+    options = check_compile_options(compile_options)
+    if options and not compile:
+        raise ValueError("compile_options set options of compiled steps: compile=False "
+                         "times eager ones")
+    if options and time_step is not None:
+        raise ValueError("compile_options are the default timer's: a time_step of your own "
+                         "compiles the steps its own way")
     say = progress or (lambda _line: None)
     batches = list(batches)
     if not batches:
@@ -429,7 +455,7 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
                                 "predicted_speedup": _finite(predicted),
                                 "isolated_predicted_speedup": _finite(isolated),
                                 "ceiling": ceiling, "host_bound": result.host_bound,
-                                "compile_options": options}
+                                "compile_options": _recorded(options)}
     result.plan = tuned
     say(f"kept {len(tuned.fp8_sites())} FP8 site(s)"
         + (f", step {result.speedup:.3f}x of the baseline" if result.speedup else ""))

@@ -9,7 +9,7 @@ from loka.config import LinearConfig, Role
 from loka.kernels import Kernel, get, register, unregister
 from loka.kernels.registry import Library
 from loka.numerics import sqnr
-from tests.conftest import assert_finite_operands, cpu_scaled_mm_scales_operands
+from tests.support import assert_finite_operands, cpu_scaled_mm_scales_operands
 
 FP8 = ["emulated-tensorwise-e4m3", "emulated-rowwise-e4m3", "emulated-blockwise-e4m3",
        "cublas-tensorwise", "cublas-rowwise"]
@@ -282,18 +282,19 @@ def test_finite_float64_input_never_gives_nan(config, value):
     with torch.no_grad():
         x[:, :3] = value
     y = lin(x)
-    libraries = {get(n).library for n in (config.fwd, config.dgrad, config.wgrad)
-                 if n not in (None, "bf16")}
-    if libraries <= {Library.CUBLAS, Library.TORCHAO} and get(config.fwd).scaling == \
-            "tensorwise" and cpu_scaled_mm_scales_operands():
-        # the CPU build's GEMM scales the operands before it accumulates here, where cuBLAS
-        # scales the accumulator (tests/conftest.py): its NaN is the library's order of
-        # arithmetic; what LoKA hands it is finite
-        assert_finite_operands(get(config.fwd), x.detach(), lin.weight.detach().t())
-        return
-    assert not y.isnan().any()
     y.backward(torch.randn_like(y))
-    assert not x.grad.isnan().any() and not lin.weight.grad.isnan().any()
+    assert not x.grad.isnan().any()
+    libraries = {get(n).library for n in (config.fwd, config.wgrad) if n not in (None, "bf16")}
+    if y.isnan().any() and libraries <= {Library.CUBLAS, Library.TORCHAO} and \
+            get(config.fwd).scaling == "tensorwise" and cpu_scaled_mm_scales_operands():
+        # the CPU build's GEMM scales the operands before it accumulates here, where cuBLAS
+        # scales the accumulator (tests/support.py): its NaN is the library's order of
+        # arithmetic; what LoKA hands the forward's and the weight gradient's GEMMs is finite
+        assert_finite_operands(get(config.fwd), x.detach(), lin.weight.detach().t())
+        assert_finite_operands(get(config.wgrad), torch.randn_like(y).t().contiguous(),
+                               x.detach())
+        return
+    assert not y.isnan().any() and not lin.weight.grad.isnan().any()
 
 
 # -- tensorwise operands quantized once, shared across roles ---------------------------

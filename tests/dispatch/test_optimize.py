@@ -291,15 +291,29 @@ def test_step_timer_compiles_under_the_inductor_options_it_is_given(monkeypatch)
         step_timer(_batches()[0], _loss, compile_options={"no_such_option": 1})
     with pytest.raises(ValueError, match="must map option names to values, got list"):
         step_timer(_batches()[0], _loss, compile_options=["cpp_wrapper"])
+    with pytest.raises(ValueError, match="compile=False times eager ones"):
+        step_timer(_batches()[0], _loss, compile=False, compile_options={"cpp_wrapper": True})
 
 
-def test_optimize_records_the_inductor_options_and_refuses_unknown_ones():
-    time_step, _ = _scripted(-1.0)
-    result = optimize(_model(), _batches(), _loss, config=_config(), time_step=time_step,
-                      rounds=2, compile_options={"cpp_wrapper": True})
-    assert result.plan.budget["optimize"]["compile_options"] == {"cpp_wrapper": True}
-    assert loka.Plan.from_dict(result.plan.to_dict()).budget["optimize"]["compile_options"] \
-        == {"cpp_wrapper": True}
-    with pytest.raises(ValueError, match="'_private' is not an option"):
-        optimize(_model(), _batches(), _loss, config=_config(), time_step=time_step,
-                 compile_options={"_private": 1})
+def test_optimize_refuses_inductor_options_it_would_not_use():
+    """``compile_options`` belong to the default timer: refused (before any Probe) with a
+    time_step of the caller's, with compile=False, and where a key is not an option."""
+    time_step, calls = _scripted(-1.0)
+    for kw, msg in (({"time_step": time_step}, "a time_step of your own"),
+                    ({"compile": False}, "compile=False times eager ones")):
+        with pytest.raises(ValueError, match=msg):
+            optimize(_model(), _batches(), _loss, config=_config(),
+                     compile_options={"cpp_wrapper": True}, **kw)
+    for bad in ({"_private": 1}, {"os": 1}, {"patch": 1}):
+        with pytest.raises(ValueError, match=f"{next(iter(bad))!r} is not an option"):
+            optimize(_model(), _batches(), _loss, config=_config(), compile_options=bad)
+    assert calls == []
+    # dotted names of its sub-configs are options
+    from loka.dispatch.optimize import _recorded, check_compile_options
+
+    assert check_compile_options({"triton.cudagraphs": False}) == {"triton.cudagraphs": False}
+    # a plan records JSON values as they are, anything else (a custom pass) by its repr
+    assert _recorded({"cpp_wrapper": True, "max_autotune_gemm_backends": "ATEN",
+                      "post_grad_custom_post_pass": len}) == {
+        "cpp_wrapper": True, "max_autotune_gemm_backends": "ATEN",
+        "post_grad_custom_post_pass": repr(len)}
