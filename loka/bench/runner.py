@@ -96,12 +96,21 @@ def write(result: dict, path: str) -> None:
 def run(cfg: BenchConfig, progress: Callable[[str], None] = print) -> dict:
     """Every training and inference row of ``cfg``, in order; returns the result written
     to ``cfg.out`` (default :func:`~loka.bench.env.default_out`), with the plans and
-    reports beside it and, with ``cfg.plot``, a chart."""
+    reports beside it and, with ``cfg.plot``, a chart. The rows run with TF32 float32
+    matmuls allowed; the process's setting is restored after."""
     cfg.check_profile()
     device = torch.device(cfg.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda asked for, but no CUDA device is visible")
-    torch.backends.cuda.matmul.allow_tf32 = True
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # TF32 (what allow_tf32 = True sets)
+    try:
+        return _run(cfg, device, progress)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+def _run(cfg: BenchConfig, device: torch.device, progress: Callable[[str], None]) -> dict:
     env = environment(device)
     out = cfg.out or default_out(env)
     result = {"schema": "loka.bench", "version": 1, "env": env, "config": cfg.to_dict(),
