@@ -6,6 +6,7 @@ import math
 import re
 
 import pytest
+import torch
 
 from loka import cli
 from loka.demo import DemoConfig
@@ -96,3 +97,45 @@ def test_quick_config_is_small():
         DemoConfig(probe_steps=0)
     with pytest.raises(ValueError, match="min_speedup"):
         DemoConfig(min_speedup=0)
+
+
+def test_the_default_cpu_kernels_leave_out_a_slow_cpu_scaled_mm(monkeypatch):
+    """Where the CPU build's ``_scaled_mm`` is far slower than a float32 matmul, the default
+    CPU list drops the kernels that call it and says so; a list given is kept as it is."""
+    from loka.demo import runner
+    from loka.demo.config import CPU_KERNELS, DemoConfig
+    from loka.kernels import capabilities as caps
+
+    cpu = torch.device("cpu")
+    real = [k for k in CPU_KERNELS if k in {x.name for x in registry.available(cpu)}]
+    cublas = [k for k in real if registry.get(k).library is registry.Library.CUBLAS]
+    assert cublas  # the CPU build has torch._scaled_mm
+    monkeypatch.setattr(caps, "cpu_scaled_mm_slowdown", lambda: 3.0)
+    assert runner._kernels(DemoConfig(), cpu) == (tuple(real), "")
+    monkeypatch.setattr(caps, "cpu_scaled_mm_slowdown", lambda: 1613.0)
+    kernels, note = runner._kernels(DemoConfig(), cpu)
+    assert kernels == tuple(k for k in real if k not in cublas)
+    assert note.startswith("this CPU's torch._scaled_mm takes 1613x") and cublas[0] in note
+    given = DemoConfig(kernels=("bf16", cublas[0]))
+    assert runner._kernels(given, cpu) == (("bf16", cublas[0]), "")
+
+
+def test_cpu_scaled_mm_slowdown_is_a_ratio_of_two_timings(monkeypatch):
+    """A stand-in ``_scaled_mm`` that sleeps 20 ms against a float32 matmul of 32 x 32 x 32
+    (microseconds): far above the demo's threshold; the real one gives a positive ratio."""
+    import time
+
+    from loka.kernels import capabilities as caps
+
+    measure = caps.cpu_scaled_mm_slowdown.__wrapped__  # (uncached)
+    real = measure(n=32, calls=1)
+    assert real is None or real > 0
+    if real is None:
+        return
+    mm = torch._scaled_mm
+
+    def slow(a, b, **kw):
+        time.sleep(0.02)
+        return mm(a, b, **kw)
+    monkeypatch.setattr(torch, "_scaled_mm", slow)
+    assert measure(n=32, calls=2) > 50

@@ -18,7 +18,9 @@ from ..data import SyntheticCTR
 from ..dispatch import apply as apply_plan
 from ..dispatch import plan as make_plan
 from ..jsonio import atomic_write_text
+from ..kernels import capabilities as caps
 from ..kernels import registry
+from ..kernels.registry import Library
 from ..probe import Probe
 from ..reporting.tables import format_table
 from ..train import CHECKPOINT_NAME, train
@@ -81,6 +83,10 @@ def run(cfg: DemoConfig = DemoConfig(), device="cpu",
     log(f"LoKA demo: {cfg.model}/{cfg.preset} on synthetic CTR data, {device}, batch "
         f"{batch_size}; {cfg.probe_steps} shared steps, then {cfg.steps} per arm -> {out}")
 
+    kernels, kernel_note = _kernels(cfg, device)
+    if kernel_note:
+        log(f"note: {kernel_note}")
+
     # 1. train with the Probe attached
     t = _stage(log, 1, f"training {cfg.probe_steps} steps with the Probe attached")
     # ten statistics steps over the shared run, at most 1024 rows each: the Probe's
@@ -89,7 +95,7 @@ def run(cfg: DemoConfig = DemoConfig(), device="cpu",
                        num_samples=cfg.num_samples, naive_samples=cfg.num_samples,
                        compare_naive=True,
                        sample_rows=cfg.sample_rows, bootstrap=cfg.bootstrap,
-                       kernels=_kernels(cfg, device),
+                       kernels=kernels,
                        max_error=cfg.max_error, min_speedup=cfg.min_speedup, seed=cfg.seed,
                        timing_warmup=10 if on_gpu else 1, timing_iters=50 if on_gpu else 3,
                        progress=cfg.progress)
@@ -162,6 +168,8 @@ def run(cfg: DemoConfig = DemoConfig(), device="cpu",
                      "speed on a GPU, so no speed is compared. Run 'loka demo --device cuda' on "
                      "a GPU for speed.")
         notes.append("The CPU baseline runs in float32 (the model's dtype); on a GPU it is bf16.")
+    if kernel_note:
+        notes.append(kernel_note)
     summary = {"headers": headers, "rows": rows, "notes": notes}
     decisions = reporting.decisions(plan)
     site_rows = [[s, "x".join(map(str, report.sites[s].shape)) if s in report.sites else "-"]
@@ -192,13 +200,30 @@ def run(cfg: DemoConfig = DemoConfig(), device="cpu",
             "times": times, "config": dataclasses.asdict(cfg)}
 
 
-def _kernels(cfg: DemoConfig, device) -> Optional[Tuple[str, ...]]:
+SLOW_CPU_FP8 = 50.0
+"""the default CPU kernels leave torch's CPU ``_scaled_mm`` out where it takes this many
+times a float32 ``mm``'s time (:func:`loka.kernels.capabilities.cpu_scaled_mm_slowdown`):
+their emulated twins compute the same numbers in float arithmetic"""
+
+
+def _kernels(cfg: DemoConfig, device) -> Tuple[Optional[Tuple[str, ...]], str]:
+    """The kernels the demo probes, and a note where the default CPU list left some out."""
     wanted = cfg.kernels if cfg.kernels is not None else (
         None if device.type == "cuda" else CPU_KERNELS)
     if wanted is None:
-        return None
+        return None, ""
     here = {k.name for k in registry.available(device)}
-    return tuple(k for k in wanted if k in here)
+    kernels = tuple(k for k in wanted if k in here)
+    note = ""
+    if cfg.kernels is None:  # a list the user gave is run as it is
+        slow = caps.cpu_scaled_mm_slowdown()
+        if slow is not None and slow >= SLOW_CPU_FP8:
+            dropped = [k for k in kernels if registry.get(k).library is Library.CUBLAS]
+            kernels = tuple(k for k in kernels if k not in dropped)
+            note = (f"this CPU's torch._scaled_mm takes {slow:.0f}x a float32 matmul's time: "
+                    f"{', '.join(dropped)} left out (their emulated twins compute the same "
+                    "FP8 numbers)")
+    return kernels, note
 
 
 def _is_fp8(name: str) -> bool:

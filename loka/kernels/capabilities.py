@@ -87,6 +87,35 @@ def has_scaled_mm(device, scaling: str, a_dtype=torch.float8_e4m3fn,
 
 
 @functools.lru_cache(maxsize=None)
+def cpu_scaled_mm_slowdown(n: int = 128, calls: int = 3) -> Optional[float]:
+    """How many times longer the CPU build's tensorwise ``torch._scaled_mm`` takes than a
+    float32 ``mm`` of the same (n, n, n) shape, best of ``calls`` each; None where there is
+    none. Some CPU builds run it through a reference path orders of magnitude slower than
+    a GEMM (a CPU with AMX but no FP8 units), where a CPU run that calls it on every step
+    takes minutes instead of seconds. Measured once per process (a few milliseconds where
+    it is fast)."""
+    import time
+
+    if not has_scaled_mm("cpu", "tensorwise", out_dtype=torch.float32):
+        return None
+    a = torch.ones(n, n).to(torch.float8_e4m3fn)
+    b = torch.ones(n, n).to(torch.float8_e4m3fn).t()
+    one = torch.ones(())
+    af, bf = a.float(), b.float()
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return max(min(times), 1e-9)
+    fp8 = best(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32))
+    return fp8 / best(lambda: af @ bf)
+
+
+@functools.lru_cache(maxsize=None)
 def module_available(name: str) -> bool:
     try:
         importlib.import_module(name)
