@@ -13,9 +13,9 @@ cold, one process each, on one machine:
 Writes JSON: the Probe's wall time, the report's ``meta`` (phases, compile and autotuning
 seconds, the parent's FX graph cache hits and misses, precompile), the top functions of
 the parent process by cumulative and by own time, and the parent's time in a few named
-groups (Dynamo, Inductor, Triton's compiler, LoKA's autotuner, host syncs). Children are not profiled; their wall time is in
-``meta['precompile']``; why any of the parent's graphs bypassed the FX graph or
-AOTAutograd cache is in ``cache_bypass_reasons``. cProfile does not see into frames Dynamo
+groups (Dynamo, Inductor, Triton's compiler, LoKA's autotuner, host syncs). Children are
+not profiled; their wall time is in ``meta['precompile']``; why any of the parent's
+graphs bypassed the FX graph or AOTAutograd cache is in ``cache_bypass_reasons``. cProfile does not see into frames Dynamo
 evaluates: compiled code is attributed to its callers, and the groups of compile work can
 read 0 on a GPU run.
 """
@@ -169,8 +169,7 @@ class _Bypasses(logging.Filter):
         if text.startswith("Bypassing"):
             key = f"{record.name}: {text[:300]}"
             self.reasons[key] = self.reasons.get(key, 0) + 1
-        level, effective = self._before.get(record.name, (logging.NOTSET, logging.NOTSET))
-        return record.levelno >= effective
+        return record.levelno >= self._before.get(record.name, (0, logging.NOTSET))[1]
 
     def __enter__(self):
         for name in self.LOGGERS:

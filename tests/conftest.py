@@ -48,4 +48,3 @@ def run_under_interpreter():
         assert int(re.search(r"(\d+) passed", out).group(1)) >= min_passed, out[-2000:]
 
     return run
-

@@ -245,7 +245,7 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
                 loss = loss_fn(run, batch)
                 loss.backward()
                 model.zero_grad(set_to_none=True)
-        if options and compile:
+        if options:  # (refused above without compile)
             from torch._inductor import config as inductor_config
 
             with inductor_config.patch(options):  # read while the warm-up steps compile
