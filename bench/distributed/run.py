@@ -170,6 +170,19 @@ def _after_step(model, arm):
         precompute_float8_dynamic_scale_for_fsdp(model)
 
 
+OPTIMIZERS = ("fused", "default")
+"""``--optimizer``: AdamW's fused implementation (one kernel, and under FSDP2 one DTensor
+dispatch, per parameter group and step), or the one torch picks (``foreach`` on CUDA, a
+loop over the parameters on the CPU; each of its ops over DTensors is dispatched on the
+host), as runs written before the option did"""
+
+
+def make_optimizer(model, args) -> torch.optim.Optimizer:
+    """AdamW over the model's parameters, as ``--optimizer`` says."""
+    extra = {"fused": True} if args.optimizer == "fused" else {}
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, **extra)
+
+
 def _train_step(model, opt, arm, batch):
     """One training step of an arm on this rank's batch: loss, backward, optimizer step,
     and the scales of the next step's FP8 all-gathers; its loss."""
@@ -230,7 +243,7 @@ def run_arm(args, device, arm, world):
     batch_size = args.batch_size or model.default_batch_size
     data = SyntheticCTR(model.feature_spec, batch_size * world, seed=0, device=device)
     batches = [ld.shard_batch(next(data)) for _ in range(args.distinct_batches)]
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    opt = make_optimizer(model, args)
 
     def step(batch):
         return _train_step(model, opt, arm, batch)
@@ -298,7 +311,7 @@ def ne_check(args, device, arm, world):
     if args.ne_batch % world:
         raise ValueError(f"--ne-batch {args.ne_batch} does not split over {world} ranks")
     stream = SyntheticCTR(model.feature_spec, args.ne_batch, seed=1, device=device)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    opt = make_optimizer(model, args)
     for _ in range(args.ne_steps):
         _train_step(model, opt, arm, ld.shard_batch(next(stream)))
     held_out = stream.held_out()
@@ -319,21 +332,23 @@ def ne_check(args, device, arm, world):
 def run_settings(args) -> dict:
     """What a ``--baseline`` run must share with this one for its step times and NE to
     compare: the model and how it is built, the device, the per-rank batch (None: the
-    model's), what was compiled, and the loka arm's kernel or plan (its file name)."""
+    model's), what was compiled, the optimizer, and the loka arm's kernel or plan (its file
+    name)."""
     return {"model": args.model, "preset": args.preset, "mods": args.mods,
             "device": args.device, "batch_size": args.batch_size,
             "table_rows": args.table_rows, "fused_embeddings": args.fused_embeddings,
             "compile": args.compile, "compile_scope": COMPILE_SCOPE if args.compile else None,
-            "kernel": args.kernel, "plan": Path(args.plan).name if args.plan else None}
+            "optimizer": args.optimizer, "kernel": args.kernel,
+            "plan": Path(args.plan).name if args.plan else None}
 
 
 def as_recorded(settings: dict) -> dict:
     """A run's recorded settings, with what runs written before an option existed did:
-    the preset's tables, one per feature, eager or (``compile`` true) compiled whole, the
-    model's batch, the default kernel."""
+    the preset's tables, one per feature, eager or (``compile`` true) compiled whole, torch's
+    default AdamW, the model's batch, the default kernel."""
     older = {"batch_size": None, "table_rows": 0, "fused_embeddings": False,
              "compile": False, "compile_scope": "root" if settings.get("compile") else None,
-             "kernel": None, "plan": None}
+             "optimizer": "default", "kernel": None, "plan": None}
     return {**older, **settings}
 
 
@@ -400,6 +415,10 @@ def parse(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--distinct-batches", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="fused",
+                   help="AdamW fused (default: one kernel and, under FSDP2, one host dispatch "
+                        "per step) or torch's default implementation (as runs before this "
+                        "option)")
     p.add_argument("--fused-embeddings", action=argparse.BooleanOptionalAction,
                    default=BenchConfig.fused_embeddings,
                    help="all tables in one (loka.models.fused_embedding), as loka bench runs "

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = ["--device", "cpu", "--preset", "tiny", "--mods", "none", "--steps", "1",
@@ -57,7 +58,7 @@ def test_bench_runs_on_one_and_two_ranks_and_reports_every_field(tmp_path):
     assert r2["ne_settings"] == r1["ne_settings"] == {
         "model": "wukong", "preset": "tiny", "mods": "none", "device": "cpu", "batch_size": 32,
         "table_rows": 1000, "fused_embeddings": True, "compile": False, "compile_scope": None,
-        "kernel": None, "plan": None, "ne_steps": 3, "ne_batch": 64, "ne_eval_batches": 2,
+        "optimizer": "fused", "kernel": None, "plan": None, "ne_steps": 3, "ne_batch": 64, "ne_eval_batches": 2,
         "lr": 1e-3}
     assert {k: r1[k] for k in ("device", "batch_size", "compile", "compile_scope")} == {
         "device": "cpu", "batch_size": 32, "compile": False, "compile_scope": None}
@@ -126,12 +127,41 @@ def test_compiled_step_gathers_fp8_weights_on_two_ranks_and_keeps_the_ne(tmp_pat
     assert cmp["comparable"] and cmp["matches"] and high - low < 0.01
 
 
+@pytest.mark.slow
+def test_fused_adamw_trains_as_the_default_one_under_fsdp2(tmp_path):
+    """``--optimizer fused`` (one fused AdamW over FSDP2's DTensors, FP8-gathered weights
+    among them) and torch's default AdamW train the same model to the same held-out NE:
+    the same update in another order of float32 arithmetic."""
+    ne = {}
+    for name in ("fused", "default"):
+        out = tmp_path / f"{name}.json"
+        _run([sys.executable, "bench/distributed/run.py", *SMOKE, *NE, "--arms", "bf16,loka",
+              "--optimizer", name, "--out", str(out)])
+        result = json.loads(out.read_text())
+        assert result["optimizer"] == result["ne_settings"]["optimizer"] == name
+        ne[name] = {arm: result["arms"][arm]["ne"] for arm in ("bf16", "loka")}
+    for arm in ("bf16", "loka"):
+        assert 0.5 < ne["fused"][arm] < 1.5
+        assert ne["fused"][arm] == pytest.approx(ne["default"][arm], rel=1e-6)
+    # the two arms differ by FP8 far more than the optimizers do
+    assert abs(ne["fused"]["loka"] / ne["fused"]["bf16"] - 1) > 1e-5
+
+
+def test_make_optimizer_is_fused_only_when_asked():
+    run = _script()
+    model = torch.nn.Linear(4, 3)
+    fused = run.make_optimizer(model, run.parse(["--device", "cpu", "--lr", "0.01"]))
+    plain = run.make_optimizer(model, run.parse(["--device", "cpu", "--optimizer", "default"]))
+    assert fused.defaults["fused"] is True and fused.defaults["lr"] == 0.01
+    assert not plain.defaults["fused"] and plain.defaults["lr"] == 1e-3
+
+
 def test_bench_refuses_a_baseline_run_otherwise(tmp_path):
     base = tmp_path / "w1.json"
     base.write_text(json.dumps({"world_size": 1, "model": "wukong", "preset": "tiny",
                                 "mods": "none", "device": "cpu", "batch_size": 32,
                                 "table_rows": 1000, "fused_embeddings": True,
-                                "compile": False, "arms": {}}))
+                                "compile": False, "optimizer": "fused", "arms": {}}))
     proc = _run_failing([sys.executable, "bench/distributed/run.py", *SMOKE, "--compile",
                          "--baseline", str(base), "--out", str(tmp_path / "x.json")])
     assert proc.stderr.strip().endswith(
@@ -149,14 +179,15 @@ def test_baseline_mismatch_names_each_setting_and_reads_older_runs():
     for key, theirs in {"device": "cuda", "batch_size": 8, "kernel": "cublas-rowwise",
                         "plan": "p.plan.json"}.items():
         assert run.baseline_mismatch({**same, key: theirs}, args).startswith(f"{key}=")
-    # a run written before --table-rows, --fused-embeddings and --compile existed ran the
-    # preset's tables, one per feature, eagerly; a compiled one from before compile_scope
-    # compiled the root whole
+    # a run written before --table-rows, --fused-embeddings, --optimizer and --compile
+    # existed ran the preset's tables, one per feature, eagerly, with torch's default AdamW;
+    # a compiled one from before compile_scope compiled the root whole
     older = {k: same[k] for k in ("model", "preset", "mods", "device")}
-    assert run.baseline_mismatch(older, args) == \
-        "table_rows=0 (this run: 1000), fused_embeddings=False (this run: True)"
+    assert run.baseline_mismatch(older, args) == (
+        "table_rows=0 (this run: 1000), fused_embeddings=False (this run: True), "
+        "optimizer='default' (this run: 'fused')")
     old_args = run.parse(["--device", "cpu", "--preset", "tiny", "--mods", "none",
-                          "--table-rows", "0", "--no-fused-embeddings"])
+                          "--table-rows", "0", "--no-fused-embeddings", "--optimizer", "default"])
     assert run.baseline_mismatch(older, old_args) is None
     compiled = run.parse(["--device", "cpu", "--preset", "tiny", "--mods", "none",
                           "--compile"])
@@ -180,6 +211,7 @@ def _run_failing(cmd):
     (["--ne-batch", "0"], "--ne-batch and --ne-eval-batches >= 1"),
     (["--device", "cpu", "--profile-steps", "2"], "profiles CUDA runs only"),
     (["--profile-steps", "-1"], "--profile-steps must be >= 0"),
+    (["--optimizer", "sgd"], "argument --optimizer: invalid choice: 'sgd'"),
 ])
 def test_bench_refuses_bad_arguments(argv, message):
     proc = _run_failing([sys.executable, "bench/distributed/run.py", *argv])
