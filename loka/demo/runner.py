@@ -18,9 +18,7 @@ from ..data import SyntheticCTR
 from ..dispatch import apply as apply_plan
 from ..dispatch import plan as make_plan
 from ..jsonio import atomic_write_text
-from ..kernels import capabilities as caps
 from ..kernels import registry
-from ..kernels.registry import Library
 from ..probe import Probe
 from ..reporting.tables import format_table
 from ..train import CHECKPOINT_NAME, train
@@ -200,12 +198,6 @@ def run(cfg: DemoConfig = DemoConfig(), device="cpu",
             "times": times, "config": dataclasses.asdict(cfg)}
 
 
-SLOW_CPU_FP8 = 50.0
-"""the default CPU kernels leave torch's CPU ``_scaled_mm`` out where it takes this many
-times a float32 ``mm``'s time (:func:`loka.kernels.capabilities.cpu_scaled_mm_slowdown`):
-their emulated twins compute the same numbers in float arithmetic"""
-
-
 def _kernels(cfg: DemoConfig, device) -> Tuple[Optional[Tuple[str, ...]], str]:
     """The kernels the demo probes, and a note where the default CPU list left some out."""
     wanted = cfg.kernels if cfg.kernels is not None else (
@@ -216,9 +208,8 @@ def _kernels(cfg: DemoConfig, device) -> Tuple[Optional[Tuple[str, ...]], str]:
     kernels = tuple(k for k in wanted if k in here)
     note = ""
     if cfg.kernels is None:  # a list the user gave is run as it is
-        slow = caps.cpu_scaled_mm_slowdown()
-        if slow is not None and slow >= SLOW_CPU_FP8:
-            dropped = [k for k in kernels if registry.get(k).library is Library.CUBLAS]
+        dropped, slow = registry.slow_cpu_kernels(registry.get(k) for k in kernels)
+        if dropped:
             kernels = tuple(k for k in kernels if k not in dropped)
             note = (f"this CPU's torch._scaled_mm takes {slow:.0f}x a float32 matmul's time: "
                     f"{', '.join(dropped)} left out (their emulated twins compute the same "

@@ -86,6 +86,13 @@ def has_scaled_mm(device, scaling: str, a_dtype=torch.float8_e4m3fn,
     return _probe_scaled_mm(str(dev), scaling, a_dtype, b_dtype, out_dtype)
 
 
+SLOW_CPU_FP8 = 50.0
+"""a CPU ``torch._scaled_mm`` this many times slower than a float32 ``mm``
+(:func:`cpu_scaled_mm_slowdown`) makes a CPU run that calls it on every step take minutes
+instead of seconds: the demo's default CPU kernels leave it out, a CPU Probe that measures
+it says so"""
+
+
 @functools.lru_cache(maxsize=None)
 def cpu_scaled_mm_slowdown(n: int = 128, calls: int = 3) -> Optional[float]:
     """How many times longer the CPU build's tensorwise ``torch._scaled_mm`` takes than a

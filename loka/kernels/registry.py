@@ -281,6 +281,21 @@ def available(device: "torch.device | str" = "cpu", shape: Optional[Tuple[int, i
     return out
 
 
+def slow_cpu_kernels(kernels: Iterable[Kernel]) -> Tuple[List[str], Optional[float]]:
+    """The names of ``kernels`` (registered kernels, on the CPU) that call torch's CPU
+    ``_scaled_mm`` (library cuBLAS), and its slowdown against a float32 matmul, where that
+    is at least :data:`~loka.kernels.capabilities.SLOW_CPU_FP8` on this host; ``([], None)``
+    otherwise (none of them, or a fast ``_scaled_mm``; the slowdown is only measured where
+    one of them is there)."""
+    names = [k.name for k in kernels if k.library is Library.CUBLAS]
+    if not names:
+        return [], None
+    slow = caps.cpu_scaled_mm_slowdown()
+    if slow is None or slow < caps.SLOW_CPU_FP8:
+        return [], None
+    return names, slow
+
+
 def unavailable(device: "torch.device | str" = "cpu") -> Dict[str, str]:
     """name -> reason, for every registered kernel that cannot run on ``device``."""
     return {k.name: k.device_ok(device).reason for k in all_kernels() if not k.device_ok(device)}

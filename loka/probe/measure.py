@@ -288,6 +288,25 @@ def kernel_names(config: ProbeConfig, device: torch.device) -> Optional[Tuple[st
     return None
 
 
+def _warn_slow_cpu(config: ProbeConfig, device: Optional[torch.device]) -> Dict[str, float]:
+    """On a CPU whose ``torch._scaled_mm`` is very slow
+    (:func:`loka.kernels.registry.slow_cpu_kernels`), a warning naming the kernels of
+    this Probe that call it, before anything is measured: they are measured as asked, and
+    their emulated twins would give the same FP8 numbers in a fraction of the time. Returns
+    ``{kernel: slowdown}`` for the report's ``meta['slow_cpu_kernels']`` (empty elsewhere)."""
+    if device is None or device.type != "cpu":
+        return {}
+    names, slow = registry.slow_cpu_kernels(
+        registry.available(device, names=kernel_names(config, device)))
+    if not names:
+        return {}
+    warnings.warn(f"loka.probe: this CPU's torch._scaled_mm takes {slow:.0f}x a float32 "
+                  f"matmul's time, so measuring {', '.join(names)} will be slow; their "
+                  "emulated twins (emulated-*) compute the same FP8 numbers: leave them out "
+                  "with ProbeConfig(kernels=...)", stacklevel=4)
+    return {name: round(slow, 1) for name in names}
+
+
 def not_runnable(config: ProbeConfig, device: torch.device) -> Dict[str, str]:
     """The kernels ``config.kernels`` names that cannot run on ``device`` (or are not
     registered), each with why: the Probe measures the others and says so (the report's
@@ -936,6 +955,7 @@ def measure_report(sites: Mapping[str, SiteStats], modules: Mapping[str, nn.Line
     if missing:
         warnings.warn("loka.probe: kernels asked for that cannot run here were not measured: "
                       + "; ".join(f"{n} ({why})" for n, why in missing.items()), stacklevel=3)
+    slow_kernels = _warn_slow_cpu(config, used)
     # the baselines' estimates first: they rule kernels out (roofline) before anything compiles
     run.estimate_baselines(works)
     pre = precompile.start(run.compile_plan(works), used, config) if works else None
@@ -960,6 +980,7 @@ def measure_report(sites: Mapping[str, SiteStats], modules: Mapping[str, nn.Line
             "reference": "float64" if used.type == "cpu" else "float32 (TF32 off)",
             "baseline": BASELINE, "unobserved_sites": unobserved,
             "report_s": time.perf_counter() - start, "phases_s": dict(run.phases),
+            "slow_cpu_kernels": slow_kernels,
             "not_timed": dict(run.not_timed), "autotuned": _autotune_choices(),
             "head_forwards_only": list(run.head), "kernels_not_measured": missing,
             "twin_errors": sum(len(rw.errors_from) for w in works for rw in w.roles),

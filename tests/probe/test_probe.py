@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -384,3 +386,40 @@ def test_error_samples_run_untuned_and_only_triton_kernels_need_it(monkeypatch):
     with real([registry.get("bf16"), triton]):
         pass
     assert entered == [True]
+
+
+def test_a_cpu_probe_warns_where_the_cpu_scaled_mm_is_slow(monkeypatch):
+    """On a CPU whose ``_scaled_mm`` is far slower than a float32 matmul the Probe warns
+    before measuring, naming the kernels that call it (measured anyway, as asked), and the
+    report records them; at a fast ``_scaled_mm``, or with no such kernel, it says nothing."""
+    from loka.kernels import capabilities as caps
+
+    if not registry.available("cpu", names=("cublas-tensorwise",)):
+        pytest.skip("this torch build has no CPU torch._scaled_mm")
+    config = ProbeConfig(**{**FAST, "kernels": ("bf16", TW, "cublas-tensorwise")})
+
+    def probe(cfg):
+        torch.manual_seed(0)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            rep = loka.probe(TwoSites(), two_site_batches(1), loss_fn, config=cfg)
+        return rep, [str(w.message) for w in seen if "_scaled_mm takes" in str(w.message)]
+
+    monkeypatch.setattr(caps, "cpu_scaled_mm_slowdown", lambda: 1613.0)
+    rep, said = probe(config)
+    assert said == ["loka.probe: this CPU's torch._scaled_mm takes 1613x a float32 matmul's "
+                    "time, so measuring cublas-tensorwise will be slow; their emulated twins "
+                    "(emulated-*) compute the same FP8 numbers: leave them out with "
+                    "ProbeConfig(kernels=...)"]
+    assert rep.meta["slow_cpu_kernels"] == {"cublas-tensorwise": 1613.0}
+    for site in rep.sites.values():  # measured as asked
+        assert site.roles[Role.FWD].kernels["cublas-tensorwise"].mere is not None
+    assert ProbeReport.from_dict(rep.to_dict()).meta["slow_cpu_kernels"] == \
+        {"cublas-tensorwise": 1613.0}
+    # the same kernels where _scaled_mm is fast, and a slow host without such a kernel
+    monkeypatch.setattr(caps, "cpu_scaled_mm_slowdown", lambda: 3.0)
+    rep_fast, said_fast = probe(config)
+    assert said_fast == [] and rep_fast.meta["slow_cpu_kernels"] == {}
+    monkeypatch.setattr(caps, "cpu_scaled_mm_slowdown", lambda: 1613.0)
+    rep_none, said_none = probe(ProbeConfig(**{**FAST, "kernels": ("bf16", TW)}))
+    assert said_none == [] and rep_none.meta["slow_cpu_kernels"] == {}
