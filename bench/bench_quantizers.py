@@ -12,6 +12,17 @@ kernel long before, and a weight of 8192 x 2048 fits in the L2 of an H100):
 * ``dual``: :func:`~loka.kernels.triton.quantize.quantize_rowwise_dual` (both layouts);
 * ``tensorwise``: :func:`~loka.kernels.triton.quantize.quantize_tensorwise` (two passes).
 
+* with ``--compiled`` (the default; ``--no-compiled`` leaves them out), the same
+  quantizations in PyTorch ops under ``torch.compile``, as Inductor writes them inside a
+  compiled step: ``c_rowwise`` (:func:`loka.numerics.quantize`, rowwise), ``c_dual`` (x and
+  ``x.t()``, one compiled function), and the power-of-two path whose second layout comes
+  from the FP8 rows (:func:`loka.numerics.requantize_transposed`): ``c_p2_rowwise``,
+  ``c_p2_requant`` (from its FP8 rows alone: one byte read and one written per element),
+  ``c_p2_dual`` (both in one function) and ``c_p2_direct_t`` (the transposed layout from x
+  directly). ``c_p2_dual`` records its relative error against x and ``x.t()`` (float64)
+  beside that of the direct power-of-two quantizations, and the fraction of its
+  transposed values (dequantized) that equal the direct ones.
+
 ``dual``'s output is checked bit for bit against :func:`loka.numerics.quantize` (x and
 ``x.t()``, rowwise), after it is timed. Each row gives the
 median time, the bytes it must move at least (one read of 2 bytes and one write of 1 per
@@ -62,7 +73,62 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
                                               b.contiguous().view(torch.uint8))
 
 
-def run(shapes: List[Tuple[int, int]], device: str, iters: int = 50) -> Dict[str, object]:
+def _rel_err(q, ref: torch.Tensor) -> float:
+    from loka.numerics import dequantize
+    ref = ref.double()
+    return float((dequantize(q, torch.float64) - ref).norm() / ref.norm().clamp(min=1e-300))
+
+
+def _compiled_rows(x: torch.Tensor, timed: Callable[..., None],
+                   rows: Dict[str, Dict[str, object]]) -> None:
+    """The ``c_*`` rows (module docstring): PyTorch quantization under ``torch.compile``."""
+    from loka.numerics import Granularity, QTensor, get_format, quantize, requantize_transposed
+
+    n = x.numel()
+    torch.compiler.reset()  # each shape compiles its own graphs (no recompile limit met)
+    compile_ = torch.compile
+
+    def rowwise(t, p2=False):
+        q = quantize(t, "e4m3", "rowwise", "a", power_of_two=p2)
+        return q.data, q.scale
+
+    def requant(data, scale):
+        q = QTensor(data, scale, get_format("e4m3"), (1, data.shape[1]), Granularity.ROWWISE)
+        r = requantize_transposed(q, check_scale=False)
+        return r.data, r.scale
+
+    def p2_dual(t):
+        return (*rowwise(t, True), *requant(*rowwise(t, True)))
+
+    c_rowwise = compile_(lambda t: rowwise(t))
+    c_dual = compile_(lambda t: (*rowwise(t), *rowwise(t.t())))
+    c_p2 = compile_(lambda t: rowwise(t, True))
+    c_requant = compile_(requant)
+    c_p2_dual = compile_(p2_dual)
+    c_p2_t = compile_(lambda t: rowwise(t.t(), True))
+    data, scale = c_p2(x)
+    timed("c_rowwise", lambda: c_rowwise(x), 3 * n)
+    timed("c_dual", lambda: c_dual(x), 6 * n)
+    timed("c_p2_rowwise", lambda: c_p2(x), 3 * n)
+    timed("c_p2_requant", lambda: c_requant(data, scale), 2 * n)
+    timed("c_p2_dual", lambda: c_p2_dual(x), 6 * n)
+    timed("c_p2_direct_t", lambda: c_p2_t(x), 3 * n)
+    q, s, qt, st = c_p2_dual(x)
+    direct = quantize(x, "e4m3", "rowwise", "a", power_of_two=True)
+    direct_t = quantize(x.t(), "e4m3", "rowwise", "a", power_of_two=True)
+    fmt = get_format("e4m3")
+    mine = QTensor(q, s, fmt, (1, x.shape[1]), Granularity.ROWWISE)
+    mine_t = QTensor(qt, st, fmt, (1, x.shape[0]), Granularity.ROWWISE)
+    rows["c_p2_dual"].update(
+        rows_bit_exact=bool(_same(q, direct.data) and torch.equal(s, direct.scale)),
+        transposed_values_equal=float((mine_t.dequantize(torch.float64)
+                                       == direct_t.dequantize(torch.float64)).double().mean()),
+        rel_err=_rel_err(mine, x), rel_err_direct=_rel_err(direct, x),
+        rel_err_t=_rel_err(mine_t, x.t()), rel_err_t_direct=_rel_err(direct_t, x.t()))
+
+
+def run(shapes: List[Tuple[int, int]], device: str, iters: int = 50,
+        compiled: bool = True) -> Dict[str, object]:
     """Time every row at every shape; returns the JSON document's ``cases``."""
     from loka.kernels.triton import quantize as Q
     from loka.numerics import quantize
@@ -92,6 +158,8 @@ def run(shapes: List[Tuple[int, int]], device: str, iters: int = 50) -> Dict[str
             _same(d[0], ref.data) and _same(d[2], ref_t.data)
             and torch.equal(d[1].reshape(ref.scale.shape), ref.scale)
             and torch.equal(d[3].reshape(ref_t.scale.shape), ref_t.scale))
+        if compiled:
+            _compiled_rows(x, timed, rows)
         copy_rate = rows["copy"]["gb_per_s"]
         for row in rows.values():
             row["of_copy_rate"] = row["gb_per_s"] / copy_rate
@@ -105,6 +173,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma list of RxC (bf16 inputs)")
     p.add_argument("--iters", type=int, default=50, help="timed graph replays per row")
+    p.add_argument("--compiled", action=argparse.BooleanOptionalAction, default=True,
+                   help="also the c_* rows: PyTorch quantization under torch.compile")
     p.add_argument("--out", default=None, help="JSON path")
     args = p.parse_args(argv)
     try:
@@ -123,7 +193,7 @@ def main(argv: Optional[List[str]] = None) -> int:
            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
            "torch": torch.__version__, "python": platform.python_version(),
            "device_name": torch.cuda.get_device_name() if gpu else "cpu (Triton interpreter)",
-           **run(shapes, device, args.iters)}
+           **run(shapes, device, args.iters, args.compiled)}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")

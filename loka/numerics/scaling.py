@@ -298,6 +298,45 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return out.to(dtype)
 
 
+def requantize_transposed(q: QTensor, check_scale: bool = True) -> QTensor:
+    """The other layout of a rowwise operand made from its FP8 data, not from the
+    high-precision tensor: ``qᵀ`` quantized rowwise (one scale per column of ``q``), with
+    power-of-two scales taken from the dequantized values.
+
+    ``q`` must be rowwise with power-of-two scales (``quantize(x, fmt, 'rowwise',
+    power_of_two=True)``): then ``q.data * q.scale`` is exact in float32, and where a value
+    lies in FP8's normal range it is ``x`` rounded to FP8's mantissa, whatever the
+    power-of-two scale. So wherever a value is normal under both its row's and its
+    column's scale, the result dequantizes to exactly what ``quantize(x.t(), fmt, 'rowwise',
+    power_of_two=True)`` gives (its bits may differ by a power of two where the column's
+    largest value, rounded, crosses a power of two and the two pick adjacent scales).
+    Elsewhere (a value subnormal under either scale) it has been rounded twice; its error
+    is at most the two roundings' half steps.
+
+    What it is for: the weight gradient reads ``xᵀ`` and ``dyᵀ`` with scales along the batch,
+    where the forward and the input gradient read ``x`` and ``dy`` with scales along the
+    features. Made from the FP8 rows (one byte per value) instead of the bf16 tensor (two,
+    through a transposed view), the second layout costs one read of the FP8 data for the
+    column amax and one for the cast (``bench/bench_requant.py`` times it).
+
+    Args:
+        q: rowwise QTensor (R, C) with power-of-two scales.
+        check_scale: check that the scales are powers of two (ValueError otherwise); the
+            check reads them (a host synchronization): pass False on a hot path whose
+            scales were made with ``power_of_two=True``.
+
+    Returns:
+        QTensor of shape (C, R), rowwise, ``scale`` (C, 1), power-of-two.
+    """
+    if q.granularity != Granularity.ROWWISE or q.block != (1, q.data.shape[1]):
+        raise ValueError(f"requantize_transposed takes a rowwise QTensor with one scale per "
+                         f"row, got {q.granularity.value} with block {q.block}")
+    if check_scale and q.scale.numel() and not bool((torch.frexp(q.scale)[0] == 0.5).all()):
+        raise ValueError("requantize_transposed needs power-of-two scales "
+                         "(quantize(..., power_of_two=True)): other scales round twice")
+    return quantize(dequantize(q).t(), q.fmt, Granularity.ROWWISE, "a", power_of_two=True)
+
+
 def fake_quantize(x: torch.Tensor, fmt: "FP8Format | str" = "e4m3",
                   granularity: "Granularity | str" = Granularity.TENSORWISE,
                   operand: str = "a", **kwargs) -> torch.Tensor:

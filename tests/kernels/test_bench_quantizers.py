@@ -32,11 +32,21 @@ def test_every_row_at_every_shape_and_the_dual_row_is_bit_exact(tmp_path):
     assert [c["shape"] for c in doc["cases"]] == [[40, 24], [300, 16]]
     for case in doc["cases"]:
         rows = case["rows"]
-        assert set(rows) == {"copy", "rowwise", "rowwise_t", "dual", "tensorwise"}
+        assert set(rows) == {"copy", "rowwise", "rowwise_t", "dual", "tensorwise", "c_rowwise",
+                             "c_dual", "c_p2_rowwise", "c_p2_requant", "c_p2_dual",
+                             "c_p2_direct_t"}
         n = case["shape"][0] * case["shape"][1]
         assert rows["copy"]["mbytes"] == pytest.approx(4 * n / 1e6)
         assert rows["dual"]["mbytes"] == pytest.approx(6 * n / 1e6)
         assert rows["dual"]["bit_exact"] is True
+        assert rows["c_p2_requant"]["mbytes"] == pytest.approx(2 * n / 1e6)
+        # the compiled power-of-two path: its rows as loka.numerics.quantize's, its
+        # transposed layout, made from them, dequantizing to the direct one's values
+        # (N(0, 9) data: every value normal under both scales), so the same errors
+        p2 = rows["c_p2_dual"]
+        assert p2["rows_bit_exact"] is True and p2["transposed_values_equal"] == 1.0
+        assert 0.01 < p2["rel_err"] == p2["rel_err_direct"] < 0.05
+        assert p2["rel_err_t"] == pytest.approx(p2["rel_err_t_direct"], rel=1e-12)
         assert rows["copy"]["of_copy_rate"] == pytest.approx(1.0)
         assert all(r["us"] > 0 and r["gb_per_s"] > 0 for r in rows.values())
 

@@ -244,3 +244,73 @@ def test_no_code_calls_the_granularity_enum_on_a_value_torch_2_11_cannot_trace()
     for bad in ("row", None, 3):
         with pytest.raises(ValueError, match="not a valid Granularity"):
             as_granularity(bad)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_requantize_transposed_dequantizes_as_the_direct_quantization(fmt):
+    """Power-of-two rowwise rows, requantized along the other axis, dequantize to exactly
+    the direct power-of-two quantization of ``x.t()`` (float64) where every value is normal
+    under both scales: features spread over a decade and a half, outlier channels 100x."""
+    from loka.numerics import requantize_transposed
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(512, 96, generator=g) * torch.exp(torch.randn(96, generator=g))
+    x[:, [5, 40]] *= 100
+    q = quantize(x, fmt, "rowwise", "a", power_of_two=True)
+    r = requantize_transposed(q)
+    direct = quantize(x.t(), fmt, "rowwise", "a", power_of_two=True)
+    assert r.data.shape == (96, 512) and r.scale.shape == (96, 1)
+    assert r.granularity == Granularity.ROWWISE and r.block == (1, 512)
+    assert torch.equal(torch.frexp(r.scale)[0], torch.full_like(r.scale, 0.5))
+    fp = FORMATS[fmt]
+    mine, ref = r.dequantize(torch.float64), direct.dequantize(torch.float64)
+    normal = ((x.t().double().abs() / q.scale.t().double() >= fp.min_normal)
+              & (x.t().double().abs() / direct.scale.double() >= fp.min_normal))
+    assert normal.double().mean() > 0.97
+    assert torch.equal(mine[normal], ref[normal])
+    # the rest was rounded twice: within both roundings' half steps of x
+    xt = x.t().double()
+    half_sub = fp.min_normal * 2.0 ** -(fp.mantissa_bits + 1)
+    bound = (xt.abs() * 2.0 ** -(fp.mantissa_bits + 1)
+             + (q.scale.t().double() + r.scale.double()) * half_sub)
+    assert ((mine - xt).abs() <= bound).all()
+
+
+def test_requantize_transposed_rounds_twice_only_below_the_normal_range():
+    """A row whose largest value is 2**16 times its others puts those below e4m3's normal
+    range under the row's scale: requantized, they keep only the row's subnormal grid
+    (the direct quantization keeps more), and stay within the two half steps."""
+    from loka.numerics import requantize_transposed
+
+    x = torch.full((4, 8), 1.3)
+    x[0, 0] = 1.3 * 2.0 ** 16
+    q = quantize(x, "e4m3", "rowwise", "a", power_of_two=True)
+    r = requantize_transposed(q).dequantize(torch.float64)
+    direct = quantize(x.t(), "e4m3", "rowwise", "a", power_of_two=True).dequantize(
+        torch.float64)
+    xt = x.t().double()
+    # x's rows and columns without the outlier: normal under both scales, as direct
+    assert torch.equal(r[1:, 1:], direct[1:, 1:])
+    # the outlier's row's other values: on the row's subnormal grid, coarser than direct's
+    off = (r[1:, 0] - xt[1:, 0]).abs()
+    assert (off > (direct[1:, 0] - xt[1:, 0]).abs()).all()
+    step = q.scale[0, 0].double() * 2.0 ** -9  # e4m3's subnormal step under the row's scale
+    assert (off <= step / 2).all()
+
+
+def test_requantize_transposed_refuses_what_it_cannot_requantize():
+    from loka.numerics import requantize_transposed
+
+    x = torch.randn(16, 32)
+    with pytest.raises(ValueError, match="power-of-two scales"):
+        requantize_transposed(quantize(x, "e4m3", "rowwise", "a"))
+    with pytest.raises(ValueError, match="rowwise QTensor with one scale per row"):
+        requantize_transposed(quantize(x, "e4m3", "tensorwise", "a", power_of_two=True))
+    with pytest.raises(ValueError, match="rowwise QTensor with one scale per row"):
+        requantize_transposed(quantize(x, "e4m3", "rowwise", "b", power_of_two=True))
+    # unchecked, the scales are taken as they are (the caller made them powers of two)
+    plain = quantize(x, "e4m3", "rowwise", "a")
+    assert requantize_transposed(plain, check_scale=False).data.shape == (32, 16)
+    # no rows: every column's scale is finite, no data
+    empty = requantize_transposed(quantize(x[:0], "e4m3", "rowwise", "a", power_of_two=True))
+    assert empty.data.shape == (32, 0) and torch.isfinite(empty.scale).all()
