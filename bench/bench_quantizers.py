@@ -88,9 +88,9 @@ def _compiled_rows(x: torch.Tensor, timed: Callable[..., None],
     torch.compiler.reset()  # each shape compiles its own graphs (no recompile limit met)
     compile_ = torch.compile
 
-    def rowwise(t, p2=False):
+    def rowwise(t, p2=False):  # row-major output, as the Triton kernels write (t.t() too)
         q = quantize(t, "e4m3", "rowwise", "a", power_of_two=p2)
-        return q.data, q.scale
+        return q.data.contiguous(), q.scale
 
     def requant(data, scale):
         q = QTensor(data, scale, get_format("e4m3"), (1, data.shape[1]), Granularity.ROWWISE)

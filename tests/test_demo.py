@@ -103,7 +103,7 @@ def test_the_default_cpu_kernels_leave_out_a_slow_cpu_scaled_mm(monkeypatch):
     """Where the CPU build's ``_scaled_mm`` is far slower than a float32 matmul, the default
     CPU list drops the kernels that call it and says so; a list given is kept as it is."""
     from loka.demo import runner
-    from loka.demo.config import CPU_KERNELS, DemoConfig
+    from loka.demo.config import CPU_KERNELS, QUICK_KERNELS, DemoConfig
     from loka.kernels import capabilities as caps
 
     cpu = torch.device("cpu")
@@ -118,6 +118,9 @@ def test_the_default_cpu_kernels_leave_out_a_slow_cpu_scaled_mm(monkeypatch):
     assert note.startswith("this CPU's torch._scaled_mm takes 1613x") and cublas[0] in note
     given = DemoConfig(kernels=("bf16", cublas[0]))
     assert runner._kernels(given, cpu) == (("bf16", cublas[0]), "")
+    # the quick demo's list adapts as the default one does
+    kernels, note = runner._kernels(DemoConfig.quick(), cpu)
+    assert set(QUICK_KERNELS) & set(cublas) and not set(kernels) & set(cublas) and note
 
 
 def test_cpu_scaled_mm_slowdown_is_a_ratio_of_two_timings(monkeypatch):

@@ -171,10 +171,10 @@ def _after_step(model, arm):
 
 
 OPTIMIZERS = ("fused", "default")
-"""``--optimizer``: AdamW's fused implementation (one kernel, and under FSDP2 one DTensor
-dispatch, per parameter group and step), or the one torch picks (``foreach`` on CUDA, a
-loop over the parameters on the CPU; each of its ops over DTensors is dispatched on the
-host), as runs written before the option did"""
+"""``--optimizer``: AdamW's fused implementation (a few kernels per device and dtype, and
+under FSDP2 one DTensor dispatch, per parameter group and step), or the one torch picks
+(``foreach`` on CUDA, a loop over the parameters on the CPU; each of its ops over
+DTensors is dispatched on the host), as runs written before the option did"""
 
 
 def make_optimizer(model, args) -> torch.optim.Optimizer:

@@ -22,7 +22,7 @@ from ..kernels import registry
 from ..probe import Probe
 from ..reporting.tables import format_table
 from ..train import CHECKPOINT_NAME, train
-from .config import CPU_KERNELS, DemoConfig
+from .config import CPU_KERNELS, QUICK_KERNELS, DemoConfig
 
 __all__ = ["run"]
 
@@ -199,7 +199,8 @@ def run(cfg: DemoConfig = DemoConfig(), device="cpu",
 
 
 def _kernels(cfg: DemoConfig, device) -> Tuple[Optional[Tuple[str, ...]], str]:
-    """The kernels the demo probes, and a note where the default CPU list left some out."""
+    """The kernels the demo probes, and a note where the default or the quick CPU list
+    left some out."""
     wanted = cfg.kernels if cfg.kernels is not None else (
         None if device.type == "cuda" else CPU_KERNELS)
     if wanted is None:
@@ -207,7 +208,7 @@ def _kernels(cfg: DemoConfig, device) -> Tuple[Optional[Tuple[str, ...]], str]:
     here = {k.name for k in registry.available(device)}
     kernels = tuple(k for k in wanted if k in here)
     note = ""
-    if cfg.kernels is None:  # a list the user gave is run as it is
+    if cfg.kernels is None or cfg.kernels == QUICK_KERNELS:  # a user's list runs as it is
         dropped, slow = registry.slow_cpu_kernels(registry.get(k) for k in kernels)
         if dropped:
             kernels = tuple(k for k in kernels if k not in dropped)

@@ -281,13 +281,17 @@ def available(device: "torch.device | str" = "cpu", shape: Optional[Tuple[int, i
     return out
 
 
+SCALED_MM_LIBRARIES = (Library.CUBLAS, Library.TORCHAO)
+"""libraries whose FP8 kernels call ``torch._scaled_mm`` (torchao's Float8 GEMM does too)"""
+
+
 def slow_cpu_kernels(kernels: Iterable[Kernel]) -> Tuple[List[str], Optional[float]]:
     """The names of ``kernels`` (registered kernels, on the CPU) that call torch's CPU
-    ``_scaled_mm`` (library cuBLAS), and its slowdown against a float32 matmul, where that
-    is at least :data:`~loka.kernels.capabilities.SLOW_CPU_FP8` on this host; ``([], None)``
-    otherwise (none of them, or a fast ``_scaled_mm``; the slowdown is only measured where
-    one of them is there)."""
-    names = [k.name for k in kernels if k.library is Library.CUBLAS]
+    ``_scaled_mm`` (libraries cuBLAS and torchao), and its slowdown against a float32
+    matmul, where that is at least :data:`~loka.kernels.capabilities.SLOW_CPU_FP8` on this
+    host; ``([], None)`` otherwise (none of them, or a fast ``_scaled_mm``; the slowdown is
+    only measured where one of them is there)."""
+    names = [k.name for k in kernels if k.library in SCALED_MM_LIBRARIES]
     if not names:
         return [], None
     slow = caps.cpu_scaled_mm_slowdown()

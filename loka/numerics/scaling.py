@@ -301,40 +301,54 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 def requantize_transposed(q: QTensor, check_scale: bool = True) -> QTensor:
     """The other layout of a rowwise operand made from its FP8 data, not from the
     high-precision tensor: ``qᵀ`` quantized rowwise (one scale per column of ``q``), with
-    power-of-two scales taken from the dequantized values.
+    power-of-two scales taken from the dequantized values, its data a contiguous (C, R)
+    tensor (the layout a GEMM reads ``xᵀ`` in).
 
     ``q`` must be rowwise with power-of-two scales (``quantize(x, fmt, 'rowwise',
-    power_of_two=True)``): then ``q.data * q.scale`` is exact in float32, and where a value
-    lies in FP8's normal range it is ``x`` rounded to FP8's mantissa, whatever the
-    power-of-two scale. So wherever a value is normal under both its row's and its
-    column's scale, the result dequantizes to exactly what ``quantize(x.t(), fmt, 'rowwise',
-    power_of_two=True)`` gives (its bits may differ by a power of two where the column's
-    largest value, rounded, crosses a power of two and the two pick adjacent scales).
-    Elsewhere (a value subnormal under either scale) it has been rounded twice; its error
-    is at most the two roundings' half steps.
+    power_of_two=True)``): then ``q.data * q.scale`` is exact, and a value that lies in
+    FP8's normal range under its row's scale is ``x`` rounded to FP8's mantissa, whatever
+    the power-of-two scale. Let ``r = requantize_transposed(q)`` and ``d = quantize(x.t(),
+    fmt, 'rowwise', power_of_two=True)``. Wherever a value is normal under its row's scale
+    and under both column scales (``d``'s and ``r``'s), ``r`` dequantizes to exactly ``d``'s
+    value. The two column scales can differ: by rounding, a column's largest value can
+    cross a power of two, and where that value is below its row's normal range it can
+    round up enough to double ``r``'s scale; the column's other values are then rounded
+    on that coarser grid. A value below its row's normal range is rounded twice. Every
+    value stays within the two roundings' half steps of ``x``.
+
+    Values of ``x`` so close to float32's largest that FP8 rounds them to 2**128 dequantize
+    to float32's largest (as ``quantize`` saturates) instead of inf. A NaN in ``x`` makes
+    its row's scale NaN (as ``quantize`` does), hence every column's scale, hence every
+    value of the result: one NaN reaches all of it.
 
     What it is for: the weight gradient reads ``xᵀ`` and ``dyᵀ`` with scales along the batch,
     where the forward and the input gradient read ``x`` and ``dy`` with scales along the
     features. Made from the FP8 rows (one byte per value) instead of the bf16 tensor (two,
     through a transposed view), the second layout costs one read of the FP8 data for the
-    column amax and one for the cast (``bench/bench_requant.py`` times it).
+    column amax and one for the cast (``bench/bench_quantizers.py`` times it: rows
+    ``c_p2_requant`` and ``c_p2_dual``).
 
     Args:
         q: rowwise QTensor (R, C) with power-of-two scales.
-        check_scale: check that the scales are powers of two (ValueError otherwise); the
-            check reads them (a host synchronization): pass False on a hot path whose
-            scales were made with ``power_of_two=True``.
+        check_scale: check that the finite scales are powers of two (ValueError
+            otherwise); the check reads them (a host synchronization): pass False on a hot
+            path whose scales were made with ``power_of_two=True``.
 
     Returns:
         QTensor of shape (C, R), rowwise, ``scale`` (C, 1), power-of-two.
     """
-    if q.granularity != Granularity.ROWWISE or q.block != (1, q.data.shape[1]):
+    if (q.granularity != Granularity.ROWWISE or q.block[0] != 1
+            or q.block[1] < q.data.shape[1]):
         raise ValueError(f"requantize_transposed takes a rowwise QTensor with one scale per "
                          f"row, got {q.granularity.value} with block {q.block}")
-    if check_scale and q.scale.numel() and not bool((torch.frexp(q.scale)[0] == 0.5).all()):
-        raise ValueError("requantize_transposed needs power-of-two scales "
-                         "(quantize(..., power_of_two=True)): other scales round twice")
-    return quantize(dequantize(q).t(), q.fmt, Granularity.ROWWISE, "a", power_of_two=True)
+    if check_scale and q.scale.numel():
+        finite = torch.isfinite(q.scale)
+        if not bool((~finite | (torch.frexp(q.scale)[0] == 0.5)).all()):
+            raise ValueError("requantize_transposed needs power-of-two scales "
+                             "(quantize(..., power_of_two=True)): other scales round twice")
+    values = dequantize(q).clamp(-FLOAT32_MAX, FLOAT32_MAX)  # (NaN stays NaN)
+    r = quantize(values.t(), q.fmt, Granularity.ROWWISE, "a", power_of_two=True)
+    return QTensor(r.data.contiguous(), r.scale, r.fmt, r.block, r.granularity)
 
 
 def fake_quantize(x: torch.Tensor, fmt: "FP8Format | str" = "e4m3",

@@ -291,7 +291,8 @@ def kernel_names(config: ProbeConfig, device: torch.device) -> Optional[Tuple[st
 def _warn_slow_cpu(config: ProbeConfig, device: Optional[torch.device]) -> Dict[str, float]:
     """On a CPU whose ``torch._scaled_mm`` is very slow
     (:func:`loka.kernels.registry.slow_cpu_kernels`), a warning naming the kernels of
-    this Probe that call it, before anything is measured: they are measured as asked, and
+    this Probe that call it (whatever shapes its sites have), before anything is measured:
+    they are measured as asked where the shapes allow, and
     their emulated twins would give the same FP8 numbers in a fraction of the time. Returns
     ``{kernel: slowdown}`` for the report's ``meta['slow_cpu_kernels']`` (empty elsewhere)."""
     if device is None or device.type != "cpu":
@@ -303,7 +304,7 @@ def _warn_slow_cpu(config: ProbeConfig, device: Optional[torch.device]) -> Dict[
     warnings.warn(f"loka.probe: this CPU's torch._scaled_mm takes {slow:.0f}x a float32 "
                   f"matmul's time, so measuring {', '.join(names)} will be slow; their "
                   "emulated twins (emulated-*) compute the same FP8 numbers: leave them out "
-                  "with ProbeConfig(kernels=...)", stacklevel=4)
+                  "with ProbeConfig(kernels=...) or the CLI's --kernels", stacklevel=4)
     return {name: round(slow, 1) for name in names}
 
 

@@ -58,8 +58,8 @@ def test_bench_runs_on_one_and_two_ranks_and_reports_every_field(tmp_path):
     assert r2["ne_settings"] == r1["ne_settings"] == {
         "model": "wukong", "preset": "tiny", "mods": "none", "device": "cpu", "batch_size": 32,
         "table_rows": 1000, "fused_embeddings": True, "compile": False, "compile_scope": None,
-        "optimizer": "fused", "kernel": None, "plan": None, "ne_steps": 3, "ne_batch": 64, "ne_eval_batches": 2,
-        "lr": 1e-3}
+        "optimizer": "fused", "kernel": None, "plan": None, "ne_steps": 3, "ne_batch": 64,
+        "ne_eval_batches": 2, "lr": 1e-3}
     assert {k: r1[k] for k in ("device", "batch_size", "compile", "compile_scope")} == {
         "device": "cpu", "batch_size": 32, "compile": False, "compile_scope": None}
     assert "compiled_graphs" not in r1["arms"]["loka"]

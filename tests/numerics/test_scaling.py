@@ -259,13 +259,14 @@ def test_requantize_transposed_dequantizes_as_the_direct_quantization(fmt):
     q = quantize(x, fmt, "rowwise", "a", power_of_two=True)
     r = requantize_transposed(q)
     direct = quantize(x.t(), fmt, "rowwise", "a", power_of_two=True)
-    assert r.data.shape == (96, 512) and r.scale.shape == (96, 1)
+    assert r.data.shape == (96, 512) and r.scale.shape == (96, 1) and r.data.is_contiguous()
     assert r.granularity == Granularity.ROWWISE and r.block == (1, 512)
     assert torch.equal(torch.frexp(r.scale)[0], torch.full_like(r.scale, 0.5))
     fp = FORMATS[fmt]
     mine, ref = r.dequantize(torch.float64), direct.dequantize(torch.float64)
     normal = ((x.t().double().abs() / q.scale.t().double() >= fp.min_normal)
-              & (x.t().double().abs() / direct.scale.double() >= fp.min_normal))
+              & (x.t().double().abs() / direct.scale.double() >= fp.min_normal)
+              & (x.t().double().abs() / r.scale.double() >= fp.min_normal))
     assert normal.double().mean() > 0.97
     assert torch.equal(mine[normal], ref[normal])
     # the rest was rounded twice: within both roundings' half steps of x
@@ -311,6 +312,47 @@ def test_requantize_transposed_refuses_what_it_cannot_requantize():
     # unchecked, the scales are taken as they are (the caller made them powers of two)
     plain = quantize(x, "e4m3", "rowwise", "a")
     assert requantize_transposed(plain, check_scale=False).data.shape == (32, 16)
-    # no rows: every column's scale is finite, no data
+    # no rows: every column's scale is finite, no data; no columns: no rows out
     empty = requantize_transposed(quantize(x[:0], "e4m3", "rowwise", "a", power_of_two=True))
     assert empty.data.shape == (32, 0) and torch.isfinite(empty.scale).all()
+    none = requantize_transposed(quantize(x[:, :0], "e4m3", "rowwise", "a", power_of_two=True))
+    assert none.data.shape == (0, 16) and none.scale.shape == (0, 1)
+
+
+def test_requantize_transposed_column_scale_doubles_where_its_largest_value_rounds_up():
+    """Column 0's largest value (1.6 * 2**-9) is below its row's normal range (the row
+    holds 448) and rounds up to 2**-8: the requantized column's scale is twice the direct
+    one's, and the column's other value, normal under its row's scale and the direct
+    column scale but not under the doubled one, lands on that coarser grid (1.5 instead of
+    1.375, times 2**-23), within half its step of x."""
+    from loka.numerics import requantize_transposed
+
+    x = torch.tensor([[1.6 * 2.0 ** -9, 448.0], [1.375 * 2.0 ** -23, 1.375 * 2.0 ** -23]])
+    q = quantize(x, "e4m3", "rowwise", "a", power_of_two=True)
+    r = requantize_transposed(q)
+    d = quantize(x.t(), "e4m3", "rowwise", "a", power_of_two=True)
+    assert r.scale[0, 0] == 2 * d.scale[0, 0] == 2.0 ** -16
+    mine, ref = r.dequantize(torch.float64), d.dequantize(torch.float64)
+    assert ref[0, 1] == 1.375 * 2.0 ** -23 and mine[0, 1] == 1.5 * 2.0 ** -23
+    half_step = r.scale[0, 0].double() * 2.0 ** -9 / 2  # e4m3's subnormal step, halved
+    assert abs(mine[0, 1] - x[1, 0].double()) <= half_step
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_requantize_transposed_saturates_near_float32_max_and_spreads_nan(fmt):
+    """Values FP8 rounds to 2**128 under a power-of-two scale dequantize to float32's
+    largest, as ``quantize`` saturates: finite scales and values equal to the direct
+    quantization's. A NaN reaches every value (its row's scale, then every column's)."""
+    from loka.numerics import FLOAT32_MAX, requantize_transposed
+
+    x = torch.tensor([[3.4e38, -3.386e38, 3.3e38], [3.233e38, 3.0e38, -3.39e38]])
+    r = requantize_transposed(quantize(x, fmt, "rowwise", "a", power_of_two=True))
+    d = quantize(x.t(), fmt, "rowwise", "a", power_of_two=True)
+    assert torch.isfinite(r.scale).all() and torch.equal(r.scale, d.scale)
+    assert torch.equal(r.dequantize(torch.float64), d.dequantize(torch.float64))
+    assert r.dequantize(torch.float64).abs().max() <= FLOAT32_MAX * 1.0000001
+    nan = torch.tensor([[1.0, -2.0, 3.0], [4.0, 5.0, float("nan")]])
+    q = quantize(nan, fmt, "rowwise", "a", power_of_two=True)
+    assert torch.isnan(q.scale[1, 0]) and torch.isfinite(q.scale[0, 0])
+    out = requantize_transposed(q)  # the check passes over the NaN scale
+    assert torch.isnan(out.dequantize()).all()

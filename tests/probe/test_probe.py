@@ -410,7 +410,7 @@ def test_a_cpu_probe_warns_where_the_cpu_scaled_mm_is_slow(monkeypatch):
     assert said == ["loka.probe: this CPU's torch._scaled_mm takes 1613x a float32 matmul's "
                     "time, so measuring cublas-tensorwise will be slow; their emulated twins "
                     "(emulated-*) compute the same FP8 numbers: leave them out with "
-                    "ProbeConfig(kernels=...)"]
+                    "ProbeConfig(kernels=...) or the CLI's --kernels"]
     assert rep.meta["slow_cpu_kernels"] == {"cublas-tensorwise": 1613.0}
     for site in rep.sites.values():  # measured as asked
         assert site.roles[Role.FWD].kernels["cublas-tensorwise"].mere is not None
@@ -423,3 +423,25 @@ def test_a_cpu_probe_warns_where_the_cpu_scaled_mm_is_slow(monkeypatch):
     monkeypatch.setattr(caps, "cpu_scaled_mm_slowdown", lambda: 1613.0)
     rep_none, said_none = probe(ProbeConfig(**{**FAST, "kernels": ("bf16", TW)}))
     assert said_none == [] and rep_none.meta["slow_cpu_kernels"] == {}
+    # a GPU Probe never asks (its kernels do not call the CPU _scaled_mm)
+    from loka.probe.measure import _warn_slow_cpu
+    assert _warn_slow_cpu(config, torch.device("cuda")) == {}
+    assert _warn_slow_cpu(config, None) == {}
+
+
+def test_slow_cpu_kernels_names_every_kernel_that_calls_the_cpu_scaled_mm(monkeypatch):
+    """cuBLAS and torchao kernels call ``torch._scaled_mm``; emulated and bf16 ones do not;
+    below the threshold, none is named."""
+    from loka.kernels import capabilities as caps
+
+    def fake(name, library):
+        return Kernel(name, emulated_gemm, library=library, scaling="tensorwise")
+    kernels = [fake("a", "cublas"), fake("b", "torchao"), fake("c", "emulated"),
+               registry.get("bf16")]
+    monkeypatch.setattr(caps, "cpu_scaled_mm_slowdown", lambda: caps.SLOW_CPU_FP8)
+    assert registry.slow_cpu_kernels(kernels) == (["a", "b"], caps.SLOW_CPU_FP8)
+    monkeypatch.setattr(caps, "cpu_scaled_mm_slowdown", lambda: caps.SLOW_CPU_FP8 - 1)
+    assert registry.slow_cpu_kernels(kernels) == ([], None)
+    calls = []
+    monkeypatch.setattr(caps, "cpu_scaled_mm_slowdown", lambda: calls.append(1) or 1e4)
+    assert registry.slow_cpu_kernels(kernels[2:]) == ([], None) and calls == []
