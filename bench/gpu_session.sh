@@ -9,7 +9,9 @@
 #
 # Stages: env, selftest, gputests, kernels, inline, bench, fused, quality, probe, evalset, nebudget,
 # traced (bench/traced_check.py: compiled steps launch LoKA's Triton kernels from Inductor's
-# code; wall against GPU time), distributed (bench/distributed/run.py under torchrun on
+# code; wall against GPU time), quantizers (bench/bench_quantizers.py: the Triton quantizers and
+# PyTorch's compiled ones, QUANT_ARGS), probetime (bench/probe_time.py --fresh-caches: a training
+# Probe's wall time on empty caches and its compile-cache counts, PROBETIME_ARGS), distributed (bench/distributed/run.py under torchrun on
 # DIST_GPUS GPUs), stepcode (bench/step_code.py compiled for real: the kernels and bytes of
 # the GPU's own Inductor, against the CPU-simulated files in bench/results). Extra
 # arguments for a stage come from the environment: BENCH_ARGS, KERNEL_ARGS, INLINE_ARGS,
@@ -63,6 +65,11 @@ for s in "$@"; do
         ${NE_ARGS:---models wukong:paper --batch-size 4096 --lr 1e-3 --warmup-steps 100 --start-steps 250 --steps 30 --seeds 0,1,2,3,4,5 --cache-batches --plan-kernel cublas-rowwise --plan-out $OUT/plan.default.json --budget-plan-out $OUT/plan.ne.json --speed-steps 20} ;;
     stepcode) stage stepcode "${STEPCODE_LIMIT:-240}" python3 bench/step_code.py --out "$OUT/step_code.json" \
         ${STEPCODE_ARGS:---model wukong --scale paper --batch-size 4096 --plan bench/results/2026-12-05-h200-evalset/wukong.b4096.plan.train.json --families cublas-rowwise-fastacc,cublas-tensorwise-fastacc,triton-rowwise-cublas-fastacc --delayed} ;;
+    quantizers) stage quantizers "${QUANT_LIMIT:-150}" python3 bench/bench_quantizers.py \
+        --out "$OUT/quantizers.json" ${QUANT_ARGS:---shapes 4096x2048,4096x8192,16384x2048} ;;
+    probetime) stage probetime "${PROBETIME_LIMIT:-150}" python3 bench/probe_time.py --fresh-caches \
+        --no-profile --report-out "$OUT/probe_time.report.json" --out "$OUT/probe_time.json" \
+        ${PROBETIME_ARGS:---probe-config {\"progress\":false}} ;;
     *) echo "unknown stage $s" | tee -a "$LOG" ;;
   esac
 done
