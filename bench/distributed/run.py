@@ -416,9 +416,9 @@ def parse(argv=None):
     p.add_argument("--distinct-batches", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="fused",
-                   help="AdamW fused (default: one kernel and, under FSDP2, one host dispatch "
-                        "per step) or torch's default implementation (as runs before this "
-                        "option)")
+                   help="AdamW fused (default: a few fused kernels and, under FSDP2, one host "
+                        "dispatch per step) or torch's default implementation (as runs before "
+                        "this option)")
     p.add_argument("--fused-embeddings", action=argparse.BooleanOptionalAction,
                    default=BenchConfig.fused_embeddings,
                    help="all tables in one (loka.models.fused_embedding), as loka bench runs "
