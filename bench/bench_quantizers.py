@@ -86,7 +86,6 @@ def _compiled_rows(x: torch.Tensor, timed: Callable[..., None],
 
     n = x.numel()
     torch.compiler.reset()  # each shape compiles its own graphs (no recompile limit met)
-    compile_ = torch.compile
 
     def rowwise(t, p2=False):  # row-major output, as the Triton kernels write (t.t() too)
         q = quantize(t, "e4m3", "rowwise", "a", power_of_two=p2)
@@ -98,14 +97,15 @@ def _compiled_rows(x: torch.Tensor, timed: Callable[..., None],
         return r.data, r.scale
 
     def p2_dual(t):
-        return (*rowwise(t, True), *requant(*rowwise(t, True)))
+        data, scale = rowwise(t, True)
+        return (data, scale, *requant(data, scale))
 
-    c_rowwise = compile_(lambda t: rowwise(t))
-    c_dual = compile_(lambda t: (*rowwise(t), *rowwise(t.t())))
-    c_p2 = compile_(lambda t: rowwise(t, True))
-    c_requant = compile_(requant)
-    c_p2_dual = compile_(p2_dual)
-    c_p2_t = compile_(lambda t: rowwise(t.t(), True))
+    c_rowwise = torch.compile(lambda t: rowwise(t))
+    c_dual = torch.compile(lambda t: (*rowwise(t), *rowwise(t.t())))
+    c_p2 = torch.compile(lambda t: rowwise(t, True))
+    c_requant = torch.compile(requant)
+    c_p2_dual = torch.compile(p2_dual)
+    c_p2_t = torch.compile(lambda t: rowwise(t.t(), True))
     data, scale = c_p2(x)
     timed("c_rowwise", lambda: c_rowwise(x), 3 * n)
     timed("c_dual", lambda: c_dual(x), 6 * n)

@@ -15,9 +15,9 @@ seconds, the parent's FX graph cache hits and misses, precompile), the top funct
 the parent process by cumulative and by own time, and the parent's time in a few named
 groups (Dynamo, Inductor, Triton's compiler, LoKA's autotuner, host syncs). Children are
 not profiled; their wall time is in ``meta['precompile']``; why any of the parent's
-graphs bypassed the FX graph or AOTAutograd cache is in ``cache_bypass_reasons``. cProfile does not see into frames Dynamo
-evaluates: compiled code is attributed to its callers, and the groups of compile work can
-read 0 on a GPU run.
+graphs bypassed the FX graph or AOTAutograd cache is in ``cache_bypass_reasons``.
+cProfile does not see into frames Dynamo evaluates: compiled code is attributed to its
+callers, and the groups of compile work can read 0 on a GPU run.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ FP8 speed: the plan is then made on error alone and says so in its notes.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
@@ -168,11 +169,13 @@ def _fp8_linears(model: nn.Module) -> int:
     return sum(1 for m in model.modules() if isinstance(m, Linear) and not m._all_baseline)
 
 
-def check_compile_options(options: Optional[Mapping[str, object]]) -> Dict[str, object]:
+def check_compile_options(options: Optional[Mapping[str, object]],
+                          compile: bool = True) -> Dict[str, object]:
     """``options`` checked as ``torch._inductor.config`` settings (e.g. ``{"cpp_wrapper":
-    True}``, ``{"triton.cudagraphs": False}``): a dict of them, empty for None; ValueError
-    naming the first key that is not one of its options (the module's other attributes,
-    ``os`` or ``patch``, are not)."""
+    True}``, ``{"triton.cudagraphs": False}``) for steps timed compiled (``compile``): a
+    dict of them, empty for None; ValueError naming the first key that is not one of its
+    options (the module's other attributes, ``os`` or ``patch``, are not), or where
+    ``compile`` is False and there are options."""
     if options is None:
         return {}
     if not isinstance(options, Mapping):
@@ -185,7 +188,19 @@ def check_compile_options(options: Optional[Mapping[str, object]]) -> Dict[str, 
         if not isinstance(key, str) or key not in known:
             raise ValueError(f"compile_options: {key!r} is not an option of "
                              "torch._inductor.config")
+    if options and not compile:
+        raise ValueError("compile_options set options of compiled steps: compile=False "
+                         "times eager ones")
     return dict(options)
+
+
+def _inductor_patch(options: Mapping[str, object]):
+    """``torch._inductor.config.patch(options)``; a context that changes nothing without
+    options (Inductor's config is then not even imported)."""
+    if not options:
+        return contextlib.nullcontext()
+    from torch._inductor import config as inductor_config
+    return inductor_config.patch(options)
 
 
 def _recorded(options: Mapping[str, object]) -> Dict[str, object]:
@@ -227,10 +242,7 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
         raise ValueError(f"step_timer needs steps >= 1 and warmup >= 0, got {steps}, {warmup}")
     if not inference and loss_fn is None:
         raise ValueError("step_timer needs a loss_fn to time training steps")
-    options = check_compile_options(compile_options)
-    if options and not compile:
-        raise ValueError("compile_options set options of compiled steps: compile=False "
-                         "times eager ones")
+    options = check_compile_options(compile_options, compile)
 
     def timed(model: nn.Module) -> float:
         dev = torch.device(device) if device is not None else next(model.parameters()).device
@@ -245,12 +257,7 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
                 loss = loss_fn(run, batch)
                 loss.backward()
                 model.zero_grad(set_to_none=True)
-        if options:  # (refused above without compile)
-            from torch._inductor import config as inductor_config
-
-            with inductor_config.patch(options):  # read while the warm-up steps compile
-                t = time_steps(step, dev, steps, warmup, host=True)
-        else:
+        with _inductor_patch(options):  # read while the warm-up steps compile
             t = time_steps(step, dev, steps, warmup, host=True)
         time_step.last = {"median_ms": float(t["median_ms"]), "host_ms": float(t["host_ms"]),
                           "device": dev.type}
@@ -348,10 +355,7 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     if static_scales and not inference:
         raise ValueError("static_scales is for serving (inference=True); training takes "
                          "delayed_scaling")
-    options = check_compile_options(compile_options)
-    if options and not compile:
-        raise ValueError("compile_options set options of compiled steps: compile=False "
-                         "times eager ones")
+    options = check_compile_options(compile_options, compile)
     if options and time_step is not None:
         raise ValueError("compile_options are the default timer's: a time_step of your own "
                          "compiles the steps its own way")

@@ -290,11 +290,11 @@ def kernel_names(config: ProbeConfig, device: torch.device) -> Optional[Tuple[st
 
 def _warn_slow_cpu(config: ProbeConfig, device: Optional[torch.device]) -> Dict[str, float]:
     """On a CPU whose ``torch._scaled_mm`` is very slow
-    (:func:`loka.kernels.registry.slow_cpu_kernels`), a warning naming the kernels of
-    this Probe that call it (whatever shapes its sites have), before anything is measured:
-    they are measured as asked where the shapes allow, and
-    their emulated twins would give the same FP8 numbers in a fraction of the time. Returns
-    ``{kernel: slowdown}`` for the report's ``meta['slow_cpu_kernels']`` (empty elsewhere)."""
+    (:func:`loka.kernels.registry.slow_cpu_kernels`), a warning naming the kernels of this
+    Probe that call it (whatever shapes its sites have), before anything is measured: they
+    are measured as asked where the shapes allow, and their emulated twins would give the
+    same FP8 numbers in a fraction of the time. Returns ``{kernel: slowdown}`` for the
+    report's ``meta['slow_cpu_kernels']`` (empty elsewhere)."""
     if device is None or device.type != "cpu":
         return {}
     names, slow = registry.slow_cpu_kernels(
