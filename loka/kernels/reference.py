@@ -22,15 +22,44 @@ def _baseline(a, b, out_dtype):
     return torch.mm(a, b).to(out_dtype)
 
 
+_MATMUL = torch.backends.cuda.matmul
+
+
+def matmul_state():
+    """The float32 matmul flag :func:`_float32_gemm` sets, as this process holds it:
+    ``('fp32_precision', value)``, or ``('allow_tf32', value)`` on a torch without it."""
+    if hasattr(_MATMUL, "fp32_precision"):
+        return "fp32_precision", _MATMUL.fp32_precision
+    return "allow_tf32", bool(_MATMUL.allow_tf32)
+
+
+def restore_matmul_state(state) -> None:
+    """Set the flag back to ``state`` (:func:`matmul_state`) exactly."""
+    name, value = state
+    setattr(_MATMUL, name, value)
+
+
+def _set_tf32(on: bool) -> None:
+    """TF32 on or off through ``fp32_precision`` where this torch has it. The legacy
+    ``allow_tf32`` would set it too ('ieee' for off where it was 'none': the same numerics
+    under another name), and setting ``allow_tf32`` back would leave it so; it is part of the
+    compile caches' keys, so graphs compiled before and after would share no key. Mixing
+    the two interfaces also makes torch refuse to read ``allow_tf32``."""
+    if hasattr(_MATMUL, "fp32_precision"):
+        _MATMUL.fp32_precision = "tf32" if on else "ieee"
+    else:
+        _MATMUL.allow_tf32 = on
+
+
 def _float32_gemm(a, b, out_dtype, allow_tf32: bool):
     a, b = _plain(a), _plain(b)
     check_gemm_operands(a, b, out_dtype)
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    prev = matmul_state()
+    _set_tf32(allow_tf32)
     try:
         return torch.mm(a.float(), b.float()).to(out_dtype)
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
+        restore_matmul_state(prev)
 
 
 def _fp32(a, b, out_dtype):

@@ -968,6 +968,11 @@ def measure_report(sites: Mapping[str, SiteStats], modules: Mapping[str, nn.Line
         if config.tune_ahead and pre is not None and pre.running():
             tuned_ahead = run.tune_ahead(works)
         precompiled = pre.wait(status=bar.set_postfix_str) if pre is not None else None
+        if precompiled and precompiled.get("state_changed"):
+            warnings.warn("loka.probe: settings that key the compile caches changed after the "
+                          "compiling children started ("
+                          + ", ".join(precompiled["state_changed"]) + "): the timing pass "
+                          "will compile again what they compiled", stacklevel=3)
     finally:
         if pre is not None:
             pre.stop()

@@ -47,7 +47,8 @@ from ..kernels.roofline import autotune_limit
 from .calls import compiled_call, linear_dims, one_line
 from .sampler import naive_pair
 
-__all__ = ["Entry", "Precompile", "start", "workers_for", "warm", "WAIT_S", "MAX_WORKERS"]
+__all__ = ["Entry", "Precompile", "start", "workers_for", "warm", "state_changes", "WAIT_S",
+           "MAX_WORKERS"]
 
 WAIT_S = 300.0
 """the longest the parent waits for its children before timing; then it stops them"""
@@ -103,7 +104,16 @@ def process_state() -> Dict[str, object]:
     from torch._inductor import config as inductor_config
 
     matmul = torch.backends.cuda.matmul
-    flags = {name: getattr(matmul, name) for name in _MATMUL_FLAGS if hasattr(matmul, name)}
+    flags = {}
+    for name in _MATMUL_FLAGS:
+        try:
+            flags[name] = getattr(matmul, name)
+        except AttributeError:
+            continue  # a flag this torch lacks
+        except RuntimeError:
+            # torch refuses to read ``allow_tf32`` once ``fp32_precision`` was set apart
+            # from it; ``fp32_precision`` (read after it) says the same and more
+            continue
     return {
         "inductor": _changed(inductor_config),
         "functorch": _changed(functorch_config),
@@ -117,6 +127,20 @@ def process_state() -> Dict[str, object]:
 # other)
 _MATMUL_FLAGS = ("allow_tf32", "fp32_precision", "allow_fp16_reduced_precision_reduction",
                  "allow_bf16_reduced_precision_reduction")
+
+
+def state_changes(before: Dict[str, object], after: Dict[str, object]) -> List[str]:
+    """The parts of two :func:`process_state` results that differ, as ``'section.name'``
+    (e.g. ``'matmul.fp32_precision'``): a parent whose state moved after its children
+    started compiles under other cache keys, and loads nothing they compiled."""
+    out = []
+    for section in sorted(set(before) | set(after)):
+        b, a = before.get(section), after.get(section)
+        if isinstance(b, dict) and isinstance(a, dict):
+            out += [f"{section}.{k}" for k in sorted(set(b) | set(a)) if b.get(k) != a.get(k)]
+        elif b != a:
+            out.append(section)
+    return out
 
 
 def _apply_state(state: Dict[str, object]) -> None:
@@ -135,8 +159,11 @@ def _apply_state(state: Dict[str, object]) -> None:
     matmul = torch.backends.cuda.matmul
     for name in _MATMUL_FLAGS:
         value = state.get("matmul", {}).get(name)
-        if value is not None and hasattr(matmul, name) and getattr(matmul, name) != value:
-            setattr(matmul, name, value)
+        try:
+            if value is not None and getattr(matmul, name) != value:
+                setattr(matmul, name, value)
+        except (AttributeError, RuntimeError):  # a flag this torch lacks, or will not read
+            continue
     torch.use_deterministic_algorithms(bool(state.get("deterministic", False)))
 
 
@@ -153,11 +180,14 @@ class Precompile:
     """The children of one Probe (:func:`start`)."""
 
     def __init__(self, entries: Sequence[Entry], procs: List[Tuple[subprocess.Popen, Path]],
-                 workdir: Optional[str], skipped: Optional[str] = None) -> None:
+                 workdir: Optional[str], skipped: Optional[str] = None,
+                 state: Optional[Dict[str, object]] = None) -> None:
         self.entries = list(entries)
         self.procs = procs
         self.workdir = workdir
         self.skipped = skipped
+        self.state = state
+        """what the children were given (:func:`process_state` when they started)"""
         self.started = time.perf_counter()
 
     def running(self) -> bool:
@@ -197,7 +227,9 @@ class Precompile:
         return {"entries": len(self.entries), "workers": len(self.procs),
                 "compiled": compiled, "failed": failed, "timed_out": timed_out,
                 "errors": errors[:5], "wall_s": round(time.perf_counter() - self.started, 3),
-                "waited_s": round(time.perf_counter() - t0, 3)}
+                "waited_s": round(time.perf_counter() - t0, 3),
+                "state_changed": state_changes(self.state, process_state())
+                if self.state is not None else []}
 
     def stop(self) -> None:
         """Stop any child still running and remove the specs (idempotent)."""
@@ -248,7 +280,7 @@ def start(entries: Sequence[Entry], device: Optional[torch.device], config
                 [sys.executable, "-c", _CHILD, str(spec), str(out)],
                 env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL),
                 out))
-    return Precompile(entries, procs, workdir)
+    return Precompile(entries, procs, workdir, state=state)
 
 
 def warm(entries: Sequence[Entry], device: torch.device, seed: int = 0,

@@ -288,3 +288,50 @@ def test_the_probe_tunes_ahead_only_while_children_compile(fake_triton, monkeypa
     for rep in (with_children, alone, off, done):  # the kernel is timed either way
         kr = rep.sites["0"].roles[Role.FWD].kernels["test-triton-ok"]
         assert kr.time_us > 0 and kr.time_us_weight_q > 0
+
+
+def test_state_changes_names_each_setting_that_moved():
+    before = {"inductor": {"a": 1}, "functorch": {}, "matmul": {"fp32_precision": "none",
+                                                              "allow_tf32": False},
+              "deterministic": False}
+    after = {"inductor": {"a": 1, "b": 2}, "functorch": {},
+             "matmul": {"fp32_precision": "ieee", "allow_tf32": False}, "deterministic": True}
+    assert precompile.state_changes(before, after) == [
+        "deterministic", "inductor.b", "matmul.fp32_precision"]
+    assert precompile.state_changes(before, before) == []
+
+
+def test_wait_says_when_the_parents_cache_keys_moved_after_the_children_started():
+    """The float32 matmul precision is part of the compile caches' keys: a parent that
+    moves it after starting its children loads nothing they compiled."""
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        pytest.skip("this torch has no fp32_precision")
+    prev = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "none"
+        pre = Precompile([], [], None, state=precompile.process_state())
+        assert pre.wait()["state_changed"] == []
+        matmul.fp32_precision = "ieee"  # TF32 off as well, under another name
+        assert pre.wait()["state_changed"] == ["matmul.fp32_precision"]
+    finally:
+        matmul.fp32_precision = prev
+
+
+def test_the_probe_warns_when_its_children_compiled_under_other_keys(monkeypatch):
+    class Moved:
+        def running(self):
+            return False
+
+        def wait(self, status=None):
+            return {"entries": 1, "workers": 1, "compiled": 1, "failed": 0, "timed_out": 0,
+                    "errors": [], "wall_s": 0.0, "waited_s": 0.0,
+                    "state_changed": ["matmul.fp32_precision"]}
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(precompile, "start", lambda *a, **k: Moved())
+    with pytest.warns(UserWarning, match=r"compile caches changed .*matmul\.fp32_precision"):
+        report = _probe(1, kernels=("bf16", "cublas-tensorwise"))
+    assert report.meta["precompile"]["state_changed"] == ["matmul.fp32_precision"]
