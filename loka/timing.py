@@ -233,7 +233,8 @@ def synchronize(device: "torch.device | str") -> None:
 
 
 def time_steps(step: Callable[[], object], device: "torch.device | str", steps: int,
-               warmup: int, host: bool = False) -> Dict[str, object]:
+               warmup: int, host: bool = False, synchronized: bool = False
+               ) -> Dict[str, object]:
     """Times of ``steps`` calls of a whole step, after ``warmup`` untimed ones (compilation
     and CUDA-graph capture happen there), each call timed on its own.
 
@@ -244,6 +245,12 @@ def time_steps(step: Callable[[], object], device: "torch.device | str", steps: 
         steps: timed calls (at least one).
         warmup: untimed calls first.
         host: also measure ``host_ms`` (on CUDA, up to three more calls).
+        synchronized: on CUDA, start each call on an idle device (wait for the one before),
+            as a caller that waits for each step's result does (a serving request); its time
+            is then the longer of the host's issue and the device's work. Default: calls
+            issued back to back, as a loop that does not wait issues them, where a host
+            faster than the device hides its cost. (Elsewhere each call runs as it is
+            timed either way.)
 
     Returns:
         ``median_ms``, ``min_ms``, ``max_ms`` over the timed calls, ``warmup_s`` (the
@@ -263,6 +270,8 @@ def time_steps(step: Callable[[], object], device: "torch.device | str", steps: 
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(steps)]
         for start, end in events:
+            if synchronized:
+                synchronize(device)
             start.record()
             step()
             end.record()
@@ -285,7 +294,8 @@ def time_steps(step: Callable[[], object], device: "torch.device | str", steps: 
         issue = times  # the work runs in the call
     out = {"median_ms": statistics.median(times), "min_ms": min(times),
            "max_ms": max(times), "warmup_s": warm_s,
-           "timing": "cuda-events" if device.type == "cuda" else "cpu-wallclock"}
+           "timing": "cuda-events" if device.type == "cuda" else "cpu-wallclock",
+           "synchronized": bool(synchronized)}
     if host:
         out["host_ms"] = statistics.median(issue)
     return out

@@ -46,7 +46,7 @@ SURFACE = {
                           "--mods", "--tables",
                           "--no-compile", "--num-samples", "--out", "--preset", "--report",
                           "--rounds", "--seed", "--skip-bad-lines", "--static-margin",
-                          "--static-scales", "--steps", "-o", "<model>"],
+                          "--static-scales", "--steps", "--synchronized-steps", "-o", "<model>"],
     "plan": COMMON + ["--assign", "--assume-fast", "--delayed-decay", "--delayed-scaling", "--head-sites",
                       "--inference", "--kernels", "--max-error", "--metric", "--static-margin",
                       "--static-scales",
@@ -121,7 +121,7 @@ DEFAULTS = {
                  "min_speedup": 1.05, "model": "MODEL", "mods": "none", "tables": "torch", "no_compile": False,
                  "num_samples": 16, "out": "plan.json", "preset": "tiny", "report": None,
                  "rounds": 3, "seed": 0, "skip_bad_lines": False, "static_margin": None,
-                 "static_scales": False, "steps": 8},
+                 "static_scales": False, "steps": 8, "synchronized_steps": False},
     "plan": {"assign": [], "assume_fast": False, "delayed_decay": None, "delayed_scaling": False, "head_sites": 3,
              "inference": False, "kernels": None, "max_error": 0.2, "static_margin": None,
              "static_scales": False,
@@ -748,6 +748,12 @@ def test_optimize_passes_inductor_options_to_its_timed_steps(capsys, monkeypatch
                        "drop --no-compile")):
         code, _, err = run(["optimize", "wukong", "--preset", "tiny", *argv], capsys)
         assert code == 2 and msg in err, err
+
+
+def test_optimize_refuses_synchronized_steps_where_it_times_no_step(capsys):
+    code, _, err = run(["optimize", "wukong", "--preset", "tiny", "--device", "cpu",
+                        "--synchronized-steps"], capsys)
+    assert code == 2 and "--synchronized-steps is how a GPU's steps are timed" in err
 
 
 # -- runs: damaged checkpoints, a locked --out, a finished run, plans, file modes ----------

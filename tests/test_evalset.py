@@ -896,7 +896,7 @@ def test_the_static_row_serves_the_plan_with_the_amax_the_probe_saw(probed):
         lev.convert(copy.deepcopy(model), "loka-static", "serve", none, torch.device("cpu"))
 
 
-def test_the_optimize_static_row_takes_the_static_plan_through_loka_optimize(probed):
+def test_the_optimize_static_row_takes_the_static_plan_through_loka_optimize(probed, monkeypatch):
     """``loka-optimize-static``: ``loka.optimize(..., inference=True, static_scales=True)``
     on the case's report. Untimed on a CPU, it returns the static plan as made from the
     report (the same sites and amax as the ``loka-static`` row) and says it was not timed;
@@ -920,6 +920,19 @@ def test_the_optimize_static_row_takes_the_static_plan_through_loka_optimize(pro
     assert sites == len(static.fp8_sites()) == len(extra["plan"])
     for name, amax in static.static_scales.items():
         assert float(served.get_submodule(name).input_amax) == pytest.approx(amax)
+    assert extra["optimize_synchronized"] is False
+    # --optimize-synchronized reaches loka.optimize
+    seen = {}
+    real = lev.optimize_plan
+
+    def spy(*a, **kw):
+        seen.update(kw)
+        return real(*a, **kw)
+    monkeypatch.setattr(lev, "optimize_plan", spy)
+    args.optimize_synchronized = True
+    _, _, again = lev.convert(copy.deepcopy(model), "loka-optimize-static", "serve", case,
+                              torch.device("cpu"), args=args)
+    assert seen["synchronized_steps"] is True and again["optimize_synchronized"] is True
     inputs = batches[0][0]
     with torch.no_grad():
         assert 0 < _rel(served.eval()(*inputs), model.eval()(*inputs)) < 0.15

@@ -182,3 +182,41 @@ def test_time_steps_reports_the_hosts_time_per_step(monkeypatch):
     costs = iter([0.001, 0.002])
     assert "host_ms" not in timing.time_steps(step, "cpu", steps=1, warmup=1)
     assert t["timing"] == "cpu-wallclock"
+
+
+@pytest.mark.parametrize("synchronized", [False, True])
+def test_time_steps_on_cuda_waits_before_each_step_only_when_synchronized(monkeypatch,
+                                                                          synchronized):
+    """The CUDA path with its events and waits scripted: back to back, the steps are issued
+    with no wait between them (one after the warm-up, one after the last step); synchronized,
+    the device is idle before each step starts."""
+    from loka import timing
+
+    log = []
+
+    class Event:
+        count = 0
+
+        def __init__(self, enable_timing=False):
+            Event.count += 1
+            self.n = Event.count
+
+        def record(self):
+            log.append(("record", self.n))
+
+        def elapsed_time(self, end):
+            return float(end.n - self.n)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(timing, "synchronize", lambda device: log.append(("sync",)))
+    t = timing.time_steps(lambda: log.append(("step",)), "cuda", steps=3, warmup=1,
+                          synchronized=synchronized)
+    assert t["synchronized"] is synchronized and t["timing"] == "cuda-events"
+    assert t["median_ms"] == 1.0  # (each pair of scripted events is 1 apart)
+    timed = log[log.index(("sync",)):]  # from the warm-up's wait on
+    steps = [i for i, e in enumerate(timed) if e == ("step",)]
+    assert len(steps) == 3 and timed[-1] == ("sync",)
+    waits_before = [timed[i - 2] == ("sync",) for i in steps]  # sync, record start, step
+    # the first step starts after the warm-up's wait either way
+    assert waits_before == [True] + [synchronized] * 2
+    assert timed[1:].count(("sync",)) == (4 if synchronized else 1)

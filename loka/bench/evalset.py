@@ -452,12 +452,14 @@ def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch
             forward=lambda m, batch: m(*batch[0]),
             compile_mode="reduce-overhead" if graphs else None,
             max_trials=getattr(args, "optimize_trials", 8),
-            rounds=getattr(args, "optimize_rounds", 2), static_scales=static)
+            rounds=getattr(args, "optimize_rounds", 2), static_scales=static,
+            synchronized_steps=bool(getattr(args, "optimize_synchronized", False)))
         applied = apply_plan(model, result.plan, inference=(mode == "serve"))
         chosen = fp8_sites(result.plan)
         extra = {"plan": chosen, "_plan": result.plan, "optimize_speedup": result.speedup,
                  "optimize_rounds": result.rounds, "optimize_trials": len(result.trials),
                  "optimize_host_bound": result.host_bound,
+                 "optimize_synchronized": bool(getattr(args, "optimize_synchronized", False)),
                  "optimize_log": [{"sites": len(t.get("sites", ())),
                                    **{k: t[k] for k in ("family", "twins", "removed", "role", "time")
                                       if k in t}} for t in result.trials],
@@ -1041,6 +1043,10 @@ def parse_args(argv, eval_set: "str | os.PathLike | types.ModuleType"):
                          "(default: all of the mode)")
     ap.add_argument("--optimize-trials", type=int, default=8,
                     help="loka-optimize: at most this many whole-step timings while tuning")
+    ap.add_argument("--optimize-synchronized", action="store_true",
+                    help="loka-optimize: time each step from an idle GPU (loka.optimize's "
+                         "synchronized_steps), as the rows' own step times are, not back "
+                         "to back")
     ap.add_argument("--optimize-rounds", type=int, default=2,
                     help="loka-optimize: final A/B rounds the plan must win, each of them")
     ap.add_argument("--steps", type=int, default=50, help="timed steps (median)")

@@ -513,6 +513,9 @@ def cmd_optimize(args) -> int:
     if compile_options and args.no_compile:
         raise usage("--inductor-config sets options of compiled steps: drop --no-compile")
     device = resolve_device(args)
+    if args.synchronized_steps and device.type != "cuda":
+        raise usage("--synchronized-steps is how a GPU's steps are timed: on the CPU "
+                    "optimize does not time steps", "drop --synchronized-steps")
     kernels, all_kernels = probe_kernels(args.kernels)
     model, desc, mods, batch_size, stream = _model_and_stream(args, device)
     batches = [b for _, b in zip(range(args.steps), device_batches(stream, device))]
@@ -559,6 +562,7 @@ def cmd_optimize(args) -> int:
                       max_error=args.max_error, min_speedup=args.min_speedup,
                       head_sites=args.head_sites, compile=not args.no_compile,
                       compile_mode=args.compile_mode, compile_options=compile_options,
+                      synchronized_steps=args.synchronized_steps,
                       rounds=args.rounds, max_trials=args.max_trials,
                       progress=lambda line: print(f"  {line}"),
                       delayed_scaling=delayed_option(args), refine=refine,

@@ -427,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a torch._inductor.config option for the timed steps' compiles, as "
                         "your own steps will run (repeatable; VALUE is JSON, e.g. "
                         "cpp_wrapper=true)")
+    p.add_argument("--synchronized-steps", action="store_true",
+                   help="time each step from an idle GPU, as a caller that waits for each "
+                        "result runs them (default: steps issued back to back)")
     p.add_argument("--rounds", type=positive(int, "--rounds"), default=3,
                    help="final A/B rounds the plan must win, each of them")
     p.add_argument("--max-trials", type=positive(int, "--max-trials", 2), default=16,

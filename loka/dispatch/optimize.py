@@ -222,8 +222,8 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
                compile: bool = True,
                compile_mode: Optional[str] = None, steps: int = 10, warmup: int = 3,
                device: "torch.device | str | None" = None,
-               compile_options: Optional[Mapping[str, object]] = None
-               ) -> Callable[[nn.Module], float]:
+               compile_options: Optional[Mapping[str, object]] = None,
+               synchronized: bool = False) -> Callable[[nn.Module], float]:
     """A ``time_step(model) -> median ms`` for whole-step tuning; after each call
     ``time_step.last`` holds that timing's ``median_ms``, ``host_ms`` (the host's time to
     issue one step, :func:`loka.timing.time_steps`) and ``device``.
@@ -233,7 +233,10 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
     compiles, e.g. ``{"cpp_wrapper": True}``, whose launches cost the host less; Dynamo's
     caches are reset so that a model whose
     Linears were swapped compiles as it now is), runs ``warmup`` steps, then times
-    ``steps`` steps with :func:`loka.timing.time_steps`. A training step is the forward,
+    ``steps`` steps with :func:`loka.timing.time_steps`, issued back to back, or each from
+    an idle GPU with ``synchronized`` (a caller that waits for each step's result: a step
+    whose host costs more than its GPU work then pays the host's time in full). A training
+    step is the forward,
     ``loss_fn(model, batch)`` and the backward, gradients dropped; the weights are not
     changed. Serving (``inference``) times ``forward(model, batch)`` (default
     ``model(batch)``) under ``torch.no_grad``.
@@ -258,9 +261,9 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
                 loss.backward()
                 model.zero_grad(set_to_none=True)
         with _inductor_patch(options):  # read while the warm-up steps compile
-            t = time_steps(step, dev, steps, warmup, host=True)
+            t = time_steps(step, dev, steps, warmup, host=True, synchronized=synchronized)
         time_step.last = {"median_ms": float(t["median_ms"]), "host_ms": float(t["host_ms"]),
-                          "device": dev.type}
+                          "device": dev.type, "synchronized": bool(synchronized)}
         return float(t["median_ms"])
 
     def time_step(model: nn.Module) -> float:
@@ -298,6 +301,7 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
              forward: Optional[Callable[[nn.Module, object], object]] = None,
              compile: bool = True, compile_mode: Optional[str] = None,
              compile_options: Optional[Mapping[str, object]] = None,
+             synchronized_steps: bool = False,
              max_trials: int = 16, rounds: int = 3, steps: int = 10, warmup: int = 3,
              progress: Optional[Callable[[str], None]] = None,
              refine: Optional[Callable[[Plan], Plan]] = None,
@@ -325,6 +329,12 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
         compile, compile_mode, compile_options, steps, warmup: the default timer's
             settings (:func:`step_timer`; ``compile_options`` are refused with a
             ``time_step`` or ``compile=False``): time the steps compiled as they will run.
+        synchronized_steps: the default timer times each step from an idle GPU, as a
+            caller that waits for each result runs them (a serving request), instead of
+            steps issued back to back (a training loop, a batch scorer). A step whose host
+            costs more than its GPU work differs between the two: back to back the host sets
+            the pace, and what FP8 saves on the GPU may not show. Refused with a
+            ``time_step`` of your own.
         max_trials: at most this many timings while tuning.
         rounds: final A/B rounds (baseline, then plan, each timed afresh); the plan is kept
             only if it is faster in every round.
@@ -359,6 +369,9 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     if options and time_step is not None:
         raise ValueError("compile_options are the default timer's: a time_step of your own "
                          "compiles the steps its own way")
+    if synchronized_steps and time_step is not None:
+        raise ValueError("synchronized_steps is the default timer's: a time_step of your own "
+                         "times the steps its own way")
     say = progress or (lambda _line: None)
     batches = list(batches)
     if not batches:
@@ -410,7 +423,8 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     if time_step is None:
         time_step = step_timer(batches[0], loss_fn, inference=inference, forward=forward,
                                compile=compile, compile_mode=compile_mode, steps=steps,
-                               warmup=warmup, compile_options=options)
+                               warmup=warmup, compile_options=options,
+                               synchronized=synchronized_steps)
 
     baseline_host: List[Tuple[float, float]] = []
     time_step = _recording(time_step, baseline_host)
@@ -453,13 +467,17 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
             say(f"the step without FP8 is host-bound: its host issues it in {host:.3f} of "
                 f"{step_ms:.3f} ms, so GPU time saved saves no wall time; CUDA graphs "
                 f"(compile_mode='reduce-overhead'), Inductor's C++ wrapper "
-                f"(compile_options={{'cpp_wrapper': True}}) or a larger batch let FP8 pay")
+                f"(compile_options={{'cpp_wrapper': True}}) or a larger batch let FP8 pay"
+                + ("" if synchronized_steps else
+                   "; a caller that waits for each step's result runs them as "
+                   "synchronized_steps=True times them"))
     tuned.budget["optimize"] = {"rounds": result.rounds, "trials": len(log),
                                 "speedup": _finite(result.speedup),
                                 "predicted_speedup": _finite(predicted),
                                 "isolated_predicted_speedup": _finite(isolated),
                                 "ceiling": ceiling, "host_bound": result.host_bound,
-                                "compile_options": _recorded(options)}
+                                "compile_options": _recorded(options),
+                                "synchronized_steps": bool(synchronized_steps)}
     result.plan = tuned
     say(f"kept {len(tuned.fp8_sites())} FP8 site(s)"
         + (f", step {result.speedup:.3f}x of the baseline" if result.speedup else ""))

@@ -236,7 +236,9 @@ def test_optimize_says_when_the_step_without_fp8_is_host_bound(host_ms, bound):
     assert result.plan.budget["optimize"]["host_bound"] is bound
     said = [ln for ln in lines if "host-bound" in ln]
     assert (len(said) == 1 and f"{host_ms:.3f} of 10.000 ms" in said[0]
-            and "reduce-overhead" in said[0]) if bound else said == []
+            and "reduce-overhead" in said[0]
+            and "synchronized_steps=True" in said[0]) if bound else said == []
+    assert result.plan.budget["optimize"]["synchronized_steps"] is False
 
 
 def test_a_timer_that_does_not_report_the_host_leaves_it_unknown():
@@ -293,6 +295,31 @@ def test_step_timer_compiles_under_the_inductor_options_it_is_given(monkeypatch)
         step_timer(_batches()[0], _loss, compile_options=["cpp_wrapper"])
     with pytest.raises(ValueError, match="compile=False times eager ones"):
         step_timer(_batches()[0], _loss, compile=False, compile_options={"cpp_wrapper": True})
+
+
+def test_step_timer_times_steps_synchronized_only_when_asked(monkeypatch):
+    """``synchronized`` reaches :func:`loka.timing.time_steps` and the timing's record;
+    optimize refuses it with a time_step of the caller's (its own timer's option)."""
+    import sys
+
+    opt = sys.modules["loka.dispatch.optimize"]  # (the package's name is the function)
+    seen = []
+    real = opt.time_steps
+
+    def spy(*args, **kw):
+        seen.append(kw.get("synchronized"))
+        return real(*args, **kw)
+    monkeypatch.setattr(opt, "time_steps", spy)
+    for flag in (False, True):
+        timer = step_timer(_batches()[0], _loss, compile=False, steps=1, warmup=0,
+                           synchronized=flag)
+        timer(_model())
+        assert seen[-1] is flag and timer.last["synchronized"] is flag
+    time_step, calls = _scripted(-1.0)
+    with pytest.raises(ValueError, match="synchronized_steps is the default timer's"):
+        optimize(_model(), _batches(), _loss, config=_config(), time_step=time_step,
+                 synchronized_steps=True)
+    assert calls == []
 
 
 def test_optimize_refuses_inductor_options_it_would_not_use():
