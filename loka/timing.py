@@ -254,7 +254,8 @@ def time_steps(step: Callable[[], object], device: "torch.device | str", steps: 
 
     Returns:
         ``median_ms``, ``min_ms``, ``max_ms`` over the timed calls, ``warmup_s`` (the
-        warm-up's wall-clock seconds), ``timing`` ('cuda-events' or 'cpu-wallclock')
+        warm-up's wall-clock seconds), ``timing`` ('cuda-events' or 'cpu-wallclock'),
+        ``synchronized`` (as asked)
         and, with ``host``, ``host_ms`` (on CUDA the host's time to issue one call from an
         idle device, median of up to three more calls; elsewhere the median call, whose
         work runs in it).

@@ -514,8 +514,8 @@ def cmd_optimize(args) -> int:
         raise usage("--inductor-config sets options of compiled steps: drop --no-compile")
     device = resolve_device(args)
     if args.synchronized_steps and device.type != "cuda":
-        raise usage("--synchronized-steps is how a GPU's steps are timed: on the CPU "
-                    "optimize does not time steps", "drop --synchronized-steps")
+        raise usage(f"--synchronized-steps is how a GPU's steps are timed: on {device.type} "
+                    f"optimize times no step", "drop --synchronized-steps")
     kernels, all_kernels = probe_kernels(args.kernels)
     model, desc, mods, batch_size, stream = _model_and_stream(args, device)
     batches = [b for _, b in zip(range(args.steps), device_batches(stream, device))]

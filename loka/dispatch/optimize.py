@@ -226,19 +226,16 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
                synchronized: bool = False) -> Callable[[nn.Module], float]:
     """A ``time_step(model) -> median ms`` for whole-step tuning; after each call
     ``time_step.last`` holds that timing's ``median_ms``, ``host_ms`` (the host's time to
-    issue one step, :func:`loka.timing.time_steps`) and ``device``.
+    issue one step, :func:`loka.timing.time_steps`), ``device`` and ``synchronized``.
 
     Each call compiles the model afresh (``torch.compile``, ``compile_mode`` e.g.
     ``"reduce-overhead"`` for CUDA graphs, ``compile_options`` Inductor settings for its
     compiles, e.g. ``{"cpp_wrapper": True}``, whose launches cost the host less; Dynamo's
-    caches are reset so that a model whose
-    Linears were swapped compiles as it now is), runs ``warmup`` steps, then times
-    ``steps`` steps with :func:`loka.timing.time_steps`, issued back to back, or each from
-    an idle GPU with ``synchronized`` (a caller that waits for each step's result: a step
-    whose host costs more than its GPU work then pays the host's time in full). A training
-    step is the forward,
-    ``loss_fn(model, batch)`` and the backward, gradients dropped; the weights are not
-    changed. Serving (``inference``) times ``forward(model, batch)`` (default
+    caches are reset so that a model whose Linears were swapped compiles as it now is),
+    runs ``warmup`` steps, then times ``steps`` steps with :func:`loka.timing.time_steps`,
+    back to back, or each from an idle GPU with ``synchronized`` (as a caller that waits for
+    each result). A training step is the forward, ``loss_fn(model, batch)`` and the
+    backward, gradients dropped; the weights are not changed. Serving (``inference``) times ``forward(model, batch)`` (default
     ``model(batch)``) under ``torch.no_grad``.
     """
     if steps < 1 or warmup < 0:
@@ -329,12 +326,9 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
         compile, compile_mode, compile_options, steps, warmup: the default timer's
             settings (:func:`step_timer`; ``compile_options`` are refused with a
             ``time_step`` or ``compile=False``): time the steps compiled as they will run.
-        synchronized_steps: the default timer times each step from an idle GPU, as a
-            caller that waits for each result runs them (a serving request), instead of
-            steps issued back to back (a training loop, a batch scorer). A step whose host
-            costs more than its GPU work differs between the two: back to back the host sets
-            the pace, and what FP8 saves on the GPU may not show. Refused with a
-            ``time_step`` of your own.
+        synchronized_steps: the default timer starts each step on an idle GPU, as a caller
+            that waits for each result runs them, not back to back (where a host slower than
+            the GPU sets the pace); refused with a ``time_step`` of your own.
         max_trials: at most this many timings while tuning.
         rounds: final A/B rounds (baseline, then plan, each timed afresh); the plan is kept
             only if it is faster in every round.

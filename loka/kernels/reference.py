@@ -34,7 +34,10 @@ def matmul_state():
 
 
 def restore_matmul_state(state) -> None:
-    """Set the flag back to ``state`` (:func:`matmul_state`) exactly."""
+    """Set the flag back to ``state`` (:func:`matmul_state`): the value torch reports for
+    it, which is what the compile caches' keys read. (Where the matmul flag was 'none' and
+    inherited a global ``torch.backends.fp32_precision``, torch reports the inherited value,
+    and it is set explicitly: later changes of the global setting then no longer reach it.)"""
     name, value = state
     setattr(_MATMUL, name, value)
 

@@ -972,7 +972,8 @@ def measure_report(sites: Mapping[str, SiteStats], modules: Mapping[str, nn.Line
             warnings.warn("loka.probe: settings that key the compile caches changed after the "
                           "compiling children started ("
                           + ", ".join(precompiled["state_changed"]) + "): the timing pass "
-                          "will compile again what they compiled", stacklevel=3)
+                          "will compile again what they compiled; set such flags before "
+                          "the Probe starts, not during it", stacklevel=3)
     finally:
         if pre is not None:
             pre.stop()

@@ -106,13 +106,13 @@ def process_state() -> Dict[str, object]:
     matmul = torch.backends.cuda.matmul
     flags = {}
     for name in _MATMUL_FLAGS:
+        if name == "allow_tf32" and hasattr(matmul, "fp32_precision"):
+            continue  # fp32_precision says it and more (and torch may refuse to read it)
         try:
             flags[name] = getattr(matmul, name)
         except AttributeError:
             continue  # a flag this torch lacks
-        except RuntimeError:
-            # torch refuses to read ``allow_tf32`` once ``fp32_precision`` was set apart
-            # from it; ``fp32_precision`` (read after it) says the same and more
+        except RuntimeError:  # a flag torch refuses to read in this state
             continue
     return {
         "inductor": _changed(inductor_config),

@@ -30,3 +30,20 @@ def test_the_float32_references_leave_the_matmul_precision_as_they_found_it(prec
     finally:
         restore_matmul_state(saved)
     assert matmul_state() == saved
+
+
+def test_a_state_set_through_the_legacy_flag_is_restored_too():
+    """A process that turned TF32 on with the legacy ``allow_tf32`` finds it on after a
+    float32 reference (which turns it off)."""
+    saved = matmul_state()
+    try:
+        MATMUL.allow_tf32 = True
+        before = matmul_state()
+        get("fp32").fn(torch.randn(4, 8), torch.randn(8, 2), torch.float32)
+        assert matmul_state() == before
+        if before[0] == "fp32_precision":
+            assert before[1] == "tf32"
+        else:
+            assert before[1] is True
+    finally:
+        restore_matmul_state(saved)

@@ -318,6 +318,28 @@ def test_wait_says_when_the_parents_cache_keys_moved_after_the_children_started(
         matmul.fp32_precision = prev
 
 
+def test_the_state_names_only_the_matmul_flag_that_moved_and_a_child_takes_it():
+    """Where this torch has ``fp32_precision``, the state carries it and not the legacy
+    ``allow_tf32`` (which torch refuses to read once the two were set apart), so moving it
+    names one flag; a child applies it."""
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        pytest.skip("this torch has no fp32_precision")
+    prev = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "none"
+        before = precompile.process_state()
+        assert "allow_tf32" not in before["matmul"]
+        matmul.fp32_precision = "tf32"
+        after = precompile.process_state()
+        assert precompile.state_changes(before, after) == ["matmul.fp32_precision"]
+        matmul.fp32_precision = "none"
+        precompile._apply_state(after)  # as a child does
+        assert matmul.fp32_precision == "tf32"
+    finally:
+        matmul.fp32_precision = prev
+
+
 def test_the_probe_warns_when_its_children_compiled_under_other_keys(monkeypatch):
     class Moved:
         def running(self):
