@@ -255,10 +255,11 @@ def time_steps(step: Callable[[], object], device: "torch.device | str", steps: 
     Returns:
         ``median_ms``, ``min_ms``, ``max_ms`` over the timed calls, ``warmup_s`` (the
         warm-up's wall-clock seconds), ``timing`` ('cuda-events' or 'cpu-wallclock'),
-        ``synchronized`` (as asked)
-        and, with ``host``, ``host_ms`` (on CUDA the host's time to issue one call from an
-        idle device, median of up to three more calls; elsewhere the median call, whose
-        work runs in it).
+        ``synchronized`` (as asked) and, with ``host``, ``host_ms`` (on CUDA the host's
+        time to issue one call from an idle device, median of up to three more calls;
+        elsewhere the median call, whose work runs in it) and ``synchronized_ms`` (those
+        calls' time from an idle device to their end: the step as a caller that waits for
+        each result sees it, whichever way the timed calls were issued).
     """
     device = torch.device(device)
     t0 = time.perf_counter()
@@ -281,22 +282,28 @@ def time_steps(step: Callable[[], object], device: "torch.device | str", steps: 
         # the host's time to issue one step from an idle device (calls back to back could
         # fill the launch queue and wait for the device): near the step's own time, the
         # host sets the pace
-        issue = []
+        issue, awaited = [], []
         for _ in range(min(steps, 3) if host else 0):
+            begin, end = (torch.cuda.Event(enable_timing=True),
+                          torch.cuda.Event(enable_timing=True))
+            begin.record()
             t = time.perf_counter()
             step()
             issue.append((time.perf_counter() - t) * 1e3)
+            end.record()
             synchronize(device)
+            awaited.append(begin.elapsed_time(end))  # the step from an idle device
     else:
         for _ in range(steps):
             t = time.perf_counter()
             step()
             times.append((time.perf_counter() - t) * 1e3)
-        issue = times  # the work runs in the call
+        issue = awaited = times  # the work runs in the call
     out = {"median_ms": statistics.median(times), "min_ms": min(times),
            "max_ms": max(times), "warmup_s": warm_s,
            "timing": "cuda-events" if device.type == "cuda" else "cpu-wallclock",
            "synchronized": bool(synchronized)}
     if host:
         out["host_ms"] = statistics.median(issue)
+        out["synchronized_ms"] = statistics.median(awaited)
     return out

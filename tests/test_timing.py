@@ -177,6 +177,7 @@ def test_time_steps_reports_the_hosts_time_per_step(monkeypatch):
         clock[0] += next(costs)
     t = timing.time_steps(step, "cpu", steps=3, warmup=1, host=True)
     assert t["median_ms"] == pytest.approx(3.0) and t["host_ms"] == pytest.approx(3.0)
+    assert t["synchronized_ms"] == pytest.approx(3.0)  # each CPU call runs as it is timed
     assert t["min_ms"] == pytest.approx(2.0) and t["max_ms"] == pytest.approx(4.0)
     # asked for only: timings that do not use it do not pay the extra calls on a GPU
     costs = iter([0.001, 0.002])
@@ -213,6 +214,7 @@ def test_time_steps_on_cuda_waits_before_each_step_only_when_synchronized(monkey
                           synchronized=synchronized)
     assert t["synchronized"] is synchronized and t["timing"] == "cuda-events"
     assert t["median_ms"] == 1.0  # (each pair of scripted events is 1 apart)
+    assert "synchronized_ms" not in t and "host_ms" not in t  # not asked
     timed = log[log.index(("sync",)):]  # from the warm-up's wait on
     steps = [i for i, e in enumerate(timed) if e == ("step",)]
     assert len(steps) == 3 and timed[-1] == ("sync",)
@@ -220,3 +222,30 @@ def test_time_steps_on_cuda_waits_before_each_step_only_when_synchronized(monkey
     # the first step starts after the warm-up's wait either way
     assert waits_before == [True] + [synchronized] * 2
     assert timed[1:].count(("sync",)) == (4 if synchronized else 1)
+
+
+def test_time_steps_with_host_times_up_to_three_steps_from_an_idle_device(monkeypatch):
+    """With ``host``, up to three more steps each start after a wait, between two events:
+    their median is ``synchronized_ms``, beside the host's issue time."""
+    from loka import timing
+
+    log = []
+    durations = iter([1.0] * 3 + [5.0, 7.0, 6.0])  # the 3 timed steps, then the 3 more
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            log.append("record")
+            self.t = len(log)
+
+        def elapsed_time(self, end):
+            return next(durations)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(timing, "synchronize", lambda device: log.append("sync"))
+    t = timing.time_steps(lambda: log.append("step"), "cuda", steps=3, warmup=0, host=True)
+    assert t["median_ms"] == 1.0 and t["synchronized_ms"] == 6.0 and t["host_ms"] >= 0
+    tail = log[-12:]  # the three more: record, step, record, sync each
+    assert tail == ["record", "step", "record", "sync"] * 3

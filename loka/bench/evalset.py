@@ -457,6 +457,7 @@ def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch
         applied = apply_plan(model, result.plan, inference=(mode == "serve"))
         chosen = fp8_sites(result.plan)
         extra = {"plan": chosen, "_plan": result.plan, "optimize_speedup": result.speedup,
+                 "optimize_synchronized_speedup": result.synchronized_speedup,
                  "optimize_rounds": result.rounds, "optimize_trials": len(result.trials),
                  "optimize_host_bound": result.host_bound,
                  "optimize_synchronized": bool(getattr(args, "optimize_synchronized", False)),

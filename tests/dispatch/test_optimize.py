@@ -297,12 +297,50 @@ def test_step_timer_compiles_under_the_inductor_options_it_is_given(monkeypatch)
         step_timer(_batches()[0], _loss, compile=False, compile_options={"cpp_wrapper": True})
 
 
+def test_optimize_reports_the_step_from_an_idle_gpu_beside_the_back_to_back_one():
+    """A timer that reports ``synchronized_ms`` beside its back-to-back timing (as
+    ``step_timer`` does on a GPU): the final rounds keep both, the plan's budget records
+    the second speedup, and a host-bound step says it. The verdict stays the timing's."""
+    lines = []
+    base, _ = _scripted(-1.0)
+
+    def time_step(model):
+        ms = base(model)
+        time_step.last = {"median_ms": ms, "host_ms": 9.0, "device": "cuda",
+                          "synchronized": False,
+                          "synchronized_ms": 8.0 if _fp8_sites(model) else 12.0}
+        return ms
+    time_step.last = None
+    result = optimize(_model(), _batches(), _loss, config=_config(), time_step=time_step,
+                      rounds=2, progress=lines.append)
+    assert result.plan.fp8_sites() and len(result.rounds) == 2
+    assert all(r["baseline_synchronized"] == 12.0 and r["plan_synchronized"] == 8.0
+               for r in result.rounds)
+    assert result.synchronized_speedup == pytest.approx(1.5)
+    assert result.plan.budget["optimize"]["synchronized_speedup"] == pytest.approx(1.5)
+    said = [ln for ln in lines if "idle GPU" in ln]
+    assert len(said) == 1 and "1.500x" in said[0] and f"{result.speedup:.3f}x" in said[0]
+    # a synchronized timing, or a timer that does not report it: no second figure
+    time_step.last = None
+
+    def synced(model):
+        ms = time_step(model)
+        synced.last = dict(time_step.last, synchronized=True)
+        return ms
+    again = optimize(_model(), _batches(), _loss, config=_config(), time_step=synced,
+                     rounds=2)
+    assert again.synchronized_speedup is None and "baseline_synchronized" not in again.rounds[0]
+    plain, _ = _reporting(-1.0, 9.0)
+    assert optimize(_model(), _batches(), _loss, config=_config(), time_step=plain,
+                    rounds=2).plan.budget["optimize"]["synchronized_speedup"] is None
+
+
 def test_step_timer_times_steps_synchronized_only_when_asked(monkeypatch):
     """``synchronized`` reaches :func:`loka.timing.time_steps` and the timing's record;
     optimize refuses it with a time_step of the caller's (its own timer's option)."""
     import sys
 
-    opt = sys.modules["loka.dispatch.optimize"]  # (the package's name is the function)
+    opt = sys.modules["loka.dispatch.steptimer"]
     seen = []
     real = opt.time_steps
 
