@@ -257,9 +257,10 @@ def time_steps(step: Callable[[], object], device: "torch.device | str", steps: 
         warm-up's wall-clock seconds), ``timing`` ('cuda-events' or 'cpu-wallclock'),
         ``synchronized`` (as asked) and, with ``host``, ``host_ms`` (on CUDA the host's
         time to issue one call from an idle device, median of up to three more calls;
-        elsewhere the median call, whose work runs in it) and ``synchronized_ms`` (those
-        calls' time from an idle device to their end: the step as a caller that waits for
-        each result sees it, whichever way the timed calls were issued).
+        elsewhere the median call, whose work runs in it) and ``synchronized_ms`` (on CUDA
+        those up to three calls' time from an idle device to their end: the step as a
+        caller that waits for each result sees it, whichever way the timed calls were
+        issued; elsewhere ``median_ms``).
     """
     device = torch.device(device)
     t0 = time.perf_counter()

@@ -241,11 +241,13 @@ def test_time_steps_with_host_times_up_to_three_steps_from_an_idle_device(monkey
             self.t = len(log)
 
         def elapsed_time(self, end):
+            log.append("elapsed")
             return next(durations)
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(timing, "synchronize", lambda device: log.append("sync"))
     t = timing.time_steps(lambda: log.append("step"), "cuda", steps=3, warmup=0, host=True)
     assert t["median_ms"] == 1.0 and t["synchronized_ms"] == 6.0 and t["host_ms"] >= 0
-    tail = log[-12:]  # the three more: record, step, record, sync each
-    assert tail == ["record", "step", "record", "sync"] * 3
+    # the three more: record, step, record, then the wait, and only then the reading
+    tail = log[-15:]
+    assert tail == ["record", "step", "record", "sync", "elapsed"] * 3

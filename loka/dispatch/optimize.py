@@ -356,7 +356,8 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
                 say(f"each step started on an idle GPU (as a caller that waits for each "
                     f"result runs them), the plan's step was "
                     f"{result.synchronized_speedup:.3f}x of the baseline's (up to 3 calls "
-                    f"per round; back to back {result.speedup:.3f}x)")
+                    f"per round" + (f"; back to back {result.speedup:.3f}x)"
+                                    if result.speedup is not None else ")"))
     tuned.budget["optimize"] = {"rounds": result.rounds, "trials": len(log),
                                 "speedup": _finite(result.speedup),
                                 "synchronized_speedup": _finite(result.synchronized_speedup),

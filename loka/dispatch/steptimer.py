@@ -80,7 +80,8 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
                synchronized: bool = False) -> Callable[[nn.Module], float]:
     """A ``time_step(model) -> median ms`` for whole-step tuning; after each call
     ``time_step.last`` holds that timing's ``median_ms``, ``host_ms`` (the host's time to
-    issue one step, :func:`loka.timing.time_steps`), ``device`` and ``synchronized``.
+    issue one step, :func:`loka.timing.time_steps`), ``synchronized_ms`` (a few steps each
+    from an idle device), ``device`` and ``synchronized``.
 
     Each call compiles the model afresh (``torch.compile``, ``compile_mode`` e.g.
     ``"reduce-overhead"`` for CUDA graphs, ``compile_options`` Inductor settings for its
@@ -114,6 +115,7 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
         with _inductor_patch(options):  # read while the warm-up steps compile
             t = time_steps(step, dev, steps, warmup, host=True, synchronized=synchronized)
         time_step.last = {"median_ms": float(t["median_ms"]), "host_ms": float(t["host_ms"]),
+                          "synchronized_ms": float(t["synchronized_ms"]),
                           "device": dev.type, "synchronized": bool(synchronized)}
         return float(t["median_ms"])
 

@@ -346,13 +346,14 @@ def test_step_timer_times_steps_synchronized_only_when_asked(monkeypatch):
 
     def spy(*args, **kw):
         seen.append(kw.get("synchronized"))
-        return real(*args, **kw)
+        return dict(real(*args, **kw), synchronized_ms=4.25)  # as a GPU timing reports it
     monkeypatch.setattr(opt, "time_steps", spy)
     for flag in (False, True):
         timer = step_timer(_batches()[0], _loss, compile=False, steps=1, warmup=0,
                            synchronized=flag)
         timer(_model())
         assert seen[-1] is flag and timer.last["synchronized"] is flag
+        assert timer.last["synchronized_ms"] == 4.25  # passed on, for optimize's rounds
     time_step, calls = _scripted(-1.0)
     with pytest.raises(ValueError, match="synchronized_steps is the default timer's"):
         optimize(_model(), _batches(), _loss, config=_config(), time_step=time_step,
