@@ -301,43 +301,41 @@ def test_state_changes_names_each_setting_that_moved():
     assert precompile.state_changes(before, before) == []
 
 
-def test_wait_says_when_the_parents_cache_keys_moved_after_the_children_started():
+@pytest.fixture
+def matmul():
+    """``torch.backends.cuda.matmul`` with ``fp32_precision`` at 'none', set back after."""
+    flags = torch.backends.cuda.matmul
+    if not hasattr(flags, "fp32_precision"):
+        pytest.skip("this torch has no fp32_precision")
+    prev = flags.fp32_precision
+    flags.fp32_precision = "none"
+    try:
+        yield flags
+    finally:
+        flags.fp32_precision = prev
+
+
+def test_wait_says_when_the_parents_cache_keys_moved_after_the_children_started(matmul):
     """The float32 matmul precision is part of the compile caches' keys: a parent that
     moves it after starting its children loads nothing they compiled."""
-    matmul = torch.backends.cuda.matmul
-    if not hasattr(matmul, "fp32_precision"):
-        pytest.skip("this torch has no fp32_precision")
-    prev = matmul.fp32_precision
-    try:
-        matmul.fp32_precision = "none"
-        pre = Precompile([], [], None, state=precompile.process_state())
-        assert pre.wait()["state_changed"] == []
-        matmul.fp32_precision = "ieee"  # TF32 off as well, under another name
-        assert pre.wait()["state_changed"] == ["matmul.fp32_precision"]
-    finally:
-        matmul.fp32_precision = prev
+    pre = Precompile([], [], None, state=precompile.process_state())
+    assert pre.wait()["state_changed"] == []
+    matmul.fp32_precision = "ieee"  # TF32 off as well, under another name
+    assert pre.wait()["state_changed"] == ["matmul.fp32_precision"]
 
 
-def test_the_state_names_only_the_matmul_flag_that_moved_and_a_child_takes_it():
+def test_the_state_names_only_the_matmul_flag_that_moved_and_a_child_takes_it(matmul):
     """Where this torch has ``fp32_precision``, the state carries it and not the legacy
     ``allow_tf32`` (which torch refuses to read once the two were set apart), so moving it
     names one flag; a child applies it."""
-    matmul = torch.backends.cuda.matmul
-    if not hasattr(matmul, "fp32_precision"):
-        pytest.skip("this torch has no fp32_precision")
-    prev = matmul.fp32_precision
-    try:
-        matmul.fp32_precision = "none"
-        before = precompile.process_state()
-        assert "allow_tf32" not in before["matmul"]
-        matmul.fp32_precision = "tf32"
-        after = precompile.process_state()
-        assert precompile.state_changes(before, after) == ["matmul.fp32_precision"]
-        matmul.fp32_precision = "none"
-        precompile._apply_state(after)  # as a child does
-        assert matmul.fp32_precision == "tf32"
-    finally:
-        matmul.fp32_precision = prev
+    before = precompile.process_state()
+    assert "allow_tf32" not in before["matmul"]
+    matmul.fp32_precision = "tf32"
+    after = precompile.process_state()
+    assert precompile.state_changes(before, after) == ["matmul.fp32_precision"]
+    matmul.fp32_precision = "none"
+    precompile._apply_state(after)  # as a child does
+    assert matmul.fp32_precision == "tf32"
 
 
 def test_the_probe_warns_when_its_children_compiled_under_other_keys(monkeypatch):
