@@ -11,7 +11,9 @@
 # traced (bench/traced_check.py: compiled steps launch LoKA's Triton kernels from Inductor's
 # code; wall against GPU time), quantizers (bench/bench_quantizers.py: the Triton quantizers and
 # PyTorch's compiled ones, QUANT_ARGS), probetime (bench/probe_time.py --fresh-caches: a training
-# Probe's wall time on empty caches and its compile-cache counts, PROBETIME_ARGS), distributed (bench/distributed/run.py under torchrun on
+# Probe's wall time on empty caches and its compile-cache counts, PROBETIME_ARGS), cachekeys
+# (the same Probe under bench/cache_keys.py: which parts of the parent's and its compiling
+# children's cache keys differ), distributed (bench/distributed/run.py under torchrun on
 # DIST_GPUS GPUs), stepcode (bench/step_code.py compiled for real: the kernels and bytes of
 # the GPU's own Inductor, against the CPU-simulated files in bench/results). Extra
 # arguments for a stage come from the environment: BENCH_ARGS, KERNEL_ARGS, INLINE_ARGS,
@@ -32,6 +34,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl >>"$LOG" 2>&1 && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+
+# (a default holding a brace, set apart: inside ${VAR:-...} the brace would end the expansion)
+PROBETIME_DEFAULT='--probe-config {"progress":false}'
 
 stage() {  # stage NAME LIMIT_S CMD...: run CMD under a time limit, log it, never abort
   local name=$1 limit=$2
@@ -69,7 +74,12 @@ for s in "$@"; do
         --out "$OUT/quantizers.json" ${QUANT_ARGS:---shapes 4096x2048,4096x8192,16384x2048} ;;
     probetime) stage probetime "${PROBETIME_LIMIT:-150}" python3 bench/probe_time.py --fresh-caches \
         --no-profile --report-out "$OUT/probe_time.report.json" --out "$OUT/probe_time.json" \
-        ${PROBETIME_ARGS:---probe-config {\"progress\":false}} ;;
+        ${PROBETIME_ARGS:-$PROBETIME_DEFAULT} ;;
+    cachekeys) stage cachekeys "${CACHEKEYS_LIMIT:-200}" python3 bench/cache_keys.py run \
+        --dir /tmp/loka-keylogs-$$ -- python3 bench/probe_time.py --fresh-caches --no-profile \
+        --out "$OUT/probe_time_keys.json" ${PROBETIME_ARGS:-$PROBETIME_DEFAULT}
+      stage cachekeys-compare 60 python3 bench/cache_keys.py compare --dir /tmp/loka-keylogs-$$ \
+        --out "$OUT/cache_keys.json" ;;
     *) echo "unknown stage $s" | tee -a "$LOG" ;;
   esac
 done
