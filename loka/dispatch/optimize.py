@@ -33,7 +33,7 @@ from .schema import Plan
 from .select import kernel_speedup, override
 from .select import plan as make_plan
 # (step_timer and check_compile_options are this module's public names too)
-from .steptimer import (_awaited_ms, _recorded, _recording, check_compile_options,  # noqa: F401
+from .steptimer import (_awaited_ms, _recorded, _recording, check_compile_options,
                         step_timer)
 from .swap import apply, restore_on_exit, root_module, unapply
 from .tune import FUSIBLE_TWINS, on_baseline, tune_speed

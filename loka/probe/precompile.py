@@ -110,9 +110,7 @@ def process_state() -> Dict[str, object]:
             continue  # fp32_precision says it and more (and torch may refuse to read it)
         try:
             flags[name] = getattr(matmul, name)
-        except AttributeError:
-            continue  # a flag this torch lacks
-        except RuntimeError:  # a flag torch refuses to read in this state
+        except (AttributeError, RuntimeError):  # a flag this torch lacks, or will not read
             continue
     return {
         "inductor": _changed(inductor_config),
