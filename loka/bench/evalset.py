@@ -19,7 +19,7 @@ only in what its Linears run:
   ``Float8DynamicActivationFloat8WeightConfig`` (per tensor, per row) through ``quantize_``;
   skipped, with the reason recorded, where torchao is missing or cannot run;
 - ``loka-optimize``: ``loka.optimize`` on the same report: whole steps, compiled as the row
-  is, decide which FP8 sites stay, and the plan is kept only if it wins every A/B round;
+  is, decide which FP8 sites stay, and the plan is kept only if it wins its A/B rounds;
 - ``loka-optimize-static`` (serving): the same with ``static_scales=True``, the public
   path to the static serving plan below with the same never-slower check;
 - ``loka``: ``loka.probe(model, batches, loss_fn)`` -> ``loka.plan(report)`` (serving:
@@ -445,7 +445,7 @@ def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch
             raise Skip("static activation scales are for serving")
         report = _case_report(case)
         # loka.optimize on the Probe's report: whole compiled steps (compiled as this row is)
-        # decide which FP8 sites stay; it keeps a plan only if it wins every A/B round
+        # decide which FP8 sites stay; it keeps a plan only if it wins its A/B rounds
         result = optimize_plan(
             model, [case.batch], args.eval_set.loss_fn, inference=(mode == "serve"),
             report=report,

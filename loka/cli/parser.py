@@ -170,8 +170,9 @@ returns logits (B,) for a loka.data.Batch; --data synthetic also needs a feature
 
 probes the model, plans under the error budget, then times whole compiled steps: FP8 sites
 that do not make the step faster go back to bf16, and the plan is kept only if its step is
-faster than the step without it in every A/B round. Without a GPU nothing is timed and the
-plan is made on error alone (it says so).""",
+faster than the step without it in its A/B rounds (every one, or a sign test after a
+lost one). Without a GPU nothing is timed and the plan is made on error alone (it says
+so).""",
     "audit": """examples:
   loka audit plan.json report.json
   loka audit plan.json report.json --json
@@ -431,7 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time each step from an idle GPU, as a caller that waits for each "
                         "result runs them (default: steps issued back to back)")
     p.add_argument("--rounds", type=positive(int, "--rounds"), default=3,
-                   help="final A/B rounds the plan must win, each of them")
+                   help="final A/B rounds the plan must win (after a lost one, up to as many more "
+                        "and a sign test)")
     p.add_argument("--max-trials", type=positive(int, "--max-trials", 2), default=16,
                    help="at most this many whole-step timings while tuning")
     p.add_argument("--delayed-scaling", action="store_true",

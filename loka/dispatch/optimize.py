@@ -4,9 +4,11 @@
 then lets whole steps decide, as the model will run (compiled, optionally in CUDA graphs):
 :func:`~loka.dispatch.tune.tune_speed` moves FP8 sites back to the baseline while that
 makes the step faster, and a last A/B comparison, baseline and plan timed alternately,
-keeps the plan only if its step is faster than the step without it in every round. So the
-plan it returns is never slower than not applying one, as far as the timer can tell: a
-plan that loses or ties in any round goes back to the baseline whole.
+keeps the plan only if its step is faster than the step without it in every round, or, where
+one round of a noisy host went the other way, in enough extra rounds that a sign test gives
+the same evidence (:func:`ab_verdict`). So the plan it returns is never slower than not
+applying one, as far as the timer can tell: a plan that does not win its rounds goes back
+to the baseline whole.
 
 Without a GPU (and without a ``time_step`` of the caller's) no timing says anything about
 FP8 speed: the plan is then made on error alone and says so in its notes.
@@ -38,7 +40,8 @@ from .steptimer import (_awaited_ms, _recorded, _recording, check_compile_option
 from .swap import apply, restore_on_exit, root_module, unapply
 from .tune import FUSIBLE_TWINS, on_baseline, tune_speed
 
-__all__ = ["OptimizeResult", "optimize", "step_timer", "plan_families"]
+__all__ = ["OptimizeResult", "optimize", "step_timer", "plan_families", "ab_verdict",
+           "sign_test_p"]
 
 MAX_FAMILIES = 4
 """whole-plan alternatives :func:`optimize` times at most (:func:`plan_families`)"""
@@ -139,7 +142,8 @@ class OptimizeResult:
     trials: List[dict] = field(default_factory=list)
     """one entry per whole-step timing of the tuning (``tune_speed``'s log)"""
     rounds: List[dict] = field(default_factory=list)
-    """the final A/B rounds: ``{"baseline": ms, "plan": ms}`` each"""
+    """the final A/B rounds: ``{"baseline": ms, "plan": ms}`` each (with those timed after a
+    lost round, :func:`ab_verdict`)"""
     timed: bool = False
     """whether whole steps were timed (False: the plan was made on error alone)"""
     host_bound: Optional[bool] = None
@@ -218,7 +222,11 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
             the GPU sets the pace); refused with a ``time_step`` of your own.
         max_trials: at most this many timings while tuning.
         rounds: final A/B rounds (baseline, then plan, each timed afresh); the plan is kept
-            only if it is faster in every round.
+            if it is faster in every round. Where it lost one, up to ``rounds`` more are
+            timed, and it is kept if its wins then pass a one-sided sign test at the level
+            of winning all ``rounds`` (:func:`ab_verdict`): one noisy round no longer
+            throws a faster plan away, and a plan no faster than the baseline is kept no
+            more often than before.
         progress: called with one line per stage.
         refine: ``refine(plan) -> plan``, applied to the report's plan before any
             whole-step timing (which then only moves more sites back): e.g. an NE budget,
@@ -321,6 +329,11 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
         say(f"confirming {len(tuned.fp8_sites())} FP8 site(s) against the baseline "
             f"in {rounds} A/B round(s)")
         result.rounds = _ab_rounds(model, tuned, time_step, inference, rounds)
+        while ab_verdict(result.rounds, rounds) is None:  # a lost round: time more
+            if len(result.rounds) == rounds:
+                say(f"the plan lost {rounds - _wins(result.rounds)} of {rounds} A/B "
+                    f"round(s): timing up to {rounds} more")
+            result.rounds += _ab_rounds(model, tuned, time_step, inference, 1)
         # what the report's GEMM timings predicted for the plan that was timed
         base_ms = statistics.median(r["baseline"] for r in result.rounds)
         try:
@@ -335,11 +348,18 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
                                   head_sites=int(tuned.budget.get("head_sites", 3))).to_dict()
         except ValueError:
             ceiling = None
-        if not all(r["plan"] < r["baseline"] for r in result.rounds):
-            tuned = on_baseline(tuned, tuned.fp8_sites(), "optimize: the plan's step was not "
-                                "faster than the baseline's in every A/B round")
-            tuned.notes.append("optimize: the plan did not beat the baseline in every A/B round; "
-                               "every site is on the baseline")
+        wins, n = _wins(result.rounds), len(result.rounds)
+        if not ab_verdict(result.rounds, rounds):
+            why = (f"optimize: the plan's step was faster than the baseline's in {wins} of "
+                   f"{n} A/B rounds" + ("" if n == rounds else
+                                        f" ({n - rounds} timed after a lost round)")
+                   + f", short of winning all {rounds} or a sign test at that level")
+            tuned = on_baseline(tuned, tuned.fp8_sites(), why)
+            tuned.notes.append(why + "; every site is on the baseline")
+        elif n > rounds:
+            tuned.notes.append(f"optimize: the plan won {wins} of {n} A/B rounds ({n - rounds} "
+                               f"timed after a lost round): a sign test at the level of "
+                               f"winning all {rounds}")
     if baseline_host:
         host = statistics.median(h for h, _ in baseline_host)
         step_ms = statistics.median(ms for _, ms in baseline_host)
@@ -359,6 +379,7 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
                     f"per round" + (f"; back to back {result.speedup:.3f}x)"
                                     if result.speedup is not None else ")"))
     tuned.budget["optimize"] = {"rounds": result.rounds, "trials": len(log),
+                                "first_rounds": rounds,
                                 "speedup": _finite(result.speedup),
                                 "synchronized_speedup": _finite(result.synchronized_speedup),
                                 "predicted_speedup": _finite(predicted),
@@ -391,6 +412,38 @@ def _ab_rounds(model: nn.Module, plan: Plan, time_step: Callable[[nn.Module], fl
                 row.update(baseline_synchronized=base_awaited, plan_synchronized=mine_awaited)
             out.append(row)
     return out
+
+
+def sign_test_p(wins: int, n: int) -> float:
+    """``P(X >= wins)`` for ``X ~ Binomial(n, 1/2)``: how often a plan no faster than the
+    baseline, each round a fair coin, would win at least ``wins`` of ``n`` rounds."""
+    if not 0 <= wins <= n:
+        raise ValueError(f"sign_test_p needs 0 <= wins <= n, got wins={wins}, n={n}")
+    return sum(math.comb(n, k) for k in range(wins, n + 1)) / 2 ** n
+
+
+def _wins(rounds: List[dict]) -> int:
+    return sum(1 for r in rounds if r["plan"] < r["baseline"])  # a tie is no win
+
+
+def ab_verdict(rounds: List[dict], first: int) -> Optional[bool]:
+    """Whether A/B ``rounds`` (``{"baseline": ms, "plan": ms}`` each; the first ``first``
+    timed up front, at most ``first`` more after a loss) keep the plan: True where its wins
+    pass a one-sided sign test at ``0.5 ** first`` (the evidence of winning all ``first``
+    rounds; one loss then needs about ``first`` extra wins) and its median step is the
+    faster; False where no number of further rounds within ``2 * first`` can get there;
+    None where more rounds could decide."""
+    if first < 1 or len(rounds) < first:
+        raise ValueError(f"ab_verdict needs at least first={first} >= 1 rounds, got "
+                         f"{len(rounds)}")
+    level, n, wins = 0.5 ** first, len(rounds), _wins(rounds)
+    if sign_test_p(wins, n) <= level:
+        ratio = _ratio(rounds, "baseline", "plan")
+        return ratio is not None and ratio > 1.0
+    if any(sign_test_p(wins + extra, n + extra) <= level
+           for extra in range(1, 2 * first - n + 1)):
+        return None
+    return False
 
 
 def _finite(x: Optional[float]) -> Optional[float]:

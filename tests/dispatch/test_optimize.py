@@ -83,21 +83,75 @@ def test_a_plan_that_pays_is_kept_after_winning_every_round():
     assert not any(isinstance(m, Linear) for m in model.modules())
 
 
-def test_a_plan_that_loses_one_ab_round_is_not_kept():
-    model = _model()
-    n_trials = []
+def _tuning_calls():
+    """How many timings the tuning takes before the A/B rounds (the scripted model)."""
+    return len(optimize(_model(), _batches(), _loss, config=_config(),
+                        time_step=_scripted(-1.0)[0], rounds=3).trials)
 
-    def noise(i):  # the tuning and the first two rounds favour FP8; the last round does not
-        return 5.0 if n_trials and i == n_trials[0] + 5 else 0.0
+
+@pytest.mark.parametrize("lost, kept, n_rounds", [
+    ((2,), True, 6),          # one noisy round: three more, all won: 5 of 6 (p = 7/64)
+    ((0, 2), False, 3),       # two lost of three: no number of extra rounds can pass
+    ((1, 4), False, 5),       # one lost, then one of the extra rounds: 3 of 5, and 6 can't
+])
+def test_a_lost_ab_round_is_weighed_by_a_sign_test(lost, kept, n_rounds):
+    model = _model()
+    first = _tuning_calls()
+
+    def noise(i):  # a slow plan step in the A/B rounds listed (2 calls per round)
+        r, is_plan = divmod(i - first, 2)
+        return 5.0 if i >= first and is_plan and r in lost else 0.0
     time_step, calls = _scripted(-1.0, noise)
-    # find how many timings the tuning takes, then plant the loss in the last A/B round
-    probe_run = optimize(_model(), _batches(), _loss, config=_config(),
-                         time_step=_scripted(-1.0)[0], rounds=3)
-    n_trials.append(len(probe_run.trials))
-    result = optimize(model, _batches(), _loss, config=_config(), time_step=time_step, rounds=3)
-    assert [r["plan"] < r["baseline"] for r in result.rounds] == [True, True, False]
-    assert result.plan.fp8_sites() == []
-    assert any("every A/B round" in n for n in result.plan.notes)
+    lines = []
+    result = optimize(model, _batches(), _loss, config=_config(), time_step=time_step,
+                      rounds=3, progress=lines.append)
+    wins = [r["plan"] < r["baseline"] for r in result.rounds]
+    assert len(result.rounds) == n_rounds and wins == [i not in lost for i in range(n_rounds)]
+    assert len(calls) == first + 2 * n_rounds  # nothing timed beyond the rounds
+    assert bool(result.plan.fp8_sites()) is kept
+    budget = result.plan.budget["optimize"]
+    assert budget["first_rounds"] == 3 and len(budget["rounds"]) == n_rounds
+    if n_rounds > 3:
+        assert any("timing up to 3 more" in line for line in lines)
+    if kept:
+        assert result.speedup > 1.0
+        assert any("won 5 of 6 A/B rounds" in n for n in result.plan.notes)
+    else:
+        assert any(f"in {sum(wins)} of {n_rounds} A/B rounds" in n
+                   and "every site is on the baseline" in n for n in result.plan.notes)
+
+
+def test_sign_test_p_is_the_binomial_tail():
+    from math import comb
+
+    from loka.dispatch.optimize import sign_test_p
+    for n in range(1, 9):
+        for k in range(n + 1):
+            want = sum(comb(n, j) for j in range(k, n + 1)) / 2.0 ** n
+            assert sign_test_p(k, n) == pytest.approx(want, rel=0, abs=1e-15)
+    assert sign_test_p(3, 3) == 0.125 and sign_test_p(5, 6) == 7 / 64
+    for bad in ((-1, 3), (4, 3)):
+        with pytest.raises(ValueError, match="0 <= wins <= n"):
+            sign_test_p(*bad)
+
+
+def _rounds(*plan_ms, base=10.0):
+    return [{"baseline": base, "plan": p} for p in plan_ms]
+
+
+def test_ab_verdict():
+    from loka.dispatch.optimize import ab_verdict
+    assert ab_verdict(_rounds(9, 9, 9), 3) is True
+    assert ab_verdict(_rounds(9, 9, 11), 3) is None            # 3 more wins would pass
+    assert ab_verdict(_rounds(9, 9, 11, 9, 9, 9), 3) is True   # 5 of 6
+    assert ab_verdict(_rounds(9, 9, 11, 9, 9, 11), 3) is False
+    assert ab_verdict(_rounds(9, 11, 11), 3) is False          # 4 of 6 at best
+    assert ab_verdict(_rounds(9, 9, 10), 3) is None            # a tie is no win
+    assert ab_verdict(_rounds(9), 1) is True and ab_verdict(_rounds(11), 1) is False
+    assert ab_verdict(_rounds(9, 11), 2) is False              # 3 of 4 is p = 5/16
+    for bad in ((_rounds(9, 9), 3), (_rounds(9), 0)):
+        with pytest.raises(ValueError, match="at least first"):
+            ab_verdict(*bad)
 
 
 def test_without_a_gpu_or_a_timer_the_plan_is_made_on_error_alone_and_says_so():
