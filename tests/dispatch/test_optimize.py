@@ -111,6 +111,7 @@ def test_a_lost_ab_round_is_weighed_by_a_sign_test(lost, kept, n_rounds):
     assert bool(result.plan.fp8_sites()) is kept
     budget = result.plan.budget["optimize"]
     assert budget["first_rounds"] == 3 and len(budget["rounds"]) == n_rounds
+    assert budget["null_keep_probability"] == 11 / 64
     if n_rounds > 3:
         assert any("timing up to 3 more" in line for line in lines)
     if kept:
@@ -133,6 +134,25 @@ def test_sign_test_p_is_the_binomial_tail():
     for bad in ((-1, 3), (4, 3)):
         with pytest.raises(ValueError, match="0 <= wins <= n"):
             sign_test_p(*bad)
+
+
+def test_null_keep_probability_is_the_rules_own_by_enumeration():
+    """Every sequence of won and lost rounds (even odds each), run through ab_verdict with
+    the loop optimize runs: the share of sequences that keep the plan."""
+    from itertools import product
+
+    from loka.dispatch.optimize import ab_verdict, null_keep_probability
+    for first in range(1, 5):
+        kept = 0.0
+        for seq in product((True, False), repeat=2 * first):
+            rounds = _rounds(*(9.0 if won else 11.0 for won in seq[:first]))
+            while ab_verdict(rounds, first) is None:
+                rounds += _rounds(9.0 if seq[len(rounds)] else 11.0)
+            kept += ab_verdict(rounds, first) / 2 ** (2 * first)
+        assert null_keep_probability(first) == pytest.approx(kept, abs=1e-15)
+    assert null_keep_probability(3) == 11 / 64 and null_keep_probability(1) == 0.5
+    with pytest.raises(ValueError, match="first >= 1"):
+        null_keep_probability(0)
 
 
 def _rounds(*plan_ms, base=10.0):
