@@ -452,7 +452,7 @@ def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch
             forward=lambda m, batch: m(*batch[0]),
             compile_mode="reduce-overhead" if graphs else None,
             max_trials=getattr(args, "optimize_trials", 8),
-            rounds=getattr(args, "optimize_rounds", 2), static_scales=static,
+            rounds=getattr(args, "optimize_rounds", 3), static_scales=static,
             synchronized_steps=bool(getattr(args, "optimize_synchronized", False)))
         applied = apply_plan(model, result.plan, inference=(mode == "serve"))
         chosen = fp8_sites(result.plan)
@@ -1048,8 +1048,9 @@ def parse_args(argv, eval_set: "str | os.PathLike | types.ModuleType"):
                     help="loka-optimize: time each step from an idle GPU (loka.optimize's "
                          "synchronized_steps), as the rows' own step times are, not back "
                          "to back")
-    ap.add_argument("--optimize-rounds", type=int, default=2,
-                    help="loka-optimize: final A/B rounds the plan must win, each of them")
+    ap.add_argument("--optimize-rounds", type=int, default=3,
+                    help="loka-optimize: final A/B rounds the plan must win (from 3 rounds, "
+                         "a lost one is weighed by extra rounds and a sign test)")
     ap.add_argument("--steps", type=int, default=50, help="timed steps (median)")
     ap.add_argument("--warmup", type=int, default=10, help="untimed steps first (>= 1: the first compiles)")
     ap.add_argument("--profile-steps", type=int, default=3, help="steps under torch.profiler (CUDA)")

@@ -8,8 +8,8 @@ One job per module, each importing only those before it: ``linear`` (``loka.Line
 ``schema`` (the plan as data and JSON), ``select`` (``plan``, ``audit``, ``override``),
 ``swap`` (``apply``, ``unapply``, ``check``), ``guard`` (the safety valve in training),
 ``tighten`` (the end-to-end accuracy budget), ``tune`` (whole-step speed:
-``tune_speed``, ``search_speed``), ``optimize`` (Probe, plan and whole-step check in one
-call) and ``predict`` (the step a report's timings predict for a plan). Their public names
+``tune_speed``, ``search_speed``), ``verdict`` (the A/B rule: ``ab_verdict``),
+``optimize`` (Probe, plan and whole-step check in one call) and ``predict`` (the step a report's timings predict for a plan). Their public names
 are all here.
 """
 
@@ -21,6 +21,7 @@ from .swap import (ApplyReport, Change, applied_plan, apply, check, skipped_site
 from .guard import Guard, GuardEvent
 from .tighten import tighten_end_to_end
 from .tune import FUSIBLE_TWINS, search_speed, tune_speed
+from .verdict import ab_verdict, null_keep_probability, sign_test_p
 from .optimize import OptimizeResult, optimize, plan_families, step_timer
 from .predict import Ceiling, StepPrediction, copy_savings_us, fp8_ceiling, predict_step
 
@@ -29,4 +30,4 @@ __all__ = ["Linear", "Plan", "SitePlan", "RoleChoice", "Fallback", "PlanMismatch
            "FUSIBLE_TWINS", "optimize", "OptimizeResult", "step_timer", "plan_families", "apply", "unapply",
            "check", "applied_plan", "skipped_sites", "ApplyReport", "Change", "amax_from_report", "Guard",
            "GuardEvent", "StepPrediction", "predict_step", "copy_savings_us", "Ceiling",
-           "fp8_ceiling"]
+           "fp8_ceiling", "ab_verdict", "null_keep_probability", "sign_test_p"]

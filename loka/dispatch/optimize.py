@@ -8,7 +8,9 @@ keeps the plan only if its step is faster than the step without it in every roun
 one round of a noisy host went the other way, in enough extra rounds to pass a sign test at
 the level of winning them all (:func:`ab_verdict`). So the plan it returns is never slower
 than not applying one, as far as the timer can tell: a plan that does not win its rounds
-goes back to the baseline whole.
+goes back to the baseline whole. The rounds are timed, so "never slower" is as sure as the
+timer is steady: :func:`null_keep_probability` is how often a plan no faster than the
+baseline passes them.
 
 Without a GPU (and without a ``time_step`` of the caller's) no timing says anything about
 FP8 speed: the plan is then made on error alone and says so in its notes.
@@ -39,9 +41,11 @@ from .steptimer import (_awaited_ms, _recorded, _recording, check_compile_option
                         step_timer)
 from .swap import apply, restore_on_exit, root_module, unapply
 from .tune import FUSIBLE_TWINS, on_baseline, tune_speed
+# (the A/B rule's names are this module's public names too)
+from .verdict import (_ratio, _sign_verdict, _timings_ok, _wins, ab_verdict,
+                      null_keep_probability, sign_test_p)
 
-__all__ = ["OptimizeResult", "optimize", "step_timer", "plan_families", "ab_verdict",
-           "sign_test_p", "null_keep_probability"]
+__all__ = ["OptimizeResult", "optimize", "step_timer", "plan_families"]
 
 MAX_FAMILIES = 4
 """whole-plan alternatives :func:`optimize` times at most (:func:`plan_families`)"""
@@ -134,7 +138,8 @@ class OptimizeResult:
     """What :func:`optimize` found."""
 
     plan: Plan
-    """the plan to apply: never slower than none in the final A/B rounds"""
+    """the plan to apply: faster than none in the final A/B rounds (in every one, or enough
+    of them to pass :func:`ab_verdict`'s sign test), or on the baseline"""
     report: ProbeReport
     """the Probe's report the plan was made from"""
     untuned: Plan
@@ -164,14 +169,6 @@ class OptimizeResult:
         it did not (a timer of the caller's, the CPU, or ``synchronized_steps``, whose
         rounds are timed so already)."""
         return _ratio(self.rounds, "baseline_synchronized", "plan_synchronized")
-
-
-def _ratio(rounds: List[dict], base_key: str, plan_key: str) -> Optional[float]:
-    if not rounds or not all(base_key in r and plan_key in r for r in rounds):
-        return None
-    base = statistics.median(r[base_key] for r in rounds)
-    mine = statistics.median(r[plan_key] for r in rounds)
-    return base / mine if mine > 0 else None
 
 
 HOST_BOUND_SHARE = 0.8
@@ -222,8 +219,8 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
             the GPU sets the pace); refused with a ``time_step`` of your own.
         max_trials: at most this many timings while tuning.
         rounds: final A/B rounds (baseline, then plan, each timed afresh); the plan is kept
-            if it is faster in every round. Where it lost one, up to ``rounds`` more are
-            timed, and it is kept if its wins then pass a one-sided sign test at the level
+            if it is faster in every round. Where it lost one (from 3 rounds; with 1 or 2
+            no extra rounds could pass the test), up to ``rounds`` more are timed, and it is kept if its wins then pass a one-sided sign test at the level
             of winning all ``rounds`` (:func:`ab_verdict`): one noisy round no longer
             throws a faster plan away. The price: a plan no faster than the baseline is
             kept a little more often (:func:`null_keep_probability`: 0.172 for 3 rounds,
@@ -351,10 +348,17 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
             ceiling = None
         wins, n = _wins(result.rounds), len(result.rounds)
         if not ab_verdict(result.rounds, rounds):
-            why = (f"optimize: the plan's step was faster than the baseline's in {wins} of "
-                   f"{n} A/B rounds" + ("" if n == rounds else
-                                        f" ({n - rounds} timed after a lost round)")
-                   + f", short of winning all {rounds} or a sign test at that level")
+            extra = "" if n == rounds else f" ({n - rounds} timed after a lost round)"
+            if not _timings_ok(result.rounds):
+                why = (f"optimize: an A/B round's step time was not a positive finite "
+                       f"number{extra}")
+            elif _sign_verdict(wins, n, rounds):
+                why = (f"optimize: the plan won {wins} of {n} A/B rounds{extra}, but its "
+                       f"median step was not faster than the baseline's")
+            else:
+                why = (f"optimize: the plan's step was faster than the baseline's in {wins} "
+                       f"of {n} A/B rounds{extra}, short of winning all {rounds} or a sign "
+                       f"test at that level")
             tuned = on_baseline(tuned, tuned.fp8_sites(), why)
             tuned.notes.append(why + "; every site is on the baseline")
         elif n > rounds:
@@ -414,71 +418,6 @@ def _ab_rounds(model: nn.Module, plan: Plan, time_step: Callable[[nn.Module], fl
                 row.update(baseline_synchronized=base_awaited, plan_synchronized=mine_awaited)
             out.append(row)
     return out
-
-
-def sign_test_p(wins: int, n: int) -> float:
-    """``P(X >= wins)`` for ``X ~ Binomial(n, 1/2)``: how often a plan no faster than the
-    baseline, each round a fair coin, would win at least ``wins`` of ``n`` rounds."""
-    if not 0 <= wins <= n:
-        raise ValueError(f"sign_test_p needs 0 <= wins <= n, got wins={wins}, n={n}")
-    return sum(math.comb(n, k) for k in range(wins, n + 1)) / 2 ** n
-
-
-def _wins(rounds: List[dict]) -> int:
-    return sum(1 for r in rounds if r["plan"] < r["baseline"])  # a tie is no win
-
-
-def _sign_verdict(wins: int, n: int, first: int) -> Optional[bool]:
-    """:func:`ab_verdict` on counts alone (``wins`` of ``n`` rounds), the median aside."""
-    level = 0.5 ** first
-    if sign_test_p(wins, n) <= level:
-        return True
-    if any(sign_test_p(wins + extra, n + extra) <= level
-           for extra in range(1, 2 * first - n + 1)):
-        return None
-    return False
-
-
-def ab_verdict(rounds: List[dict], first: int) -> Optional[bool]:
-    """Whether A/B ``rounds`` (``{"baseline": ms, "plan": ms}`` each; the first ``first``
-    timed up front, at most ``first`` more after a loss) keep the plan: True where its wins
-    pass a one-sided sign test at ``0.5 ** first`` (the evidence of winning all ``first``
-    rounds; one loss then needs about ``first`` extra wins) and its median step is the
-    faster; False where no number of further rounds within ``2 * first`` can get there;
-    None where more rounds could decide. Rounds are added only after a loss, so the test's
-    level is not the rule's: :func:`null_keep_probability` is how often it keeps a plan no
-    faster than the baseline."""
-    if first < 1 or len(rounds) < first:
-        raise ValueError(f"ab_verdict needs at least first={first} >= 1 rounds, got "
-                         f"{len(rounds)}")
-    verdict = _sign_verdict(_wins(rounds), len(rounds), first)
-    if verdict:
-        ratio = _ratio(rounds, "baseline", "plan")
-        return ratio is not None and ratio > 1.0
-    return verdict
-
-
-def null_keep_probability(first: int) -> float:
-    """How often :func:`optimize`'s A/B rule keeps a plan whose step is no faster than the
-    baseline's, each round then won with even odds: ``0.5 ** first`` (every round won)
-    plus the chance of passing after a lost round (exact, over the rule's own stopping;
-    the median's condition aside, which can only lower it). For 3 rounds 11/64 = 0.172,
-    against 8/64 = 0.125 under the every-round rule; for 4, 3/32 against 1/16."""
-    if first < 1:
-        raise ValueError(f"null_keep_probability needs first >= 1, got {first}")
-    states = {w: math.comb(first, w) / 2 ** first for w in range(first + 1)}  # after `first`
-    kept, n = 0.0, first
-    while states:
-        nxt: dict = {}
-        for wins, prob in states.items():
-            verdict = _sign_verdict(wins, n, first)
-            if verdict:
-                kept += prob
-            elif verdict is None:  # one more round, won or lost with even odds
-                for w in (wins, wins + 1):
-                    nxt[w] = nxt.get(w, 0.0) + prob / 2
-        states, n = nxt, n + 1
-    return kept
 
 
 def _finite(x: Optional[float]) -> Optional[float]:

@@ -122,10 +122,22 @@ def test_a_lost_ab_round_is_weighed_by_a_sign_test(lost, kept, n_rounds):
                    and "every site is on the baseline" in n for n in result.plan.notes)
 
 
+def test_a_broken_ab_timing_keeps_nothing_and_says_why():
+    first = _tuning_calls()
+
+    def noise(i):  # the plan's step of the second A/B round times as NaN
+        return float("nan") if i == first + 3 else 0.0
+    time_step, calls = _scripted(-1.0, noise)
+    result = optimize(_model(), _batches(), _loss, config=_config(), time_step=time_step,
+                      rounds=3)
+    assert len(result.rounds) == 3 and result.plan.fp8_sites() == []
+    assert any("not a positive finite number" in n for n in result.plan.notes)
+
+
 def test_sign_test_p_is_the_binomial_tail():
     from math import comb
 
-    from loka.dispatch.optimize import sign_test_p
+    from loka.dispatch import sign_test_p
     for n in range(1, 9):
         for k in range(n + 1):
             want = sum(comb(n, j) for j in range(k, n + 1)) / 2.0 ** n
@@ -141,7 +153,7 @@ def test_null_keep_probability_is_the_rules_own_by_enumeration():
     the loop optimize runs: the share of sequences that keep the plan."""
     from itertools import product
 
-    from loka.dispatch.optimize import ab_verdict, null_keep_probability
+    from loka.dispatch import ab_verdict, null_keep_probability
     for first in range(1, 5):
         kept = 0.0
         for seq in product((True, False), repeat=2 * first):
@@ -160,7 +172,7 @@ def _rounds(*plan_ms, base=10.0):
 
 
 def test_ab_verdict():
-    from loka.dispatch.optimize import ab_verdict
+    from loka.dispatch import ab_verdict
     assert ab_verdict(_rounds(9, 9, 9), 3) is True
     assert ab_verdict(_rounds(9, 9, 11), 3) is None            # 3 more wins would pass
     assert ab_verdict(_rounds(9, 9, 11, 9, 9, 9), 3) is True   # 5 of 6
@@ -169,6 +181,17 @@ def test_ab_verdict():
     assert ab_verdict(_rounds(9, 9, 10), 3) is None            # a tie is no win
     assert ab_verdict(_rounds(9), 1) is True and ab_verdict(_rounds(11), 1) is False
     assert ab_verdict(_rounds(9, 11), 2) is False              # 3 of 4 is p = 5/16
+    # a broken timing keeps nothing, wherever it falls
+    for bad in (float("nan"), float("inf"), 0.0, -1.0):
+        for at in range(3):
+            plan = [9.0, 9.0, 9.0]
+            plan[at] = bad
+            assert ab_verdict(_rounds(*plan), 3) is False
+        assert ab_verdict(_rounds(9, 9, 9, base=bad), 3) is False
+    # 5 of 6 won, but the one lost by far: the median step is the slower
+    rounds = [{"baseline": b, "plan": p} for b, p in
+              zip((10, 10, 10, 1, 1, 1), (9.9, 9.9, 9.9, 0.9, 0.9, 50))]
+    assert ab_verdict(rounds, 3) is False
     for bad in ((_rounds(9, 9), 3), (_rounds(9), 0)):
         with pytest.raises(ValueError, match="at least first"):
             ab_verdict(*bad)
