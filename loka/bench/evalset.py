@@ -453,7 +453,8 @@ def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch
             compile_mode="reduce-overhead" if graphs else None,
             max_trials=getattr(args, "optimize_trials", 8),
             rounds=getattr(args, "optimize_rounds", 3), static_scales=static,
-            synchronized_steps=bool(getattr(args, "optimize_synchronized", False)))
+            synchronized_steps=bool(getattr(args, "optimize_synchronized", False)),
+            paired_trials=bool(getattr(args, "optimize_paired_trials", False)))
         applied = apply_plan(model, result.plan, inference=(mode == "serve"))
         chosen = fp8_sites(result.plan)
         extra = {"plan": chosen, "_plan": result.plan, "optimize_speedup": result.speedup,
@@ -1044,6 +1045,9 @@ def parse_args(argv, eval_set: "str | os.PathLike | types.ModuleType"):
                          "(default: all of the mode)")
     ap.add_argument("--optimize-trials", type=int, default=8,
                     help="loka-optimize: at most this many whole-step timings while tuning")
+    ap.add_argument("--optimize-paired-trials", action="store_true",
+                    help="loka-optimize: time the step without FP8 before each tuning trial "
+                         "and compare by ratio (loka.optimize's paired_trials)")
     ap.add_argument("--optimize-synchronized", action="store_true",
                     help="loka-optimize: time each step from an idle GPU (loka.optimize's "
                          "synchronized_steps), as the rows' own step times are, not back "

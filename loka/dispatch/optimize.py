@@ -186,7 +186,7 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
              forward: Optional[Callable[[nn.Module, object], object]] = None,
              compile: bool = True, compile_mode: Optional[str] = None,
              compile_options: Optional[Mapping[str, object]] = None,
-             synchronized_steps: bool = False,
+             synchronized_steps: bool = False, paired_trials: bool = False,
              max_trials: int = 16, rounds: int = 3, steps: int = 10, warmup: int = 3,
              progress: Optional[Callable[[str], None]] = None,
              refine: Optional[Callable[[Plan], Plan]] = None,
@@ -217,7 +217,10 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
         synchronized_steps: the default timer starts each step on an idle GPU, as a caller
             that waits for each result runs them, not back to back (where a host slower than
             the GPU sets the pace); refused with a ``time_step`` of your own.
-        max_trials: at most this many timings while tuning.
+        paired_trials: time the step without FP8 right before each tuning trial and
+            compare the trial by its ratio to it (``tune_speed``'s ``paired``): a host whose
+            speed drifts during the tuning does not decide, for twice the timings.
+        max_trials: at most this many trials while tuning.
         rounds: final A/B rounds (baseline, then plan, each timed afresh); the plan is kept
             if it is faster in every round. Where it lost one (from 3 rounds; with 1 or 2
             no extra rounds could pass the test), up to ``rounds`` more are timed, and it is kept if its wins then pass a one-sided sign test at the level
@@ -317,7 +320,7 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     time_step = _recording(time_step, baseline_host)
     say(f"timing whole steps (at most {max_trials})")
     tuned, log = tune_speed(start, model, time_step, inference=inference, twins=FUSIBLE_TWINS,
-                            report=report, max_trials=max_trials,
+                            report=report, max_trials=max_trials, paired=paired_trials,
                             families=plan_families(start, report,
                                                    allowed_kernels=allowed_kernels,
                                                    inference=inference))
@@ -392,7 +395,8 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
                                 "isolated_predicted_speedup": _finite(isolated),
                                 "ceiling": ceiling, "host_bound": result.host_bound,
                                 "compile_options": _recorded(options),
-                                "synchronized_steps": bool(synchronized_steps)}
+                                "synchronized_steps": bool(synchronized_steps),
+                                "paired_trials": bool(paired_trials)}
     result.plan = tuned
     say(f"kept {len(tuned.fp8_sites())} FP8 site(s)"
         + (f", step {result.speedup:.3f}x of the baseline" if result.speedup else ""))

@@ -74,26 +74,44 @@ class _Inapplicable(ValueError):
 
 class _StepTimer:
     """Apply a plan to the model and time a step with the caller's ``time_step``, logging
-    each trial as ``{"sites": FP8 sites, **info, "time": t}``."""
+    each trial as ``{"sites": FP8 sites, **info, "time": t}``.
+
+    ``paired``: a plan with FP8 sites is timed right after the step without them, and its
+    time is scaled by the first baseline time over that adjacent one (``time``; the
+    measured one in ``raw_time``, the adjacent baseline in ``baseline_time``): a host whose
+    speed drifts between trials moves both timings of a pair, not the comparison."""
 
     def __init__(self, model: nn.Module, time_step: Callable[[nn.Module], float],
-                 inference: bool, log: List[dict]) -> None:
+                 inference: bool, log: List[dict], paired: bool = False) -> None:
         self.model, self.time_step, self.inference, self.log = model, time_step, inference, log
         self.root, _ = root_module(model)
+        self.paired, self.reference = paired, None
+
+    def _time(self) -> float:
+        t = float(self.time_step(self.model))
+        if not math.isfinite(t) or t <= 0:
+            raise ValueError(f"time_step returned {t!r}; it must return a positive time")
+        return t
 
     def __call__(self, p: Plan, **info) -> float:
         unapply(self.root)
+        adjacent = None
         if p.fp8_sites():
+            if self.paired and self.reference is not None:
+                adjacent = self._time()  # the step without FP8, just before the plan's
             try:
                 apply(self.root, p, inference=self.inference)
             except ValueError as e:  # PlanMismatchError too
                 unapply(self.root)
                 raise _Inapplicable(str(e)) from e
-        t = float(self.time_step(self.model))
-        if not math.isfinite(t) or t <= 0:
-            raise ValueError(f"time_step returned {t!r}; it must return a positive time")
-        self.log.append({"sites": p.fp8_sites(), **info, "time": t})
-        return t
+        t = self._time()
+        if not p.fp8_sites() and self.reference is None:
+            self.reference = t
+        entry = {"sites": p.fp8_sites(), **info, "time": t}
+        if adjacent is not None:
+            entry.update(time=t * self.reference / adjacent, raw_time=t, baseline_time=adjacent)
+        self.log.append(entry)
+        return entry["time"]
 
 
 def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], float], *,
@@ -101,7 +119,7 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
                twins: Optional[Mapping[str, str]] = None,
                report: "ProbeReport | None" = None,
                per_role: bool = False,
-               families: Sequence[str] = ()) -> Tuple[Plan, List[dict]]:
+               families: Sequence[str] = (), paired: bool = False) -> Tuple[Plan, List[dict]]:
     """Keep only the FP8 sites that pay inside the whole model.
 
     The Probe times each GEMM alone. Inside a compiled model a site also adds its
@@ -142,19 +160,24 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
             gradient GEMM; off, the whole group moves at once. With ``inference`` the
             plan's gradient roles go to the baseline first (serving runs forwards only)
             and groups move whole.
+        paired: time the step without FP8 right before each trial with FP8 sites and
+            compare the trial by its ratio to that step (scaled to the first baseline
+            time), so that a host whose speed drifts between trials does not decide; each
+            such trial takes two timings (``max_trials`` counts trials).
 
     Returns:
         (tuned plan, log): one dict per trial with ``sites`` (FP8 sites of the trial),
         ``removed`` (the group tried, if any), ``role`` (the role moved, None for the
         whole group) and ``time``; the twins' trial has ``twins: True``, a family's
-        ``family`` (its kernel).
+        ``family`` (its kernel); a paired trial's ``raw_time`` and ``baseline_time`` are
+        its two timings, ``time`` the first over the second times the first baseline.
     """
     if not (min_gain > 0 and math.isfinite(min_gain)):
         raise ValueError(f"min_gain must be a finite positive number, got {min_gain!r}")
     if max_trials < 2:
         raise ValueError(f"max_trials must be >= 2 (the baseline and the plan), got {max_trials}")
     log: List[dict] = []
-    timer = _StepTimer(model, time_step, inference, log)
+    timer = _StepTimer(model, time_step, inference, log, paired=paired)
     if inference:  # serving runs forwards only: gradient roles on FP8 are not timed, not kept
         grads = [s for s, sp in plan.sites.items()
                  if any(sp.kernel(r, plan.baseline) != plan.baseline for r in (Role.DGRAD, Role.WGRAD))]

@@ -134,6 +134,19 @@ def test_a_broken_ab_timing_keeps_nothing_and_says_why():
     assert any("not a positive finite number" in n for n in result.plan.notes)
 
 
+def test_optimize_passes_paired_trials_to_the_tuning_and_records_them():
+    time_step, calls = _scripted(-1.0)
+    result = optimize(_model(), _batches(), _loss, config=_config(), time_step=time_step,
+                      rounds=1, paired_trials=True)
+    fp8_trials = [t for t in result.trials if t["sites"]]
+    assert fp8_trials and all("baseline_time" in t for t in fp8_trials)
+    assert result.plan.budget["optimize"]["paired_trials"] is True
+    unpaired = optimize(_model(), _batches(), _loss, config=_config(),
+                        time_step=_scripted(-1.0)[0], rounds=1)
+    assert not any("baseline_time" in t for t in unpaired.trials)
+    assert unpaired.plan.budget["optimize"]["paired_trials"] is False
+
+
 def test_sign_test_p_is_the_binomial_tail():
     from math import comb
 

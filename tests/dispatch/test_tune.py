@@ -72,6 +72,33 @@ def test_tune_speed_falls_back_to_the_baseline_when_no_plan_beats_it():
     assert isinstance(model.fm0, loka.Linear) and model.fm0.config.fwd == "t-mid"
 
 
+def test_paired_trials_see_through_a_host_that_slows_down_after_the_first_timing():
+    """The host gets 5 ms slower after the first timing and stays so: unpaired, every
+    plan looks slower than the baseline timed before the drift; paired, each trial is
+    weighed against a baseline timed beside it, and the paying site is kept."""
+    costs = {"fm0": 0.4, "fm1": 0.4, "top": -1.0, "head": 0.1}
+
+    def drifting(calls):
+        inner = _fake_step(costs, calls)
+        return lambda model: inner(model) + (5.0 if len(calls) > 1 else 0.0)  # inner counted it
+
+    plan = Plan.uniform(Tower(), "t-mid")
+    unpaired, _ = loka.dispatch.tune_speed(plan, Tower(), drifting([]))
+    assert unpaired.fp8_sites() == []
+    calls = []
+    paired, log = loka.dispatch.tune_speed(plan, Tower(), drifting(calls), paired=True)
+    assert paired.fp8_sites() == ["top"]
+    assert paired.budget["speed_tuned"]["time"] == pytest.approx(14.0 * 10.0 / 15.0)
+    # every FP8 trial after the first timing: a baseline timing, then the plan's
+    assert calls[0] == [] and calls[1] == [] and calls[2] == ["fm0", "fm1", "head", "top"]
+    assert all(("baseline_time" in e) == bool(e["sites"]) for e in log)
+    assert len(calls) == sum(2 if e["sites"] else 1 for e in log)
+    second = log[1]
+    assert second["baseline_time"] == 15.0 and second["raw_time"] == pytest.approx(14.9)
+    assert second["time"] == pytest.approx(14.9 * 10.0 / 15.0)
+    assert "raw_time" not in log[0]  # the baseline trial is timed once
+
+
 def test_tune_speed_respects_its_trial_budget_and_checks_its_inputs():
     model = Tower()
     plan = Plan.uniform(model, "t-mid")
