@@ -449,7 +449,7 @@ def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch
         result = optimize_plan(
             model, [case.batch], args.eval_set.loss_fn, inference=(mode == "serve"),
             report=report,
-            forward=lambda m, batch: m(*batch[0]),
+            forward=_served,
             compile_mode="reduce-overhead" if graphs else None,
             max_trials=getattr(args, "optimize_trials", 8),
             rounds=getattr(args, "optimize_rounds", 3), static_scales=static,
@@ -476,6 +476,14 @@ def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch
 
 
 # ---------------------------------------------------------------------------- timing
+
+def _served(model: nn.Module, batch):
+    """A serving forward as the rows run it (:func:`make_step`): under ``inference_mode``,
+    so that ``loka.optimize`` times the steps the row then reports (its own timer's
+    ``no_grad`` alone compiles and guards another graph, whose host time differs)."""
+    with torch.inference_mode():
+        return model(*batch[0])
+
 
 def make_step(compiled: nn.Module, model: nn.Module, mode: str, batch, graphs: bool,
               device: torch.device, loss_fn: Callable) -> Callable[[], torch.Tensor]:

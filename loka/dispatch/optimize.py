@@ -210,7 +210,10 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
             report's savings are subtracted from it for ``predicted_speedup``); default
             :func:`step_timer` on the first batch (on CUDA only: without a GPU and without
             a ``time_step`` the plan is made on error alone and is not timed).
-        forward: ``forward(model, batch)`` for serving steps (default ``model(batch)``).
+        forward: ``forward(model, batch)`` for serving steps (default ``model(batch)``),
+            run under ``torch.no_grad``; a server that runs under ``torch.inference_mode``
+            should enter it here too: the compiled graph, its guards and its host time
+            differ between the two.
         compile, compile_mode, compile_options, steps, warmup: the default timer's
             settings (:func:`step_timer`; ``compile_options`` are refused with a
             ``time_step`` or ``compile=False``): time the steps compiled as they will run.
