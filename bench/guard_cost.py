@@ -43,14 +43,19 @@ PROFILED_CALLS = 10
 """calls of the compiled model under torch.profiler, for its cache-lookup event"""
 
 
-def measure(model: torch.nn.Module, inputs, repeats: int, train: bool = False) -> dict:
+def measure(model: torch.nn.Module, inputs, repeats: int, train: bool = False,
+            no_grad: bool = False) -> dict:
     """Compile ``model``, call it once (with a backward for ``train``), and time its
-    cached frame's guard check."""
+    cached frame's guard check; a serving forward runs under ``inference_mode`` (as the
+    evaluation set's rows run it), or under ``no_grad`` (as ``loka.optimize``'s timer
+    does by default)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     torch._dynamo.reset()
     compiled = torch.compile(model)
-    with contextlib.nullcontext() if train else torch.inference_mode():
+    mode = (contextlib.nullcontext() if train else
+            torch.no_grad() if no_grad else torch.inference_mode())
+    with mode:
         out = compiled(*inputs)
         if train:
             out.float().mean().backward()
@@ -87,12 +92,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--plan", required=True, help="a plan for the model (JSON)")
     p.add_argument("--train", action="store_true",
                    help="a training step's guards (default: a serving forward's)")
+    p.add_argument("--no-grad", action="store_true",
+                   help="serve under torch.no_grad instead of torch.inference_mode")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.batch_size < 1 or args.repeats < 1:
         p.error("--batch-size and --repeats must be >= 1")
+    if args.no_grad and args.train:
+        p.error("--no-grad is for a serving forward; --train steps keep their gradients")
     try:
         es = eval_set_with(args.eval_set, args.model)
         plan = loka.Plan.load(args.plan)
@@ -101,16 +110,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     torch.manual_seed(0)
     model = es.EVAL_MODELS[args.model](args.scale).train(args.train)
     inputs = model.make_batch(args.batch_size, "cpu", torch.float32, seed=0)[0]
-    rows = {"as written": measure(model, inputs, args.repeats, args.train)}
+    rows = {"as written": measure(model, inputs, args.repeats, args.train, args.no_grad)}
     loka.apply(model, plan, inference=not args.train)
-    rows["plan"] = measure(model, inputs, args.repeats, args.train)
+    rows["plan"] = measure(model, inputs, args.repeats, args.train, args.no_grad)
     rows["plan"]["fp8_site_roles"] = sum(c.kernel != plan.baseline for sp in plan.sites.values()
                                          for c in sp.roles.values())
     doc = {"schema": "loka.bench.guard_cost", "version": 1,
            "command": " ".join(["bench/guard_cost.py"]
                                + (argv if argv is not None else sys.argv[1:])),
            "torch": torch.__version__, "model": args.model, "scale": args.scale,
-           "mode": "train" if args.train else "serve", "rows": rows}
+           "mode": "train" if args.train else "serve",
+           "grad_mode": "grad" if args.train else "no_grad" if args.no_grad else "inference_mode",
+           "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     for name, r in rows.items():

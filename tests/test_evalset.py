@@ -563,6 +563,11 @@ def test_guard_cost_counts_and_times_the_guards_a_plan_adds(probed, tmp_path):
     # no Python-evaluated aliasing check beyond the model's own: LoKA's traced code reads
     # torch, its enums and QTensor by one path each
     assert rows["plan"]["lambda_guards"] == rows["as written"]["lambda_guards"]
+    assert json.loads(out.read_text())["grad_mode"] == "inference_mode"
+    # the same forward under no_grad, as loka.optimize's timer runs it by default
+    assert guard_cost.main(args + ["--no-grad"]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["grad_mode"] == "no_grad" and doc["rows"]["plan"]["guard_lines"] > 0
     # a training step's guards (the plan's FP8 forwards applied for training)
     assert guard_cost.main(args + ["--train"]) == 0
     doc = json.loads(out.read_text())
@@ -573,6 +578,9 @@ def test_guard_cost_counts_and_times_the_guards_a_plan_adds(probed, tmp_path):
     assert rows["plan"]["lambda_guards"] <= rows["as written"]["lambda_guards"] + 1
     with pytest.raises(SystemExit) as e:
         guard_cost.main(args[:1] + ["nope"] + args[2:])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        guard_cost.main(args + ["--train", "--no-grad"])
     assert e.value.code == 2
 
 
