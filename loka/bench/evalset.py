@@ -480,7 +480,7 @@ def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch
 def _served(model: nn.Module, batch):
     """A serving forward as the rows run it (:func:`make_step`): under ``inference_mode``,
     so that ``loka.optimize`` times the steps the row then reports (its own timer's
-    ``no_grad`` alone compiles and guards another graph, whose host time differs)."""
+    ``no_grad`` alone compiles and guards another graph)."""
     with torch.inference_mode():
         return model(*batch[0])
 

@@ -563,7 +563,8 @@ def cmd_optimize(args) -> int:
                       head_sites=args.head_sites, compile=not args.no_compile,
                       compile_mode=args.compile_mode, compile_options=compile_options,
                       synchronized_steps=args.synchronized_steps,
-                      paired_trials=args.paired_trials, rounds=args.rounds, max_trials=args.max_trials,
+                      paired_trials=args.paired_trials, rounds=args.rounds,
+                      max_trials=args.max_trials,
                       progress=lambda line: print(f"  {line}"),
                       delayed_scaling=delayed_option(args), refine=refine,
                       **static_option(args))

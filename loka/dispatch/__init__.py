@@ -9,7 +9,8 @@ One job per module, each importing only those before it: ``linear`` (``loka.Line
 ``swap`` (``apply``, ``unapply``, ``check``), ``guard`` (the safety valve in training),
 ``tighten`` (the end-to-end accuracy budget), ``tune`` (whole-step speed:
 ``tune_speed``, ``search_speed``), ``verdict`` (the A/B rule: ``ab_verdict``),
-``optimize`` (Probe, plan and whole-step check in one call) and ``predict`` (the step a report's timings predict for a plan). Their public names
+``optimize`` (Probe, plan and whole-step check in one call) and ``predict`` (the step a
+report's timings predict for a plan). Their public names
 are all here.
 """
 
