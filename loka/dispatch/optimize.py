@@ -41,9 +41,7 @@ from .steptimer import (_awaited_ms, _recorded, _recording, check_compile_option
                         step_timer)
 from .swap import apply, restore_on_exit, root_module, unapply
 from .tune import FUSIBLE_TWINS, on_baseline, tune_speed
-# (the A/B rule's names are this module's public names too)
-from .verdict import (_ratio, _sign_verdict, _timings_ok, _wins, ab_verdict,
-                      null_keep_probability, sign_test_p)
+from .verdict import _ratio, _wins, ab_note, ab_verdict, null_keep_probability
 
 __all__ = ["OptimizeResult", "optimize", "step_timer", "plan_families"]
 
@@ -353,25 +351,12 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
                                   head_sites=int(tuned.budget.get("head_sites", 3))).to_dict()
         except ValueError:
             ceiling = None
-        wins, n = _wins(result.rounds), len(result.rounds)
+        why = ab_note(result.rounds, rounds)
         if not ab_verdict(result.rounds, rounds):
-            extra = "" if n == rounds else f" ({n - rounds} timed after a lost round)"
-            if not _timings_ok(result.rounds):
-                why = (f"optimize: an A/B round's step time was not a positive finite "
-                       f"number{extra}")
-            elif _sign_verdict(wins, n, rounds):
-                why = (f"optimize: the plan won {wins} of {n} A/B rounds{extra}, but its "
-                       f"median step was not faster than the baseline's")
-            else:
-                why = (f"optimize: the plan's step was faster than the baseline's in {wins} "
-                       f"of {n} A/B rounds{extra}, short of winning all {rounds} or a sign "
-                       f"test at that level")
             tuned = on_baseline(tuned, tuned.fp8_sites(), why)
             tuned.notes.append(why + "; every site is on the baseline")
-        elif n > rounds:
-            tuned.notes.append(f"optimize: the plan won {wins} of {n} A/B rounds ({n - rounds} "
-                               f"timed after a lost round): a sign test at the level of "
-                               f"winning all {rounds}")
+        elif why is not None:
+            tuned.notes.append(why)
     if baseline_host:
         host = statistics.median(h for h, _ in baseline_host)
         step_ms = statistics.median(ms for _, ms in baseline_host)

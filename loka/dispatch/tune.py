@@ -95,8 +95,8 @@ class _StepTimer:
 
     def __call__(self, p: Plan, **info) -> float:
         unapply(self.root)
-        adjacent = None
-        if p.fp8_sites():
+        sites, adjacent = p.fp8_sites(), None
+        if sites:
             if self.paired and self.reference is not None:
                 adjacent = self._time()  # the step without FP8, just before the plan's
             try:
@@ -105,9 +105,9 @@ class _StepTimer:
                 unapply(self.root)
                 raise _Inapplicable(str(e)) from e
         t = self._time()
-        if not p.fp8_sites() and self.reference is None:
+        if not sites and self.reference is None:
             self.reference = t
-        entry = {"sites": p.fp8_sites(), **info, "time": t}
+        entry = {"sites": sites, **info, "time": t}
         if adjacent is not None:
             entry.update(time=t * self.reference / adjacent, raw_time=t, baseline_time=adjacent)
         self.log.append(entry)

@@ -76,6 +76,25 @@ def ab_verdict(rounds: List[dict], first: int) -> Optional[bool]:
     return verdict
 
 
+def ab_note(rounds: List[dict], first: int) -> Optional[str]:
+    """The plan's note on its decided A/B ``rounds`` (:func:`ab_verdict` True or False):
+    why they put it back on the baseline, or, where it passed after a lost round, how;
+    None where it won every one of the ``first`` rounds."""
+    wins, n = _wins(rounds), len(rounds)
+    extra = "" if n == first else f" ({n - first} timed after a lost round)"
+    if ab_verdict(rounds, first):
+        return (None if n == first else
+                f"optimize: the plan won {wins} of {n} A/B rounds{extra}: a sign test at the "
+                f"level of winning all {first}")
+    if not _timings_ok(rounds):
+        return f"optimize: an A/B round's step time was not a positive finite number{extra}"
+    if _sign_verdict(wins, n, first):
+        return (f"optimize: the plan won {wins} of {n} A/B rounds{extra}, but its median step "
+                f"was not faster than the baseline's")
+    return (f"optimize: the plan's step was faster than the baseline's in {wins} of {n} A/B "
+            f"rounds{extra}, short of winning all {first} or a sign test at that level")
+
+
 def null_keep_probability(first: int) -> float:
     """How often :func:`optimize`'s A/B rule keeps a plan whose step is no faster than the
     baseline's, each round then won with even odds: ``0.5 ** first`` (every round won)

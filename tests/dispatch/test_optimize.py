@@ -205,6 +205,9 @@ def test_ab_verdict():
     rounds = [{"baseline": b, "plan": p} for b, p in
               zip((10, 10, 10, 1, 1, 1), (9.9, 9.9, 9.9, 0.9, 0.9, 50))]
     assert ab_verdict(rounds, 3) is False
+    from loka.dispatch.verdict import ab_note
+    assert "but its median step was not faster" in ab_note(rounds, 3)
+    assert ab_note(_rounds(9, 9, 9), 3) is None  # every first round won: nothing to say
     for bad in ((_rounds(9, 9), 3), (_rounds(9), 0)):
         with pytest.raises(ValueError, match="at least first"):
             ab_verdict(*bad)
