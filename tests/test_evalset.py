@@ -1031,7 +1031,7 @@ def test_evalset_quality_scores_serving_plans_paired_against_bf16(tmp_path):
 def test_step_host_profiles_both_variants_and_refuses_a_bad_plan(tmp_path):
     """bench/step_host.py on the CPU: a tiny DCNv2's compiled serving step, bf16 and a
     static tensorwise plan: wall, issue and guard times, the profiler's and cProfile's top
-    entries; the plan's guards check more than bf16's (FP8 weights, scale tables)."""
+    entries; the plan's guard tree is larger than bf16's (FP8 weights, scale tables)."""
     sys.path.insert(0, str(BENCH))
     import step_host
     model = EVAL_MODELS["dcnv2"]("tiny")
@@ -1050,11 +1050,12 @@ def test_step_host_profiles_both_variants_and_refuses_a_bad_plan(tmp_path):
         v = doc["variants"][name]
         assert len(v["wall_rounds_ms"]) == 2 == len(v["issue_rounds_ms"])  # A B B A: 2 each
         assert v["wall_ms"] == pytest.approx(sum(v["wall_rounds_ms"]) / 2)
-        assert 0 < v["issue_ms"] <= v["wall_ms"] * 1.5 and v["guard_us"] > 0
-        assert 0 < v["guard_check_us"] < v["guard_us"] * 10
+        assert 0 < v["issue_ms"] and v["guard_us"] > 0 and v["guard_check_us"] > 0
         assert len(v["profile_top"]) == 5 and len(v["python_top"]) == 5
         assert all(r[1] >= 0 for r in v["python_top"])
-    assert doc["variants"]["plan"]["guard_check_us"] > doc["variants"]["bf16"]["guard_check_us"]
+    # (times are not compared: a loaded host moves them; the guard trees' sizes are fixed)
+    assert doc["variants"]["plan"]["guard_lines"] > doc["variants"]["bf16"]["guard_lines"]
+    assert doc["variants"]["plan"]["tensor_guards"] > doc["variants"]["bf16"]["tensor_guards"]
     assert doc["paired"]["issue_ms"] == pytest.approx(
         doc["variants"]["bf16"]["issue_ms"] / doc["variants"]["plan"]["issue_ms"])
     (tmp_path / "bad.json").write_text("{not json")

@@ -460,6 +460,7 @@ def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch
         extra = {"plan": chosen, "_plan": result.plan, "optimize_speedup": result.speedup,
                  "optimize_synchronized_speedup": result.synchronized_speedup,
                  "optimize_rounds": result.rounds, "optimize_trials": len(result.trials),
+                 "optimize_ab_timing": result.plan.budget.get("optimize", {}).get("ab_timing"),
                  "optimize_host_bound": result.host_bound,
                  "optimize_synchronized": bool(getattr(args, "optimize_synchronized", False)),
                  "optimize_log": [{"sites": len(t.get("sites", ())),

@@ -3,7 +3,8 @@
 :func:`optimize` runs the Probe over the caller's batches, plans under the error budget,
 then lets whole steps decide, as the model will run (compiled, optionally in CUDA graphs):
 :func:`~loka.dispatch.tune.tune_speed` moves FP8 sites back to the baseline while that
-makes the step faster, and a last A/B comparison, baseline and plan timed alternately,
+makes the step faster, and a last A/B comparison, baseline and plan timed in turn (each
+first in half the rounds; with the default timer both compiled once and alive together),
 keeps the plan only if its step is faster than the step without it in every round, or, where
 one round of a noisy host went the other way, in enough extra rounds to pass a sign test at
 the level of winning them all (:func:`ab_verdict`). So the plan it returns is never slower
@@ -18,6 +19,8 @@ FP8 speed: the plan is then made on error alone and says so in its notes.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -222,8 +225,10 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
             compare the trial by its ratio to it (``tune_speed``'s ``paired``): a host whose
             speed drifts during the tuning does not decide, for twice the timings.
         max_trials: at most this many trials while tuning.
-        rounds: final A/B rounds (baseline, then plan, each timed afresh); the plan is kept
-            if it is faster in every round. Where it lost one (from 3 rounds; with 1 or 2
+        rounds: final A/B rounds (baseline and plan, the plan timed first in every second
+            round; with the default timer both compiled once and timed within milliseconds
+            of each other, :class:`~loka.dispatch.steptimer.PairedSteps`, beside a copy of
+            the model that holds the plan); the plan is kept if it is faster in every round. Where it lost one (from 3 rounds; with 1 or 2
             no extra rounds could pass the test), up to ``rounds`` more are timed, and it
             is kept if its wins then pass a one-sided sign test at the level of winning
             all ``rounds`` (:func:`ab_verdict`): one noisy round no longer
@@ -246,7 +251,9 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
         isolated GEMM timings' in ``isolated_predicted_speedup``),
         so every run measures how far the step is from the sum of its GEMMs, and
         ``ceiling``, the most FP8 GEMMs could give that step
-        (:func:`~loka.dispatch.fp8_ceiling`, ``Ceiling.to_dict()``).
+        (:func:`~loka.dispatch.fp8_ceiling`, ``Ceiling.to_dict()``), and ``ab_timing``,
+        how the rounds were timed (``{"timing": "paired"}``, or ``"recompiled"`` and why
+        not paired).
     """
     if rounds < 1:
         raise ValueError(f"optimize needs rounds >= 1, got {rounds}")
@@ -327,16 +334,18 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
                                                    allowed_kernels=allowed_kernels,
                                                    inference=inference))
     result.trials = log
-    predicted = isolated = ceiling = None
+    predicted = isolated = ceiling = ab_timing = None
     if tuned.fp8_sites():
         say(f"confirming {len(tuned.fp8_sites())} FP8 site(s) against the baseline "
             f"in {rounds} A/B round(s)")
-        result.rounds = _ab_rounds(model, tuned, time_step, inference, rounds)
-        while ab_verdict(result.rounds, rounds) is None:  # a lost round: time more
-            if len(result.rounds) == rounds:
-                say(f"the plan lost {rounds - _wins(result.rounds)} of {rounds} A/B "
-                    f"round(s): timing up to {rounds} more")
-            result.rounds += _ab_rounds(model, tuned, time_step, inference, 1)
+        with contextlib.ExitStack() as stack:
+            ab_round, ab_timing = _ab_timer(model, tuned, time_step, inference, stack)
+            result.rounds = [ab_round(i) for i in range(rounds)]
+            while ab_verdict(result.rounds, rounds) is None:  # a lost round: time more
+                if len(result.rounds) == rounds:
+                    say(f"the plan lost {rounds - _wins(result.rounds)} of {rounds} A/B "
+                        f"round(s): timing up to {rounds} more")
+                result.rounds.append(ab_round(len(result.rounds)))
         # what the report's GEMM timings predicted for the plan that was timed
         base_ms = statistics.median(r["baseline"] for r in result.rounds)
         try:
@@ -385,32 +394,76 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
                                 "ceiling": ceiling, "host_bound": result.host_bound,
                                 "compile_options": _recorded(options),
                                 "synchronized_steps": bool(synchronized_steps),
-                                "paired_trials": bool(paired_trials)}
+                                "paired_trials": bool(paired_trials),
+                                "ab_timing": ab_timing}
     result.plan = tuned
     say(f"kept {len(tuned.fp8_sites())} FP8 site(s)"
         + (f", step {result.speedup:.3f}x of the baseline" if result.speedup else ""))
     return result
 
 
-def _ab_rounds(model: nn.Module, plan: Plan, time_step: Callable[[nn.Module], float],
-               inference: bool, rounds: int) -> List[dict]:
-    """Baseline and plan timed alternately, ``rounds`` times; the model is left as it was."""
+def _ab_timer(model: nn.Module, plan: Plan, time_step: Callable[[nn.Module], float],
+              inference: bool, stack: contextlib.ExitStack
+              ) -> Tuple[Callable[[int], dict], dict]:
+    """``(round(i) -> {"baseline": ms, "plan": ms, ...}, how)``: the i-th A/B round, the plan
+    timed first in odd rounds (a host that drifts one way during a round favours neither),
+    and how the rounds are timed (``{"timing": "paired"}``, or ``"recompiled"`` and why).
+
+    With the default timer (its ``pair``) the model and a copy of it with the plan applied
+    are compiled once and kept alive in ``stack``: each round times the two steps within
+    milliseconds of each other (:class:`~loka.dispatch.steptimer.PairedSteps`). Otherwise
+    (a timer of the caller's; a model that cannot be copied, is wrapped, or whose copy
+    would take more than half the free GPU memory) each round applies and removes the plan
+    and times the model twice, each timing compiling afresh. The model is left as it was."""
     root, _ = root_module(model)
-    out = []
-    with restore_on_exit(root):
-        for _ in range(rounds):
+    stack.enter_context(restore_on_exit(root))
+    unapply(root)
+    pair = getattr(time_step, "pair", None)
+    why = "the timer is the caller's" if pair is None else None
+    twin = None
+    if why is None:
+        twin, why = _twin(model, root)
+    if twin is not None:
+        try:
+            apply(twin, plan, inference=inference)
+            paired = stack.enter_context(pair(model, twin))
+            return (lambda i: paired.round(plan_first=i % 2 == 1)), {"timing": "paired"}
+        except Exception as e:  # noqa: BLE001 - time the rounds the other way
+            why = f"pairing failed ({type(e).__name__}: {e})"[:300]
+        finally:
+            del twin
+
+    def one(i: int) -> dict:
+        order = ("plan", "baseline") if i % 2 == 1 else ("baseline", "plan")
+        row: dict = {}
+        for name in order:
+            if name == "plan":
+                apply(root, plan, inference=inference)
+            row[name] = float(time_step(model))
+            row[f"{name}_synchronized"] = _awaited_ms(time_step)
             unapply(root)
-            base = float(time_step(model))
-            base_awaited = _awaited_ms(time_step)
-            apply(root, plan, inference=inference)
-            mine = float(time_step(model))
-            mine_awaited = _awaited_ms(time_step)
-            unapply(root)
-            row = {"baseline": base, "plan": mine}
-            if base_awaited is not None and mine_awaited is not None:
-                row.update(baseline_synchronized=base_awaited, plan_synchronized=mine_awaited)
-            out.append(row)
-    return out
+        if row["baseline_synchronized"] is None or row["plan_synchronized"] is None:
+            del row["baseline_synchronized"], row["plan_synchronized"]
+        row["first"] = order[0]
+        return row
+    return one, {"timing": "recompiled", "why": why}
+
+
+def _twin(model: nn.Module, root: nn.Module) -> Tuple[Optional[nn.Module], Optional[str]]:
+    """A copy of ``model`` (no plan applied) to time beside it, or None and why not."""
+    if root is not model:
+        return None, "the model is wrapped (compiled or distributed)"
+    tensors = list(model.parameters()) + list(model.buffers())
+    if tensors and tensors[0].device.type == "cuda":
+        need = sum(t.numel() * t.element_size() for t in tensors)
+        free, _ = torch.cuda.mem_get_info(tensors[0].device)
+        if need > free // 2:
+            return None, (f"a copy of the model ({need / 2**30:.1f} GiB) would take more "
+                          f"than half the free GPU memory ({free / 2**30:.1f} GiB)")
+    try:
+        return copy.deepcopy(model), None
+    except Exception as e:  # noqa: BLE001 - a model that cannot be copied
+        return None, f"the model cannot be copied ({type(e).__name__}: {e})"[:300]
 
 
 def _finite(x: Optional[float]) -> Optional[float]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-from typing import Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -16,7 +16,7 @@ from torch import nn
 from ..timing import time_steps
 from .linear import Linear
 
-__all__ = ["step_timer", "check_compile_options"]
+__all__ = ["step_timer", "check_compile_options", "PairedSteps"]
 
 
 def _fp8_linears(model: nn.Module) -> int:
@@ -92,6 +92,10 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
     each result). A training step is the forward, ``loss_fn(model, batch)`` and the
     backward, gradients dropped; the weights are not changed. Serving (``inference``) times
     ``forward(model, batch)`` (default ``model(batch)``) under ``torch.no_grad``.
+
+    ``time_step.pair(baseline, planned)`` is a context that compiles both models' steps
+    once, as above, and keeps them alive together: a :class:`PairedSteps` whose
+    ``round(plan_first)`` times one right after the other (``loka.optimize``'s A/B rounds).
     """
     if steps < 1 or warmup < 0:
         raise ValueError(f"step_timer needs steps >= 1 and warmup >= 0, got {steps}, {warmup}")
@@ -99,10 +103,7 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
         raise ValueError("step_timer needs a loss_fn to time training steps")
     options = check_compile_options(compile_options, compile)
 
-    def timed(model: nn.Module) -> float:
-        dev = torch.device(device) if device is not None else next(model.parameters()).device
-        torch._dynamo.reset()
-        run = torch.compile(model, mode=compile_mode) if compile else model
+    def make_step(model: nn.Module, run) -> Callable[[], object]:
         if inference:
             def step():
                 with torch.no_grad():
@@ -112,6 +113,14 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
                 loss = loss_fn(run, batch)
                 loss.backward()
                 model.zero_grad(set_to_none=True)
+        step.model = model  # what it runs, for whoever times it
+        return step
+
+    def timed(model: nn.Module) -> float:
+        dev = torch.device(device) if device is not None else next(model.parameters()).device
+        torch._dynamo.reset()
+        run = torch.compile(model, mode=compile_mode) if compile else model
+        step = make_step(model, run)
         with _inductor_patch(options):  # read while the warm-up steps compile
             t = time_steps(step, dev, steps, warmup, host=True, synchronized=synchronized)
         time_step.last = {"median_ms": float(t["median_ms"]), "host_ms": float(t["host_ms"]),
@@ -127,8 +136,98 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
         finally:
             model.train(was_training)
             gc.collect()  # compiled callables sit in reference cycles: free this trial's graph
+
+    @contextlib.contextmanager
+    def pair(baseline: nn.Module, planned: nn.Module) -> Iterator["PairedSteps"]:
+        models = {"baseline": baseline, "plan": planned}
+        modes = {k: m.training for k, m in models.items()}
+        dev = (torch.device(device) if device is not None
+               else next(baseline.parameters()).device)
+        graphs = compile and compile_mode in ("reduce-overhead", "max-autotune")
+        try:
+            for m in models.values():
+                m.train(not inference)
+            torch._dynamo.reset()
+            run = {k: make_step(m, torch.compile(m, mode=compile_mode) if compile else m)
+                   for k, m in models.items()}
+            if graphs:  # two graphed callables in turn: each call starts a new step
+                run = {k: _marked(s) for k, s in run.items()}
+            yield PairedSteps(run, dev, steps, warmup, synchronized, options)
+        finally:
+            for k, m in models.items():
+                m.train(modes[k])
+            gc.collect()
+
     time_step.last = None
+    time_step.pair = pair
     return time_step
+
+
+def _marked(step: Callable[[], object]) -> Callable[[], object]:
+    def marked():
+        torch.compiler.cudagraph_mark_step_begin()
+        return step()
+    marked.model = step.model
+    return marked
+
+
+class PairedSteps:
+    """The steps of two models, ``baseline`` and ``plan``, compiled once and alive together
+    (``step_timer(...).pair(baseline, planned)``, a context), timed in rounds: each round
+    times both, one right after the other, in the order asked. Timings of one model minutes
+    apart, each after its own compile, move with the host (shared machines: a host-bound
+    step's wall time moved by a quarter between rows of one run); two steps timed within
+    milliseconds of each other, each first in half the rounds, see the same host.
+
+    Both compile while the warm-up runs (:meth:`round` does it first if it was not), under
+    the timer's Inductor options, with Dynamo's automatic dynamic shapes off: the second
+    model compiles the same code again, and there it would otherwise mark dimensions
+    dynamic that a model compiled alone keeps static."""
+
+    def __init__(self, steps: Mapping[str, Callable[[], object]], device: torch.device,
+                 timed_steps: int, warmup: int, synchronized: bool,
+                 options: Mapping[str, object]):
+        self.steps = dict(steps)
+        self.device = device
+        self.timed_steps = timed_steps
+        self.warmup = warmup
+        self.synchronized = synchronized
+        self.options = dict(options)
+        self.warm = False
+
+    def _context(self):
+        stack = contextlib.ExitStack()
+        stack.enter_context(_inductor_patch(self.options))
+        stack.enter_context(torch._dynamo.config.patch(automatic_dynamic_shapes=False))
+        return stack
+
+    def warm_up(self) -> None:
+        """The warm-up steps of both models (their compiles), baseline first."""
+        with self._context():
+            for name in ("baseline", "plan"):
+                time_steps(self.steps[name], self.device, 1, max(1, self.warmup))
+        self.warm = True
+
+    def round(self, plan_first: bool = False) -> dict:
+        """One round: ``{"baseline": ms, "plan": ms, "first": which was timed first,
+        "baseline_host": ms, "plan_host": ms}`` (each the median of the timer's ``steps``
+        after one untimed step; ``*_host`` the host's time to issue one, as
+        ``step_timer(...).last["host_ms"]``); on a GPU timed back to back, also
+        ``baseline_synchronized`` and ``plan_synchronized``, the steps from an idle GPU."""
+        if not self.warm:
+            self.warm_up()
+        order = ("plan", "baseline") if plan_first else ("baseline", "plan")
+        row: dict = {}
+        with self._context():
+            for name in order:
+                t = time_steps(self.steps[name], self.device, self.timed_steps, 1, host=True,
+                               synchronized=self.synchronized)
+                row[name] = float(t["median_ms"])
+                row[f"{name}_host"] = float(t["host_ms"])
+                if self.device.type == "cuda" and not self.synchronized:
+                    row[f"{name}_synchronized"] = float(t["synchronized_ms"])
+        row["first"] = order[0]
+        return row
 
 
 def _recording(time_step: Callable[[nn.Module], float], seen: List[Tuple[float, float]]):
@@ -142,6 +241,8 @@ def _recording(time_step: Callable[[nn.Module], float], seen: List[Tuple[float, 
             seen.append((float(last["host_ms"]), float(ms)))
         return ms
     timed.last = None
+    if getattr(time_step, "pair", None) is not None:  # the default timer's A/B pairs
+        timed.pair = time_step.pair
     return timed
 
 

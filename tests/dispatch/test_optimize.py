@@ -98,8 +98,9 @@ def test_a_lost_ab_round_is_weighed_by_a_sign_test(lost, kept, n_rounds):
     model = _model()
     first = _tuning_calls()
 
-    def noise(i):  # a slow plan step in the A/B rounds listed (2 calls per round)
-        r, is_plan = divmod(i - first, 2)
+    def noise(i):  # a slow plan step in the A/B rounds listed (2 calls per round, the
+        r, second = divmod(i - first, 2)  # plan first in odd rounds)
+        is_plan = second != r % 2
         return 5.0 if i >= first and is_plan and r in lost else 0.0
     time_step, calls = _scripted(-1.0, noise)
     lines = []
@@ -125,8 +126,8 @@ def test_a_lost_ab_round_is_weighed_by_a_sign_test(lost, kept, n_rounds):
 def test_a_broken_ab_timing_keeps_nothing_and_says_why():
     first = _tuning_calls()
 
-    def noise(i):  # the plan's step of the second A/B round times as NaN
-        return float("nan") if i == first + 3 else 0.0
+    def noise(i):  # the plan's step of the second A/B round (timed first) times as NaN
+        return float("nan") if i == first + 2 else 0.0
     time_step, calls = _scripted(-1.0, noise)
     result = optimize(_model(), _batches(), _loss, config=_config(), time_step=time_step,
                       rounds=3)
@@ -496,3 +497,102 @@ def test_optimize_refuses_inductor_options_it_would_not_use():
                       "post_grad_custom_post_pass": len}) == {
         "cpp_wrapper": True, "max_autotune_gemm_backends": "ATEN",
         "post_grad_custom_post_pass": repr(len)}
+
+
+def test_ab_rounds_time_the_plan_first_in_every_second_round():
+    """With a timer of the caller's, each round applies the plan, times it, removes it:
+    in odd rounds the plan's step is timed before the baseline's, so a host that drifts
+    one way within a round favours neither; the budget says how the rounds were timed."""
+    first = _tuning_calls()
+    time_step, calls = _scripted(-1.0)
+    result = optimize(_model(), _batches(), _loss, config=_config(), time_step=time_step,
+                      rounds=4)
+    n = len(result.plan.fp8_sites())
+    assert n and [sites for sites, _ in calls[first:]] == [0, n, n, 0, 0, n, n, 0]
+    assert [r["first"] for r in result.rounds] == ["baseline", "plan"] * 2
+    assert result.plan.budget["optimize"]["ab_timing"] == {
+        "timing": "recompiled", "why": "the timer is the caller's"}
+
+
+def _scripted_steps(monkeypatch, per_site_ms, host_ms=None):
+    """``loka.timing.time_steps`` as the default timer calls it, scripted: a step of the
+    model with ``n`` FP8 sites takes 10 + ``per_site_ms`` * n ms (it still runs once);
+    returns the list of (sites, ms) timed."""
+    import sys
+
+    timer_module = sys.modules["loka.dispatch.steptimer"]
+    timed = []
+
+    def fake(step, device, steps, warmup, host=False, synchronized=False):
+        step()
+        n = _fp8_sites(step.model)
+        ms = 10.0 + per_site_ms * n
+        timed.append((n, ms))
+        out = {"median_ms": ms, "synchronized": synchronized}
+        if host:
+            out.update(host_ms=(host_ms or ms) - 0.5 * n, synchronized_ms=ms)
+        return out
+    monkeypatch.setattr(timer_module, "time_steps", fake)
+    return timed
+
+
+def test_with_the_default_timer_the_ab_rounds_time_two_live_models_in_turn(monkeypatch):
+    """``step_timer``'s ``pair``: the model and a copy of it that holds the plan, compiled
+    once, each timed first in half the rounds; the rounds keep both steps' host times;
+    the model is left without the plan, as it came."""
+    timed = _scripted_steps(monkeypatch, -1.0)
+    model = _model()
+    timer = step_timer(_batches()[0], _loss, compile=False, steps=2, warmup=1)
+    result = optimize(model, _batches(), _loss, config=_config(), time_step=timer, rounds=3)
+    n = len(result.plan.fp8_sites())
+    assert n and result.plan.budget["optimize"]["ab_timing"] == {"timing": "paired"}
+    assert [r["first"] for r in result.rounds] == ["baseline", "plan", "baseline"]
+    assert all(r["baseline"] == 10.0 and r["plan"] == 10.0 - n
+               and r["baseline_host"] == 10.0 and r["plan_host"] == 10.0 - 1.5 * n
+               for r in result.rounds)
+    # the warm-up of both (baseline first), then each round's pair in its order
+    assert [s for s, _ in timed[-8:]] == [0, n, 0, n, n, 0, 0, n]
+    assert not any(isinstance(m, Linear) for m in model.modules())
+    assert model.training  # its mode as it came
+
+
+def test_the_ab_rounds_fall_back_to_recompiled_timings_and_say_why(monkeypatch):
+    """A model that cannot be copied, or that is wrapped, is timed the other way, and the
+    verdict is the same."""
+    import threading
+
+    _scripted_steps(monkeypatch, -1.0)
+    model = _model()
+    model.lock = threading.Lock()  # deepcopy cannot copy a lock
+    timer = step_timer(_batches()[0], _loss, compile=False, steps=2, warmup=1)
+    result = optimize(model, _batches(), _loss, config=_config(), time_step=timer, rounds=2)
+    how = result.plan.budget["optimize"]["ab_timing"]
+    assert how["timing"] == "recompiled" and "cannot be copied (TypeError" in how["why"]
+    assert result.plan.fp8_sites() and [r["first"] for r in result.rounds] == [
+        "baseline", "plan"]
+    assert not any(isinstance(m, Linear) for m in model.modules())
+
+
+def test_paired_steps_compile_each_model_once_and_keep_both(monkeypatch):
+    """Two models of one class compiled together (Dynamo's backend ``eager``: the
+    graphs, not Inductor's code): after the warm-up, rounds in either order compile
+    nothing more; the models' modes are theirs again after the pair."""
+    import functools
+
+    from torch._dynamo.utils import counters
+
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", functools.partial(real, backend="eager"))
+    base = _model()
+    planned = _model()
+    planned[2] = nn.Linear(128, 64)  # another module than the baseline's
+    timer = step_timer(_batches()[0], inference=True, steps=2, warmup=1)
+    with timer.pair(base, planned) as paired:
+        paired.warm_up()
+        graphs = counters["stats"]["unique_graphs"]
+        rows = [paired.round(plan_first=bool(i % 2)) for i in range(4)]
+        assert counters["stats"]["unique_graphs"] == graphs
+        assert not base.training and not planned.training
+    assert base.training and planned.training
+    assert [r["first"] for r in rows] == ["baseline", "plan"] * 2
+    assert all(r["baseline"] > 0 and r["plan"] > 0 and r["plan_host"] > 0 for r in rows)
