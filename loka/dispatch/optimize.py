@@ -253,7 +253,10 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
         ``ceiling``, the most FP8 GEMMs could give that step
         (:func:`~loka.dispatch.fp8_ceiling`, ``Ceiling.to_dict()``), and ``ab_timing``,
         how the rounds were timed (``{"timing": "paired"}``, or ``"recompiled"`` and why
-        not paired).
+        not paired), and ``host_ms``, the host's median time to issue one step of each,
+        ``{"baseline": ms, "plan": ms}``, where the rounds timed it (paired rounds; else
+        None). On a host-bound step, a kept plan that adds host time says so in its notes:
+        it won on the host that timed it, and a slower host can make it slower than none.
     """
     if rounds < 1:
         raise ValueError(f"optimize needs rounds >= 1, got {rounds}")
@@ -384,6 +387,13 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
                     f"{result.synchronized_speedup:.3f}x of the baseline's (up to 3 calls "
                     f"per round" + (f"; back to back {result.speedup:.3f}x)"
                                     if result.speedup is not None else ")"))
+    host_ms = _host_ms(result.rounds)
+    if result.host_bound and host_ms and tuned.fp8_sites() and host_ms[1] > host_ms[0]:
+        line = (f"the plan adds {1e3 * (host_ms[1] - host_ms[0]):.0f} us of host time per "
+                f"step ({host_ms[0]:.3f} -> {host_ms[1]:.3f} ms): on this host-bound step it "
+                f"won on this host; on a slower host it can be slower than none")
+        say(line)
+        tuned.notes.append("optimize: " + line)
     tuned.budget["optimize"] = {"rounds": result.rounds, "trials": len(log),
                                 "first_rounds": rounds,
                                 "null_keep_probability": null_keep_probability(rounds),
@@ -395,7 +405,9 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
                                 "compile_options": _recorded(options),
                                 "synchronized_steps": bool(synchronized_steps),
                                 "paired_trials": bool(paired_trials),
-                                "ab_timing": ab_timing}
+                                "ab_timing": ab_timing,
+                                "host_ms": (None if host_ms is None else
+                                            {"baseline": host_ms[0], "plan": host_ms[1]})}
     result.plan = tuned
     say(f"kept {len(tuned.fp8_sites())} FP8 site(s)"
         + (f", step {result.speedup:.3f}x of the baseline" if result.speedup else ""))
@@ -464,6 +476,17 @@ def _twin(model: nn.Module, root: nn.Module) -> Tuple[Optional[nn.Module], Optio
         return copy.deepcopy(model), None
     except Exception as e:  # noqa: BLE001 - a model that cannot be copied
         return None, f"the model cannot be copied ({type(e).__name__}: {e})"[:300]
+
+
+def _host_ms(rounds: List[dict]) -> Optional[Tuple[float, float]]:
+    """The median host time to issue one step, (baseline, plan), over the A/B rounds that
+    timed it (the default timer's paired rounds); None where none did."""
+    pairs = [(r["baseline_host"], r["plan_host"]) for r in rounds
+             if _finite(r.get("baseline_host")) and _finite(r.get("plan_host"))]
+    if not pairs:
+        return None
+    return (float(statistics.median(b for b, _ in pairs)),
+            float(statistics.median(p for _, p in pairs)))
 
 
 def _finite(x: Optional[float]) -> Optional[float]:

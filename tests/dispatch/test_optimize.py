@@ -514,14 +514,16 @@ def test_ab_rounds_time_the_plan_first_in_every_second_round():
         "timing": "recompiled", "why": "the timer is the caller's"}
 
 
-def _scripted_steps(monkeypatch, per_site_ms, host_ms=None):
+def _scripted_steps(monkeypatch, per_site_ms, host=None):
     """``loka.timing.time_steps`` as the default timer calls it, scripted: a step of the
-    model with ``n`` FP8 sites takes 10 + ``per_site_ms`` * n ms (it still runs once);
-    returns the list of (sites, ms) timed."""
+    model with ``n`` FP8 sites takes 10 + ``per_site_ms`` * n ms (it still runs once), its
+    host ``host(n)`` ms (default: the step less 0.5 ms per site); returns the list of
+    (sites, ms) timed."""
     import sys
 
     timer_module = sys.modules["loka.dispatch.steptimer"]
     timed = []
+    host_of = host
 
     def fake(step, device, steps, warmup, host=False, synchronized=False):
         step()
@@ -530,7 +532,7 @@ def _scripted_steps(monkeypatch, per_site_ms, host_ms=None):
         timed.append((n, ms))
         out = {"median_ms": ms, "synchronized": synchronized}
         if host:
-            out.update(host_ms=(host_ms or ms) - 0.5 * n, synchronized_ms=ms)
+            out.update(host_ms=host_of(n) if host_of else ms - 0.5 * n, synchronized_ms=ms)
         return out
     monkeypatch.setattr(timer_module, "time_steps", fake)
     return timed
@@ -596,3 +598,24 @@ def test_paired_steps_compile_each_model_once_and_keep_both(monkeypatch):
     assert base.training and planned.training
     assert [r["first"] for r in rows] == ["baseline", "plan"] * 2
     assert all(r["baseline"] > 0 and r["plan"] > 0 and r["plan_host"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("host_ms, said", [(9.5, True), (5.0, False)])
+def test_a_kept_plan_that_adds_host_time_to_a_host_bound_step_says_so(monkeypatch, host_ms,
+                                                                      said):
+    """On a GPU (as the timer reports it), a host-bound step whose plan wins but adds
+    host time: the plan is kept, its note says by how much and what a slower host would
+    do; the budget records both host times. A step that is not host-bound says nothing."""
+    _scripted_steps(monkeypatch, -1.0, host=lambda n: host_ms + 0.2 * n)
+    lines = []
+    timer = step_timer(_batches()[0], _loss, compile=False, steps=2, warmup=1, device="cuda")
+    result = optimize(_model(), _batches(), _loss, config=_config(), time_step=timer,
+                      rounds=2, progress=lines.append)
+    n = len(result.plan.fp8_sites())
+    assert n and result.host_bound is said
+    budget = result.plan.budget["optimize"]
+    assert budget["host_ms"] == {"baseline": host_ms, "plan": pytest.approx(host_ms + 0.2 * n)}
+    noted = [x for x in result.plan.notes if "of host time per step" in x]
+    assert bool(noted) is said and any("of host time per step" in x for x in lines) is said
+    if said:
+        assert f"adds {200 * n:.0f} us" in noted[0] and "slower than none" in noted[0]
