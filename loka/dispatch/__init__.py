@@ -23,12 +23,14 @@ from .guard import Guard, GuardEvent
 from .tighten import tighten_end_to_end
 from .tune import FUSIBLE_TWINS, search_speed, tune_speed
 from .verdict import ab_verdict, null_keep_probability, sign_test_p
-from .optimize import OptimizeResult, optimize, plan_families, step_timer
+from .optimize import OptimizeResult, PairedSteps, optimize, plan_families, step_timer
 from .predict import Ceiling, StepPrediction, copy_savings_us, fp8_ceiling, predict_step
 
 __all__ = ["Linear", "Plan", "SitePlan", "RoleChoice", "Fallback", "PlanMismatchError", "plan",
-           "audit", "budget_problem", "plan_report_mismatches", "override", "tighten_end_to_end", "tune_speed", "search_speed",
-           "FUSIBLE_TWINS", "optimize", "OptimizeResult", "step_timer", "plan_families", "apply", "unapply",
-           "check", "applied_plan", "skipped_sites", "ApplyReport", "Change", "amax_from_report", "Guard",
-           "GuardEvent", "StepPrediction", "predict_step", "copy_savings_us", "Ceiling",
-           "fp8_ceiling", "ab_verdict", "null_keep_probability", "sign_test_p"]
+           "audit", "budget_problem", "plan_report_mismatches", "override",
+           "tighten_end_to_end", "tune_speed", "search_speed", "FUSIBLE_TWINS", "optimize",
+           "OptimizeResult", "step_timer", "PairedSteps", "plan_families", "apply", "unapply",
+           "check", "applied_plan", "skipped_sites", "ApplyReport", "Change",
+           "amax_from_report", "Guard", "GuardEvent", "StepPrediction", "predict_step",
+           "copy_savings_us", "Ceiling", "fp8_ceiling", "ab_verdict", "null_keep_probability",
+           "sign_test_p"]

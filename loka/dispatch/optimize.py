@@ -40,13 +40,13 @@ from .schema import Plan
 from .select import kernel_speedup, override
 from .select import plan as make_plan
 # (step_timer and check_compile_options are this module's public names too)
-from .steptimer import (_awaited_ms, _recorded, _recording, check_compile_options,
-                        step_timer)
+from .steptimer import (PairedSteps, _awaited_ms, _recorded, _recording,
+                        check_compile_options, step_timer)
 from .swap import apply, restore_on_exit, root_module, unapply
 from .tune import FUSIBLE_TWINS, on_baseline, tune_speed
 from .verdict import _ratio, _wins, ab_note, ab_verdict, null_keep_probability
 
-__all__ = ["OptimizeResult", "optimize", "step_timer", "plan_families"]
+__all__ = ["OptimizeResult", "optimize", "step_timer", "plan_families", "PairedSteps"]
 
 MAX_FAMILIES = 4
 """whole-plan alternatives :func:`optimize` times at most (:func:`plan_families`)"""
@@ -177,6 +177,11 @@ HOST_BOUND_SHARE = 0.8
 saves of its GPU time mostly comes back as the GPU waiting for the host"""
 
 
+HOST_ADDED_SHARE = 1.02
+"""a kept plan whose step the host issues in more than this share of the baseline's time,
+on a host-bound step, says so (a slower host can make it slower than none)"""
+
+
 def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, object], torch.Tensor],
              *, inference: bool = False, config: Optional[ProbeConfig] = None,
              report: Optional[ProbeReport] = None,
@@ -226,10 +231,11 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
             speed drifts during the tuning does not decide, for twice the timings.
         max_trials: at most this many trials while tuning.
         rounds: final A/B rounds (baseline and plan, the plan timed first in every second
-            round; with the default timer both compiled once and timed within milliseconds
-            of each other, :class:`~loka.dispatch.steptimer.PairedSteps`, beside a copy of
-            the model that holds the plan); the plan is kept if it is faster in every round. Where it lost one (from 3 rounds; with 1 or 2
-            no extra rounds could pass the test), up to ``rounds`` more are timed, and it
+            round; with the default timer the model and a copy of it that holds the plan
+            compiled once and timed one right after the other, :class:`PairedSteps`); the
+            plan is kept if it is faster in every round. Where it lost one (from 3 rounds;
+            with 1 or 2 no extra rounds could pass the test), up to ``rounds`` more are
+            timed, and it
             is kept if its wins then pass a one-sided sign test at the level of winning
             all ``rounds`` (:func:`ab_verdict`): one noisy round no longer
             throws a faster plan away. The price: a plan no faster than the baseline is
@@ -255,8 +261,10 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
         how the rounds were timed (``{"timing": "paired"}``, or ``"recompiled"`` and why
         not paired), and ``host_ms``, the host's median time to issue one step of each,
         ``{"baseline": ms, "plan": ms}``, where the rounds timed it (paired rounds; else
-        None). On a host-bound step, a kept plan that adds host time says so in its notes:
-        it won on the host that timed it, and a slower host can make it slower than none.
+        None; on a GPU the host's time to issue it, elsewhere the step). On a host-bound
+        step, a kept plan whose host time is more than 2% over the baseline's
+        (:data:`HOST_ADDED_SHARE`) says so in its notes: it won on the host that timed it,
+        and a slower host can make it slower than none.
     """
     if rounds < 1:
         raise ValueError(f"optimize needs rounds >= 1, got {rounds}")
@@ -342,13 +350,15 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
         say(f"confirming {len(tuned.fp8_sites())} FP8 site(s) against the baseline "
             f"in {rounds} A/B round(s)")
         with contextlib.ExitStack() as stack:
-            ab_round, ab_timing = _ab_timer(model, tuned, time_step, inference, stack)
+            ab_round, ab_timing = _ab_timer(model, tuned, time_step, inference, stack,
+                                            baseline_host)
             result.rounds = [ab_round(i) for i in range(rounds)]
             while ab_verdict(result.rounds, rounds) is None:  # a lost round: time more
                 if len(result.rounds) == rounds:
                     say(f"the plan lost {rounds - _wins(result.rounds)} of {rounds} A/B "
                         f"round(s): timing up to {rounds} more")
                 result.rounds.append(ab_round(len(result.rounds)))
+        del ab_round  # (the paired steps, and the model's copy, are gone with the stack)
         # what the report's GEMM timings predicted for the plan that was timed
         base_ms = statistics.median(r["baseline"] for r in result.rounds)
         try:
@@ -388,7 +398,8 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
                     f"per round" + (f"; back to back {result.speedup:.3f}x)"
                                     if result.speedup is not None else ")"))
     host_ms = _host_ms(result.rounds)
-    if result.host_bound and host_ms and tuned.fp8_sites() and host_ms[1] > host_ms[0]:
+    if (result.host_bound and host_ms and tuned.fp8_sites()
+            and host_ms[1] > HOST_ADDED_SHARE * host_ms[0]):
         line = (f"the plan adds {1e3 * (host_ms[1] - host_ms[0]):.0f} us of host time per "
                 f"step ({host_ms[0]:.3f} -> {host_ms[1]:.3f} ms): on this host-bound step it "
                 f"won on this host; on a slower host it can be slower than none")
@@ -415,33 +426,51 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
 
 
 def _ab_timer(model: nn.Module, plan: Plan, time_step: Callable[[nn.Module], float],
-              inference: bool, stack: contextlib.ExitStack
-              ) -> Tuple[Callable[[int], dict], dict]:
+              inference: bool, stack: contextlib.ExitStack,
+              seen: List[Tuple[float, float]]) -> Tuple[Callable[[int], dict], dict]:
     """``(round(i) -> {"baseline": ms, "plan": ms, ...}, how)``: the i-th A/B round, the plan
     timed first in odd rounds (a host that drifts one way during a round favours neither),
     and how the rounds are timed (``{"timing": "paired"}``, or ``"recompiled"`` and why).
 
-    With the default timer (its ``pair``) the model and a copy of it with the plan applied
-    are compiled once and kept alive in ``stack``: each round times the two steps within
-    milliseconds of each other (:class:`~loka.dispatch.steptimer.PairedSteps`). Otherwise
-    (a timer of the caller's; a model that cannot be copied, is wrapped, or whose copy
-    would take more than half the free GPU memory) each round applies and removes the plan
-    and times the model twice, each timing compiling afresh. The model is left as it was."""
+    With a timer that pairs (the default timer's ``pair``) the model and a copy of it with
+    the plan applied are compiled and warmed up once and kept alive in ``stack``: each round
+    times the two steps one right after the other, not each after a compile of its own
+    (:class:`PairedSteps`); on a GPU each round's baseline also goes to ``seen`` (host ms,
+    step ms), as ``_recording`` keeps the timer's. Otherwise (a timer without ``pair``; a
+    model that cannot be copied, is wrapped, or whose copy would take more than half the
+    free GPU memory; a copy that failed to apply or compile) each round applies and
+    removes the plan and times the model twice, each timing compiling afresh. The model is
+    left as it was."""
     root, _ = root_module(model)
     stack.enter_context(restore_on_exit(root))
     unapply(root)
     pair = getattr(time_step, "pair", None)
-    why = "the timer is the caller's" if pair is None else None
+    why = "the timer does not pair (a time_step of the caller's)" if pair is None else None
     twin = None
     if why is None:
         twin, why = _twin(model, root)
     if twin is not None:
+        inner = contextlib.ExitStack()
+        paired = None
         try:
             apply(twin, plan, inference=inference)
-            paired = stack.enter_context(pair(model, twin))
-            return (lambda i: paired.round(plan_first=i % 2 == 1)), {"timing": "paired"}
+            paired = inner.enter_context(pair(model, twin))
+            inner.callback(paired.steps.clear)  # drops the copy before the pair's gc
+            paired.warm_up()  # both compile here: a failure falls back
+            stack.push(inner.pop_all())
+
+            def paired_round(i: int) -> dict:
+                row = paired.round(plan_first=i % 2 == 1)
+                if paired.device.type == "cuda":
+                    seen.append((row["baseline_host"], row["baseline"]))
+                return row
+            return paired_round, {"timing": "paired"}
         except Exception as e:  # noqa: BLE001 - time the rounds the other way
             why = f"pairing failed ({type(e).__name__}: {e})"[:300]
+            paired = None
+            inner.close()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         finally:
             del twin
 

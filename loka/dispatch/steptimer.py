@@ -95,7 +95,8 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
 
     ``time_step.pair(baseline, planned)`` is a context that compiles both models' steps
     once, as above, and keeps them alive together: a :class:`PairedSteps` whose
-    ``round(plan_first)`` times one right after the other (``loka.optimize``'s A/B rounds).
+    ``round(plan_first)`` times one right after the other (``loka.optimize``'s A/B rounds;
+    with CUDA graphs each call marks a new step, as two graphed callables in turn need).
     """
     if steps < 1 or warmup < 0:
         raise ValueError(f"step_timer needs steps >= 1 and warmup >= 0, got {steps}, {warmup}")
@@ -143,7 +144,8 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
         modes = {k: m.training for k, m in models.items()}
         dev = (torch.device(device) if device is not None
                else next(baseline.parameters()).device)
-        graphs = compile and compile_mode in ("reduce-overhead", "max-autotune")
+        graphs = compile and (compile_mode in ("reduce-overhead", "max-autotune")
+                              or bool(options.get("triton.cudagraphs")))
         try:
             for m in models.values():
                 m.train(not inference)
@@ -174,10 +176,10 @@ def _marked(step: Callable[[], object]) -> Callable[[], object]:
 class PairedSteps:
     """The steps of two models, ``baseline`` and ``plan``, compiled once and alive together
     (``step_timer(...).pair(baseline, planned)``, a context), timed in rounds: each round
-    times both, one right after the other, in the order asked. Timings of one model minutes
-    apart, each after its own compile, move with the host (shared machines: a host-bound
-    step's wall time moved by a quarter between rows of one run); two steps timed within
-    milliseconds of each other, each first in half the rounds, see the same host.
+    times both, one block of steps right after the other, in the order asked. Timings of
+    one model each after a compile of its own, seconds apart, move with the host (shared
+    machines: a host-bound step's wall time moved by a quarter between rows of one run);
+    two blocks timed back to back, each first in half the rounds, see nearly the same host.
 
     Both compile while the warm-up runs (:meth:`round` does it first if it was not), under
     the timer's Inductor options, with Dynamo's automatic dynamic shapes off: the second

@@ -511,7 +511,8 @@ def test_ab_rounds_time_the_plan_first_in_every_second_round():
     assert n and [sites for sites, _ in calls[first:]] == [0, n, n, 0, 0, n, n, 0]
     assert [r["first"] for r in result.rounds] == ["baseline", "plan"] * 2
     assert result.plan.budget["optimize"]["ab_timing"] == {
-        "timing": "recompiled", "why": "the timer is the caller's"}
+        "timing": "recompiled",
+        "why": "the timer does not pair (a time_step of the caller's)"}
 
 
 def _scripted_steps(monkeypatch, per_site_ms, host=None):
@@ -556,23 +557,81 @@ def test_with_the_default_timer_the_ab_rounds_time_two_live_models_in_turn(monke
     assert [s for s, _ in timed[-8:]] == [0, n, 0, n, n, 0, 0, n]
     assert not any(isinstance(m, Linear) for m in model.modules())
     assert model.training  # its mode as it came
+    model.eval()  # (a training step is timed in training mode, and the mode comes back)
+    optimize(model, _batches(), _loss, config=_config(), time_step=timer, rounds=1)
+    assert not model.training
 
 
-def test_the_ab_rounds_fall_back_to_recompiled_timings_and_say_why(monkeypatch):
-    """A model that cannot be copied, or that is wrapped, is timed the other way, and the
-    verdict is the same."""
+def _uncopyable(model):
     import threading
 
-    _scripted_steps(monkeypatch, -1.0)
-    model = _model()
     model.lock = threading.Lock()  # deepcopy cannot copy a lock
+    return model
+
+
+def _failing_warm_up(monkeypatch):
+    from loka.dispatch import PairedSteps
+
+    def fail(self):
+        raise RuntimeError("CUDA out of memory (scripted)")
+    monkeypatch.setattr(PairedSteps, "warm_up", fail)
+
+
+@pytest.mark.parametrize("case, why", [
+    ("uncopyable", "cannot be copied (TypeError"),
+    ("wrapped", "the model is wrapped"),
+    ("failing", "pairing failed (RuntimeError: CUDA out of memory (scripted))"),
+])
+def test_the_ab_rounds_fall_back_to_recompiled_timings_and_say_why(monkeypatch, case, why):
+    """A model that cannot be copied or is wrapped, or a copy that fails to compile (its
+    warm-up), is timed the other way; the verdict is the same and the model comes back as
+    it was."""
+    import functools
+
+    _scripted_steps(monkeypatch, -1.0)
+    model = _uncopyable(_model()) if case == "uncopyable" else _model()
+    if case == "failing":
+        _failing_warm_up(monkeypatch)
+    given = (torch.compile(model, backend=functools.partial(lambda gm, _: gm))
+             if case == "wrapped" else model)
     timer = step_timer(_batches()[0], _loss, compile=False, steps=2, warmup=1)
-    result = optimize(model, _batches(), _loss, config=_config(), time_step=timer, rounds=2)
+    result = optimize(given, _batches(), _loss, config=_config(), time_step=timer, rounds=2)
     how = result.plan.budget["optimize"]["ab_timing"]
-    assert how["timing"] == "recompiled" and "cannot be copied (TypeError" in how["why"]
+    assert how["timing"] == "recompiled" and why in how["why"]
     assert result.plan.fp8_sites() and [r["first"] for r in result.rounds] == [
         "baseline", "plan"]
+    assert all("baseline_host" not in r for r in result.rounds)
+    assert result.plan.budget["optimize"]["host_ms"] is None
     assert not any(isinstance(m, Linear) for m in model.modules())
+
+
+def test_a_failed_pairing_frees_the_models_copy(monkeypatch):
+    """The copy made for the pair is gone once optimize has fallen back (no reference
+    left in the stack or the pair's steps)."""
+    import gc
+    import weakref
+
+    from loka.dispatch import optimize as optimize_module_fn  # noqa: F401
+    import sys
+
+    opt = sys.modules["loka.dispatch.optimize"]
+    copies = []
+    real = opt._twin
+
+    def spy(model, root):
+        twin, why = real(model, root)
+        if twin is not None:
+            copies.append(weakref.ref(twin))
+        return twin, why
+    monkeypatch.setattr(opt, "_twin", spy)
+    _scripted_steps(monkeypatch, -1.0)
+    timer = step_timer(_batches()[0], _loss, compile=False, steps=2, warmup=1)
+    for failing in (False, True):
+        if failing:
+            _failing_warm_up(monkeypatch)
+        optimize(_model(), _batches(), _loss, config=_config(), time_step=timer, rounds=1)
+        gc.collect()
+        assert len(copies) == 1 + failing and copies[-1]() is None
 
 
 def test_paired_steps_compile_each_model_once_and_keep_both(monkeypatch):
@@ -583,15 +642,20 @@ def test_paired_steps_compile_each_model_once_and_keep_both(monkeypatch):
 
     from torch._dynamo.utils import counters
 
+    class Other(nn.Linear):
+        pass
+
     real = torch.compile
     monkeypatch.setattr(torch, "compile", functools.partial(real, backend="eager"))
     base = _model()
     planned = _model()
-    planned[2] = nn.Linear(128, 64)  # another module than the baseline's
+    planned[2] = Other(128, 64)  # another class than the baseline's: a second graph
     timer = step_timer(_batches()[0], inference=True, steps=2, warmup=1)
     with timer.pair(base, planned) as paired:
+        before = counters["stats"]["unique_graphs"]
         paired.warm_up()
         graphs = counters["stats"]["unique_graphs"]
+        assert graphs == before + 2  # one each
         rows = [paired.round(plan_first=bool(i % 2)) for i in range(4)]
         assert counters["stats"]["unique_graphs"] == graphs
         assert not base.training and not planned.training
