@@ -1,13 +1,18 @@
 """Whole-step timing for :func:`~loka.dispatch.optimize.optimize`: the default timer
 (:func:`step_timer`, compiled steps under the caller's Inductor options, back to back or each
-from an idle GPU), the check of those options, and the wrapper that keeps what the timer
-reported of the steps without FP8 (the host's time, the step from an idle GPU)."""
+from an idle GPU), the check of those options, the wrapper that keeps what the timer
+reported of the steps without FP8 (the host's time, the step from an idle GPU), and the
+final A/B rounds' timing (:class:`PairedSteps`, a model and its planned copy alive together,
+or rounds that apply and remove the plan)."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import json
+import math
+import statistics
 from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 
 import torch
@@ -15,6 +20,8 @@ from torch import nn
 
 from ..timing import time_steps
 from .linear import Linear
+from .schema import Plan
+from .swap import apply, restore_on_exit, root_module, unapply
 
 __all__ = ["step_timer", "check_compile_options", "PairedSteps"]
 
@@ -256,3 +263,100 @@ def _awaited_ms(time_step) -> Optional[float]:
             and not last.get("synchronized") and last.get("synchronized_ms") is not None):
         return float(last["synchronized_ms"])
     return None
+
+
+def _ab_timer(model: nn.Module, plan: Plan, time_step: Callable[[nn.Module], float],
+              inference: bool, stack: contextlib.ExitStack,
+              seen: List[Tuple[float, float]]) -> Tuple[Callable[[int], dict], dict]:
+    """``(round(i) -> {"baseline": ms, "plan": ms, ...}, how)``: the i-th A/B round, the plan
+    timed first in odd rounds (a host that drifts one way during a round favours neither),
+    and how the rounds are timed (``{"timing": "paired"}``, or ``"recompiled"`` and why).
+
+    With a timer that pairs (the default timer's ``pair``) the model and a copy of it with
+    the plan applied are compiled and warmed up once and kept alive in ``stack``: each round
+    times the two steps one right after the other, not each after a compile of its own
+    (:class:`PairedSteps`); on a GPU each round's baseline also goes to ``seen`` (host ms,
+    step ms), as ``_recording`` keeps the timer's. Otherwise (a timer without ``pair``; a
+    model that cannot be copied, is wrapped, or whose copy would take more than half the
+    free GPU memory; a copy that failed to apply or compile) each round applies and
+    removes the plan and times the model twice, each timing compiling afresh. The model is
+    left as it was."""
+    root, _ = root_module(model)
+    stack.enter_context(restore_on_exit(root))
+    unapply(root)
+    pair = getattr(time_step, "pair", None)
+    why = "the timer does not pair (a time_step of the caller's)" if pair is None else None
+    twin = None
+    if why is None:
+        twin, why = _twin(model, root)
+    if twin is not None:
+        inner = contextlib.ExitStack()
+        paired = None
+        try:
+            apply(twin, plan, inference=inference)
+            paired = inner.enter_context(pair(model, twin))
+            inner.callback(paired.steps.clear)  # drops the copy before the pair's gc
+            paired.warm_up()  # both compile here: a failure falls back
+            stack.push(inner.pop_all())
+
+            def paired_round(i: int) -> dict:
+                row = paired.round(plan_first=i % 2 == 1)
+                if paired.device.type == "cuda":
+                    seen.append((row["baseline_host"], row["baseline"]))
+                return row
+            return paired_round, {"timing": "paired"}
+        except Exception as e:  # noqa: BLE001 - time the rounds the other way
+            why = f"pairing failed ({type(e).__name__}: {e})"[:300]
+            paired = None
+            inner.close()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        finally:
+            del twin
+
+    def one(i: int) -> dict:
+        order = ("plan", "baseline") if i % 2 == 1 else ("baseline", "plan")
+        row: dict = {}
+        for name in order:
+            if name == "plan":
+                apply(root, plan, inference=inference)
+            row[name] = float(time_step(model))
+            row[f"{name}_synchronized"] = _awaited_ms(time_step)
+            unapply(root)
+        if row["baseline_synchronized"] is None or row["plan_synchronized"] is None:
+            del row["baseline_synchronized"], row["plan_synchronized"]
+        row["first"] = order[0]
+        return row
+    return one, {"timing": "recompiled", "why": why}
+
+
+def _twin(model: nn.Module, root: nn.Module) -> Tuple[Optional[nn.Module], Optional[str]]:
+    """A copy of ``model`` (no plan applied) to time beside it, or None and why not."""
+    if root is not model:
+        return None, "the model is wrapped (compiled or distributed)"
+    tensors = list(model.parameters()) + list(model.buffers())
+    if tensors and tensors[0].device.type == "cuda":
+        need = sum(t.numel() * t.element_size() for t in tensors)
+        free, _ = torch.cuda.mem_get_info(tensors[0].device)
+        if need > free // 2:
+            return None, (f"a copy of the model ({need / 2**30:.1f} GiB) would take more "
+                          f"than half the free GPU memory ({free / 2**30:.1f} GiB)")
+    try:
+        return copy.deepcopy(model), None
+    except Exception as e:  # noqa: BLE001 - a model that cannot be copied
+        return None, f"the model cannot be copied ({type(e).__name__}: {e})"[:300]
+
+
+def _host_ms(rounds: List[dict]) -> Optional[Tuple[float, float]]:
+    """The median host time to issue one step, (baseline, plan), over the A/B rounds that
+    timed it (the default timer's paired rounds); None where none did."""
+    pairs = [(r["baseline_host"], r["plan_host"]) for r in rounds
+             if _positive(r.get("baseline_host")) and _positive(r.get("plan_host"))]
+    if not pairs:
+        return None
+    return (float(statistics.median(b for b, _ in pairs)),
+            float(statistics.median(p for _, p in pairs)))
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0

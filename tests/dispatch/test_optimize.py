@@ -611,10 +611,9 @@ def test_a_failed_pairing_frees_the_models_copy(monkeypatch):
     import gc
     import weakref
 
-    from loka.dispatch import optimize as optimize_module_fn  # noqa: F401
     import sys
 
-    opt = sys.modules["loka.dispatch.optimize"]
+    opt = sys.modules["loka.dispatch.steptimer"]
     copies = []
     real = opt._twin
 
