@@ -20,6 +20,7 @@ FP8 speed: the plan is then made on error alone and says so in its notes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -181,6 +182,28 @@ HOST_ADDED_SHARE = 1.02
 on a host-bound step, says so (a slower host can make it slower than none)"""
 
 
+def _keeps_model_state(fn):
+    """``fn(model, ...)`` that leaves the model's gradients and buffers as they were: the
+    Probe's steps and the timed training steps replace gradients and move a norm's
+    running statistics (each buffer is copied back in place)."""
+    @functools.wraps(fn)
+    def keeping(model, *args, **kwargs):
+        root, _ = root_module(model)
+        grads = [(p, p.grad) for p in root.parameters()]
+        buffers = [(b, b.detach().clone()) for b in root.buffers()]
+        try:
+            return fn(model, *args, **kwargs)
+        finally:
+            for p, g in grads:
+                p.grad = g
+            with torch.no_grad():
+                for b, saved in buffers:
+                    if b.shape == saved.shape and b.dtype == saved.dtype:
+                        b.copy_(saved)
+    return keeping
+
+
+@_keeps_model_state
 def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, object], torch.Tensor],
              *, inference: bool = False, config: Optional[ProbeConfig] = None,
              report: Optional[ProbeReport] = None,
@@ -201,7 +224,8 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
 
     Args:
         model: the user's model, on the device it will run on; it is left as it was (no
-            plan applied): apply ``result.plan`` with :func:`loka.apply`.
+            plan applied; its gradients and buffers, such as a norm's running statistics,
+            as they came): apply ``result.plan`` with :func:`loka.apply`.
         batches: batches for the Probe (a few suffice); the first is also the batch whose
             steps are timed.
         loss_fn: ``loss_fn(model, batch) -> scalar loss``.

@@ -682,3 +682,30 @@ def test_a_kept_plan_that_adds_host_time_to_a_host_bound_step_says_so(monkeypatc
     assert bool(noted) is said and any("of host time per step" in x for x in lines) is said
     if said:
         assert f"adds {200 * n:.0f} us" in noted[0] and "slower than none" in noted[0]
+
+
+@pytest.mark.parametrize("pairs", [True, False])
+def test_timing_leaves_the_models_gradients_and_running_statistics_as_they_were(monkeypatch,
+                                                                                  pairs):
+    """Timed training steps (scripted: each still runs once) replace gradients and move a
+    BatchNorm's running statistics; optimize puts both back, whichever way it times."""
+    _scripted_steps(monkeypatch, -1.0)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.BatchNorm1d(128), nn.ReLU(),
+                          nn.Linear(128, 32))
+    grads = [torch.full_like(p, 0.5) for p in model.parameters()]
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g
+    norm = model[1]
+    mean, var, seen = (norm.running_mean.clone(), norm.running_var.clone(),
+                       int(norm.num_batches_tracked))
+    timer = step_timer(_batches()[0], _loss, compile=False, steps=2, warmup=1)
+    if not pairs:
+        _uncopyable(model)
+    result = optimize(model, _batches(), _loss, config=_config(), time_step=timer, rounds=2)
+    assert result.rounds  # steps were timed (and ran)
+    assert result.plan.budget["optimize"]["ab_timing"]["timing"] == (
+        "paired" if pairs else "recompiled")
+    assert all(p.grad is g for p, g in zip(model.parameters(), grads))
+    assert torch.equal(norm.running_mean, mean) and torch.equal(norm.running_var, var)
+    assert int(norm.num_batches_tracked) == seen
