@@ -583,8 +583,11 @@ def cmd_optimize(args) -> int:
         result.report.save(args.report)
     print(result.plan.summary())
     if result.speedup is not None:
+        how = (result.plan.budget.get("optimize") or {}).get("ab_timing") or {}
         print(f"whole step: {result.speedup:.3f}x of the step without FP8 (median of "
-              f"{len(result.rounds)} A/B rounds)")
+              f"{len(result.rounds)} A/B rounds"
+              + (", the model and its planned copy timed in turn)"
+                 if how.get("timing") == "paired" else ")"))
     print(f"wrote {args.out}" + (f" and {args.report}" if args.report else ""))
     return EXIT_OK
 
