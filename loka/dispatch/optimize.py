@@ -258,9 +258,8 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
             compiled once and timed one right after the other, :class:`PairedSteps`); the
             plan is kept if it is faster in every round. Where it lost one (from 3 rounds;
             with 1 or 2 no extra rounds could pass the test), up to ``rounds`` more are
-            timed, and it
-            is kept if its wins then pass a one-sided sign test at the level of winning
-            all ``rounds`` (:func:`ab_verdict`): one noisy round no longer
+            timed, and it is kept if its wins then pass a one-sided sign test at the level
+            of winning all ``rounds`` (:func:`ab_verdict`): one noisy round no longer
             throws a faster plan away. The price: a plan no faster than the baseline is
             kept a little more often (:func:`null_keep_probability`: 0.172 for 3 rounds,
             against 0.125 when every round must be won).
