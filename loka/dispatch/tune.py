@@ -21,6 +21,7 @@ from ..config import ROLES, LinearConfig, Role
 from ..probe.report import ProbeReport
 from .schema import Plan, RoleChoice
 from .select import override
+from .steptimer import _twin
 from .swap import apply, restore_on_exit, root_module, unapply
 
 def _site_groups(plan: Plan) -> List[List[str]]:
@@ -79,39 +80,68 @@ class _StepTimer:
     ``paired``: a plan with FP8 sites is timed right after the step without them, and its
     time is scaled by the first baseline time over that adjacent one (``time``; the
     measured one in ``raw_time``, the adjacent baseline in ``baseline_time``): a host whose
-    speed drifts between trials moves both timings of a pair, not the comparison."""
+    speed drifts between trials moves both timings of a pair, not the comparison. With a
+    timer that pairs (``step_timer(...).pair``) the step without FP8 is a copy of the
+    model made once, and each trial compiles it beside the planned model and times the two
+    one block right after the other, each first in every second trial (``paired_with``:
+    ``"copy"``); otherwise (no ``pair``, or a model that cannot be copied) each timing
+    compiles the model afresh, the baseline first."""
 
     def __init__(self, model: nn.Module, time_step: Callable[[nn.Module], float],
                  inference: bool, log: List[dict], paired: bool = False) -> None:
         self.model, self.time_step, self.inference, self.log = model, time_step, inference, log
         self.root, _ = root_module(model)
         self.paired, self.reference = paired, None
+        self.copy: Optional[nn.Module] = None
+        self.copy_tried = False
 
     def _time(self) -> float:
-        t = float(self.time_step(self.model))
-        if not math.isfinite(t) or t <= 0:
-            raise ValueError(f"time_step returned {t!r}; it must return a positive time")
-        return t
+        return _positive_time(self.time_step(self.model))
+
+    def _baseline_copy(self) -> Optional[nn.Module]:
+        """The model without FP8, copied once (the model unapplied now), or None."""
+        if not self.copy_tried:
+            self.copy_tried = True
+            if getattr(self.time_step, "pair", None) is not None:
+                self.copy, _ = _twin(self.model, self.root)
+        return self.copy
 
     def __call__(self, p: Plan, **info) -> float:
         unapply(self.root)
-        sites, adjacent = p.fp8_sites(), None
+        sites, adjacent, paired_with = p.fp8_sites(), None, None
+        pairing = sites and self.paired and self.reference is not None
+        copy = self._baseline_copy() if pairing else None
+        if pairing and copy is None:
+            adjacent = self._time()  # the step without FP8, just before the plan's
         if sites:
-            if self.paired and self.reference is not None:
-                adjacent = self._time()  # the step without FP8, just before the plan's
             try:
                 apply(self.root, p, inference=self.inference)
             except ValueError as e:  # PlanMismatchError too
                 unapply(self.root)
                 raise _Inapplicable(str(e)) from e
-        t = self._time()
+        if copy is not None:
+            with self.time_step.pair(copy, self.model) as steps:
+                row = steps.round(plan_first=len(self.log) % 2 == 1)
+            t, adjacent = _positive_time(row["plan"]), _positive_time(row["baseline"])
+            paired_with = "copy"
+        else:
+            t = self._time()
         if not sites and self.reference is None:
             self.reference = t
         entry = {"sites": sites, **info, "time": t}
         if adjacent is not None:
             entry.update(time=t * self.reference / adjacent, raw_time=t, baseline_time=adjacent)
+        if paired_with is not None:
+            entry["paired_with"] = paired_with
         self.log.append(entry)
         return entry["time"]
+
+
+def _positive_time(t) -> float:
+    t = float(t)
+    if not math.isfinite(t) or t <= 0:
+        raise ValueError(f"time_step returned {t!r}; it must return a positive time")
+    return t
 
 
 def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], float], *,
@@ -163,14 +193,18 @@ def tune_speed(plan: Plan, model: nn.Module, time_step: Callable[[nn.Module], fl
         paired: time the step without FP8 right before each trial with FP8 sites and
             compare the trial by its ratio to that step (scaled to the first baseline
             time), so that a host whose speed drifts between trials does not decide; each
-            such trial takes two timings (``max_trials`` counts trials).
+            such trial takes two timings (``max_trials`` counts trials). With a timer that
+            pairs (the default timer) the two are a copy of the model without FP8 and the
+            planned model, compiled together and timed one right after the other
+            (:class:`~loka.dispatch.steptimer.PairedSteps`; the trial's ``paired_with``).
 
     Returns:
         (tuned plan, log): one dict per trial with ``sites`` (FP8 sites of the trial),
         ``removed`` (the group tried, if any), ``role`` (the role moved, None for the
         whole group) and ``time``; the twins' trial has ``twins: True``, a family's
         ``family`` (its kernel); a paired trial's ``raw_time`` and ``baseline_time`` are
-        its two timings, ``time`` the first over the second times the first baseline.
+        its two timings, ``time`` the first over the second times the first baseline,
+        and ``paired_with: "copy"`` where a copy of the model was its baseline.
     """
     if not (min_gain > 0 and math.isfinite(min_gain)):
         raise ValueError(f"min_gain must be a finite positive number, got {min_gain!r}")

@@ -709,3 +709,24 @@ def test_timing_leaves_the_models_gradients_and_running_statistics_as_they_were(
     assert all(p.grad is g for p, g in zip(model.parameters(), grads))
     assert torch.equal(norm.running_mean, mean) and torch.equal(norm.running_var, var)
     assert int(norm.num_batches_tracked) == seen
+
+
+def test_paired_trials_time_a_copy_without_fp8_beside_each_trial(monkeypatch):
+    """With the default timer, paired tuning trials compare each plan with a copy of the
+    model without FP8, compiled beside it and timed in the same round (each first in
+    every second trial), not with a baseline compiled and timed seconds before."""
+    timed = _scripted_steps(monkeypatch, -1.0)
+    timer = step_timer(_batches()[0], _loss, compile=False, steps=2, warmup=1)
+    model = _model()
+    result = optimize(model, _batches(), _loss, config=_config(), time_step=timer, rounds=1,
+                      paired_trials=True)
+    trials = [t for t in result.trials if t["sites"]]
+    assert trials and all(t["paired_with"] == "copy" for t in trials)
+    assert all(t["baseline_time"] == 10.0 and t["raw_time"] == 10.0 - len(t["sites"])
+               for t in trials)
+    assert result.trials[0]["sites"] == [] and "paired_with" not in result.trials[0]
+    # the first trial timed alone (the reference), then each paired trial: both warm-ups,
+    # then the two timings in the trial's order
+    n = len(trials[0]["sites"])
+    assert [s for s, _ in timed[1:5]] == [0, n, n, 0]
+    assert result.plan.fp8_sites() and not any(isinstance(m, Linear) for m in model.modules())
