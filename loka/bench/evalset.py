@@ -490,13 +490,10 @@ def make_step(compiled: nn.Module, model: nn.Module, mode: str, batch, graphs: b
               device: torch.device, loss_fn: Callable) -> Callable[[], torch.Tensor]:
     """One training step (forward, BCE loss, backward, fused AdamW) or one serving forward."""
     if mode == "serve":
-        inputs = batch[0]
-
         def serve():
             if graphs:
                 torch.compiler.cudagraph_mark_step_begin()
-            with torch.inference_mode():
-                return compiled(*inputs)
+            return _served(compiled, batch)
         return serve
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
 
@@ -1055,7 +1052,7 @@ def parse_args(argv, eval_set: "str | os.PathLike | types.ModuleType"):
     ap.add_argument("--optimize-trials", type=int, default=8,
                     help="loka-optimize: at most this many whole-step timings while tuning")
     ap.add_argument("--optimize-paired-trials", action="store_true",
-                    help="loka-optimize: time the step without FP8 before each tuning trial "
+                    help="loka-optimize: time the step without FP8 beside each tuning trial "
                          "and compare by ratio (loka.optimize's paired_trials)")
     ap.add_argument("--optimize-synchronized", action="store_true",
                     help="loka-optimize: time each step from an idle GPU (loka.optimize's "

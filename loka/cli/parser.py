@@ -432,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time each step from an idle GPU, as a caller that waits for each "
                         "result runs them (default: steps issued back to back)")
     p.add_argument("--paired-trials", action="store_true",
-                   help="time the step without FP8 before each tuning trial and compare by "
+                   help="time the step without FP8 beside each tuning trial and compare by "
                         "ratio (a host whose speed drifts does not decide; twice the timings)")
     p.add_argument("--rounds", type=positive(int, "--rounds"), default=3,
                    help="final A/B rounds the plan must win (after a lost one, up to as many more "

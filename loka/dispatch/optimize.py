@@ -249,9 +249,10 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
         synchronized_steps: the default timer starts each step on an idle GPU, as a caller
             that waits for each result runs them, not back to back (where a host slower than
             the GPU sets the pace); refused with a ``time_step`` of your own.
-        paired_trials: time the step without FP8 right before each tuning trial and
-            compare the trial by its ratio to it (``tune_speed``'s ``paired``): a host whose
-            speed drifts during the tuning does not decide, for twice the timings.
+        paired_trials: time the step without FP8 beside each tuning trial (with the
+            default timer a copy of the model, timed in the same round) and compare the
+            trial by its ratio to it (``tune_speed``'s ``paired``): a host whose speed
+            drifts during the tuning does not decide, for twice the timings.
         max_trials: at most this many trials while tuning.
         rounds: final A/B rounds (baseline and plan, the plan timed first in every second
             round; with the default timer the model and a copy of it that holds the plan

@@ -291,7 +291,6 @@ def _ab_timer(model: nn.Module, plan: Plan, time_step: Callable[[nn.Module], flo
         twin, why = _twin(model, root)
     if twin is not None:
         inner = contextlib.ExitStack()
-        paired = None
         try:
             apply(twin, plan, inference=inference)
             paired = inner.enter_context(pair(model, twin))
@@ -307,12 +306,9 @@ def _ab_timer(model: nn.Module, plan: Plan, time_step: Callable[[nn.Module], flo
             return paired_round, {"timing": "paired"}
         except Exception as e:  # noqa: BLE001 - time the rounds the other way
             why = f"pairing failed ({type(e).__name__}: {e})"[:300]
-            paired = None
             inner.close()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        finally:
-            del twin
 
     def one(i: int) -> dict:
         order = ("plan", "baseline") if i % 2 == 1 else ("baseline", "plan")

@@ -21,7 +21,7 @@ from ..config import ROLES, LinearConfig, Role
 from ..probe.report import ProbeReport
 from .schema import Plan, RoleChoice
 from .select import override
-from .steptimer import _twin
+from .steptimer import _positive, _twin
 from .swap import apply, restore_on_exit, root_module, unapply
 
 def _site_groups(plan: Plan) -> List[List[str]]:
@@ -139,7 +139,7 @@ class _StepTimer:
 
 def _positive_time(t) -> float:
     t = float(t)
-    if not math.isfinite(t) or t <= 0:
+    if not _positive(t):
         raise ValueError(f"time_step returned {t!r}; it must return a positive time")
     return t
 
