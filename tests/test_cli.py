@@ -41,7 +41,9 @@ SURFACE = {
                           "--mods", "--tables", "--out", "--plan", "--preset", "--seed", "--skip-bad-lines",
                           "-o"],
     "kernels": COMMON + ["--json"],
-    "optimize": COMMON + ["--batch-size", "--budget-batches", "--checkpoint", "--compile-mode", "--data", "--delayed-decay", "--delayed-scaling", "--head-sites", "--inductor-config", "--inference",
+    "optimize": COMMON + ["--batch-size", "--budget-batches", "--checkpoint", "--compile-mode",
+                          "--data", "--delayed-decay", "--delayed-scaling", "--head-sites",
+                          "--host-slowdown", "--inductor-config", "--inference",
                           "--kernels", "--max-error", "--max-ne-change", "--max-trials", "--min-speedup",
                           "--mods", "--tables",
                           "--no-compile", "--num-samples", "--out", "--paired-trials", "--preset", "--report",
@@ -116,7 +118,7 @@ DEFAULTS = {
     "optimize": {"batch_size": None, "budget_batches": None, "checkpoint": None, "compile_mode": None,
                  "data": "synthetic", "max_ne_change": None,
                  "delayed_decay": None, "delayed_scaling": False, "head_sites": 3,
-                 "inductor_config": [],
+                 "host_slowdown": None, "inductor_config": [],
                  "inference": False, "kernels": None, "max_error": 0.2, "max_trials": 16,
                  "min_speedup": 1.05, "model": "MODEL", "mods": "none", "tables": "torch", "no_compile": False,
                  "num_samples": 16, "out": "plan.json", "paired_trials": False, "preset": "tiny",
@@ -748,6 +750,27 @@ def test_optimize_passes_inductor_options_to_its_timed_steps(capsys, monkeypatch
                        "drop --no-compile")):
         code, _, err = run(["optimize", "wukong", "--preset", "tiny", *argv], capsys)
         assert code == 2 and msg in err, err
+
+
+def test_optimize_passes_the_host_slowdown_and_refuses_one_below_one(capsys, monkeypatch):
+    """``--host-slowdown F`` reaches loka.optimize as host_slowdown (left out: optimize's
+    default); a value below 1, not finite or not a number is a usage error."""
+    import loka.cli.commands as commands
+
+    got = []
+
+    def fake_optimize(*args, **kw):
+        got.append(kw)
+        raise cli.CliError("stopped here")
+    monkeypatch.setattr(commands, "optimize", fake_optimize)
+    base = ["optimize", "wukong", "--preset", "tiny", "--device", "cpu", "--steps", "1"]
+    for extra in (["--host-slowdown", "2"], []):
+        code, _, err = run(base + extra, capsys)
+        assert code == 1 and "stopped here" in err
+    assert got[0]["host_slowdown"] == 2.0 and "host_slowdown" not in got[1]
+    for bad in ("0.5", "inf", "nan", "fast"):
+        code, _, err = run(base + ["--host-slowdown", bad], capsys)
+        assert code == 2 and "--host-slowdown" in err, err
 
 
 def test_optimize_refuses_synchronized_steps_where_it_times_no_step(capsys):

@@ -941,6 +941,24 @@ def test_the_optimize_static_row_takes_the_static_plan_through_loka_optimize(pro
     _, _, again = lev.convert(copy.deepcopy(model), "loka-optimize-static", "serve", case,
                               torch.device("cpu"), args=args)
     assert seen["synchronized_steps"] is True and again["optimize_synchronized"] is True
+    assert "host_slowdown" not in seen and again["optimize_host_check"] is None  # untimed
+    # --optimize-host-slowdown reaches it too
+    args.optimize_host_slowdown = 2.0
+    lev.convert(copy.deepcopy(model), "loka-optimize-static", "serve", case,
+                torch.device("cpu"), args=args)
+    assert seen["host_slowdown"] == 2.0
+
+    def paired_log(*a, **kw):  # a paired trial's two timings stay in the row's log
+        result = real(*a, **kw)
+        result.trials = [{"sites": ["a", "b"], "removed": None, "time": 1.0, "raw_time": 1.1,
+                          "baseline_time": 1.2, "paired_with": "copy", "other": 5}]
+        return result
+    monkeypatch.setattr(lev, "optimize_plan", paired_log)
+    _, _, logged = lev.convert(copy.deepcopy(model), "loka-optimize-static", "serve", case,
+                               torch.device("cpu"), args=args)
+    assert logged["optimize_log"] == [{"sites": 2, "removed": None, "time": 1.0,
+                                       "raw_time": 1.1, "baseline_time": 1.2,
+                                       "paired_with": "copy"}]
     inputs = batches[0][0]
     with torch.no_grad():
         assert 0 < _rel(served.eval()(*inputs), model.eval()(*inputs)) < 0.15

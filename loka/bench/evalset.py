@@ -454,7 +454,9 @@ def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch
             max_trials=getattr(args, "optimize_trials", 8),
             rounds=getattr(args, "optimize_rounds", 3), static_scales=static,
             synchronized_steps=bool(getattr(args, "optimize_synchronized", False)),
-            paired_trials=bool(getattr(args, "optimize_paired_trials", False)))
+            paired_trials=bool(getattr(args, "optimize_paired_trials", False)),
+            **({} if getattr(args, "optimize_host_slowdown", None) is None
+               else {"host_slowdown": args.optimize_host_slowdown}))
         applied = apply_plan(model, result.plan, inference=(mode == "serve"))
         chosen = fp8_sites(result.plan)
         extra = {"plan": chosen, "_plan": result.plan, "optimize_speedup": result.speedup,
@@ -462,9 +464,12 @@ def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch
                  "optimize_rounds": result.rounds, "optimize_trials": len(result.trials),
                  "optimize_ab_timing": result.plan.budget.get("optimize", {}).get("ab_timing"),
                  "optimize_host_bound": result.host_bound,
+                 "optimize_host_check": result.plan.budget.get("optimize", {}).get("host_check"),
                  "optimize_synchronized": bool(getattr(args, "optimize_synchronized", False)),
                  "optimize_log": [{"sites": len(t.get("sites", ())),
-                                   **{k: t[k] for k in ("family", "twins", "removed", "role", "time")
+                                   **{k: t[k] for k in ("family", "twins", "removed", "role",
+                                                         "time", "raw_time", "baseline_time",
+                                                         "paired_with")
                                       if k in t}} for t in result.trials],
                  "untuned_fp8_sites": len(fp8_sites(result.untuned)), "timed": result.timed,
                  "apply_notes": list(getattr(applied, "notes", []) or [])}
@@ -1058,6 +1063,9 @@ def parse_args(argv, eval_set: "str | os.PathLike | types.ModuleType"):
                     help="loka-optimize: time each step from an idle GPU (loka.optimize's "
                          "synchronized_steps), as the rows' own step times are, not back "
                          "to back")
+    ap.add_argument("--optimize-host-slowdown", type=float, default=None, metavar="F",
+                    help="loka.optimize's host_slowdown (default its own, 1.5; 1 turns the "
+                         "check off)")
     ap.add_argument("--optimize-rounds", type=int, default=3,
                     help="loka-optimize: final A/B rounds the plan must win (from 3 rounds, "
                          "a lost one is weighed by extra rounds and a sign test)")

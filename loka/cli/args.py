@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import re
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -169,6 +170,18 @@ def speedup(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError(
             f"expected a positive number, got {text} (to plan on error only, use --assume-fast)")
+    return value
+
+
+def slowdown(text: str) -> float:
+    """An argparse ``type``: a host slowdown factor, a finite number >= 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 1.0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 1 (1 turns the check "
+                                         f"off), got {text}")
     return value
 
 

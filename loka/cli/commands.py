@@ -564,6 +564,8 @@ def cmd_optimize(args) -> int:
                       compile_mode=args.compile_mode, compile_options=compile_options,
                       synchronized_steps=args.synchronized_steps,
                       paired_trials=args.paired_trials, rounds=args.rounds,
+                      **({} if args.host_slowdown is None
+                         else {"host_slowdown": args.host_slowdown}),
                       max_trials=args.max_trials,
                       progress=lambda line: print(f"  {line}"),
                       delayed_scaling=delayed_option(args), refine=refine,

@@ -14,7 +14,7 @@ from .. import bench
 from ..config import DispatchConfig, ProbeConfig
 from ..demo import DemoConfig
 from ..numerics.delayed import DEFAULT_DECAY
-from .args import EXIT_USAGE, budget, decay, ne_change, positive, speedup
+from .args import EXIT_USAGE, budget, decay, ne_change, positive, slowdown, speedup
 
 __all__ = ["PROG", "EPILOGS", "build_parser", "version"]
 
@@ -434,6 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--paired-trials", action="store_true",
                    help="time the step without FP8 beside each tuning trial and compare by "
                         "ratio (a host whose speed drifts does not decide; twice the timings)")
+    p.add_argument("--host-slowdown", type=slowdown, default=None, metavar="F",
+                   help="on a host-bound step, keep a plan only if it would still win on a "
+                        "host F times slower (default 1.5; 1 turns the check off)")
     p.add_argument("--rounds", type=positive(int, "--rounds"), default=3,
                    help="final A/B rounds the plan must win (after a lost one, up to as many more "
                         "and a sign test)")

@@ -40,7 +40,7 @@ from .schema import Plan
 from .select import kernel_speedup, override
 from .select import plan as make_plan
 # (step_timer and check_compile_options are this module's public names too)
-from .steptimer import (PairedSteps, _ab_timer, _host_ms, _recorded, _recording,
+from .steptimer import (PairedSteps, _ab_timer, _host_ms, host_check, _recorded, _recording,
                         check_compile_options, step_timer)
 from .swap import root_module
 from .tune import FUSIBLE_TWINS, on_baseline, tune_speed
@@ -182,6 +182,12 @@ HOST_ADDED_SHARE = 1.02
 on a host-bound step, says so (a slower host can make it slower than none)"""
 
 
+HOST_SLOWDOWN = 1.5
+"""the default ``host_slowdown`` of :func:`optimize`: on a host-bound step, a plan is kept
+only if it would still win on a host this many times slower
+(:func:`~loka.dispatch.steptimer.host_check`)"""
+
+
 def _keeps_model_state(fn):
     """``fn(model, ...)`` that leaves the model's gradients and buffers as they were: the
     Probe's steps and the timed training steps replace gradients and move a norm's
@@ -219,7 +225,8 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
              progress: Optional[Callable[[str], None]] = None,
              refine: Optional[Callable[[Plan], Plan]] = None,
              delayed_scaling: Optional[float] = None, static_scales: bool = False,
-             static_margin: float = 1.0) -> OptimizeResult:
+             static_margin: float = 1.0,
+             host_slowdown: float = HOST_SLOWDOWN) -> OptimizeResult:
     """Probe ``model`` on ``batches``, plan, and keep only what makes its step faster.
 
     Args:
@@ -272,6 +279,12 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
             tensorwise scales at this decay (``Plan.delayed_scaling``; training only).
         static_scales, static_margin: serve the plans timed, and the one returned, with
             static activation scales (``loka.plan(..., static_scales=True)``; serving only).
+        host_slowdown: on a host-bound step (the rounds timed the host's time to issue
+            each step: the default timer's paired rounds), a plan that won its rounds is
+            kept only if it would still win on a host this many times slower: its gain per
+            step must exceed ``host_slowdown - 1`` times the host time it adds
+            (:func:`~loka.dispatch.steptimer.host_check`: hosts of one kind differ, and a
+            shared one slows down from call to call). 1.0 turns the check off.
 
     Returns:
         An :class:`OptimizeResult`; ``result.plan.budget["optimize"]`` records the rounds,
@@ -287,7 +300,8 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
         None; on a GPU the host's time to issue it, elsewhere the step). On a host-bound
         step, a kept plan whose host time is more than 2% over the baseline's
         (:data:`HOST_ADDED_SHARE`) says so in its notes: it won on the host that timed it,
-        and a slower host can make it slower than none.
+        and a slower host can make it slower than none. ``host_check`` records the check of
+        ``host_slowdown`` (``host_check``'s dict, None where it did not run).
     """
     if rounds < 1:
         raise ValueError(f"optimize needs rounds >= 1, got {rounds}")
@@ -298,6 +312,9 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     if static_scales and not inference:
         raise ValueError("static_scales is for serving (inference=True); training takes "
                          "delayed_scaling")
+    if not (isinstance(host_slowdown, (int, float)) and math.isfinite(host_slowdown)
+            and host_slowdown >= 1.0):
+        raise ValueError(f"host_slowdown must be a finite number >= 1.0, got {host_slowdown!r}")
     options = check_compile_options(compile_options, compile)
     if options and time_step is not None:
         raise ValueError("compile_options are the default timer's: a time_step of your own "
@@ -421,11 +438,24 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
                     f"per round" + (f"; back to back {result.speedup:.3f}x)"
                                     if result.speedup is not None else ")"))
     host_ms = _host_ms(result.rounds)
+    checked = None
+    if result.host_bound and tuned.fp8_sites() and host_slowdown > 1.0:
+        checked = host_check(result.rounds, host_slowdown)
+        if checked is not None and not checked["passed"]:
+            line = (f"the plan won its rounds by {1e3 * checked['gain_ms']:.0f} us per step "
+                    f"but adds {1e3 * checked['host_added_ms']:.0f} us of host time to this "
+                    f"host-bound step: on a host {host_slowdown:g}x slower it would lose "
+                    f"(host_slowdown)")
+            say(line)
+            tuned = on_baseline(tuned, tuned.fp8_sites(), line)
+            tuned.notes.append("optimize: " + line + "; every site is on the baseline")
     if (result.host_bound and host_ms and tuned.fp8_sites()
             and host_ms[1] > HOST_ADDED_SHARE * host_ms[0]):
         line = (f"the plan adds {1e3 * (host_ms[1] - host_ms[0]):.0f} us of host time per "
                 f"step ({host_ms[0]:.3f} -> {host_ms[1]:.3f} ms): on this host-bound step it "
-                f"won on this host; on a slower host it can be slower than none")
+                f"won on this host"
+                + (f" and would on one {host_slowdown:g}x slower" if checked else "")
+                + "; on a slower host still it can be slower than none")
         say(line)
         tuned.notes.append("optimize: " + line)
     tuned.budget["optimize"] = {"rounds": result.rounds, "trials": len(log),
@@ -439,7 +469,7 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
                                 "compile_options": _recorded(options),
                                 "synchronized_steps": bool(synchronized_steps),
                                 "paired_trials": bool(paired_trials),
-                                "ab_timing": ab_timing,
+                                "ab_timing": ab_timing, "host_check": checked,
                                 "host_ms": (None if host_ms is None else
                                             {"baseline": host_ms[0], "plan": host_ms[1]})}
     result.plan = tuned

@@ -354,5 +354,27 @@ def _host_ms(rounds: List[dict]) -> Optional[Tuple[float, float]]:
             float(statistics.median(p for _, p in pairs)))
 
 
+def host_check(rounds: List[dict], slowdown: float) -> Optional[dict]:
+    """Whether a plan that won its A/B rounds on a host-bound step still wins on a host
+    ``slowdown`` times slower.
+
+    On a host-bound step the host's time to issue it is part of the step's time, so a
+    host ``f`` times slower adds ``(f - 1)`` times that host time to each step: the plan
+    keeps its lead only if what it saves, the baseline's median step less the plan's,
+    exceeds ``(f - 1)`` times the host time it adds (the medians of the rounds' host
+    times). A plan that adds none passes. None where the rounds did not time the host.
+
+    Returns ``{"slowdown", "gain_ms", "host_added_ms", "margin_ms", "passed"}``."""
+    host = _host_ms(rounds)
+    if host is None or not rounds:
+        return None
+    gain = (statistics.median(r["baseline"] for r in rounds)
+            - statistics.median(r["plan"] for r in rounds))
+    added = host[1] - host[0]
+    margin = (slowdown - 1.0) * max(added, 0.0)
+    return {"slowdown": float(slowdown), "gain_ms": float(gain), "host_added_ms": float(added),
+            "margin_ms": float(margin), "passed": bool(gain > margin)}
+
+
 def _positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0

@@ -682,6 +682,69 @@ def test_a_kept_plan_that_adds_host_time_to_a_host_bound_step_says_so(monkeypatc
     assert bool(noted) is said and any("of host time per step" in x for x in lines) is said
     if said:
         assert f"adds {200 * n:.0f} us" in noted[0] and "slower than none" in noted[0]
+        # it won by n ms and adds 0.2 n ms of host time: it passes the 1.5x host's check
+        assert "would on one 1.5x slower" in noted[0]
+        assert budget["host_check"] == {"slowdown": 1.5, "gain_ms": pytest.approx(n),
+                                        "host_added_ms": pytest.approx(0.2 * n),
+                                        "margin_ms": pytest.approx(0.1 * n), "passed": True}
+    else:
+        assert budget["host_check"] is None
+
+
+@pytest.mark.parametrize("slowdown, kept", [(1.5, False), (1.2, True), (1.0, True)])
+def test_a_plan_that_would_lose_on_a_slower_host_goes_back_to_the_baseline(monkeypatch,
+                                                                          slowdown, kept):
+    """A host-bound step (host 9.5 of 10 ms) whose plan wins every round by 0.1 ms per
+    FP8 site but adds 0.3 ms of host time per site: on a host 1.5x slower it would lose
+    (0.1 n < 0.5 * 0.3 n), so every site goes back, and the note and the budget say why;
+    checked for a host 1.2x slower (0.06 n) it is kept, and 1.0 turns the check off."""
+    _scripted_steps(monkeypatch, -0.1, host=lambda n: 9.5 + 0.3 * n)
+    lines = []
+    timer = step_timer(_batches()[0], _loss, compile=False, steps=2, warmup=1, device="cuda")
+    result = optimize(_model(), _batches(), _loss, config=_config(), time_step=timer,
+                      rounds=2, progress=lines.append, host_slowdown=slowdown)
+    n = len(result.untuned.fp8_sites())
+    assert n and result.host_bound is True and all(r["plan"] < r["baseline"]
+                                                   for r in result.rounds)
+    assert bool(result.plan.fp8_sites()) is kept
+    check = result.plan.budget["optimize"]["host_check"]
+    if slowdown == 1.0:
+        assert check is None
+    else:
+        assert check["passed"] is kept and check["gain_ms"] == pytest.approx(0.1 * n)
+        assert check["margin_ms"] == pytest.approx((slowdown - 1) * 0.3 * n)
+    said = [x for x in result.plan.notes if "(host_slowdown)" in x]
+    assert bool(said) is (not kept)
+    if not kept:
+        assert f"by {100 * n:.0f} us" in said[0] and f"adds {300 * n:.0f} us" in said[0]
+        assert any("(host_slowdown)" in x for x in lines)
+
+
+def test_the_host_check_weighs_the_gain_against_the_host_time_added():
+    """host_check on rounds as the paired rounds record them: medians of the steps and of
+    the host times; a plan that takes host time off passes whatever it gains; rounds that
+    did not time the host give None."""
+    import sys
+
+    opt = sys.modules["loka.dispatch.optimize"]
+    rounds = [{"baseline": 1.0, "plan": 0.9, "baseline_host": 0.8, "plan_host": 0.9},
+              {"baseline": 1.1, "plan": 0.95, "baseline_host": 0.82, "plan_host": 1.0},
+              {"baseline": 1.0, "plan": 0.92, "baseline_host": 0.8, "plan_host": 0.92}]
+    check = opt.host_check(rounds, 1.5)  # gain 0.08, added 0.12: margin 0.06
+    assert check["gain_ms"] == pytest.approx(0.08) and check["host_added_ms"] == \
+        pytest.approx(0.12) and check["margin_ms"] == pytest.approx(0.06) and check["passed"]
+    assert not opt.host_check(rounds, 2.0)["passed"]  # margin 0.12 > 0.08
+    lighter = [dict(r, plan_host=0.5) for r in rounds]
+    assert opt.host_check(lighter, 10.0)["passed"]  # no host time added
+    assert opt.host_check(lighter, 10.0)["margin_ms"] == 0.0
+    assert opt.host_check([{"baseline": 1.0, "plan": 0.9}], 1.5) is None
+    assert opt.host_check([], 1.5) is None
+
+
+@pytest.mark.parametrize("bad", [0.99, 0.0, -1.0, float("nan"), float("inf"), "1.5", None])
+def test_optimize_refuses_a_host_slowdown_below_one_or_not_a_number(bad):
+    with pytest.raises(ValueError, match="host_slowdown must be a finite number >= 1.0"):
+        optimize(_model(), _batches(), _loss, config=_config(), host_slowdown=bad)
 
 
 @pytest.mark.parametrize("pairs", [True, False])
