@@ -773,6 +773,27 @@ def test_optimize_passes_the_host_slowdown_and_refuses_one_below_one(capsys, mon
         assert code == 2 and "--host-slowdown" in err, err
 
 
+def test_optimizes_last_line_says_whether_the_timed_plan_was_kept():
+    """The A/B line: the ratio of the plan kept; where none was kept (its rounds lost, or
+    the host check), it says the ratio is the timed plan's and that nothing was kept;
+    nothing without rounds."""
+    from types import SimpleNamespace
+
+    import loka.cli.commands as commands
+
+    def result(sites, speedup, timing):
+        plan = SimpleNamespace(fp8_sites=lambda: sites,
+                               budget={"optimize": {"ab_timing": {"timing": timing}}})
+        return SimpleNamespace(plan=plan, speedup=speedup, rounds=[{}, {}, {}])
+    assert commands.whole_step_line(result(["a"], 1.2341, "paired")) == (
+        "whole step: 1.234x of the step without FP8 (median of 3 A/B rounds, the model and "
+        "its planned copy timed in turn)")
+    assert commands.whole_step_line(result([], 1.05, "recompiled")) == (
+        "whole step: the plan timed ran at 1.050x of the step without FP8 (median of 3 A/B "
+        "rounds); no FP8 site kept, see the plan's notes")
+    assert commands.whole_step_line(result([], None, "paired")) is None
+
+
 def test_optimize_refuses_synchronized_steps_where_it_times_no_step(capsys):
     code, _, err = run(["optimize", "wukong", "--preset", "tiny", "--device", "cpu",
                         "--synchronized-steps"], capsys)

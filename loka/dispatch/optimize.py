@@ -473,8 +473,11 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
                                 "host_ms": (None if host_ms is None else
                                             {"baseline": host_ms[0], "plan": host_ms[1]})}
     result.plan = tuned
-    say(f"kept {len(tuned.fp8_sites())} FP8 site(s)"
-        + (f", step {result.speedup:.3f}x of the baseline" if result.speedup else ""))
+    kept = len(tuned.fp8_sites())
+    say(f"kept {kept} FP8 site(s)" + ("" if not result.speedup else
+                                      f", step {result.speedup:.3f}x of the baseline" if kept
+                                      else f"; the plan timed ran at {result.speedup:.3f}x of "
+                                      f"the baseline in its rounds"))
     return result
 
 

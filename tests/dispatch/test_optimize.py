@@ -718,6 +718,11 @@ def test_a_plan_that_would_lose_on_a_slower_host_goes_back_to_the_baseline(monke
     if not kept:
         assert f"by {100 * n:.0f} us" in said[0] and f"adds {300 * n:.0f} us" in said[0]
         assert any("(host_slowdown)" in x for x in lines)
+    # the last line says what was kept, and whose ratio the rounds measured
+    speed = (10.0 / (10.0 - 0.1 * n))
+    assert lines[-1] == (f"kept {n}" if kept else "kept 0") + " FP8 site(s)" + (
+        f", step {speed:.3f}x of the baseline" if kept
+        else f"; the plan timed ran at {speed:.3f}x of the baseline in its rounds")
 
 
 def test_the_host_check_weighs_the_gain_against_the_host_time_added():
