@@ -674,6 +674,19 @@ def test_bad_paired_options_are_refused(argv, tmp_path, capsys):
     assert "--paired-rounds must be 0 (off) or >= 2" in capsys.readouterr().err
 
 
+def test_the_host_slowdown_option_takes_a_finite_number_not_below_one(tmp_path, capsys):
+    from loka.bench import evalset as lev
+
+    out = ["--out", str(tmp_path / "o.json")]
+    assert lev.parse_args(out, BENCH / "evalset")[0].optimize_host_slowdown is None
+    assert lev.parse_args(out + ["--optimize-host-slowdown", "2"],
+                          BENCH / "evalset")[0].optimize_host_slowdown == 2.0
+    for bad in ("0.5", "nan", "inf", "fast"):
+        with pytest.raises(SystemExit):
+            lev.parse_args(out + ["--optimize-host-slowdown", bad], BENCH / "evalset")
+        assert "--optimize-host-slowdown" in capsys.readouterr().err
+
+
 def test_host_syncs_lists_what_one_step_waits_for_and_restores_the_mode(monkeypatch):
     """A scripted CUDA: the step warns once per synchronizing call while the debug mode is
     'warn' (as torch does), and the mode goes back to what it was, even when the step

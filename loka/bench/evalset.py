@@ -1040,6 +1040,17 @@ def eval_set_with(path: "str | os.PathLike", model: str) -> types.ModuleType:
     return module
 
 
+def _slowdown(text: str) -> float:
+    """An argparse ``type`` for ``--optimize-host-slowdown``: a finite number >= 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value >= 1.0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 1, got {text}")
+    return value
+
+
 def parse_args(argv, eval_set: "str | os.PathLike | types.ModuleType"):
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -1063,8 +1074,8 @@ def parse_args(argv, eval_set: "str | os.PathLike | types.ModuleType"):
                     help="loka-optimize: time each step from an idle GPU (loka.optimize's "
                          "synchronized_steps), as the rows' own step times are, not back "
                          "to back")
-    ap.add_argument("--optimize-host-slowdown", type=float, default=None, metavar="F",
-                    help="loka.optimize's host_slowdown (default its own, 1.5; 1 turns the "
+    ap.add_argument("--optimize-host-slowdown", type=_slowdown, default=None, metavar="F",
+                    help="loka.optimize's host_slowdown (default its own; 1 turns the "
                          "check off)")
     ap.add_argument("--optimize-rounds", type=int, default=3,
                     help="loka-optimize: final A/B rounds the plan must win (from 3 rounds, "

@@ -13,6 +13,7 @@ from importlib import metadata
 from .. import bench
 from ..config import DispatchConfig, ProbeConfig
 from ..demo import DemoConfig
+from ..dispatch.optimize import HOST_SLOWDOWN
 from ..numerics.delayed import DEFAULT_DECAY
 from .args import EXIT_USAGE, budget, decay, ne_change, positive, slowdown, speedup
 
@@ -435,8 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time the step without FP8 beside each tuning trial and compare by "
                         "ratio (a host whose speed drifts does not decide; twice the timings)")
     p.add_argument("--host-slowdown", type=slowdown, default=None, metavar="F",
-                   help="on a host-bound step, keep a plan only if it would still win on a "
-                        "host F times slower (default 1.5; 1 turns the check off)")
+                   help="keep a plan only if it would not be slower than none on a host F "
+                        f"times slower (default {HOST_SLOWDOWN:g}; 1 turns the check off)")
     p.add_argument("--rounds", type=positive(int, "--rounds"), default=3,
                    help="final A/B rounds the plan must win (after a lost one, up to as many more "
                         "and a sign test)")

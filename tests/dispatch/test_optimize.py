@@ -666,46 +666,50 @@ def test_paired_steps_compile_each_model_once_and_keep_both(monkeypatch):
 @pytest.mark.parametrize("host_ms, said", [(9.5, True), (5.0, False)])
 def test_a_kept_plan_that_adds_host_time_to_a_host_bound_step_says_so(monkeypatch, host_ms,
                                                                       said):
-    """On a GPU (as the timer reports it), a host-bound step whose plan wins but adds
-    host time: the plan is kept, its note says by how much and what a slower host would
-    do; the budget records both host times. A step that is not host-bound says nothing."""
+    """On a GPU (as the timer reports it), a host-bound step whose plan wins by 1 ms per
+    site but adds 0.2 ms of host time per site, the host check off (host_slowdown=1.0):
+    the plan is kept, its note says by how much and what a slower host would do; the
+    budget records both host times. A step that is not host-bound says nothing."""
     _scripted_steps(monkeypatch, -1.0, host=lambda n: host_ms + 0.2 * n)
     lines = []
     timer = step_timer(_batches()[0], _loss, compile=False, steps=2, warmup=1, device="cuda")
     result = optimize(_model(), _batches(), _loss, config=_config(), time_step=timer,
-                      rounds=2, progress=lines.append)
+                      rounds=2, progress=lines.append, host_slowdown=1.0)
     n = len(result.plan.fp8_sites())
     assert n and result.host_bound is said
     budget = result.plan.budget["optimize"]
     assert budget["host_ms"] == {"baseline": host_ms, "plan": pytest.approx(host_ms + 0.2 * n)}
+    assert budget["host_check"] is None
     noted = [x for x in result.plan.notes if "of host time per step" in x]
     assert bool(noted) is said and any("of host time per step" in x for x in lines) is said
     if said:
         assert f"adds {200 * n:.0f} us" in noted[0] and "slower than none" in noted[0]
-        # it won by n ms and adds 0.2 n ms of host time: it passes the 1.5x host's check
-        assert "would on one 1.5x slower" in noted[0]
-        assert budget["host_check"] == {"slowdown": 1.5, "gain_ms": pytest.approx(n),
-                                        "host_added_ms": pytest.approx(0.2 * n),
-                                        "margin_ms": pytest.approx(0.1 * n), "passed": True}
-    else:
-        assert budget["host_check"] is None
+        assert "would not lose" not in noted[0]
 
 
-@pytest.mark.parametrize("slowdown, kept", [(1.5, False), (1.2, True), (1.0, True)])
-def test_a_plan_that_would_lose_on_a_slower_host_goes_back_to_the_baseline(monkeypatch,
-                                                                          slowdown, kept):
-    """A host-bound step (host 9.5 of 10 ms) whose plan wins every round by 0.1 ms per
-    FP8 site but adds 0.3 ms of host time per site: on a host 1.5x slower it would lose
-    (0.1 n < 0.5 * 0.3 n), so every site goes back, and the note and the budget say why;
-    checked for a host 1.2x slower (0.06 n) it is kept, and 1.0 turns the check off."""
-    _scripted_steps(monkeypatch, -0.1, host=lambda n: 9.5 + 0.3 * n)
+def _checked(monkeypatch, per_site_ms, host, slowdown):
+    """optimize under the scripted default timer on a GPU (steps of 10 + per_site_ms * n
+    ms, host(n) ms): (result, progress lines, FP8 sites of the untuned plan)."""
+    _scripted_steps(monkeypatch, per_site_ms, host=host)
     lines = []
     timer = step_timer(_batches()[0], _loss, compile=False, steps=2, warmup=1, device="cuda")
     result = optimize(_model(), _batches(), _loss, config=_config(), time_step=timer,
                       rounds=2, progress=lines.append, host_slowdown=slowdown)
-    n = len(result.untuned.fp8_sites())
-    assert n and result.host_bound is True and all(r["plan"] < r["baseline"]
-                                                   for r in result.rounds)
+    return result, lines, len(result.untuned.fp8_sites())
+
+
+@pytest.mark.parametrize("slowdown, kept", [(1.5, False), (1.2, True), (1.0, True)])
+def test_a_plan_whose_host_time_would_cost_its_gain_goes_back_to_the_baseline(monkeypatch,
+                                                                              slowdown, kept):
+    """Exposed host time: steps of 10 ms that the host issues in 5 ms; the plan wins every
+    round by 0.1 ms per FP8 site and adds 0.3 ms of host time per site. On a host 1.5x
+    slower that costs 0.15 ms per site, more than it gains, so every site goes back, and
+    the note and the budget say why; on one 1.2x slower it costs 0.06 ms (kept); 1.0 turns
+    the check off. Back to back (max(step, 1.5 host)) the plan would not be slower: this is
+    the exposed model's verdict alone."""
+    result, lines, n = _checked(monkeypatch, -0.1, lambda n: 5.0 + 0.3 * n, slowdown)
+    assert n and result.host_bound is False
+    assert all(r["plan"] < r["baseline"] for r in result.rounds)
     assert bool(result.plan.fp8_sites()) is kept
     check = result.plan.budget["optimize"]["host_check"]
     if slowdown == 1.0:
@@ -713,40 +717,111 @@ def test_a_plan_that_would_lose_on_a_slower_host_goes_back_to_the_baseline(monke
     else:
         assert check["passed"] is kept and check["gain_ms"] == pytest.approx(0.1 * n)
         assert check["margin_ms"] == pytest.approx((slowdown - 1) * 0.3 * n)
+        assert check["slow_host_ms"] == {
+            "baseline": pytest.approx(max(10.0, slowdown * 5.0)),
+            "plan": pytest.approx(max(10.0 - 0.1 * n, slowdown * (5.0 + 0.3 * n)))}
+        assert check["slow_host_ms"]["plan"] <= check["slow_host_ms"]["baseline"]
     said = [x for x in result.plan.notes if "(host_slowdown)" in x]
     assert bool(said) is (not kept)
     if not kept:
-        assert f"by {100 * n:.0f} us" in said[0] and f"adds {300 * n:.0f} us" in said[0]
+        assert f"by {100 * n:.0f} us per step" in said[0] and f"adds {300 * n:.0f} us" in said[0]
+        assert f"by {50 * n:.0f} us" in said[0]  # 0.15 n lost against 0.1 n gained
         assert any("(host_slowdown)" in x for x in lines)
     # the last line says what was kept, and whose ratio the rounds measured
-    speed = (10.0 / (10.0 - 0.1 * n))
+    speed = 10.0 / (10.0 - 0.1 * n)
     assert lines[-1] == (f"kept {n}" if kept else "kept 0") + " FP8 site(s)" + (
         f", step {speed:.3f}x of the baseline" if kept
         else f"; the plan timed ran at {speed:.3f}x of the baseline in its rounds")
 
 
+def test_a_plan_that_would_be_slower_back_to_back_on_a_slower_host_goes_back(monkeypatch):
+    """Pipelined: a host-bound step (host 9.5 of 10 ms) whose plan gains 0.5 ms per site and
+    adds 0.1 ms of host time per site passes the exposed model (0.5 n >= 0.05 n) but,
+    issued back to back on a host 1.5x slower, its step is the host's, 14.25 + 0.15 n ms
+    against the baseline's 14.25: it goes back. A plan that adds no host time, or less than
+    2% of the baseline's (the rounds' noise), stays: both steps are then the host's."""
+    result, _, n = _checked(monkeypatch, -0.5, lambda n: 9.5 + 0.1 * n, 1.5)
+    check = result.plan.budget["optimize"]["host_check"]
+    assert n and 0.1 * n > 0.02 * 9.5  # more than the noise
+    assert not result.plan.fp8_sites() and check["passed"] is False
+    assert check["gain_ms"] >= check["margin_ms"]  # the exposed model alone would keep it
+    assert check["slow_host_ms"] == {"baseline": pytest.approx(14.25),
+                                     "plan": pytest.approx(1.5 * (9.5 + 0.1 * n))}
+    note = [x for x in result.plan.notes if "(host_slowdown)" in x][0]
+    assert f"{1.5 * (9.5 + 0.1 * n):.3f} against 14.250 ms" in note
+    for host in (lambda n: 9.5, lambda n: 9.5 * (1.019 if n else 1.0)):
+        same, _, _ = _checked(monkeypatch, -0.5, host, 1.5)
+        check = same.plan.budget["optimize"]["host_check"]
+        assert same.plan.fp8_sites() and check["passed"] and check["margin_ms"] == 0.0
+        assert check["slow_host_ms"]["plan"] == pytest.approx(14.25)
+
+
 def test_the_host_check_weighs_the_gain_against_the_host_time_added():
     """host_check on rounds as the paired rounds record them: medians of the steps and of
-    the host times; a plan that takes host time off passes whatever it gains; rounds that
-    did not time the host give None."""
+    the host times; a plan that takes host time off passes whatever the slowdown; rounds
+    that did not time the host give None."""
     import sys
 
     opt = sys.modules["loka.dispatch.optimize"]
-    rounds = [{"baseline": 1.0, "plan": 0.9, "baseline_host": 0.8, "plan_host": 0.9},
-              {"baseline": 1.1, "plan": 0.95, "baseline_host": 0.82, "plan_host": 1.0},
-              {"baseline": 1.0, "plan": 0.92, "baseline_host": 0.8, "plan_host": 0.92}]
+    rounds = [{"baseline": 1.0, "plan": 0.9, "baseline_host": 0.5, "plan_host": 0.6},
+              {"baseline": 1.1, "plan": 0.95, "baseline_host": 0.52, "plan_host": 0.7},
+              {"baseline": 1.0, "plan": 0.92, "baseline_host": 0.5, "plan_host": 0.62}]
     check = opt.host_check(rounds, 1.5)  # gain 0.08, added 0.12: margin 0.06
     assert check["gain_ms"] == pytest.approx(0.08) and check["host_added_ms"] == \
         pytest.approx(0.12) and check["margin_ms"] == pytest.approx(0.06) and check["passed"]
+    assert check["slow_host_ms"] == {"baseline": pytest.approx(1.0),
+                                     "plan": pytest.approx(0.93)}  # 1.5 * 0.62 over 0.92
     assert not opt.host_check(rounds, 2.0)["passed"]  # margin 0.12 > 0.08
-    lighter = [dict(r, plan_host=0.5) for r in rounds]
+    mid = opt.host_check(rounds, 1.65)  # margin 0.078 <= 0.08, but back to back
+    assert mid["margin_ms"] <= mid["gain_ms"] and not mid["passed"]
+    assert mid["slow_host_ms"]["plan"] == pytest.approx(1.023)  # 1.65 * 0.62 > 1.0
+    lighter = [dict(r, plan_host=0.4) for r in rounds]
     assert opt.host_check(lighter, 10.0)["passed"]  # no host time added
     assert opt.host_check(lighter, 10.0)["margin_ms"] == 0.0
     assert opt.host_check([{"baseline": 1.0, "plan": 0.9}], 1.5) is None
     assert opt.host_check([], 1.5) is None
 
 
-@pytest.mark.parametrize("bad", [0.99, 0.0, -1.0, float("nan"), float("inf"), "1.5", None])
+@pytest.mark.parametrize("why", ["uncopyable", "timer"])
+def test_the_host_check_runs_on_rounds_that_recompile_too(monkeypatch, why):
+    """Rounds that apply and remove the plan (a model that cannot be copied, a timer that
+    does not pair) keep each timing's host time where the timer reports it on a GPU, so
+    the check runs there too: the exposed-host plan of the test above goes back."""
+    import sys
+
+    timer_module = sys.modules["loka.dispatch.steptimer"]
+    _scripted_steps(monkeypatch, -0.1, host=lambda n: 5.0 + 0.3 * n)
+    timer = step_timer(_batches()[0], _loss, compile=False, steps=2, warmup=1, device="cuda")
+    if why == "uncopyable":
+        monkeypatch.setattr(timer_module, "_twin", lambda model, root: (None, "no copy"))
+    else:
+        inner = timer
+
+        def timer(model):  # the default timer's timings, without its pair
+            ms = inner(model)
+            timer.last = inner.last
+            return ms
+        timer.last = None
+    result = optimize(_model(), _batches(), _loss, config=_config(), time_step=timer,
+                      rounds=2)
+    n = len(result.untuned.fp8_sites())
+    budget = result.plan.budget["optimize"]
+    assert n and budget["ab_timing"]["timing"] == "recompiled"
+    assert all(r["baseline_host"] == 5.0 and r["plan_host"] == pytest.approx(5.0 + 0.3 * n)
+               for r in result.rounds)
+    assert budget["host_check"]["passed"] is False and not result.plan.fp8_sites()
+
+
+def test_lost_rounds_leave_the_host_check_unrun(monkeypatch):
+    """A plan that lost its rounds went back already: no host check, no note of it."""
+    result, _, n = _checked(monkeypatch, 0.5, lambda n: 5.0, 1.5)
+    assert n and not result.plan.fp8_sites()
+    assert result.plan.budget["optimize"]["host_check"] is None
+    assert not any("(host_slowdown)" in x for x in result.plan.notes)
+
+
+@pytest.mark.parametrize("bad", [0.99, 0.0, -1.0, float("nan"), float("inf"), "1.5", None,
+                                 True])
 def test_optimize_refuses_a_host_slowdown_below_one_or_not_a_number(bad):
     with pytest.raises(ValueError, match="host_slowdown must be a finite number >= 1.0"):
         optimize(_model(), _batches(), _loss, config=_config(), host_slowdown=bad)
