@@ -444,14 +444,17 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     if tuned.fp8_sites() and host_slowdown > 1.0:
         checked = host_check(result.rounds, host_slowdown, noise=HOST_ADDED_SHARE - 1.0)
         if checked is not None and not checked["passed"]:
-            slow = checked["slow_host_ms"]
+            slow, lost = checked["slow_host_ms"], []
+            if checked["gain_ms"] < checked["margin_ms"]:
+                lost.append(f"with its host time all in the step, by "
+                            f"{1e3 * (checked['margin_ms'] - checked['gain_ms']):.0f} us")
+            if slow["plan"] > slow["baseline"]:
+                lost.append(f"issued back to back, {slow['plan']:.3f} against "
+                            f"{slow['baseline']:.3f} ms")
             line = (f"the plan won its rounds by {1e3 * checked['gain_ms']:.0f} us per step "
                     f"but adds {1e3 * checked['host_added_ms']:.0f} us of host time: on a "
-                    f"host {host_slowdown:g}x slower it would be slower than none (its host "
-                    f"time all in the step: by "
-                    f"{1e3 * (checked['margin_ms'] - checked['gain_ms']):.0f} us; steps back "
-                    f"to back: {slow['plan']:.3f} against {slow['baseline']:.3f} ms) "
-                    f"(host_slowdown)")
+                    f"host {host_slowdown:g}x slower it would be slower than none ("
+                    + "; ".join(lost) + ") (host_slowdown)")
             say(line)
             tuned = on_baseline(tuned, tuned.fp8_sites(), line)
             tuned.notes.append("optimize: " + line + "; every site is on the baseline")
