@@ -99,6 +99,7 @@ from ..dispatch import plan as make_plan
 from ..dispatch import fp8_ceiling, predict_step
 from ..dispatch.linear import delayable
 from ..dispatch.static import amax_from_report, static_scales_for
+from ..dispatch.steptimer import check_host_slowdown
 from ..jsonio import atomic_write_text, json_safe
 from ..kernels import registry
 from ..numerics.delayed import DEFAULT_DECAY
@@ -1043,12 +1044,9 @@ def eval_set_with(path: "str | os.PathLike", model: str) -> types.ModuleType:
 def _slowdown(text: str) -> float:
     """An argparse ``type`` for ``--optimize-host-slowdown``: a finite number >= 1."""
     try:
-        value = float(text)
+        return check_host_slowdown(float(text))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (value >= 1.0 and value != float("inf")):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 1, got {text}")
-    return value
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 1, got {text}") from None
 
 
 def parse_args(argv, eval_set: "str | os.PathLike | types.ModuleType"):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import math
 import re
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -19,6 +18,7 @@ import torch
 
 from ..config import ROLES, ModsConfig, ProbeConfig, Role
 from ..demo import DemoConfig
+from ..dispatch.steptimer import check_host_slowdown
 from ..kernels import registry
 from ..numerics.delayed import check_decay
 
@@ -179,10 +179,11 @@ def slowdown(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (math.isfinite(value) and value >= 1.0):
+    try:
+        return check_host_slowdown(value)
+    except ValueError:
         raise argparse.ArgumentTypeError(f"expected a finite number >= 1 (1 turns the check "
-                                         f"off), got {text}")
-    return value
+                                         f"off), got {text}") from None
 
 
 def decay(text: str) -> float:

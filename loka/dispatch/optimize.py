@@ -40,8 +40,9 @@ from .schema import Plan
 from .select import kernel_speedup, override
 from .select import plan as make_plan
 # (step_timer and check_compile_options are this module's public names too)
-from .steptimer import (PairedSteps, _ab_timer, _host_ms, host_check, _recorded, _recording,
-                        check_compile_options, step_timer)
+from .steptimer import (HOST_ADDED_SHARE, PairedSteps, _ab_timer, _host_ms, _recorded,
+                        _recording, check_compile_options, check_host_slowdown, host_check,
+                        step_timer)
 from .swap import root_module
 from .tune import FUSIBLE_TWINS, on_baseline, tune_speed
 from .verdict import _ratio, _wins, ab_note, ab_verdict, null_keep_probability
@@ -177,11 +178,6 @@ HOST_BOUND_SHARE = 0.8
 saves of its GPU time mostly comes back as the GPU waiting for the host"""
 
 
-HOST_ADDED_SHARE = 1.02
-"""a kept plan whose step the host issues in more than this share of the baseline's time,
-on a host-bound step, says so (a slower host can make it slower than none)"""
-
-
 HOST_SLOWDOWN = 1.5
 """the default ``host_slowdown`` of :func:`optimize`: a plan is kept only if it would not be
 slower than none on a host this many times slower
@@ -314,9 +310,7 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     if static_scales and not inference:
         raise ValueError("static_scales is for serving (inference=True); training takes "
                          "delayed_scaling")
-    if (isinstance(host_slowdown, bool) or not isinstance(host_slowdown, (int, float))
-            or not math.isfinite(host_slowdown) or host_slowdown < 1.0):
-        raise ValueError(f"host_slowdown must be a finite number >= 1.0, got {host_slowdown!r}")
+    host_slowdown = check_host_slowdown(host_slowdown)
     options = check_compile_options(compile_options, compile)
     if options and time_step is not None:
         raise ValueError("compile_options are the default timer's: a time_step of your own "
@@ -442,7 +436,7 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     host_ms = _host_ms(result.rounds)
     checked = None
     if tuned.fp8_sites() and host_slowdown > 1.0:
-        checked = host_check(result.rounds, host_slowdown, noise=HOST_ADDED_SHARE - 1.0)
+        checked = host_check(result.rounds, host_slowdown)
         if checked is not None and not checked["passed"]:
             slow, lost = checked["slow_host_ms"], []
             if checked["gain_ms"] < checked["margin_ms"]:

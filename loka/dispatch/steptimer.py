@@ -367,7 +367,22 @@ def _host_ms(rounds: List[dict]) -> Optional[Tuple[float, float]]:
             float(statistics.median(p for _, p in pairs)))
 
 
-def host_check(rounds: List[dict], slowdown: float, noise: float = 0.02) -> Optional[dict]:
+HOST_ADDED_SHARE = 1.02
+"""host time within this share of the baseline's is the rounds' noise: a plan must add more
+before :func:`host_check` counts it, and before ``optimize`` notes it on a host-bound step"""
+
+
+def check_host_slowdown(value, name: str = "host_slowdown") -> float:
+    """``value`` as a host slowdown, a finite number >= 1 (not a bool); ValueError naming
+    ``name`` otherwise. The one check of every entry point that takes one."""
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or value < 1.0):
+        raise ValueError(f"{name} must be a finite number >= 1.0, got {value!r}")
+    return float(value)
+
+
+def host_check(rounds: List[dict], slowdown: float,
+               noise: float = HOST_ADDED_SHARE - 1.0) -> Optional[dict]:
     """Whether a plan that won its A/B rounds would still not be slower on a host
     ``slowdown`` times slower, under two models of how a step's time follows its host's
     (medians of the rounds: steps ``W``, host times ``H``, baseline ``b`` and plan ``p``;
@@ -380,8 +395,8 @@ def host_check(rounds: List[dict], slowdown: float, noise: float = 0.02) -> Opti
       step's, ``slow_host_ms = max(W, f H)`` for each: the plan's must be no longer.
 
     The plan passes only under both (a plan that adds no host time and won its rounds
-    passes both). Host time added within ``noise`` of the baseline's (a share: 0.02, 2%)
-    counts as none: the rounds' host times vary that much from round to round, and two
+    passes both). Host time added within ``noise`` of the baseline's (a share; default 2%,
+    :data:`HOST_ADDED_SHARE`) counts as none: the rounds' host times vary that much from round to round, and two
     steps that a slow host sets the pace of would otherwise be told apart by it. None where
     the rounds did not time the host.
 
