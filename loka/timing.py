@@ -12,6 +12,8 @@ the L2 cache before each call.
 
 Whole steps (a training step, an inference forward) are timed by :func:`time_steps`: the
 median of per-step CUDA-event times after warm-up, or wall-clock medians on the CPU.
+:class:`CapturedStep` captures a whole step in one CUDA graph, as a training loop or a server
+that replays its step does.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 __all__ = ["TimingResult", "time_fn", "time_steps", "synchronize",
-           "release_rng_after_failed_capture"]
+           "release_rng_after_failed_capture", "CapturedStep"]
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,69 @@ def release_rng_after_failed_capture(device: "torch.device | int | None" = None)
     gen = torch.cuda.default_generators[torch.cuda.current_device() if index is None else index]
     if hasattr(gen, "graphsafe_set_state") and hasattr(gen, "clone_state"):
         gen.graphsafe_set_state(gen.clone_state())
+
+
+class CapturedStep:
+    """A whole step captured in one CUDA graph at its first call and replayed at every call
+    after: the host issues it in one launch, whatever it holds (Dynamo's guards, the
+    compiled code's launches, custom ops, an optimizer's step), as a training loop or a
+    server that captures its whole step runs it. Inductor's own CUDA graphs
+    (``mode="reduce-overhead"``) capture the compiled graphs only, and check their inputs
+    on every call; here the host's time per step is the replay's, the same for every plan.
+
+    The first call runs ``warmup`` calls of ``step`` on a side stream (compiles, autotuning,
+    cuBLAS handles: capture needs them done), then captures one call and replays it. Every
+    call returns what the captured call returned: the graph's outputs, overwritten by the
+    next replay. The step's inputs are what it closes over, refilled in place between calls
+    if they change. A training step's optimizer must be capturable (``capturable=True``);
+    a step that waits for the host (``.item()``, a shape that depends on values) cannot be
+    captured: the first call raises a RuntimeError that says so, and the device's random
+    state is left usable (:func:`release_rng_after_failed_capture`). CUDA only: ``device``
+    of another type is a ValueError.
+    """
+
+    def __init__(self, step: Callable[[], object], device: "torch.device | str" = "cuda",
+                 warmup: int = 3):
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"a captured step runs in a CUDA graph: the device is "
+                             f"{device.type}, not cuda")
+        if warmup < 1:
+            raise ValueError(f"a captured step needs warmup >= 1 (its compile and allocations "
+                             f"must happen before capture), got {warmup}")
+        self.step, self.device, self.warmup = step, device, int(warmup)
+        self.graph: Optional["torch.cuda.CUDAGraph"] = None
+        self.out: object = None
+        self.model = getattr(step, "model", None)  # what it runs, for whoever times it
+
+    def capture(self) -> None:
+        """Warm up and capture (done by the first call)."""
+        with torch.cuda.device(self.device):
+            side = _side_stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup):
+                    self.step()
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, stream=side):
+                    out = self.step()
+            except Exception as exc:
+                release_rng_after_failed_capture(self.device)
+                raise RuntimeError(
+                    f"the step could not be captured in a CUDA graph ({type(exc).__name__}: "
+                    f"{(str(exc).splitlines() or [''])[0][:200]}): a step that waits for "
+                    f"the host (.item(), a shape that depends on values) or an optimizer "
+                    f"without capturable=True cannot") from exc
+            self.graph, self.out = graph, out
+
+    def __call__(self) -> object:
+        if self.graph is None:
+            self.capture()
+        self.graph.replay()
+        return self.out
 
 
 def _time_cuda(fn, warmup: int, iters: int, per_graph: int, budget_ms) -> TimingResult:

@@ -41,7 +41,8 @@ SURFACE = {
                           "--mods", "--tables", "--out", "--plan", "--preset", "--seed", "--skip-bad-lines",
                           "-o"],
     "kernels": COMMON + ["--json"],
-    "optimize": COMMON + ["--batch-size", "--budget-batches", "--checkpoint", "--compile-mode",
+    "optimize": COMMON + ["--batch-size", "--budget-batches", "--capture-steps", "--checkpoint",
+                          "--compile-mode",
                           "--data", "--delayed-decay", "--delayed-scaling", "--head-sites",
                           "--host-slowdown", "--inductor-config", "--inference",
                           "--kernels", "--max-error", "--max-ne-change", "--max-trials", "--min-speedup",
@@ -115,7 +116,8 @@ DEFAULTS = {
                  "model": "wukong", "mods": "none", "tables": "torch", "out": None, "plan": None, "preset": "tiny",
                  "seed": 0, "skip_bad_lines": False},
     "kernels": {"json": False},
-    "optimize": {"batch_size": None, "budget_batches": None, "checkpoint": None, "compile_mode": None,
+    "optimize": {"batch_size": None, "budget_batches": None, "capture_steps": False,
+                 "checkpoint": None, "compile_mode": None,
                  "data": "synthetic", "max_ne_change": None,
                  "delayed_decay": None, "delayed_scaling": False, "head_sites": 3,
                  "host_slowdown": None, "inductor_config": [],
@@ -798,6 +800,27 @@ def test_optimize_refuses_synchronized_steps_where_it_times_no_step(capsys):
     code, _, err = run(["optimize", "wukong", "--preset", "tiny", "--device", "cpu",
                         "--synchronized-steps"], capsys)
     assert code == 2 and "--synchronized-steps is how a GPU's steps are timed" in err
+
+
+def test_optimize_capture_steps_refusals_and_pass_through(capsys, monkeypatch):
+    """``--capture-steps``: refused beside Inductor's CUDA graphs and on a device that times
+    no step; left out, loka.optimize is told not to capture."""
+    import loka.cli.commands as commands
+
+    base = ["optimize", "wukong", "--preset", "tiny", "--capture-steps"]
+    code, _, err = run(base + ["--compile-mode", "reduce-overhead"], capsys)
+    assert code == 2 and "adds Inductor's CUDA graphs inside it" in err, err
+    code, _, err = run(base + ["--device", "cpu"], capsys)
+    assert code == 2 and "--capture-steps captures steps in CUDA graphs: on cpu" in err, err
+    got = []
+
+    def fake_optimize(*args, **kw):
+        got.append(kw)
+        raise cli.CliError("stopped here")
+    monkeypatch.setattr(commands, "optimize", fake_optimize)
+    code, _, err = run(base[:-1] + ["--device", "cpu", "--steps", "1"], capsys)
+    assert code == 1 and "stopped here" in err
+    assert got[0]["capture_steps"] is False  # left out: the steps are not captured
 
 
 # -- runs: damaged checkpoints, a locked --out, a finished run, plans, file modes ----------

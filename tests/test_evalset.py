@@ -960,6 +960,14 @@ def test_the_optimize_static_row_takes_the_static_plan_through_loka_optimize(pro
     lev.convert(copy.deepcopy(model), "loka-optimize-static", "serve", case,
                 torch.device("cpu"), args=args)
     assert seen["host_slowdown"] == 2.0
+    assert seen["capture_steps"] is False and seen["compile_mode"] is None  # no graphs
+    # the CUDA-graph rows: Inductor's graphs, or with --graph-capture step whole steps
+    for capture, mode, steps in (("trees", "reduce-overhead", False), ("step", None, True)):
+        args.graph_capture = capture
+        lev.convert(copy.deepcopy(model), "loka-optimize-static", "serve", case,
+                    torch.device("cpu"), graphs=True, args=args)
+        assert (seen["compile_mode"], seen["capture_steps"]) == (mode, steps)
+    del args.graph_capture
 
     def paired_log(*a, **kw):  # a paired trial's two timings stay in the row's log
         result = real(*a, **kw)
@@ -1017,12 +1025,54 @@ def test_the_probe_runs_before_any_row_of_its_case(tmp_path, monkeypatch):
                     eval_set=str(BENCH / "evalset")) == 0
     assert order == [("bf16", "serve")]
     # CUDA-graph rows alone need a CUDA device; with --no-graphs they contradict each other
-    bads = [["--graphs-only", "--no-graphs"]] + ([] if torch.cuda.is_available()
+    bads = [["--graphs-only", "--no-graphs"], ["--graph-capture", "step", "--no-graphs"],
+            ["--graph-capture", "module"]] + ([] if torch.cuda.is_available()
                                                  else [["--graphs-only"]])
     for bad in bads:
         with pytest.raises(SystemExit):
             lev.main(["--scale", "tiny", "--models", "dlrm", "--out", str(out)] + bad,
                      eval_set=str(BENCH / "evalset"))
+
+
+def test_graph_rows_mark_steps_for_inductors_graphs_or_capture_whole_steps(monkeypatch):
+    """make_step: without graphs a plain step; with Inductor's graphs (trees) each step marks
+    a new one; with ``capture`` the whole step (forward, loss, backward, the optimizer's
+    update) is a :class:`CapturedStep` that marks nothing, its optimizer capturable on CUDA."""
+    from loka.bench import evalset as lev
+
+    marks, wrapped = [], []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+
+    class Captured:
+        def __init__(self, step, device):
+            wrapped.append(device)
+            self.step = step
+
+        def __call__(self):
+            return self.step()
+    monkeypatch.setattr(lev, "CapturedStep", Captured)
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    batch = ((torch.randn(16, 8),), torch.rand(16, 1))
+
+    def loss(m, b):
+        return nn.functional.binary_cross_entropy_with_logits(m(*b[0]), b[1])
+    cpu = torch.device("cpu")
+    for mode in ("train", "serve"):
+        for graphs, capture, n_marks, n_wrapped in ((False, False, 0, 0), (True, False, 1, 0),
+                                                    (True, True, 0, 1)):
+            marks.clear(), wrapped.clear()
+            before = model.weight.detach().clone()
+            step = lev.make_step(model, model, mode, batch, graphs, cpu, loss, capture=capture)
+            assert isinstance(step, Captured) is bool(n_wrapped)
+            out = step()
+            assert (len(marks), len(wrapped)) == (n_marks, n_wrapped)
+            assert wrapped == [cpu] * n_wrapped
+            if mode == "train":  # a training step: the loss, and the weights moved
+                assert out.ndim == 0 and not torch.equal(model.weight, before)
+                assert all(p.grad is None for p in model.parameters())
+            else:
+                assert out.shape == (16, 1) and torch.equal(model.weight, before)
 
 
 # ------------------------------------------------------------- bench/evalset_quality.py

@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 import torch
 
@@ -251,3 +253,134 @@ def test_time_steps_with_host_times_up_to_three_steps_from_an_idle_device(monkey
     # the three more: record, step, record, then the wait, and only then the reading
     tail = log[-15:]
     assert tail == ["record", "step", "record", "sync", "elapsed"] * 3
+
+
+class _FakeCuda:
+    """Stand-ins for the CUDA graph API :class:`loka.timing.CapturedStep` calls, on the CPU:
+    a capture records what the step does instead of running it; a replay runs the record."""
+
+    def __init__(self, monkeypatch, log, fail=None):
+        from loka import timing
+
+        fake = self
+
+        class Stream:
+            def wait_stream(self, other):
+                log.append("wait")
+
+        class Graph:
+            def __init__(self):
+                self.recorded = None
+
+            def replay(self):
+                log.append("replay")
+
+        class Capturing:
+            def __init__(self, graph, stream=None):
+                assert stream is not None  # captured on the side stream
+                self.graph = graph
+
+            def __enter__(self):
+                fake.capturing = True
+                log.append("capture begins")
+
+            def __exit__(self, *exc):
+                fake.capturing = False
+                log.append("capture ends")
+                if fail is not None and exc[0] is None:
+                    raise fail
+                return False
+
+        self.capturing = False
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: log.append("sync"))
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "graph", Capturing)
+        monkeypatch.setattr(timing, "_SIDE_STREAMS", {})
+        self.released = []
+        monkeypatch.setattr(timing, "release_rng_after_failed_capture",
+                            lambda device=None: self.released.append(device))
+
+
+def test_a_captured_step_warms_up_captures_once_and_then_only_replays(monkeypatch):
+    """The first call: ``warmup`` calls run, one is captured (not run) and the graph is
+    replayed; every later call only replays, and returns the captured call's output."""
+    from loka.timing import CapturedStep
+
+    log = []
+    fake = _FakeCuda(monkeypatch, log)
+    out = torch.zeros(3)
+
+    def step():
+        log.append("captured step" if fake.capturing else "step")
+        return out
+    step.model = "the model"
+    captured = CapturedStep(step, "cuda", warmup=2)
+    assert captured.model == "the model"  # what it runs, for whoever times it
+    assert captured() is out
+    assert [e for e in log if "step" in e or e.startswith("capture") or e == "replay"] == [
+        "step", "step", "capture begins", "captured step", "capture ends", "replay"]
+    log.clear()
+    assert captured() is out and captured() is out
+    assert log == ["replay", "replay"]  # no step runs on the host again
+
+
+def test_a_step_that_cannot_be_captured_says_why_and_frees_the_random_state(monkeypatch):
+    from loka.timing import CapturedStep
+
+    log = []
+    fake = _FakeCuda(monkeypatch, log,
+                     fail=RuntimeError("operation not permitted when stream is capturing"))
+    captured = CapturedStep(lambda: None, torch.device("cuda", 0), warmup=1)
+    with pytest.raises(RuntimeError, match="could not be captured in a CUDA graph .*"
+                       "operation not permitted.*capturable=True"):
+        captured()
+    assert fake.released == [torch.device("cuda", 0)] and captured.graph is None
+    assert "replay" not in log
+
+
+@pytest.mark.parametrize("device, warmup, msg", [("cpu", 3, "the device is cpu, not cuda"),
+                                                 ("cuda", 0, "needs warmup >= 1")])
+def test_a_captured_step_refuses_bad_input(device, warmup, msg):
+    from loka.timing import CapturedStep
+
+    with pytest.raises(ValueError, match=msg):
+        CapturedStep(lambda: None, device, warmup=warmup)
+
+
+@cuda
+def test_a_captured_training_step_replays_the_eager_steps():
+    """A float32 MLP with capturable AdamW: five replays of the captured step (forward,
+    loss, backward, optimizer) leave the weights of five eager steps (3 warm-up steps run
+    first in both)."""
+    from loka.timing import CapturedStep
+
+    def setup():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                    torch.nn.Linear(64, 1)).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=True)
+        x = torch.randn(128, 32, device="cuda")
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            return loss
+        return model, step
+    eager, step = setup()
+    for _ in range(3 + 1 + 5):  # warm-up, the captured call's replay, five more
+        step()
+    graphed, gstep = setup()
+    captured = CapturedStep(gstep, "cuda", warmup=3)
+    for _ in range(1 + 5):
+        loss = captured()
+    torch.cuda.synchronize()
+    for a, b in zip(eager.parameters(), graphed.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(loss)

@@ -9,8 +9,10 @@ dtype, seed=...)`` returns ``(inputs, labels)``, the model called as ``model(*in
 ``loss_fn(model, batch)``. Nothing here knows any model of it.
 
 Every row is the same model (same weights, same batch), compiled the same way
-(``torch.compile``, with ``mode="reduce-overhead"`` for the CUDA-graph rows), and differs
-only in what its Linears run:
+(``torch.compile``, with ``mode="reduce-overhead"`` for the CUDA-graph rows; with
+``--graph-capture step``, the CUDA-graph rows instead compile in the default mode and capture
+each whole step, the optimizer's update included, in one CUDA graph that every step
+replays, :class:`loka.timing.CapturedStep`), and differs only in what its Linears run:
 
 - ``bf16``: the model as written (bf16 weights and activations, the Mods built in);
 - ``torchao-<recipe>``: training: ``convert_to_float8_training`` with
@@ -105,7 +107,7 @@ from ..kernels import registry
 from ..numerics.delayed import DEFAULT_DECAY
 from ..probe import ProbeReport
 from ..probe import probe as probe_model
-from ..timing import synchronize
+from ..timing import CapturedStep, synchronize
 from . import profiling, stepcode
 from .env import source_digest
 from .profiling import QUANTIZE_KERNELS, host_self_us
@@ -451,7 +453,8 @@ def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch
             model, [case.batch], args.eval_set.loss_fn, inference=(mode == "serve"),
             report=report,
             forward=_served,
-            compile_mode="reduce-overhead" if graphs else None,
+            compile_mode="reduce-overhead" if graphs and not captured(args) else None,
+            capture_steps=graphs and captured(args),
             max_trials=getattr(args, "optimize_trials", 8),
             rounds=getattr(args, "optimize_rounds", 3), static_scales=static,
             synchronized_steps=bool(getattr(args, "optimize_synchronized", False)),
@@ -492,26 +495,38 @@ def _served(model: nn.Module, batch):
         return model(*batch[0])
 
 
+def captured(args) -> bool:
+    """Do the run's CUDA-graph rows capture whole steps (``--graph-capture step``)?"""
+    return getattr(args, "graph_capture", "trees") == "step"
+
+
 def make_step(compiled: nn.Module, model: nn.Module, mode: str, batch, graphs: bool,
-              device: torch.device, loss_fn: Callable) -> Callable[[], torch.Tensor]:
-    """One training step (forward, BCE loss, backward, fused AdamW) or one serving forward."""
+              device: torch.device, loss_fn: Callable,
+              capture: bool = False) -> Callable[[], torch.Tensor]:
+    """One training step (forward, BCE loss, backward, fused AdamW) or one serving forward.
+    With ``graphs``: Inductor's CUDA graphs (each call marks a new step), or with
+    ``capture`` the whole step captured in one CUDA graph (:class:`CapturedStep`; the
+    optimizer capturable)."""
+    trees = graphs and not capture
     if mode == "serve":
         def serve():
-            if graphs:
+            if trees:
                 torch.compiler.cudagraph_mark_step_begin()
             return _served(compiled, batch)
-        return serve
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+        return CapturedStep(serve, device) if graphs and capture else serve
+    cuda = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda,
+                            capturable=cuda and graphs and capture)
 
     def train():
-        if graphs:
+        if trees:
             torch.compiler.cudagraph_mark_step_begin()
         loss = loss_fn(compiled, batch)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
-    return train
+    return CapturedStep(train, device) if graphs and capture else train
 
 
 def time_steps(step, device, warmup: int, steps: int) -> dict:
@@ -671,9 +686,11 @@ def run_row(case: Case, variant: str, mode: str, graphs: bool, args, device,
     steps before the rounds (``PAIR_WARMUP``): the same graphs, compiled once more.
     ``keep_step``: return the compiled step as ``row['_step']`` (the caller pops it).
     ``peak_mem_gib`` is the row's own: its peak above what was allocated when it started."""
+    capture = graphs and captured(args)
     row = {"model": case.name, "scale": args.scale, "batch_size": case.batch_size, "mode": mode,
            "variant": variant, "graphs": graphs, "status": "ok", "reason": None,
-           "compile_mode": "reduce-overhead" if graphs else "default",
+           "compile_mode": "reduce-overhead" if graphs and not capture else "default",
+           "graph_capture": ("step" if capture else "trees") if graphs else None,
            "backend": args.backend, "linears": case.linears, "notes": []}
     model = compiled = step = None
     held = 0  # bytes allocated before the row (the batch; with pairing, the kept bf16 step)
@@ -697,8 +714,9 @@ def run_row(case: Case, variant: str, mode: str, graphs: bool, args, device,
         with torch.inference_mode() if mode == "serve" else torch.no_grad():
             row["output_rel_err_vs_bf16"] = rel_err(model(*case.batch[0]), case.ref_out[mode])
         compiled = torch.compile(model, backend=args.backend,
-                                 mode="reduce-overhead" if graphs else None)
-        step = make_step(compiled, model, mode, case.batch, graphs, device, args.eval_set.loss_fn)
+                                 mode=row["compile_mode"] if graphs and not capture else None)
+        step = make_step(compiled, model, mode, case.batch, graphs, device, args.eval_set.loss_fn,
+                         capture=capture)
         with stepcode.output_code() as codes:  # the first step compiles
             timing = time_steps(step, device, args.warmup, args.steps)
         launches = code_launches(codes) if device.type == "cuda" else None
@@ -946,6 +964,7 @@ def environment(device: torch.device, args) -> dict:
            "inductor_config": dict(getattr(args, "inductor_config", None) or {}),
            "probe_config": dataclasses.asdict(args.probe_config), "probe_batches": args.probe_batches,
            "plan_kwargs": args.plan_kwargs, "optimizer": "AdamW(lr=1e-4, fused on CUDA)",
+           "graph_capture": getattr(args, "graph_capture", "trees"),
            "kernel_classes": list(KERNEL_CLASSES),
            "env_vars": {k: v for k, v in sorted(os.environ.items())
                         if k.startswith(("LOKA_", "TORCHINDUCTOR_", "PYTORCH_CUDA_ALLOC"))}}
@@ -1085,6 +1104,10 @@ def parse_args(argv, eval_set: "str | os.PathLike | types.ModuleType"):
     graphs.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph rows")
     graphs.add_argument("--graphs-only", action="store_true",
                         help="only the CUDA-graph rows (on a CUDA device)")
+    ap.add_argument("--graph-capture", choices=("trees", "step"), default="trees",
+                    help="how the CUDA-graph rows use graphs: trees, torch.compile's "
+                         "mode='reduce-overhead' (the compiled graphs); step, each whole step "
+                         "(the optimizer's update included) captured in one CUDA graph")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend of every row")
     ap.add_argument("--inductor-config", action="append", default=[], metavar="KEY=VALUE",
                     help="a torch._inductor.config option for every row (repeatable; VALUE is "
@@ -1139,6 +1162,8 @@ def parse_args(argv, eval_set: "str | os.PathLike | types.ModuleType"):
         ap.error("--warmup and --steps must be >= 1")
     if args.graphs_only and device.type != "cuda":
         ap.error("--graphs-only needs a CUDA device (CUDA graphs)")
+    if args.graph_capture == "step" and args.no_graphs:
+        ap.error("--graph-capture step sets how the CUDA-graph rows run: drop --no-graphs")
     if args.paired_rounds == 1 or args.paired_rounds < 0 or args.paired_steps < 1:
         ap.error("--paired-rounds must be 0 (off) or >= 2, --paired-steps >= 1")
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))

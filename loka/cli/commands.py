@@ -516,6 +516,13 @@ def cmd_optimize(args) -> int:
     if args.synchronized_steps and device.type != "cuda":
         raise usage(f"--synchronized-steps is how a GPU's steps are timed: on {device.type} "
                     f"optimize times no step", "drop --synchronized-steps")
+    if args.capture_steps and args.compile_mode in ("reduce-overhead", "max-autotune"):
+        raise usage(f"--capture-steps captures each whole step itself: --compile-mode "
+                    f"{args.compile_mode} adds Inductor's CUDA graphs inside it",
+                    "drop --compile-mode or use max-autotune-no-cudagraphs")
+    if args.capture_steps and device.type != "cuda":
+        raise usage(f"--capture-steps captures steps in CUDA graphs: on {device.type} "
+                    f"optimize times no step", "drop --capture-steps")
     kernels, all_kernels = probe_kernels(args.kernels)
     model, desc, mods, batch_size, stream = _model_and_stream(args, device)
     batches = [b for _, b in zip(range(args.steps), device_batches(stream, device))]
@@ -563,6 +570,7 @@ def cmd_optimize(args) -> int:
                       head_sites=args.head_sites, compile=not args.no_compile,
                       compile_mode=args.compile_mode, compile_options=compile_options,
                       synchronized_steps=args.synchronized_steps,
+                      capture_steps=args.capture_steps,
                       paired_trials=args.paired_trials, rounds=args.rounds,
                       **({} if args.host_slowdown is None
                          else {"host_slowdown": args.host_slowdown}),

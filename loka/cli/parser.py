@@ -432,6 +432,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--synchronized-steps", action="store_true",
                    help="time each step from an idle GPU, as a caller that waits for each "
                         "result runs them (default: steps issued back to back)")
+    p.add_argument("--capture-steps", action="store_true",
+                   help="capture each timed step whole in one CUDA graph and replay it, as a "
+                        "loop that captures its step runs it (not with --compile-mode "
+                        "reduce-overhead)")
     p.add_argument("--paired-trials", action="store_true",
                    help="time the step without FP8 beside each tuning trial and compare by "
                         "ratio (a host whose speed drifts does not decide; twice the timings)")

@@ -216,8 +216,9 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
              forward: Optional[Callable[[nn.Module, object], object]] = None,
              compile: bool = True, compile_mode: Optional[str] = None,
              compile_options: Optional[Mapping[str, object]] = None,
-             synchronized_steps: bool = False, paired_trials: bool = False,
-             max_trials: int = 16, rounds: int = 3, steps: int = 10, warmup: int = 3,
+             synchronized_steps: bool = False, capture_steps: bool = False,
+             paired_trials: bool = False, max_trials: int = 16, rounds: int = 3,
+             steps: int = 10, warmup: int = 3,
              progress: Optional[Callable[[str], None]] = None,
              refine: Optional[Callable[[Plan], Plan]] = None,
              delayed_scaling: Optional[float] = None, static_scales: bool = False,
@@ -252,6 +253,12 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
         synchronized_steps: the default timer starts each step on an idle GPU, as a caller
             that waits for each result runs them, not back to back (where a host slower than
             the GPU sets the pace); refused with a ``time_step`` of your own.
+        capture_steps: the default timer captures each whole step in one CUDA graph and
+            replays it (``step_timer``'s ``capture``), as a training loop or a server that
+            captures its whole step runs it: the host's cost per step is one replay for
+            every plan. Decide with it when your steps run that way; refused with a
+            ``time_step`` of your own or with Inductor's CUDA graphs
+            (``compile_mode="reduce-overhead"``).
         paired_trials: time the step without FP8 beside each tuning trial (with the
             default timer a copy of the model, timed in the same round) and compare the
             trial by its ratio to it (``tune_speed``'s ``paired``): a host whose speed
@@ -315,9 +322,11 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     if options and time_step is not None:
         raise ValueError("compile_options are the default timer's: a time_step of your own "
                          "compiles the steps its own way")
-    if synchronized_steps and time_step is not None:
-        raise ValueError("synchronized_steps is the default timer's: a time_step of your own "
-                         "times the steps its own way")
+    for flag, name in ((synchronized_steps, "synchronized_steps"),
+                       (capture_steps, "capture_steps")):
+        if flag and time_step is not None:
+            raise ValueError(f"{name} is the default timer's: a time_step of your own "
+                             "times the steps its own way")
     say = progress or (lambda _line: None)
     batches = list(batches)
     if not batches:
@@ -326,6 +335,11 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     first = next(root.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
     timed = time_step is not None or device.type == "cuda"
+    if time_step is None and timed:  # made (and its settings checked) before the Probe runs
+        time_step = step_timer(batches[0], loss_fn, inference=inference, forward=forward,
+                               compile=compile, compile_mode=compile_mode, steps=steps,
+                               warmup=warmup, compile_options=options,
+                               synchronized=synchronized_steps, capture=capture_steps)
 
     if report is None:
         if config is None:
@@ -366,11 +380,6 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     if not start.fp8_sites():
         result.plan.notes.append("optimize: the report's plan has no FP8 site; nothing to time")
         return result
-    if time_step is None:
-        time_step = step_timer(batches[0], loss_fn, inference=inference, forward=forward,
-                               compile=compile, compile_mode=compile_mode, steps=steps,
-                               warmup=warmup, compile_options=options,
-                               synchronized=synchronized_steps)
 
     baseline_host: List[Tuple[float, float]] = []
     time_step = _recording(time_step, baseline_host)
@@ -422,7 +431,7 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
         if result.host_bound:
             say(f"the step without FP8 is host-bound: its host issues it in {host:.3f} of "
                 f"{step_ms:.3f} ms, so GPU time saved saves no wall time; CUDA graphs "
-                f"(compile_mode='reduce-overhead'), Inductor's C++ wrapper "
+                f"(capture_steps=True, compile_mode='reduce-overhead'), Inductor's C++ wrapper "
                 f"(compile_options={{'cpp_wrapper': True}}) or a larger batch let FP8 pay"
                 + ("" if synchronized_steps else
                    "; a caller that waits for each step's result runs them as "
@@ -472,6 +481,7 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
                                 "ceiling": ceiling, "host_bound": result.host_bound,
                                 "compile_options": _recorded(options),
                                 "synchronized_steps": bool(synchronized_steps),
+                                "capture_steps": bool(capture_steps),
                                 "paired_trials": bool(paired_trials),
                                 "ab_timing": ab_timing, "host_check": checked,
                                 "host_ms": (None if host_ms is None else

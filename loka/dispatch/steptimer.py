@@ -18,7 +18,7 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from ..timing import time_steps
+from ..timing import CapturedStep, time_steps
 from .linear import Linear
 from .schema import Plan
 from .swap import apply, restore_on_exit, root_module, unapply
@@ -84,11 +84,12 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
                compile_mode: Optional[str] = None, steps: int = 10, warmup: int = 3,
                device: "torch.device | str | None" = None,
                compile_options: Optional[Mapping[str, object]] = None,
-               synchronized: bool = False) -> Callable[[nn.Module], float]:
+               synchronized: bool = False,
+               capture: bool = False) -> Callable[[nn.Module], float]:
     """A ``time_step(model) -> median ms`` for whole-step tuning; after each call
     ``time_step.last`` holds that timing's ``median_ms``, ``host_ms`` (the host's time to
     issue one step, :func:`loka.timing.time_steps`), ``synchronized_ms`` (a few steps each
-    from an idle device), ``device`` and ``synchronized``.
+    from an idle device), ``device``, ``synchronized`` and ``captured``.
 
     Each call compiles the model afresh (``torch.compile``, ``compile_mode`` e.g.
     ``"reduce-overhead"`` for CUDA graphs, ``compile_options`` Inductor settings for its
@@ -98,7 +99,12 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
     back to back, or each from an idle GPU with ``synchronized`` (as a caller that waits for
     each result). A training step is the forward, ``loss_fn(model, batch)`` and the
     backward, gradients dropped; the weights are not changed. Serving (``inference``) times
-    ``forward(model, batch)`` (default ``model(batch)``) under ``torch.no_grad``.
+    ``forward(model, batch)`` (default ``model(batch)``) under ``torch.no_grad``. With
+    ``capture`` (CUDA only) each step is captured whole in one CUDA graph after its warm-up
+    and replayed (:class:`loka.timing.CapturedStep`), as a loop that captures its whole step
+    runs it: the host's cost per step is one replay, whatever the plan adds to the compiled
+    code (Inductor's own CUDA graphs, ``compile_mode="reduce-overhead"``, are then refused:
+    a graph inside a graph).
 
     ``time_step.pair(baseline, planned)`` is a context that compiles both models' steps
     once, as above, and keeps them alive together: a :class:`PairedSteps` whose
@@ -110,6 +116,12 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
     if not inference and loss_fn is None:
         raise ValueError("step_timer needs a loss_fn to time training steps")
     options = check_compile_options(compile_options, compile)
+    trees = compile and (compile_mode in ("reduce-overhead", "max-autotune")
+                         or bool(options.get("triton.cudagraphs")))
+    if capture and trees:
+        raise ValueError("capture takes each whole step in one CUDA graph of its own: compile "
+                         "without Inductor's CUDA graphs (compile_mode None or "
+                         "'max-autotune-no-cudagraphs', no triton.cudagraphs)")
 
     def make_step(model: nn.Module, run) -> Callable[[], object]:
         if inference:
@@ -122,10 +134,15 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
                 loss.backward()
                 model.zero_grad(set_to_none=True)
         step.model = model  # what it runs, for whoever times it
+        if capture:
+            return CapturedStep(step, dev_of(model), warmup=max(1, warmup))
         return step
 
+    def dev_of(model: nn.Module) -> torch.device:
+        return torch.device(device) if device is not None else next(model.parameters()).device
+
     def timed(model: nn.Module) -> float:
-        dev = torch.device(device) if device is not None else next(model.parameters()).device
+        dev = dev_of(model)
         torch._dynamo.reset()
         run = torch.compile(model, mode=compile_mode) if compile else model
         step = make_step(model, run)
@@ -133,7 +150,8 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
             t = time_steps(step, dev, steps, warmup, host=True, synchronized=synchronized)
         time_step.last = {"median_ms": float(t["median_ms"]), "host_ms": float(t["host_ms"]),
                           "synchronized_ms": float(t["synchronized_ms"]),
-                          "device": dev.type, "synchronized": bool(synchronized)}
+                          "device": dev.type, "synchronized": bool(synchronized),
+                          "captured": bool(capture)}
         return float(t["median_ms"])
 
     def time_step(model: nn.Module) -> float:
@@ -149,17 +167,14 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
     def pair(baseline: nn.Module, planned: nn.Module) -> Iterator["PairedSteps"]:
         models = {"baseline": baseline, "plan": planned}
         modes = {k: m.training for k, m in models.items()}
-        dev = (torch.device(device) if device is not None
-               else next(baseline.parameters()).device)
-        graphs = compile and (compile_mode in ("reduce-overhead", "max-autotune")
-                              or bool(options.get("triton.cudagraphs")))
+        dev = dev_of(baseline)
         try:
             for m in models.values():
                 m.train(not inference)
             torch._dynamo.reset()
             run = {k: make_step(m, torch.compile(m, mode=compile_mode) if compile else m)
                    for k, m in models.items()}
-            if graphs:  # two graphed callables in turn: each call starts a new step
+            if trees:  # two graphed callables in turn: each call starts a new step
                 run = {k: _marked(s) for k, s in run.items()}
             yield PairedSteps(run, dev, steps, warmup, synchronized, options)
         finally:

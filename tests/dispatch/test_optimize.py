@@ -876,3 +876,57 @@ def test_paired_trials_time_a_copy_without_fp8_beside_each_trial(monkeypatch):
     n = len(trials[0]["sites"])
     assert [s for s, _ in timed[1:5]] == [0, n, n, 0]
     assert result.plan.fp8_sites() and not any(isinstance(m, Linear) for m in model.modules())
+
+
+def test_step_timer_captures_each_whole_step_when_asked(monkeypatch):
+    """``capture``: every step the timer times (one model, and both of a pair) is a
+    :class:`loka.timing.CapturedStep` of the training step (forward, loss, backward), with
+    no cudagraph step marks (no Inductor graphs inside); the record says so. Refused beside
+    Inductor's CUDA graphs, and by optimize with a time_step of the caller's."""
+    import sys
+
+    st = sys.modules["loka.dispatch.steptimer"]
+    made, timed = [], []
+
+    class Captured:
+        def __init__(self, step, device, warmup=3):
+            made.append((device, warmup))
+            self.step, self.model = step, step.model
+
+        def __call__(self):
+            return self.step()
+
+    def fake_time_steps(step, device, steps, warmup, host=False, synchronized=False):
+        timed.append(step)
+        step()
+        return {"median_ms": 2.0, "host_ms": 0.01, "synchronized_ms": 2.1}
+    monkeypatch.setattr(st, "CapturedStep", Captured)
+    monkeypatch.setattr(st, "time_steps", fake_time_steps)
+    model = _model()
+    timer = step_timer(_batches()[0], _loss, compile=False, steps=2, warmup=2, device="cuda",
+                       capture=True)
+    assert timer(model) == 2.0 and timer.last["captured"] is True
+    assert isinstance(timed[-1], Captured) and made == [(torch.device("cuda"), 2)]
+    assert all(p.grad is None for p in model.parameters())  # the step drops its gradients
+    with timer.pair(model, _model()) as paired:
+        assert all(isinstance(s, Captured) for s in paired.steps.values())
+        assert len(made) == 3
+    plain = step_timer(_batches()[0], _loss, compile=False, steps=1, warmup=0, device="cuda")
+    plain(model)
+    assert not isinstance(timed[-1], Captured) and plain.last["captured"] is False
+    for kw in ({"compile_mode": "reduce-overhead"}, {"compile_mode": "max-autotune"},
+               {"compile_options": {"triton.cudagraphs": True}}):
+        with pytest.raises(ValueError, match="one CUDA graph of its own"):
+            step_timer(_batches()[0], _loss, capture=True, **kw)
+    step_timer(_batches()[0], _loss, capture=True, compile_mode="max-autotune-no-cudagraphs")
+    time_step, calls = _scripted(-1.0)
+    with pytest.raises(ValueError, match="capture_steps is the default timer's"):
+        optimize(_model(), _batches(), _loss, config=_config(), time_step=time_step,
+                 capture_steps=True)
+    assert calls == []
+
+
+def test_step_timer_capture_needs_a_cuda_device():
+    timer = step_timer(_batches()[0], _loss, compile=False, steps=1, warmup=1, capture=True)
+    with pytest.raises(ValueError, match="runs in a CUDA graph: the device is cpu"):
+        timer(_model())
