@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..data.batch import Batch
+from ..timing import CapturedStep
 from ..train import loss_fn
 from .config import BenchConfig
 
@@ -69,50 +70,34 @@ def peak_memory_gb(peak_bytes: int, step=None) -> float:
     return max(int(peak_bytes), int(getattr(step, "capture_peak_bytes", 0))) / 2 ** 30
 
 
-class GraphedStep:
+class GraphedStep(CapturedStep):
     """A whole training step (forward, loss, backward, optimizer) captured in one CUDA
-    graph: the step never waits on the host. Inputs are copied into static buffers."""
+    graph (:class:`loka.timing.CapturedStep`), captured at once, its peak recorded
+    (:func:`capture_peak`): the step never waits on the host. The batch is captured as it
+    is; the optimizer must be capturable."""
 
     def __init__(self, model, opt, batch, warmup: int = 3):
-        self.model, self.opt, self.batch = model, opt, batch
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(warmup):
-                opt.zero_grad(set_to_none=True)
-                loss_fn(model, batch).backward()
-                opt.step()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        opt.zero_grad(set_to_none=True)
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model, batch)
+            loss.backward()
+            opt.step()
+            return loss
+        super().__init__(step, next(model.parameters()).device, warmup)
         with capture_peak(self):
-            with torch.cuda.graph(self.graph):
-                self.loss = loss_fn(model, batch)
-                self.loss.backward()
-                opt.step()
-
-    def __call__(self):
-        self.graph.replay()
-        return self.loss
+            self.capture()
 
 
-class GraphedForward:
+class GraphedForward(CapturedStep):
     """An inference forward (under ``torch.inference_mode``) captured in one CUDA graph."""
 
     def __init__(self, model, batch, warmup: int = 3):
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.inference_mode():
-            for _ in range(warmup):
-                model(batch)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with capture_peak(self), torch.inference_mode(), torch.cuda.graph(self.graph):
-            self.out = model(batch)
-
-    def __call__(self):
-        self.graph.replay()
-        return self.out
+        def forward():
+            with torch.inference_mode():
+                return model(batch)
+        super().__init__(forward, next(model.parameters()).device, warmup)
+        with capture_peak(self):
+            self.capture()
 
 
 def make_step(model: nn.Module, batch: Batch, cfg: BenchConfig, device: torch.device,
