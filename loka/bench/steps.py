@@ -70,11 +70,20 @@ def peak_memory_gb(peak_bytes: int, step=None) -> float:
     return max(int(peak_bytes), int(getattr(step, "capture_peak_bytes", 0))) / 2 ** 30
 
 
-class GraphedStep(CapturedStep):
+class _Captured(CapturedStep):
+    """A :class:`loka.timing.CapturedStep` of ``step`` on ``model``'s device, captured at
+    once, its peak recorded (:func:`capture_peak`)."""
+
+    def __init__(self, step, model, warmup: int):
+        super().__init__(step, next(model.parameters()).device, warmup)
+        with capture_peak(self):
+            self.capture()
+
+
+class GraphedStep(_Captured):
     """A whole training step (forward, loss, backward, optimizer) captured in one CUDA
-    graph (:class:`loka.timing.CapturedStep`), captured at once, its peak recorded
-    (:func:`capture_peak`): the step never waits on the host. The batch is captured as it
-    is; the optimizer must be capturable."""
+    graph: the step never waits on the host. The batch is captured as it is; the optimizer
+    must be capturable."""
 
     def __init__(self, model, opt, batch, warmup: int = 3):
         def step():
@@ -83,21 +92,17 @@ class GraphedStep(CapturedStep):
             loss.backward()
             opt.step()
             return loss
-        super().__init__(step, next(model.parameters()).device, warmup)
-        with capture_peak(self):
-            self.capture()
+        super().__init__(step, model, warmup)
 
 
-class GraphedForward(CapturedStep):
+class GraphedForward(_Captured):
     """An inference forward (under ``torch.inference_mode``) captured in one CUDA graph."""
 
     def __init__(self, model, batch, warmup: int = 3):
         def forward():
             with torch.inference_mode():
                 return model(batch)
-        super().__init__(forward, next(model.parameters()).device, warmup)
-        with capture_peak(self):
-            self.capture()
+        super().__init__(forward, model, warmup)
 
 
 def make_step(model: nn.Module, batch: Batch, cfg: BenchConfig, device: torch.device,
