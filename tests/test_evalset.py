@@ -847,6 +847,11 @@ def test_the_prediction_is_also_made_on_gpu_time_and_says_when_the_host_bounds_t
     lk["gpu_idle"] = {"idle_us": 123.0}
     assert lev.summarize(group)[0]["loka"]["gpu_idle_us"] == 123.0
     assert "ceil x" in lev.table(group).splitlines()[0]
+    # the graph setting's column: no graphs, Inductor's, or whole steps captured
+    for graphs, capture, label in ((False, None, "False"), (True, "trees", "True"),
+                                   (True, "step", "step")):
+        shown = lev.table([dict(lk, graphs=graphs, graph_capture=capture)]).splitlines()[-1]
+        assert shown.split()[4] == label
     group, lk = rows(host_ms=2.5)  # the host takes longer than the GPU
     lev.add_prediction(group, lk, rep)
     assert lk["prediction"]["host_bound"] is True

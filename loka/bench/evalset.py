@@ -981,6 +981,12 @@ def write(path: str, env: dict, rows: List[dict], probes: List[dict]) -> None:
     atomic_write_text(path, json.dumps(json_safe(doc), indent=1) + "\n")
 
 
+def graphs_label(row: dict) -> str:
+    """A row's graph setting in the table: False, True (Inductor's graphs) or ``step``
+    (whole steps captured)."""
+    return "step" if row.get("graph_capture") == "step" else str(row["graphs"])
+
+
 def table(rows: List[dict]) -> str:
     head = (f"{'model':7s} {'B':>6s} {'mode':5s} {'variant':27s} {'graphs':6s} {'ms':>9s} "
             f"{'gpu ms':>8s} {'host ms':>8s} {'vs bf16':>7s} {'gpu x':>6s} {'pair x':>6s} "
@@ -998,7 +1004,7 @@ def table(rows: List[dict]) -> str:
         ceil = (r.get("ceiling") or {}).get("measured_speedup_eligible")
         status = r["status"] if r["status"] == "ok" else f"{r['status']}: {(r['reason'] or '')[:60]}"
         lines.append(f"{r['model']:7s} {r['batch_size']:6d} {r['mode']:5s} {r['variant']:27s} "
-                     f"{str(r['graphs']):6s} {f(r.get('step_ms'), '9.3f')} {f(r.get('gpu_ms'), '8.3f')} "
+                     f"{graphs_label(r):6s} {f(r.get('step_ms'), '9.3f')} {f(r.get('gpu_ms'), '8.3f')} "
                      f"{f(r.get('host_ms'), '8.3f')} "
                      f"{f(v, '7.3f')} {f(g, '6.3f')} {f(pair, '6.3f')} {f(pipe, '6.3f')} "
                      f"{f(ceil, '6.3f')} "
