@@ -16,13 +16,16 @@ T="--batch-sizes 4096 --modes train --optimize-trials 4 --optimize-rounds 3 --st
 V=bf16,loka-static,loka-optimize-static
 case "$1" in
 all)  # the calls below in one, cut to fit one command
-  timeout 170 python3 bench/eval_set.py $S --variants $V --graphs-only --graph-capture step \
-    --time-budget-s 150 --out $OUT/serve_step.json > $OUT/serve_step.log 2>&1
-  timeout 120 python3 bench/eval_set.py $S --variants $V --graphs-only \
-    --time-budget-s 100 --out $OUT/serve_trees.json > $OUT/serve_trees.log 2>&1
-  timeout 270 python3 bench/eval_set.py $T --models dcnv2,wukong \
-    --variants bf16,loka,loka-optimize --graphs-only --graph-capture step \
-    --time-budget-s 240 --out $OUT/train_step.json > $OUT/train_step.log 2>&1 ;;
+  timeout 150 python3 bench/eval_set.py $S --variants $V --graphs-only --graph-capture step \
+    --time-budget-s 130 --out $OUT/serve_step.json > $OUT/serve_step.log 2>&1
+  timeout 80 python3 bench/eval_set.py $S --variants bf16,loka-static --graphs-only \
+    --time-budget-s 60 --out $OUT/serve_trees.json > $OUT/serve_trees.log 2>&1
+  timeout 130 python3 bench/eval_set.py $T --models dcnv2 --variants bf16,loka,loka-optimize \
+    --graphs-only --graph-capture step --time-budget-s 100 --out $OUT/train_step_dcnv2.json \
+    > $OUT/train_step_dcnv2.log 2>&1
+  timeout 150 python3 bench/eval_set.py $T --models wukong --variants bf16,loka \
+    --graphs-only --graph-capture step --time-budget-s 120 --out $OUT/train_step_wukong.json \
+    > $OUT/train_step_wukong.log 2>&1 ;;
 serve)
   timeout 90 python3 -m pytest -q -p no:randomly tests/test_timing.py -k captured \
     >> $OUT/gpu.txt 2>&1
