@@ -199,8 +199,9 @@ class CapturedStep:
         self.out: object = None
         self.model = getattr(step, "model", None)  # what it runs, for whoever times it
 
-    def capture(self) -> None:
-        """Warm up and capture (done by the first call)."""
+    def warm_up(self) -> None:
+        """The ``warmup`` calls, on the side stream capture will use (the first call runs
+        them before :meth:`record`)."""
         with torch.cuda.device(self.device):
             side = _side_stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -209,10 +210,21 @@ class CapturedStep:
                     self.step()
             torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
+
+    def record(self) -> None:
+        """Capture one call (after :meth:`warm_up`). capture_begin/end in try/finally, not
+        ``torch.cuda.graph()``, whose exit skips restoring the stream when capture_end
+        raises. Global capture mode, PyTorch's for whole-network capture: the backward runs
+        on autograd's own thread, whose unsafe calls must fail the capture too."""
+        with torch.cuda.device(self.device):
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph, stream=side):
-                    out = self.step()
+                with torch.cuda.stream(_side_stream()):
+                    graph.capture_begin(capture_error_mode="global")
+                    try:
+                        out = self.step()
+                    finally:
+                        graph.capture_end()
             except Exception as exc:
                 release_rng_after_failed_capture(self.device)
                 raise RuntimeError(
@@ -221,6 +233,11 @@ class CapturedStep:
                     f"the host (.item(), a shape that depends on values) or an optimizer "
                     f"without capturable=True cannot") from exc
             self.graph, self.out = graph, out
+
+    def capture(self) -> None:
+        """Warm up and capture (done by the first call)."""
+        self.warm_up()
+        self.record()
 
     def __call__(self) -> object:
         if self.graph is None:

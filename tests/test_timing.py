@@ -256,8 +256,10 @@ def test_time_steps_with_host_times_up_to_three_steps_from_an_idle_device(monkey
 
 
 class _FakeCuda:
-    """Stand-ins for the CUDA graph API :class:`loka.timing.CapturedStep` calls, on the CPU:
-    a capture records what the step does instead of running it; a replay runs the record."""
+    """Stand-ins for the CUDA API :class:`loka.timing.CapturedStep` calls, on the CPU: a
+    capture records what the step does instead of running it; a replay runs the record.
+    ``stream`` is the current stream (a stream context sets it and sets it back), and each
+    log entry of a step says which stream it ran on."""
 
     def __init__(self, monkeypatch, log, fail=None):
         from loka import timing
@@ -265,41 +267,45 @@ class _FakeCuda:
         fake = self
 
         class Stream:
+            def __init__(self, name="side"):
+                self.name = name
+
             def wait_stream(self, other):
                 log.append("wait")
 
         class Graph:
-            def __init__(self):
-                self.recorded = None
+            def capture_begin(self, capture_error_mode="global"):
+                assert fake.stream.name == "side"  # captured on the side stream
+                fake.mode = capture_error_mode
+                fake.capturing = True
+                log.append("capture begins")
+
+            def capture_end(self):
+                fake.capturing = False
+                log.append("capture ends")
+                if fail is not None:
+                    raise fail
 
             def replay(self):
                 log.append("replay")
 
-        class Capturing:
-            def __init__(self, graph, stream=None):
-                assert stream is not None  # captured on the side stream
-                self.graph = graph
+        @contextlib.contextmanager
+        def stream(s):
+            before, fake.stream = fake.stream, s
+            try:
+                yield
+            finally:
+                fake.stream = before
 
-            def __enter__(self):
-                fake.capturing = True
-                log.append("capture begins")
-
-            def __exit__(self, *exc):
-                fake.capturing = False
-                log.append("capture ends")
-                if fail is not None and exc[0] is None:
-                    raise fail
-                return False
-
-        self.capturing = False
+        self.capturing, self.mode = False, None
+        self.default = self.stream = Stream("default")
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         monkeypatch.setattr(torch.cuda, "Stream", Stream)
-        monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "stream", stream)
         monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream())
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda: fake.stream)
         monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: log.append("sync"))
         monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
-        monkeypatch.setattr(torch.cuda, "graph", Capturing)
         monkeypatch.setattr(timing, "_SIDE_STREAMS", {})
         self.released = []
         monkeypatch.setattr(timing, "release_rng_after_failed_capture",
@@ -316,14 +322,16 @@ def test_a_captured_step_warms_up_captures_once_and_then_only_replays(monkeypatc
     out = torch.zeros(3)
 
     def step():
-        log.append("captured step" if fake.capturing else "step")
+        log.append(("captured step" if fake.capturing else "step") + " on " + fake.stream.name)
         return out
     step.model = "the model"
     captured = CapturedStep(step, "cuda", warmup=2)
     assert captured.model == "the model"  # what it runs, for whoever times it
     assert captured() is out
     assert [e for e in log if "step" in e or e.startswith("capture") or e == "replay"] == [
-        "step", "step", "capture begins", "captured step", "capture ends", "replay"]
+        "step on side", "step on side", "capture begins", "captured step on side",
+        "capture ends", "replay"]  # warm-up and capture off the caller's stream
+    assert fake.mode == "global" and fake.stream is fake.default  # the caller's stream again
     log.clear()
     assert captured() is out and captured() is out
     assert log == ["replay", "replay"]  # no step runs on the host again
@@ -341,6 +349,7 @@ def test_a_step_that_cannot_be_captured_says_why_and_frees_the_random_state(monk
         captured()
     assert fake.released == [torch.device("cuda", 0)] and captured.graph is None
     assert "replay" not in log
+    assert fake.stream is fake.default  # the failed capture left the caller on its stream
 
 
 @pytest.mark.parametrize("device, warmup, msg", [("cpu", 3, "the device is cpu, not cuda"),

@@ -76,8 +76,9 @@ class _Captured(CapturedStep):
 
     def __init__(self, step, model, warmup: int):
         super().__init__(step, next(model.parameters()).device, warmup)
-        with capture_peak(self):
-            self.capture()
+        self.warm_up()
+        with capture_peak(self):  # one step's allocations, through the allocator
+            self.record()
 
 
 class GraphedStep(_Captured):

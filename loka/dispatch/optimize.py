@@ -41,8 +41,8 @@ from .select import kernel_speedup, override
 from .select import plan as make_plan
 # (step_timer and check_compile_options are this module's public names too)
 from .steptimer import (HOST_ADDED_SHARE, PairedSteps, _ab_timer, _host_ms, _recorded,
-                        _recording, check_compile_options, check_host_slowdown, host_check,
-                        step_timer)
+                        _recording, check_capture, check_compile_options, check_host_slowdown,
+                        host_check, step_timer)
 from .swap import root_module
 from .tune import FUSIBLE_TWINS, on_baseline, tune_speed
 from .verdict import _ratio, _wins, ab_note, ab_verdict, null_keep_probability
@@ -327,6 +327,7 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
         if flag and time_step is not None:
             raise ValueError(f"{name} is the default timer's: a time_step of your own "
                              "times the steps its own way")
+    check_capture(capture_steps, compile, compile_mode, options)  # with or without a GPU
     say = progress or (lambda _line: None)
     batches = list(batches)
     if not batches:
@@ -335,7 +336,7 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     first = next(root.parameters(), None)
     device = first.device if first is not None else torch.device("cpu")
     timed = time_step is not None or device.type == "cuda"
-    if time_step is None and timed:  # made (and its settings checked) before the Probe runs
+    if time_step is None and timed:  # made before the Probe runs
         time_step = step_timer(batches[0], loss_fn, inference=inference, forward=forward,
                                compile=compile, compile_mode=compile_mode, steps=steps,
                                warmup=warmup, compile_options=options,
@@ -431,7 +432,8 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
         if result.host_bound:
             say(f"the step without FP8 is host-bound: its host issues it in {host:.3f} of "
                 f"{step_ms:.3f} ms, so GPU time saved saves no wall time; CUDA graphs "
-                f"(capture_steps=True, compile_mode='reduce-overhead'), Inductor's C++ wrapper "
+                f"({'' if capture_steps else 'capture_steps=True, '}"
+                f"compile_mode='reduce-overhead'), Inductor's C++ wrapper "
                 f"(compile_options={{'cpp_wrapper': True}}) or a larger batch let FP8 pay"
                 + ("" if synchronized_steps else
                    "; a caller that waits for each step's result runs them as "

@@ -55,6 +55,20 @@ def check_compile_options(options: Optional[Mapping[str, object]],
     return dict(options)
 
 
+def check_capture(capture: bool, compile: bool, compile_mode: Optional[str],
+                  options: Mapping[str, object]) -> bool:
+    """Do the compiled steps use Inductor's CUDA graphs (``compile_mode`` "reduce-overhead"
+    or "max-autotune", or the ``triton.cudagraphs`` option)? ValueError where ``capture``
+    would put them inside a captured whole step."""
+    trees = compile and (compile_mode in ("reduce-overhead", "max-autotune")
+                         or bool(options.get("triton.cudagraphs")))
+    if capture and trees:
+        raise ValueError("capture takes each whole step in one CUDA graph of its own: compile "
+                         "without Inductor's CUDA graphs (compile_mode None or "
+                         "'max-autotune-no-cudagraphs', no triton.cudagraphs)")
+    return trees
+
+
 def _inductor_patch(options: Mapping[str, object]):
     """``torch._inductor.config.patch(options)``; a context that changes nothing without
     options (Inductor's config is then not even imported)."""
@@ -116,12 +130,7 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
     if not inference and loss_fn is None:
         raise ValueError("step_timer needs a loss_fn to time training steps")
     options = check_compile_options(compile_options, compile)
-    trees = compile and (compile_mode in ("reduce-overhead", "max-autotune")
-                         or bool(options.get("triton.cudagraphs")))
-    if capture and trees:
-        raise ValueError("capture takes each whole step in one CUDA graph of its own: compile "
-                         "without Inductor's CUDA graphs (compile_mode None or "
-                         "'max-autotune-no-cudagraphs', no triton.cudagraphs)")
+    trees = check_capture(capture, compile, compile_mode, options)
 
     def make_step(model: nn.Module, run) -> Callable[[], object]:
         if inference:

@@ -924,6 +924,14 @@ def test_step_timer_captures_each_whole_step_when_asked(monkeypatch):
         optimize(_model(), _batches(), _loss, config=_config(), time_step=time_step,
                  capture_steps=True)
     assert calls == []
+    # beside Inductor's graphs: refused before any Probe, even where nothing is timed (CPU)
+    probed = []
+    monkeypatch.setattr(sys.modules["loka.dispatch.optimize"], "probe",
+                        lambda *a, **k: probed.append(1))
+    with pytest.raises(ValueError, match="one CUDA graph of its own"):
+        optimize(_model(), _batches(), _loss, config=_config(), capture_steps=True,
+                 compile_mode="reduce-overhead")
+    assert probed == []
 
 
 def test_step_timer_capture_needs_a_cuda_device():
