@@ -803,13 +803,16 @@ def test_optimize_refuses_synchronized_steps_where_it_times_no_step(capsys):
 
 
 def test_optimize_capture_steps_refusals_and_pass_through(capsys, monkeypatch):
-    """``--capture-steps``: refused beside Inductor's CUDA graphs and on a device that times
-    no step; left out, loka.optimize is told not to capture."""
+    """``--capture-steps``: refused beside Inductor's CUDA graphs (a compile mode that has
+    them, or ``triton.cudagraphs``) and on a device that times no step; on a CUDA device it
+    reaches loka.optimize as capture_steps, and left out optimize is told not to capture."""
     import loka.cli.commands as commands
 
     base = ["optimize", "wukong", "--preset", "tiny", "--capture-steps"]
-    code, _, err = run(base + ["--compile-mode", "reduce-overhead"], capsys)
-    assert code == 2 and "adds Inductor's CUDA graphs inside it" in err, err
+    for extra in (["--compile-mode", "reduce-overhead"], ["--compile-mode", "max-autotune"],
+                  ["--inductor-config", "triton.cudagraphs=true"]):
+        code, _, err = run(base + extra, capsys)
+        assert code == 2 and "adds Inductor's CUDA graphs inside it" in err, err
     code, _, err = run(base + ["--device", "cpu"], capsys)
     assert code == 2 and "--capture-steps captures steps in CUDA graphs: on cpu" in err, err
     got = []
@@ -820,7 +823,17 @@ def test_optimize_capture_steps_refusals_and_pass_through(capsys, monkeypatch):
     monkeypatch.setattr(commands, "optimize", fake_optimize)
     code, _, err = run(base[:-1] + ["--device", "cpu", "--steps", "1"], capsys)
     assert code == 1 and "stopped here" in err
-    assert got[0]["capture_steps"] is False  # left out: the steps are not captured
+    assert got[-1]["capture_steps"] is False  # left out: the steps are not captured
+    # on a CUDA device (stood in for: the model and its batches are built on the CPU)
+    real = commands._model_and_stream
+    monkeypatch.setattr(commands, "resolve_device", lambda args: torch.device("cuda"))
+    monkeypatch.setattr(commands, "_model_and_stream",
+                        lambda args, device: real(args, torch.device("cpu")))
+    monkeypatch.setattr(commands, "device_batches", lambda stream, device: iter(()))
+    code, _, err = run(base + ["--steps", "1", "--no-compile", "--compile-mode",
+                               "reduce-overhead"], capsys)
+    assert code == 1 and "stopped here" in err, err  # eager steps have no Inductor graphs
+    assert got[-1]["capture_steps"] is True and got[-1]["compile"] is False
 
 
 # -- runs: damaged checkpoints, a locked --out, a finished run, plans, file modes ----------

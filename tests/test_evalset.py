@@ -1031,7 +1031,8 @@ def test_the_probe_runs_before_any_row_of_its_case(tmp_path, monkeypatch):
     assert order == [("bf16", "serve")]
     # CUDA-graph rows alone need a CUDA device; with --no-graphs they contradict each other
     bads = [["--graphs-only", "--no-graphs"], ["--graph-capture", "step", "--no-graphs"],
-            ["--graph-capture", "module"]] + ([] if torch.cuda.is_available()
+            ["--graph-capture", "module"],
+            ["--graph-capture", "step", "--inductor-config", "triton.cudagraphs=true"]] + ([] if torch.cuda.is_available()
                                                  else [["--graphs-only"]])
     for bad in bads:
         with pytest.raises(SystemExit):

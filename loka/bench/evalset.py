@@ -928,6 +928,7 @@ def summarize(rows: List[dict]) -> List[dict]:
                       if bf16 is not None and bf16.get("gpu_ms") and bf16.get("host_ms") is not None
                       else None)
         out.append({"model": k[0], "batch_size": k[1], "mode": k[2], "graphs": k[3],
+                    "graph_capture": group[0].get("graph_capture"),
                     "host_bound": host_bound,
                     "bf16": cell(bf16), "best_torchao": cell(best), "loka": cell(lk),
                     "loka_optimize": cell(opt), "loka_static": cell(static),
@@ -963,7 +964,9 @@ def environment(device: torch.device, args) -> dict:
            "dtype": str(args.dtype).replace("torch.", ""), "backend": args.backend,
            "inductor_config": dict(getattr(args, "inductor_config", None) or {}),
            "probe_config": dataclasses.asdict(args.probe_config), "probe_batches": args.probe_batches,
-           "plan_kwargs": args.plan_kwargs, "optimizer": "AdamW(lr=1e-4, fused on CUDA)",
+           "plan_kwargs": args.plan_kwargs,
+           "optimizer": "AdamW(lr=1e-4, fused on CUDA" + (
+               ", capturable in the CUDA-graph rows)" if captured(args) else ")"),
            "graph_capture": getattr(args, "graph_capture", "trees"),
            "kernel_classes": list(KERNEL_CLASSES),
            "env_vars": {k: v for k, v in sorted(os.environ.items())
@@ -1170,6 +1173,9 @@ def parse_args(argv, eval_set: "str | os.PathLike | types.ModuleType"):
         ap.error("--graphs-only needs a CUDA device (CUDA graphs)")
     if args.graph_capture == "step" and args.no_graphs:
         ap.error("--graph-capture step sets how the CUDA-graph rows run: drop --no-graphs")
+    if args.graph_capture == "step" and args.inductor_config.get("triton.cudagraphs"):
+        ap.error("--graph-capture step captures whole steps: --inductor-config "
+                 "triton.cudagraphs would put Inductor's graphs inside them")
     if args.paired_rounds == 1 or args.paired_rounds < 0 or args.paired_steps < 1:
         ap.error("--paired-rounds must be 0 (off) or >= 2, --paired-steps >= 1")
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))

@@ -33,6 +33,7 @@ from ..demo.runner import run as run_demo
 from ..dispatch import Plan, PlanMismatchError, apply, audit, check, optimize, override
 from ..dispatch import plan as make_plan
 from ..dispatch.static import static_scales_for
+from ..dispatch.steptimer import check_capture
 from ..jsonio import atomic_write_text, json_safe
 from ..kernels import capabilities, registry
 from ..numerics.delayed import DEFAULT_DECAY
@@ -516,10 +517,14 @@ def cmd_optimize(args) -> int:
     if args.synchronized_steps and device.type != "cuda":
         raise usage(f"--synchronized-steps is how a GPU's steps are timed: on {device.type} "
                     f"optimize times no step", "drop --synchronized-steps")
-    if args.capture_steps and args.compile_mode in ("reduce-overhead", "max-autotune"):
-        raise usage(f"--capture-steps captures each whole step itself: --compile-mode "
-                    f"{args.compile_mode} adds Inductor's CUDA graphs inside it",
-                    "drop --compile-mode or use max-autotune-no-cudagraphs")
+    try:
+        check_capture(args.capture_steps, not args.no_compile, args.compile_mode,
+                      compile_options)
+    except ValueError:
+        raise usage("--capture-steps captures each whole step itself: --compile-mode "
+                    f"{args.compile_mode} or --inductor-config triton.cudagraphs adds "
+                    "Inductor's CUDA graphs inside it",
+                    "drop them, or use --compile-mode max-autotune-no-cudagraphs") from None
     if args.capture_steps and device.type != "cuda":
         raise usage(f"--capture-steps captures steps in CUDA graphs: on {device.type} "
                     f"optimize times no step", "drop --capture-steps")

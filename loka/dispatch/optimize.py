@@ -322,11 +322,11 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     if options and time_step is not None:
         raise ValueError("compile_options are the default timer's: a time_step of your own "
                          "compiles the steps its own way")
-    for flag, name in ((synchronized_steps, "synchronized_steps"),
-                       (capture_steps, "capture_steps")):
-        if flag and time_step is not None:
-            raise ValueError(f"{name} is the default timer's: a time_step of your own "
-                             "times the steps its own way")
+    own = [name for name, on in (("synchronized_steps", synchronized_steps),
+                                 ("capture_steps", capture_steps)) if on]
+    if own and time_step is not None:
+        raise ValueError(f"{own[0]} is the default timer's: a time_step of your own "
+                         "times the steps its own way")
     check_capture(capture_steps, compile, compile_mode, options)  # with or without a GPU
     say = progress or (lambda _line: None)
     batches = list(batches)
@@ -381,7 +381,6 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
     if not start.fp8_sites():
         result.plan.notes.append("optimize: the report's plan has no FP8 site; nothing to time")
         return result
-
     baseline_host: List[Tuple[float, float]] = []
     time_step = _recording(time_step, baseline_host)
     say(f"timing whole steps (at most {max_trials})")
@@ -431,9 +430,9 @@ def optimize(model: nn.Module, batches: Iterable, loss_fn: Callable[[nn.Module, 
         result.host_bound = bool(host >= HOST_BOUND_SHARE * step_ms)
         if result.host_bound:
             say(f"the step without FP8 is host-bound: its host issues it in {host:.3f} of "
-                f"{step_ms:.3f} ms, so GPU time saved saves no wall time; CUDA graphs "
-                f"({'' if capture_steps else 'capture_steps=True, '}"
-                f"compile_mode='reduce-overhead'), Inductor's C++ wrapper "
+                f"{step_ms:.3f} ms, so GPU time saved saves no wall time; " + (
+                    "" if capture_steps else "CUDA graphs (capture_steps=True, compile_mode="
+                    "'reduce-overhead'), ") + "Inductor's C++ wrapper "
                 f"(compile_options={{'cpp_wrapper': True}}) or a larger batch let FP8 pay"
                 + ("" if synchronized_steps else
                    "; a caller that waits for each step's result runs them as "

@@ -156,7 +156,9 @@ def step_timer(batch, loss_fn: Optional[Callable[[nn.Module, object], torch.Tens
         run = torch.compile(model, mode=compile_mode) if compile else model
         step = make_step(model, run)
         with _inductor_patch(options):  # read while the warm-up steps compile
-            t = time_steps(step, dev, steps, warmup, host=True, synchronized=synchronized)
+            # (captured: the first call captures, never a timed one)
+            t = time_steps(step, dev, steps, max(1, warmup) if capture else warmup,
+                           host=True, synchronized=synchronized)
         time_step.last = {"median_ms": float(t["median_ms"]), "host_ms": float(t["host_ms"]),
                           "synchronized_ms": float(t["synchronized_ms"]),
                           "device": dev.type, "synchronized": bool(synchronized),
