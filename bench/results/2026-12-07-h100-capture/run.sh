@@ -26,13 +26,13 @@ all)  # the calls below in one, cut to fit one command
   timeout 150 python3 bench/eval_set.py $T --models wukong --variants bf16,loka \
     --graphs-only --graph-capture step --time-budget-s 120 --out $OUT/train_step_wukong.json \
     > $OUT/train_step_wukong.log 2>&1 ;;
-small)  # "all" without the Wukong's training rows, for what device time was left
-  timeout 150 python3 bench/eval_set.py $S --variants $V --graphs-only --graph-capture step \
-    --time-budget-s 120 --out $OUT/serve_step.json > $OUT/serve_step.log 2>&1
-  timeout 80 python3 bench/eval_set.py $S --variants bf16,loka-static --graphs-only \
-    --time-budget-s 50 --out $OUT/serve_trees.json > $OUT/serve_trees.log 2>&1
-  timeout 130 python3 bench/eval_set.py $T --models dcnv2 --variants bf16,loka,loka-optimize \
-    --graphs-only --graph-capture step --time-budget-s 90 --out $OUT/train_step_dcnv2.json \
+small)  # the least of "all", for what device time was left
+  timeout 120 python3 bench/eval_set.py $S --variants $V --graphs-only --graph-capture step \
+    --time-budget-s 100 --out $OUT/serve_step.json > $OUT/serve_step.log 2>&1
+  timeout 60 python3 bench/eval_set.py $S --variants bf16,loka-static --graphs-only \
+    --time-budget-s 40 --out $OUT/serve_trees.json > $OUT/serve_trees.log 2>&1
+  timeout 80 python3 bench/eval_set.py $T --models dcnv2 --variants bf16,loka \
+    --graphs-only --graph-capture step --time-budget-s 50 --out $OUT/train_step_dcnv2.json \
     > $OUT/train_step_dcnv2.log 2>&1 ;;
 serve)
   timeout 90 python3 -m pytest -q -p no:randomly tests/test_timing.py -k captured \
