@@ -12,7 +12,8 @@ Every row is the same model (same weights, same batch), compiled the same way
 (``torch.compile``, with ``mode="reduce-overhead"`` for the CUDA-graph rows; with
 ``--graph-capture step``, the CUDA-graph rows instead compile in the default mode and capture
 each whole step, the optimizer's update included, in one CUDA graph that every step
-replays, :class:`loka.timing.CapturedStep`), and differs only in what its Linears run:
+replays, :class:`loka.timing.CapturedStep`; such a training row's ``loss_first_step`` is
+the loss after the capture's warm-up updates), and differs only in what its Linears run:
 
 - ``bf16``: the model as written (bf16 weights and activations, the Mods built in);
 - ``torchao-<recipe>``: training: ``convert_to_float8_training`` with
