@@ -27,7 +27,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 __all__ = ["TimingResult", "time_fn", "time_steps", "synchronize",
-           "release_rng_after_failed_capture", "CapturedStep"]
+           "release_rng_after_failed_capture", "CapturedStep", "capture_into"]
 
 
 @dataclass(frozen=True)
@@ -134,20 +134,31 @@ def graph_calls(call_us: float, at_most: int) -> int:
     return max(1, min(at_most, math.ceil(GRAPH_REPLAY_US / max(call_us, 1e-3))))
 
 
-def _capture(fn, calls: int, side) -> "torch.cuda.CUDAGraph":
-    """A CUDA graph of ``calls`` calls of ``fn``, replayed once (the first replay uploads
-    it); raises if ``fn`` cannot be captured."""
-    graph = torch.cuda.CUDAGraph()
-    # capture_begin/end in try/finally (not torch.cuda.graph(), whose exit skips restoring
-    # the stream when capture_end raises); thread-local, so that other threads' CUDA
-    # calls neither break the capture nor fail because of it
+def capture_into(graph: "torch.cuda.CUDAGraph", fn: Callable[[], object], side,
+                 mode: str, pool=None) -> object:
+    """Capture ``fn()`` into ``graph`` on the stream ``side`` in capture mode ``mode`` (in
+    the memory pool ``pool``, default the graph's own) and return what it returned.
+    capture_begin/end in try/finally, not ``torch.cuda.graph()``, whose exit skips restoring
+    the stream when capture_end raises (a failed capture leaves the caller on its own
+    stream), and which would also run ``gc.collect()`` and empty the allocator's cache."""
     with torch.cuda.stream(side):
-        graph.capture_begin(capture_error_mode="thread_local")
+        graph.capture_begin(pool=pool, capture_error_mode=mode)
         try:
-            for _ in range(calls):
-                fn()
+            return fn()
         finally:
             graph.capture_end()
+
+
+def _capture(fn, calls: int, side) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of ``calls`` calls of ``fn``, replayed once (the first replay uploads
+    it); raises if ``fn`` cannot be captured. Thread-local capture, so that other threads'
+    CUDA calls neither break the capture nor fail because of it."""
+    graph = torch.cuda.CUDAGraph()
+
+    def repeated() -> None:  # each output dropped before the next call: the pool reuses it
+        for _ in range(calls):
+            fn()
+    capture_into(graph, repeated, side, "thread_local")
     graph.replay()
     torch.cuda.synchronize()
     return graph
@@ -212,19 +223,13 @@ class CapturedStep:
             torch.cuda.synchronize()
 
     def record(self) -> None:
-        """Capture one call (after :meth:`warm_up`). capture_begin/end in try/finally, not
-        ``torch.cuda.graph()``, whose exit skips restoring the stream when capture_end
-        raises. Global capture mode, PyTorch's for whole-network capture: the backward runs
-        on autograd's own thread, whose unsafe calls must fail the capture too."""
+        """Capture one call (after :meth:`warm_up`), on the side stream. Global capture
+        mode, PyTorch's for whole-network capture: the backward runs on autograd's own
+        thread, whose unsafe calls must fail the capture too."""
         with torch.cuda.device(self.device):
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.stream(_side_stream()):
-                    graph.capture_begin(capture_error_mode="global")
-                    try:
-                        out = self.step()
-                    finally:
-                        graph.capture_end()
+                out = capture_into(graph, self.step, _side_stream(), "global")
             except Exception as exc:
                 release_rng_after_failed_capture(self.device)
                 raise RuntimeError(

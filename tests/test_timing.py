@@ -274,7 +274,7 @@ class _FakeCuda:
                 log.append("wait")
 
         class Graph:
-            def capture_begin(self, capture_error_mode="global"):
+            def capture_begin(self, pool=None, capture_error_mode="global"):
                 assert fake.stream.name == "side"  # captured on the side stream
                 fake.mode = capture_error_mode
                 fake.capturing = True

@@ -422,9 +422,9 @@ def host_check(rounds: List[dict], slowdown: float,
 
     The plan passes only under both (a plan that adds no host time and won its rounds
     passes both). Host time added within ``noise`` of the baseline's (a share; default 2%,
-    :data:`HOST_ADDED_SHARE`) counts as none: the rounds' host times vary that much from round to round, and two
-    steps that a slow host sets the pace of would otherwise be told apart by it. None where
-    the rounds did not time the host.
+    :data:`HOST_ADDED_SHARE`) counts as none: the rounds' host times vary that much from
+    round to round, and two steps that a slow host sets the pace of would otherwise be told
+    apart by it. None where the rounds did not time the host.
 
     Returns ``{"slowdown", "gain_ms", "host_added_ms", "margin_ms", "slow_host_ms":
     {"baseline", "plan"}, "passed"}``."""

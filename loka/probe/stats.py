@@ -35,7 +35,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from ..numerics import get_format
-from ..timing import release_rng_after_failed_capture
+from ..timing import capture_into, release_rng_after_failed_capture
 from .producers import merge_kinds
 from .weights import WeightModel
 
@@ -467,15 +467,8 @@ class TensorStats:
         torch.cuda.current_stream(x.device).wait_stream(side)
         pool = _GRAPH_POOLS.setdefault(x.device.index or 0, torch.cuda.graph_pool_handle())
         graph = torch.cuda.CUDAGraph()
-        try:
-            # capture_begin/end rather than torch.cuda.graph(), which would also run
-            # gc.collect() and empty the allocator's cache in the middle of a training step
-            with torch.cuda.stream(side):
-                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-                try:
-                    self._update(static)  # recorded, not run
-                finally:
-                    graph.capture_end()
+        try:  # (not torch.cuda.graph(): no gc.collect() in the middle of a training step)
+            capture_into(graph, lambda: self._update(static), side, "thread_local", pool=pool)
         except Exception as exc:  # noqa: BLE001 - capture unsupported here: stay eager
             self.graph_failure = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
             self._eager_shapes.add(key)
