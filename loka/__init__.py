@@ -22,6 +22,8 @@ def __getattr__(name):
         "plan": ("loka.dispatch", "plan"), "Plan": ("loka.dispatch", "Plan"),
         "apply": ("loka.dispatch", "apply"), "unapply": ("loka.dispatch", "unapply"),
         "optimize": ("loka.dispatch", "optimize"),
+        "aot_compile": ("loka.dispatch", "aot_compile"), "load_aot": ("loka.dispatch", "load_aot"),
+        "AOTModel": ("loka.dispatch", "AOTModel"),
         "mods": ("loka.mods", None), "models": ("loka.models", None), "data": ("loka.data", None),
         "distributed": ("loka.distributed", None),
         "integrations": ("loka.integrations", None),

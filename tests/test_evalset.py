@@ -1286,3 +1286,93 @@ def test_probe_time_refuses_bad_input(tmp_path, capsys):
                             "--out", out]) == 2
     assert "unknown model 'nope'" in capsys.readouterr().err
     assert not os.path.exists(out)
+
+
+def test_aoti_serving_rows_run_the_model_as_a_package(tmp_path, monkeypatch):
+    """``--serve-runtime aoti``: the serving row's step calls the AOTInductor package
+    (``loka.aot_compile``), recorded as the row's runtime and compile mode; its package's
+    output matches the eager model's; the packages are removed when the run ends."""
+    import tempfile
+
+    from loka.bench import evalset as lev
+
+    folders = []
+    real_mkdtemp = tempfile.mkdtemp
+
+    def mkdtemp(*a, **k):
+        folders.append(real_mkdtemp(*a, **k))
+        return folders[-1]
+    monkeypatch.setattr(lev.tempfile, "mkdtemp", mkdtemp)
+    made = []
+    real = lev.aot_compile
+
+    def spy(model, example, path, **kw):
+        made.append(os.path.exists(os.path.dirname(path)))
+        return real(model, example, path, **kw)
+    monkeypatch.setattr(lev, "aot_compile", spy)
+    out = tmp_path / "e.json"
+    assert lev.main(["--scale", "tiny", "--models", "dlrm", "--batch-sizes", "32", "--modes",
+                     "serve", "--variants", "bf16", "--steps", "1", "--warmup", "1",
+                     "--no-graphs", "--serve-runtime", "aoti", "--out", str(out)],
+                    eval_set=str(BENCH / "evalset")) == 0
+    doc = json.loads(out.read_text())
+    (row,) = doc["rows"]
+    assert row["status"] == "ok", row["reason"]
+    assert made == [True]
+    assert (row["runtime"], row["compile_mode"], row["graphs"]) == ("aoti", "aoti", False)
+    # float32 on the CPU: Inductor's fused arithmetic against eager, to rounding
+    assert 0 <= row["aot_check"]["rel_err_vs_eager"] < 1e-5
+    assert row["aot_compile_s"] > 0 and row["step_ms"] > 0
+    assert doc["env"]["serve_runtime"] == "aoti" and doc["summary"][0]["runtime"] == "aoti"
+    assert lev.graphs_label(row) == "aoti"
+    # the package's folder went with the run
+    mine = [f for f in folders if os.path.basename(f).startswith("loka-aot-")]
+    assert len(mine) == 1 and not os.path.exists(mine[0])
+
+
+def test_the_aoti_runtime_refuses_what_it_cannot_run(tmp_path, capsys):
+    from loka.bench import evalset as lev
+
+    out = ["--out", str(tmp_path / "o.json"), "--serve-runtime", "aoti"]
+    cases = [(["--backend", "aot_eager"], "compiles with Inductor"),
+             (["--device", "cuda"], "add --graph-capture step, or --no-graphs")]
+    for argv, msg in cases:
+        with pytest.raises(SystemExit):
+            lev.parse_args(out + argv, BENCH / "evalset")
+        assert msg in capsys.readouterr().err
+    for argv in (["--device", "cuda", "--no-graphs"],
+                 ["--device", "cuda", "--graph-capture", "step"],
+                 ["--device", "cuda", "--modes", "train"]):
+        args, _ = lev.parse_args(out + argv, BENCH / "evalset")
+        assert args.serve_runtime == "aoti"
+    assert lev.aoti_row(args, "serve") and not lev.aoti_row(args, "train")
+
+
+def test_an_aoti_row_has_loka_optimize_time_captured_steps_on_a_gpu(probed, monkeypatch):
+    """The package runs with little host time per call, so ``loka-optimize`` rows of an
+    AOTInductor run judge plans by captured whole steps (a GPU), not by ``torch.compile``'s
+    Python-issued steps."""
+    from types import SimpleNamespace
+
+    from loka.bench import evalset as lev
+
+    model, batches, report = probed["dlrm"]
+    static = loka.plan(report, inference=True, assume_fast=True, static_scales=True)
+    case = lev.Case("dlrm", 64, model, batches[0], {}, 0, report=report,
+                    plans={"train": static, "serve": static, "static": static})
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def spy(*a, **kw):
+        seen.append((kw["capture_steps"], kw["compile_mode"]))
+        raise Stop
+    monkeypatch.setattr(lev, "optimize_plan", spy)
+    for runtime, device, want in (("aoti", "cuda", (True, None)), ("aoti", "cpu", (False, None)),
+                                  ("compile", "cuda", (False, None))):
+        args = SimpleNamespace(eval_set=SimpleNamespace(loss_fn=loss_fn), serve_runtime=runtime)
+        with pytest.raises(Stop):
+            lev.convert(copy.deepcopy(model), "loka-optimize-static", "serve", case,
+                        torch.device(device), args=args)
+        assert seen[-1] == want, (runtime, device)

@@ -78,9 +78,11 @@ import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from typing import Callable, Dict, List, Optional, Tuple
@@ -100,6 +102,7 @@ from ..dispatch import apply as apply_plan
 from ..dispatch import optimize as optimize_plan
 from ..dispatch import plan as make_plan
 from ..dispatch import fp8_ceiling, predict_step
+from ..dispatch.aot import aot_compile
 from ..dispatch.linear import delayable
 from ..dispatch.static import amax_from_report, static_scales_for
 from ..dispatch.steptimer import check_host_slowdown
@@ -454,8 +457,11 @@ def convert(model: nn.Module, variant: str, mode: str, case: Case, device: torch
             model, [case.batch], args.eval_set.loss_fn, inference=(mode == "serve"),
             report=report,
             forward=_served,
-            compile_mode="reduce-overhead" if graphs and not captured(args) else None,
-            capture_steps=graphs and captured(args),
+            compile_mode=("reduce-overhead" if graphs and not captured(args)
+                          and not aoti_row(args, mode) else None),
+            # AOTInductor's rows: captured whole steps, a host as light as the package's
+            capture_steps=(graphs and captured(args)) or (aoti_row(args, mode)
+                                                          and device.type == "cuda"),
             max_trials=getattr(args, "optimize_trials", 8),
             rounds=getattr(args, "optimize_rounds", 3), static_scales=static,
             synchronized_steps=bool(getattr(args, "optimize_synchronized", False)),
@@ -499,6 +505,12 @@ def _served(model: nn.Module, batch):
 def captured(args) -> bool:
     """Do the run's CUDA-graph rows capture whole steps (``--graph-capture step``)?"""
     return getattr(args, "graph_capture", "trees") == "step"
+
+
+def aoti_row(args, mode: str) -> bool:
+    """Does a row of ``mode`` run its model as an AOTInductor package
+    (``--serve-runtime aoti``, serving rows; :func:`loka.dispatch.aot.aot_compile`)?"""
+    return mode == "serve" and getattr(args, "serve_runtime", "compile") == "aoti"
 
 
 def make_step(compiled: nn.Module, model: nn.Module, mode: str, batch, graphs: bool,
@@ -688,9 +700,12 @@ def run_row(case: Case, variant: str, mode: str, graphs: bool, args, device,
     ``keep_step``: return the compiled step as ``row['_step']`` (the caller pops it).
     ``peak_mem_gib`` is the row's own: its peak above what was allocated when it started."""
     capture = graphs and captured(args)
+    aoti = aoti_row(args, mode)
     row = {"model": case.name, "scale": args.scale, "batch_size": case.batch_size, "mode": mode,
            "variant": variant, "graphs": graphs, "status": "ok", "reason": None,
-           "compile_mode": "reduce-overhead" if graphs and not capture else "default",
+           "compile_mode": ("aoti" if aoti else
+                            "reduce-overhead" if graphs and not capture else "default"),
+           "runtime": "aoti" if aoti else "compile",
            "graph_capture": ("step" if capture else "trees") if graphs else None,
            "backend": args.backend, "linears": case.linears, "notes": []}
     model = compiled = step = None
@@ -714,8 +729,17 @@ def run_row(case: Case, variant: str, mode: str, graphs: bool, args, device,
         # a module caches under inference_mode could not take part in autograd later)
         with torch.inference_mode() if mode == "serve" else torch.no_grad():
             row["output_rel_err_vs_bf16"] = rel_err(model(*case.batch[0]), case.ref_out[mode])
-        compiled = torch.compile(model, backend=args.backend,
-                                 mode=row["compile_mode"] if graphs and not capture else None)
+        if aoti:
+            # the package is kept until the run ends: a kept bf16 step still calls it
+            folder = tempfile.mkdtemp(prefix="loka-aot-")
+            getattr(args, "aot_folders", []).append(folder)
+            t0 = time.perf_counter()
+            compiled = aot_compile(model, case.batch[0], os.path.join(folder, "model.pt2"),
+                                   single_threaded=True)
+            row.update(aot_compile_s=time.perf_counter() - t0, aot_check=compiled.check)
+        else:
+            compiled = torch.compile(model, backend=args.backend,
+                                     mode=row["compile_mode"] if graphs and not capture else None)
         step = make_step(compiled, model, mode, case.batch, graphs, device, args.eval_set.loss_fn,
                          capture=capture)
         with stepcode.output_code() as codes:  # the first step compiles
@@ -930,6 +954,7 @@ def summarize(rows: List[dict]) -> List[dict]:
                       else None)
         out.append({"model": k[0], "batch_size": k[1], "mode": k[2], "graphs": k[3],
                     "graph_capture": group[0].get("graph_capture"),
+                    "runtime": group[0].get("runtime"),
                     "host_bound": host_bound,
                     "bf16": cell(bf16), "best_torchao": cell(best), "loka": cell(lk),
                     "loka_optimize": cell(opt), "loka_static": cell(static),
@@ -969,6 +994,7 @@ def environment(device: torch.device, args) -> dict:
            "optimizer": "AdamW(lr=1e-4, fused on CUDA" + (
                ", capturable in the CUDA-graph rows)" if captured(args) else ")"),
            "graph_capture": getattr(args, "graph_capture", "trees"),
+           "serve_runtime": getattr(args, "serve_runtime", "compile"),
            "kernel_classes": list(KERNEL_CLASSES),
            "env_vars": {k: v for k, v in sorted(os.environ.items())
                         if k.startswith(("LOKA_", "TORCHINDUCTOR_", "PYTORCH_CUDA_ALLOC"))}}
@@ -987,7 +1013,9 @@ def write(path: str, env: dict, rows: List[dict], probes: List[dict]) -> None:
 
 def graphs_label(row: dict) -> str:
     """A row's graph setting in the table: False, True (Inductor's graphs) or ``step``
-    (whole steps captured)."""
+    (whole steps captured); an AOTInductor row's ``aoti`` (no graphs) or ``aoti-s``."""
+    if row.get("runtime") == "aoti":
+        return "aoti-s" if row.get("graph_capture") == "step" else "aoti"
     return "step" if row.get("graph_capture") == "step" else str(row["graphs"])
 
 
@@ -1118,6 +1146,11 @@ def parse_args(argv, eval_set: "str | os.PathLike | types.ModuleType"):
                     help="how the CUDA-graph rows use graphs: trees, torch.compile's "
                          "mode='reduce-overhead' (the compiled graphs); step, each whole step "
                          "(the optimizer's update included) captured in one CUDA graph")
+    ap.add_argument("--serve-runtime", choices=("compile", "aoti"), default="compile",
+                    help="how the serving rows run their model: compile, torch.compile; aoti, "
+                         "an AOTInductor package (loka.aot_compile: no Python per call; its "
+                         "CUDA-graph rows need --graph-capture step, and loka-optimize times "
+                         "captured steps)")
     ap.add_argument("--backend", default="inductor", help="torch.compile backend of every row")
     ap.add_argument("--inductor-config", action="append", default=[], metavar="KEY=VALUE",
                     help="a torch._inductor.config option for every row (repeatable; VALUE is "
@@ -1177,6 +1210,12 @@ def parse_args(argv, eval_set: "str | os.PathLike | types.ModuleType"):
     if args.graph_capture == "step" and args.inductor_config.get("triton.cudagraphs"):
         ap.error("--graph-capture step captures whole steps: --inductor-config "
                  "triton.cudagraphs would put Inductor's graphs inside them")
+    if args.serve_runtime == "aoti" and args.backend != "inductor":
+        ap.error("--serve-runtime aoti compiles with Inductor: drop --backend")
+    if (args.serve_runtime == "aoti" and "serve" in args.modes and args.graph_capture != "step"
+            and not args.no_graphs and device.type == "cuda"):
+        ap.error("--serve-runtime aoti: its CUDA-graph rows capture whole steps; add "
+                 "--graph-capture step, or --no-graphs")
     if args.paired_rounds == 1 or args.paired_rounds < 0 or args.paired_steps < 1:
         ap.error("--paired-rounds must be 0 (off) or >= 2, --paired-steps >= 1")
     args.dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
@@ -1197,8 +1236,13 @@ def main(argv, eval_set: "str | os.PathLike | types.ModuleType") -> int:
     """Run the evaluation set at ``eval_set`` with the options in ``argv`` (see
     :func:`parse_args`); returns the exit status."""
     args, device = parse_args(argv, eval_set)
-    with inductor_config.patch(args.inductor_config):
-        return _run(args, device)
+    args.aot_folders = []  # AOTInductor packages of the run's rows, removed at its end
+    try:
+        with inductor_config.patch(args.inductor_config):
+            return _run(args, device)
+    finally:
+        for folder in args.aot_folders:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _run(args, device) -> int:

@@ -9,8 +9,9 @@ One job per module, each importing only those before it: ``linear`` (``loka.Line
 ``swap`` (``apply``, ``unapply``, ``check``), ``guard`` (the safety valve in training),
 ``tighten`` (the end-to-end accuracy budget), ``tune`` (whole-step speed:
 ``tune_speed``, ``search_speed``), ``verdict`` (the A/B rule: ``ab_verdict``),
-``optimize`` (Probe, plan and whole-step check in one call) and ``predict`` (the step a
-report's timings predict for a plan). Their public names
+``optimize`` (Probe, plan and whole-step check in one call), ``predict`` (the step a
+report's timings predict for a plan) and ``aot`` (a planned model compiled ahead of time
+into an AOTInductor package, served with no Python per call). Their public names
 are all here.
 """
 
@@ -25,6 +26,7 @@ from .tune import FUSIBLE_TWINS, search_speed, tune_speed
 from .verdict import ab_verdict, null_keep_probability, sign_test_p
 from .optimize import OptimizeResult, PairedSteps, optimize, plan_families, step_timer
 from .predict import Ceiling, StepPrediction, copy_savings_us, fp8_ceiling, predict_step
+from .aot import AOTModel, aot_compile, load_aot
 
 __all__ = ["Linear", "Plan", "SitePlan", "RoleChoice", "Fallback", "PlanMismatchError", "plan",
            "audit", "budget_problem", "plan_report_mismatches", "override",
@@ -33,4 +35,4 @@ __all__ = ["Linear", "Plan", "SitePlan", "RoleChoice", "Fallback", "PlanMismatch
            "check", "applied_plan", "skipped_sites", "ApplyReport", "Change",
            "amax_from_report", "Guard", "GuardEvent", "StepPrediction", "predict_step",
            "copy_savings_us", "Ceiling", "fp8_ceiling", "ab_verdict", "null_keep_probability",
-           "sign_test_p"]
+           "sign_test_p", "AOTModel", "aot_compile", "load_aot"]

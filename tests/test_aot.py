@@ -1,0 +1,252 @@
+"""``loka.aot_compile`` / ``loka.load_aot``: a planned model as an AOTInductor package.
+
+The model is a small ranking tower written here (its own norm and activation), served with
+a static FP8 plan on the CPU build's real ``torch._scaled_mm``. Compiling takes seconds, so
+one package per module serves most tests.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+
+import pytest
+import torch
+import torch.nn as nn
+
+import loka
+from loka.dispatch.aot import AOTModel
+from loka.dispatch.schema import Plan
+
+KERNEL = "cublas-tensorwise"
+ROWS = 64
+
+
+class SquashNorm(nn.Module):
+    """RMS over the features, then a learned gain (not torch's own norm class)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.gain
+
+
+def hard_swish(x):
+    return x * (x + 3).clamp(0, 6) / 6
+
+
+class Tower(nn.Module):
+    """Dense features and pooled embeddings in, one logit per row out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16 + 3 * 16, 64)
+        self.norm = SquashNorm(64)
+        self.hid = nn.Linear(64, 64)
+        self.out = nn.Linear(64, 1)
+
+    def forward(self, dense, pooled):
+        x = torch.cat([dense, pooled.flatten(1)], 1)
+        h = self.norm(hard_swish(self.inp(x)))
+        h = h + hard_swish(self.hid(h))
+        return self.out(h).squeeze(-1)
+
+
+def inputs(rows: int = ROWS, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, 16, generator=g), torch.randn(rows, 3, 16, generator=g))
+
+
+def input_amax(model: nn.Module, sites, example) -> dict:
+    seen = {}
+    hooks = [model.get_submodule(s).register_forward_pre_hook(
+        lambda m, a, s=s: seen.__setitem__(s, float(a[0].abs().max()))) for s in sites]
+    with torch.no_grad():
+        model(*example)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def planned(seed: int = 0):
+    """(the float32 tower, its copy served with static FP8 forwards at inp and hid)."""
+    torch.manual_seed(seed)
+    ref = Tower().eval()
+    model = Tower().eval()
+    model.load_state_dict(ref.state_dict())
+    plan = Plan.uniform(model, KERNEL, module_filter=r"^(inp|hid)$")
+    assert plan.fp8_sites() == ["inp", "hid"]
+    plan.static_scales = input_amax(ref, plan.fp8_sites(), inputs())
+    loka.apply(model, plan, inference=True)
+    return ref, model
+
+
+def rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory):
+    torch.manual_seed(0)
+    ref, model = planned()
+    path = tmp_path_factory.mktemp("aot") / "tower.pt2"
+    served = loka.aot_compile(model, inputs(), path)
+    return ref, model, served, path
+
+
+def test_the_package_computes_the_compiled_models_bits_and_fp8s_error(package):
+    ref, model, served, path = package
+    x = inputs(seed=1)
+    with torch.inference_mode():
+        compiled = torch.compile(model)(*x)
+        out = served(*x)
+        exact = ref.double()(*(t.double() for t in x))
+    # the same Inductor code: bit for bit
+    assert torch.equal(out, compiled)
+    # two FP8 e4m3 GEMMs with static scales against float64: a few percent, never near 1
+    assert 1e-3 < rel(out, exact) < 0.08
+    assert served.fp8_sites == ("inp", "hid")
+    assert 0 < served.check["rel_err_vs_eager"] < 0.08
+    assert served.check["max_abs_diff"] >= 0
+    assert [tuple(i.shape) for i in served.inputs] == [(ROWS, 16), (ROWS, 3, 16)]
+    assert served.inputs[0].dtype == "torch.float32"
+    # nothing left beside the package
+    assert sorted(os.listdir(path.parent)) == ["tower.pt2"]
+
+
+def test_a_loaded_package_gives_the_same_bits(package):
+    _, _, served, path = package
+    again = loka.load_aot(path)
+    x = inputs(seed=2)
+    assert torch.equal(again(*x), served(*x))
+    assert again.check is None and again.fp8_sites == served.fp8_sites
+    assert "tower.pt2" in repr(again) and "fp8_sites=2" in repr(again)
+
+
+def test_non_finite_inputs_give_the_compiled_models_outputs(package):
+    _, model, served, _ = package
+    x = inputs(seed=3)
+    x[0][5, 2] = float("nan")
+    x[1][9, 0, 0] = float("inf")
+    with torch.inference_mode():
+        compiled = torch.compile(model)(*x)
+    out = served(*x)
+    # a NaN stays NaN; an Inf saturates to the static scale's largest FP8 value, as in the
+    # compiled model (the plan's documented static-scale behaviour)
+    assert torch.isnan(out[5]) and torch.isfinite(out[9])
+    assert int(torch.isfinite(out).sum()) == ROWS - 1
+    assert torch.equal(out.nan_to_num(), compiled.nan_to_num())
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (lambda x: x[:1], TypeError, "takes 2 tensor input"),
+    (lambda x: (x[0].double(), x[1]), ValueError, "input 0 must be torch.float32"),
+    (lambda x: (x[0][:10], x[1]), ValueError, r"input 0 must have shape \(64, 16\)"),
+    (lambda x: (x[0], x[1].flatten(1)), ValueError, r"input 1 must have shape \(64, 3, 16\)"),
+    (lambda x: (x[0].tolist(), x[1]), ValueError, "input 0 must be a tensor"),
+])
+def test_a_call_with_other_inputs_than_compiled_says_which(package, bad, error, match):
+    _, _, served, _ = package
+    with pytest.raises(error, match=match):
+        served(*bad(inputs()))
+
+
+def test_a_dynamic_batch_package_serves_other_row_counts(tmp_path):
+    ref, model = planned(seed=1)
+    served = loka.aot_compile(model, inputs(), tmp_path / "dyn.pt2", dynamic_batch=True)
+    assert [i.shape[0] for i in served.inputs] == [None, None]
+    for rows in (1, 37, 200):
+        x = inputs(rows, seed=rows)
+        with torch.inference_mode():
+            eager = model(*x)
+            exact = ref.double()(*(t.double() for t in x))
+        out = served(*x)
+        assert out.shape == (rows,)
+        assert rel(out, eager) < 0.05
+        assert rel(out, exact) < 0.08
+    with pytest.raises(ValueError, match="input 0 has no rows"):
+        served(*inputs(0))
+
+
+def test_compile_refuses_bad_input(tmp_path):
+    _, model = planned()
+    with pytest.raises(TypeError, match="nn.Module"):
+        loka.aot_compile(lambda x: x, inputs(), tmp_path / "m.pt2")
+    with pytest.raises(ValueError, match="model.eval"):
+        loka.aot_compile(Tower().train(), inputs(), tmp_path / "m.pt2")
+    with pytest.raises(ValueError, match="example_inputs is empty"):
+        loka.aot_compile(model, (), tmp_path / "m.pt2")
+    with pytest.raises(ValueError, match="example input 1 must be a tensor"):
+        loka.aot_compile(model, (inputs()[0], 3), tmp_path / "m.pt2")
+    with pytest.raises(ValueError, match="example input 0 is empty"):
+        loka.aot_compile(model, inputs(0), tmp_path / "m.pt2")
+    with pytest.raises(ValueError, match="does not exist"):
+        loka.aot_compile(model, inputs(), tmp_path / "nowhere" / "m.pt2")
+    with pytest.raises(ValueError, match="is a folder"):
+        loka.aot_compile(model, inputs(), tmp_path)
+    with pytest.raises(ValueError, match="batch dimension"):
+        loka.aot_compile(model, (torch.tensor(1.0),), tmp_path / "m.pt2", dynamic_batch=True)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_failed_compile_leaves_the_old_package_and_no_scraps(tmp_path, monkeypatch):
+    _, model = planned()
+    path = tmp_path / "m.pt2"
+    path.write_bytes(b"the package served yesterday")
+
+    def fail(*a, **k):
+        raise RuntimeError("C++ compiler not found")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", fail)
+    with pytest.raises(RuntimeError, match="C\\+\\+ compiler"):
+        loka.aot_compile(model, inputs(), path)
+    assert path.read_bytes() == b"the package served yesterday"
+    assert os.listdir(tmp_path) == ["m.pt2"]
+
+
+def test_a_package_that_computes_non_finite_values_where_eager_does_not_is_refused(
+        package, tmp_path, monkeypatch):
+    _, model, _, made = package
+
+    def copy(exported, package_path, inductor_configs):
+        with open(made, "rb") as src, open(package_path, "wb") as dst:
+            dst.write(src.read())
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", copy)
+    monkeypatch.setattr(AOTModel, "__call__",
+                        lambda self, *x: torch.full((ROWS,), float("nan")))
+    with pytest.raises(ValueError, match="not finite where the eager model's is"):
+        loka.aot_compile(model, inputs(), tmp_path / "m.pt2")
+
+
+def test_loading_what_is_not_a_package_says_so(package, tmp_path):
+    _, _, _, made = package
+    with pytest.raises(FileNotFoundError, match="no AOTInductor package"):
+        loka.load_aot(tmp_path / "missing.pt2")
+    junk = tmp_path / "junk.pt2"
+    junk.write_bytes(os.urandom(4096))
+    with pytest.raises(ValueError, match="not an AOTInductor package"):
+        loka.load_aot(junk)
+    cut = tmp_path / "cut.pt2"
+    cut.write_bytes(made.read_bytes()[: made.stat().st_size // 2])
+    with pytest.raises(ValueError, match="not an AOTInductor package|could not be loaded"):
+        loka.load_aot(cut)
+    other = tmp_path / "other.pt2"
+    with zipfile.ZipFile(other, "w") as z:
+        z.writestr("other/data.json", "{}")
+    with pytest.raises(ValueError, match="could not be loaded"):
+        loka.load_aot(other)
+
+
+def test_a_package_made_without_loka_is_refused(tmp_path):
+    """A package torch made directly (no description of its inputs) is not loaded as one of
+    LoKA's: its calls could not be checked."""
+    with torch.no_grad():
+        exported = torch.export.export(nn.Linear(16, 16).eval(), (torch.randn(4, 16),))
+    path = torch._inductor.aoti_compile_and_package(exported,
+                                                    package_path=str(tmp_path / "plain.pt2"))
+    with pytest.raises(ValueError, match="not made by loka.aot_compile"):
+        loka.load_aot(path)
