@@ -70,14 +70,17 @@ def input_amax(model: nn.Module, sites, example) -> dict:
     return seen
 
 
-def planned(seed: int = 0):
-    """(the float32 tower, its copy served with static FP8 forwards at inp and hid)."""
+def planned(seed: int = 0, kernel: str = KERNEL, rows: int = 0):
+    """(the float32 tower, its copy served with static FP8 forwards at inp and hid; ``rows``:
+    the tokens the plan's static scale tables are made for)."""
     torch.manual_seed(seed)
     ref = Tower().eval()
     model = Tower().eval()
     model.load_state_dict(ref.state_dict())
-    plan = Plan.uniform(model, KERNEL, module_filter=r"^(inp|hid)$")
+    plan = Plan.uniform(model, kernel, module_filter=r"^(inp|hid)$")
     assert plan.fp8_sites() == ["inp", "hid"]
+    for site in plan.fp8_sites():
+        plan.sites[site].tokens = rows
     plan.static_scales = input_amax(ref, plan.fp8_sites(), inputs())
     loka.apply(model, plan, inference=True)
     return ref, model
@@ -110,7 +113,8 @@ def test_the_package_computes_the_compiled_models_bits_and_fp8s_error(package):
     assert 1e-3 < rel(out, exact) < 0.08
     assert served.fp8_sites == ("inp", "hid")
     assert 0 < served.check["rel_err_vs_eager"] < 0.08
-    assert served.check["max_abs_diff"] >= 0
+    assert served.check["max_abs_diff"] > 0  # FP8 casts Inductor fuses: a few roundings apart
+    assert served.device == torch.device("cpu")
     assert [tuple(i.shape) for i in served.inputs] == [(ROWS, 16), (ROWS, 3, 16)]
     assert served.inputs[0].dtype == "torch.float32"
     # nothing left beside the package
@@ -124,6 +128,22 @@ def test_a_loaded_package_gives_the_same_bits(package):
     assert torch.equal(again(*x), served(*x))
     assert again.check is None and again.fp8_sites == served.fp8_sites
     assert "tower.pt2" in repr(again) and "fp8_sites=2" in repr(again)
+    with pytest.raises(ValueError, match="compiled for cpu, not cuda"):
+        loka.load_aot(path, device="cuda")
+
+
+def test_inputs_laid_out_otherwise_give_the_contiguous_inputs_output(package):
+    """The package reads memory as the contiguous example did: a transposed view, a column
+    slice and an expanded row are copied first, not read as if contiguous."""
+    _, _, served, _ = package
+    dense, pooled = inputs(seed=4)
+    want = served(dense, pooled)
+    wide = torch.cat([torch.randn(ROWS, 16), dense], 1)
+    for d in (dense.t().contiguous().t(), wide[:, 16:]):
+        assert not d.is_contiguous()
+        assert torch.equal(served(d, pooled), want)
+    row = dense[:1].expand(ROWS, 16)
+    assert torch.equal(served(row, pooled), served(row.contiguous(), pooled))
 
 
 def test_non_finite_inputs_give_the_compiled_models_outputs(package):
@@ -155,10 +175,14 @@ def test_a_call_with_other_inputs_than_compiled_says_which(package, bad, error, 
 
 
 def test_a_dynamic_batch_package_serves_other_row_counts(tmp_path):
-    ref, model = planned(seed=1)
+    """Rowwise static scales whose table holds the example's rows: a row count traced as a
+    symbol broadcasts the table's first row (the same scale) and adds no bound on it."""
+    ref, model = planned(seed=1, kernel="cublas-rowwise", rows=ROWS)
     served = loka.aot_compile(model, inputs(), tmp_path / "dyn.pt2", dynamic_batch=True)
     assert [i.shape[0] for i in served.inputs] == [None, None]
-    for rows in (1, 37, 200):
+    # the rowwise GEMM's scale checks branch on a single row: two rows up
+    assert (served.inputs[0].min_rows, served.inputs[0].max_rows) == (2, None)
+    for rows in (2, 37, 200):
         x = inputs(rows, seed=rows)
         with torch.inference_mode():
             eager = model(*x)
@@ -167,8 +191,27 @@ def test_a_dynamic_batch_package_serves_other_row_counts(tmp_path):
         assert out.shape == (rows,)
         assert rel(out, eager) < 0.05
         assert rel(out, exact) < 0.08
-    with pytest.raises(ValueError, match="input 0 has no rows"):
-        served(*inputs(0))
+    with pytest.raises(ValueError, match="input 0 has 1 rows; the package serves at least 2"):
+        served(*inputs(1))
+    with pytest.raises(ValueError, match=r"batch dimensions differ \(37 and 40 rows\)"):
+        served(inputs(37)[0], inputs(40)[1])
+    with pytest.raises(ValueError, match="the same rows"):
+        loka.aot_compile(model, (inputs(37)[0], inputs(40)[1]), tmp_path / "bad.pt2",
+                         dynamic_batch=True)
+
+
+def test_a_dynamic_batch_serves_a_single_row_where_the_code_allows(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
+    served = loka.aot_compile(model, (torch.randn(8, 16),), tmp_path / "mlp.pt2",
+                              dynamic_batch=True)
+    assert served.inputs[0].min_rows == 1 and served.fp8_sites == ()
+    for rows in (1, 8, 100):
+        x = torch.randn(rows, 16)
+        with torch.no_grad():
+            assert torch.allclose(served(x), model(x), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="input 0 has 0 rows; the package serves at least 1"):
+        served(torch.randn(0, 16))
 
 
 def test_compile_refuses_bad_input(tmp_path):
@@ -177,6 +220,12 @@ def test_compile_refuses_bad_input(tmp_path):
         loka.aot_compile(lambda x: x, inputs(), tmp_path / "m.pt2")
     with pytest.raises(ValueError, match="model.eval"):
         loka.aot_compile(Tower().train(), inputs(), tmp_path / "m.pt2")
+    model.norm.train()  # dropout or a norm's statistics would run as in training
+    with pytest.raises(ValueError, match=r"model.eval\(\) first \(in training mode: norm\)"):
+        loka.aot_compile(model, inputs(), tmp_path / "m.pt2")
+    model.eval()
+    with pytest.raises(ValueError, match="must end in .pt2"):
+        loka.aot_compile(model, inputs(), tmp_path / "m.so")
     with pytest.raises(ValueError, match="example_inputs is empty"):
         loka.aot_compile(model, (), tmp_path / "m.pt2")
     with pytest.raises(ValueError, match="example input 1 must be a tensor"):
@@ -209,7 +258,10 @@ def test_a_failed_compile_leaves_the_old_package_and_no_scraps(tmp_path, monkeyp
 
 def test_a_package_that_computes_non_finite_values_where_eager_does_not_is_refused(
         package, tmp_path, monkeypatch):
+    """... and never reaches the path: the package there before stays, and nothing else."""
     _, model, _, made = package
+    path = tmp_path / "m.pt2"
+    path.write_bytes(b"the package served yesterday")
 
     def copy(exported, package_path, inductor_configs):
         with open(made, "rb") as src, open(package_path, "wb") as dst:
@@ -219,7 +271,24 @@ def test_a_package_that_computes_non_finite_values_where_eager_does_not_is_refus
     monkeypatch.setattr(AOTModel, "__call__",
                         lambda self, *x: torch.full((ROWS,), float("nan")))
     with pytest.raises(ValueError, match="not finite where the eager model's is"):
-        loka.aot_compile(model, inputs(), tmp_path / "m.pt2")
+        loka.aot_compile(model, inputs(), path)
+    assert path.read_bytes() == b"the package served yesterday"
+    assert os.listdir(tmp_path) == ["m.pt2"]
+
+
+def test_the_check_pairs_outputs_by_position_numbers_included():
+    """A number the model returns comes back from the package as a tensor; the check pairs
+    each output with its own, skips the number, and refuses a different count."""
+    from loka.dispatch.aot import _compare
+
+    y = torch.tensor([1.0, 2.0, float("nan")])
+    check = _compare((torch.tensor(8), y * 1.01), (8, y))
+    assert check["rel_err_vs_eager"] == pytest.approx(0.01)
+    assert check["max_abs_diff"] == pytest.approx(0.02)
+    with pytest.raises(ValueError, match="returns 1 values where the eager model returns 2"):
+        _compare((y,), (8, y))
+    with pytest.raises(ValueError, match="output 1 is not finite"):
+        _compare((torch.tensor(8), torch.full((3,), float("inf"))), (8, y))
 
 
 def test_loading_what_is_not_a_package_says_so(package, tmp_path):

@@ -1325,6 +1325,9 @@ def test_aoti_serving_rows_run_the_model_as_a_package(tmp_path, monkeypatch):
     assert row["aot_compile_s"] > 0 and row["step_ms"] > 0
     assert doc["env"]["serve_runtime"] == "aoti" and doc["summary"][0]["runtime"] == "aoti"
     assert lev.graphs_label(row) == "aoti"
+    assert lev.graphs_label(dict(row, graphs=True, graph_capture="step")) == "aoti-s"
+    assert lev.graphs_label(dict(row, runtime="compile", graphs=True, graph_capture="step")) \
+        == "step"
     # the package's folder went with the run
     mine = [f for f in folders if os.path.basename(f).startswith("loka-aot-")]
     assert len(mine) == 1 and not os.path.exists(mine[0])
@@ -1335,14 +1338,15 @@ def test_the_aoti_runtime_refuses_what_it_cannot_run(tmp_path, capsys):
 
     out = ["--out", str(tmp_path / "o.json"), "--serve-runtime", "aoti"]
     cases = [(["--backend", "aot_eager"], "compiles with Inductor"),
-             (["--device", "cuda"], "add --graph-capture step, or --no-graphs")]
+             (["--device", "cuda"], "add --graph-capture step, or --no-graphs"),
+             (["--modes", "train"], "--modes has none")]
     for argv, msg in cases:
         with pytest.raises(SystemExit):
             lev.parse_args(out + argv, BENCH / "evalset")
         assert msg in capsys.readouterr().err
     for argv in (["--device", "cuda", "--no-graphs"],
                  ["--device", "cuda", "--graph-capture", "step"],
-                 ["--device", "cuda", "--modes", "train"]):
+                 ["--device", "cuda", "--modes", "train,serve", "--no-graphs"]):
         args, _ = lev.parse_args(out + argv, BENCH / "evalset")
         assert args.serve_runtime == "aoti"
     assert lev.aoti_row(args, "serve") and not lev.aoti_row(args, "train")
@@ -1369,10 +1373,12 @@ def test_an_aoti_row_has_loka_optimize_time_captured_steps_on_a_gpu(probed, monk
         seen.append((kw["capture_steps"], kw["compile_mode"]))
         raise Stop
     monkeypatch.setattr(lev, "optimize_plan", spy)
-    for runtime, device, want in (("aoti", "cuda", (True, None)), ("aoti", "cpu", (False, None)),
-                                  ("compile", "cuda", (False, None))):
+    for runtime, device, graphs, want in (
+            ("aoti", "cuda", False, (True, None)), ("aoti", "cpu", False, (False, None)),
+            ("compile", "cuda", False, (False, None)),
+            ("compile", "cuda", True, (False, "reduce-overhead"))):
         args = SimpleNamespace(eval_set=SimpleNamespace(loss_fn=loss_fn), serve_runtime=runtime)
         with pytest.raises(Stop):
             lev.convert(copy.deepcopy(model), "loka-optimize-static", "serve", case,
-                        torch.device(device), args=args)
-        assert seen[-1] == want, (runtime, device)
+                        torch.device(device), graphs, args=args)
+        assert seen[-1] == want, (runtime, device, graphs)

@@ -78,7 +78,6 @@ import json
 import os
 import platform
 import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -730,12 +729,11 @@ def run_row(case: Case, variant: str, mode: str, graphs: bool, args, device,
         with torch.inference_mode() if mode == "serve" else torch.no_grad():
             row["output_rel_err_vs_bf16"] = rel_err(model(*case.batch[0]), case.ref_out[mode])
         if aoti:
-            # the package is kept until the run ends: a kept bf16 step still calls it
-            folder = tempfile.mkdtemp(prefix="loka-aot-")
-            getattr(args, "aot_folders", []).append(folder)
-            t0 = time.perf_counter()
-            compiled = aot_compile(model, case.batch[0], os.path.join(folder, "model.pt2"),
-                                   single_threaded=True)
+            # the loaded package no longer reads its file: the folder goes at once
+            with tempfile.TemporaryDirectory(prefix="loka-aot-") as folder:
+                t0 = time.perf_counter()
+                compiled = aot_compile(model, case.batch[0], os.path.join(folder, "model.pt2"),
+                                       single_threaded=True)
             row.update(aot_compile_s=time.perf_counter() - t0, aot_check=compiled.check)
         else:
             compiled = torch.compile(model, backend=args.backend,
@@ -1210,9 +1208,11 @@ def parse_args(argv, eval_set: "str | os.PathLike | types.ModuleType"):
     if args.graph_capture == "step" and args.inductor_config.get("triton.cudagraphs"):
         ap.error("--graph-capture step captures whole steps: --inductor-config "
                  "triton.cudagraphs would put Inductor's graphs inside them")
+    if args.serve_runtime == "aoti" and "serve" not in args.modes:
+        ap.error("--serve-runtime aoti sets how the serving rows run: --modes has none")
     if args.serve_runtime == "aoti" and args.backend != "inductor":
         ap.error("--serve-runtime aoti compiles with Inductor: drop --backend")
-    if (args.serve_runtime == "aoti" and "serve" in args.modes and args.graph_capture != "step"
+    if (args.serve_runtime == "aoti" and args.graph_capture != "step"
             and not args.no_graphs and device.type == "cuda"):
         ap.error("--serve-runtime aoti: its CUDA-graph rows capture whole steps; add "
                  "--graph-capture step, or --no-graphs")
@@ -1236,13 +1236,8 @@ def main(argv, eval_set: "str | os.PathLike | types.ModuleType") -> int:
     """Run the evaluation set at ``eval_set`` with the options in ``argv`` (see
     :func:`parse_args`); returns the exit status."""
     args, device = parse_args(argv, eval_set)
-    args.aot_folders = []  # AOTInductor packages of the run's rows, removed at its end
-    try:
-        with inductor_config.patch(args.inductor_config):
-            return _run(args, device)
-    finally:
-        for folder in args.aot_folders:
-            shutil.rmtree(folder, ignore_errors=True)
+    with inductor_config.patch(args.inductor_config):
+        return _run(args, device)
 
 
 def _run(args, device) -> int:

@@ -11,15 +11,16 @@ a call crosses into C++ once.
 :func:`aot_compile` exports a model (planned or not: ``loka.apply(model, plan,
 inference=True)`` first, static input scales included) with ``torch.export`` and
 compiles it into a ``.pt2`` package; :func:`load_aot` loads one. Both return an
-:class:`AOTModel`, a callable that checks its inputs against the example's (shapes,
-dtypes, devices: a compiled package reads memory as its example laid it out) and then
-runs the package's launcher directly, with the input and output layouts decoded once,
-at load.
+:class:`AOTModel`, a callable that checks its inputs against what the package was
+compiled for (shapes, row counts, dtypes, the device) and then runs the package's launcher
+directly, with the layout of its outputs decoded once, at load. The package reads each
+input's memory as a contiguous tensor, so an input that is not (a transposed view, a
+column slice, an expanded row) is copied first.
 
 The package is compiled code: it computes what ``torch.compile`` of the same model
 computes (the same Inductor lowering, LoKA's ``loka::scaled_mm`` included), and it is
 native code, so load only packages you made. It runs on the device type it was compiled
-for.
+for, on the GPU it is loaded on.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ..config import BASELINE
 from .linear import Linear
@@ -47,36 +49,27 @@ METADATA_KEY = "loka.inputs"
 
 @dataclass(frozen=True)
 class InputSpec:
-    """One tensor input as the package was compiled for it. ``shape`` holds None at a
-    dimension that may vary (the batch, with ``dynamic_batch``)."""
+    """One tensor input as the package was compiled for it. ``shape`` holds None at the
+    batch dimension where it may vary (``dynamic_batch``), between ``min_rows`` and
+    ``max_rows`` (None: no bound)."""
 
     shape: Tuple[Optional[int], ...]
     dtype: str
     device: str
+    min_rows: Optional[int] = None
+    max_rows: Optional[int] = None
 
     def to_dict(self) -> dict:
-        return {"shape": list(self.shape), "dtype": self.dtype, "device": self.device}
+        return {"shape": list(self.shape), "dtype": self.dtype, "device": self.device,
+                "min_rows": self.min_rows, "max_rows": self.max_rows}
 
     @classmethod
     def from_dict(cls, d: dict) -> "InputSpec":
         return cls(tuple(None if s is None else int(s) for s in d["shape"]), str(d["dtype"]),
-                   str(d["device"]))
+                   str(d["device"]), d.get("min_rows"), d.get("max_rows"))
 
-    def problem(self, t: object, i: int) -> Optional[str]:
-        """Why ``t`` cannot be input ``i``, or None."""
-        if not isinstance(t, torch.Tensor):
-            return f"input {i} must be a tensor, got {type(t).__name__}"
-        if str(t.dtype) != self.dtype:
-            return f"input {i} must be {self.dtype}, got {t.dtype}"
-        if t.device.type != torch.device(self.device).type:
-            return f"input {i} must be on {self.device}, got {t.device}"
-        if t.dim() != len(self.shape) or any(
-                s is not None and s != n for s, n in zip(self.shape, t.shape)):
-            shown = tuple("*" if s is None else s for s in self.shape)
-            return f"input {i} must have shape {shown}, got {tuple(t.shape)}"
-        if self.shape and self.shape[0] is None and t.shape[0] == 0:
-            return f"input {i} has no rows"
-        return None
+    def shown(self) -> tuple:
+        return tuple("*" if s is None else s for s in self.shape)
 
 
 def _fp8_sites(model: nn.Module) -> List[str]:
@@ -90,21 +83,25 @@ class AOTModel:
     Attributes:
         path: the package file.
         inputs: one :class:`InputSpec` per tensor input.
+        device: the device the package runs on; every input must be there.
         fp8_sites: the planned Linears whose forward runs an FP8 kernel (as compiled).
         check: what :func:`aot_compile` measured against the eager model on the example
             (``rel_err_vs_eager``, ``max_abs_diff``), or None for a package only loaded.
     """
 
     def __init__(self, path: "str | os.PathLike", single_threaded: bool = False,
+                 device: "torch.device | str | None" = None,
                  check: Optional[Dict[str, float]] = None) -> None:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"no AOTInductor package at {self.path}")
         if not zipfile.is_zipfile(self.path):
             raise ValueError(f"{self.path} is not an AOTInductor package (.pt2, a zip archive)")
+        want = None if device is None else torch.device(device)
+        index = want.index if want is not None and want.index is not None else -1
         try:
             self._package = torch._inductor.aoti_load_package(
-                str(self.path), run_single_threaded=bool(single_threaded))
+                str(self.path), run_single_threaded=bool(single_threaded), device_index=index)
         except Exception as e:  # noqa: BLE001 - one line for the caller
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ValueError(f"{self.path} could not be loaded as an AOTInductor package: "
@@ -117,37 +114,133 @@ class AOTModel:
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{self.path} was not made by loka.aot_compile (its metadata "
                              f"has no valid {METADATA_KEY!r}: {e})") from None
+        kind = torch.device(self.inputs[0].device).type
+        if want is not None and want.type != kind:
+            raise ValueError(f"{self.path} was compiled for {kind}, not {want.type}")
+        # the package binds to the given GPU, else to the current one when loaded
+        self.device = (torch.device(kind) if kind == "cpu" else
+                       torch.device(kind, index if index >= 0 else
+                                    getattr(torch, kind).current_device()))
         self.check = check
-        # the launcher and the layouts of inputs and outputs, decoded once: the package's
-        # own __call__ decodes both from JSON at every call
+        self._shapes = tuple(i.shape for i in self.inputs)
+        self._dtypes = tuple(getattr(torch, i.dtype.replace("torch.", "")) for i in self.inputs)
+        self._dynamic = tuple(bool(i.shape) and i.shape[0] is None for i in self.inputs)
+        # the launcher and the layout of the outputs, decoded once: the package's own
+        # __call__ decodes the layouts from JSON at every call
         loader = getattr(self._package, "loader", None)
         self._run = getattr(loader, "boxed_run", None)
-        self._out_spec = None
-        if self._run is not None:
-            from torch.utils import _pytree as pytree
-            self._out_spec = pytree.treespec_loads(loader.get_call_spec()[1])
+        self._out_spec = (pytree.treespec_loads(loader.get_call_spec()[1])
+                          if self._run is not None else None)
+
+    def _problem(self, inputs: Tuple[object, ...]) -> Optional[str]:
+        """Why ``inputs`` cannot be this package's, or None."""
+        if len(inputs) != len(self.inputs):
+            return f"takes {len(self.inputs)} tensor input(s), got {len(inputs)}"
+        rows = None
+        for i, (t, shape, dtype, dynamic) in enumerate(zip(inputs, self._shapes, self._dtypes,
+                                                           self._dynamic)):
+            if not isinstance(t, torch.Tensor):
+                return f"input {i} must be a tensor, got {type(t).__name__}"
+            if t.dtype != dtype:
+                return f"input {i} must be {dtype}, got {t.dtype}"
+            if t.device != self.device:
+                return f"input {i} must be on {self.device}, got {t.device}"
+            if t.dim() != len(shape) or any(s is not None and s != n
+                                            for s, n in zip(shape, t.shape)):
+                return (f"input {i} must have shape {self.inputs[i].shown()}, "
+                        f"got {tuple(t.shape)}")
+            if dynamic:
+                n = t.shape[0]
+                spec = self.inputs[i]
+                if n < (spec.min_rows or 1) or (spec.max_rows is not None and n > spec.max_rows):
+                    bound = (f"at least {spec.min_rows or 1}" if spec.max_rows is None else
+                             f"{spec.min_rows or 1} to {spec.max_rows}")
+                    return f"input {i} has {n} rows; the package serves {bound}"
+                if rows is None:
+                    rows = n
+                elif n != rows:
+                    return (f"the inputs' batch dimensions differ ({rows} and {n} rows): "
+                            "every input holds the same rows")
+        return None
 
     def __call__(self, *inputs: torch.Tensor):
-        if len(inputs) != len(self.inputs):
-            raise TypeError(f"{self.path.name} takes {len(self.inputs)} tensor input(s), "
-                            f"got {len(inputs)}")
-        for i, (spec, t) in enumerate(zip(self.inputs, inputs)):
-            why = spec.problem(t, i)
-            if why is not None:
-                raise ValueError(f"{self.path.name}: {why}")
+        why = self._problem(inputs)
+        if why is not None:
+            raise (TypeError if why.startswith("takes") else ValueError)(
+                f"{self.path.name}: {why}")
+        # the package reads memory as contiguous tensors (it was compiled for them)
+        flat = [t if t.is_contiguous() else t.contiguous() for t in inputs]
         if self._run is None:
-            return self._package(*inputs)
-        from torch.utils import _pytree as pytree
-        return pytree.tree_unflatten(self._run(list(inputs)), self._out_spec)
+            return self._package(*flat)
+        out = self._run(flat)
+        return out[0] if self._out_spec.is_leaf() else pytree.tree_unflatten(out,
+                                                                             self._out_spec)
 
     def __repr__(self) -> str:
-        shapes = ", ".join(str(tuple("*" if s is None else s for s in i.shape))
-                           for i in self.inputs)
-        return f"AOTModel({str(self.path)!r}, inputs=[{shapes}], fp8_sites={len(self.fp8_sites)})"
+        shapes = ", ".join(str(i.shown()) for i in self.inputs)
+        return (f"AOTModel({str(self.path)!r}, inputs=[{shapes}], device={self.device}, "
+                f"fp8_sites={len(self.fp8_sites)})")
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _compare(out, ref) -> Dict[str, float]:
+    """The package's outputs against the eager model's, leaf by leaf (a number the model
+    returns comes back from the package as a tensor)."""
+    got, want = pytree.tree_leaves(out), pytree.tree_leaves(ref)
+    if len(got) != len(want):
+        raise ValueError(f"the compiled package returns {len(got)} values where the eager "
+                         f"model returns {len(want)}")
+    check = {"rel_err_vs_eager": 0.0, "max_abs_diff": 0.0}
+    for i, (o, r) in enumerate(zip(got, want)):
+        if not isinstance(r, torch.Tensor):
+            continue
+        fin = torch.isfinite(r) if r.is_floating_point() else torch.ones_like(r, dtype=torch.bool)
+        bad = fin & ~torch.isfinite(o)
+        if bool(bad.any()):
+            raise ValueError(f"the compiled package's output {i} is not finite where the eager "
+                             f"model's is ({int(bad.sum())} elements)")
+        if r.is_floating_point() and bool(fin.any()):
+            o, r = o[fin].double(), r[fin].double()
+            check["rel_err_vs_eager"] = max(check["rel_err_vs_eager"], _rel_err(o, r))
+            check["max_abs_diff"] = max(check["max_abs_diff"], float((o - r).abs().max()))
+    return check
+
+
+def _row_bounds(exported) -> Tuple[Optional[int], Optional[int]]:
+    """The range of row counts the exported program serves (its batch symbol's)."""
+    for node in exported.graph.nodes:
+        val = node.meta.get("val") if node.op == "placeholder" else None
+        if isinstance(val, torch.Tensor) and val.dim() and isinstance(val.shape[0], torch.SymInt):
+            vr = exported.range_constraints.get(val.shape[0].node.expr)
+            if vr is None:
+                return None, None
+            lo, hi = vr.lower, vr.upper
+            # (sympy integers; the infinities, torch's int_oo among them, are not)
+            return (int(lo) if lo.is_Integer else None), (int(hi) if hi.is_Integer else None)
+    return None, None
+
+
+def _export(model: nn.Module, inputs: Tuple[torch.Tensor, ...], dynamic_batch: bool):
+    """``torch.export`` of ``model`` on ``inputs``; with ``dynamic_batch`` the rows of every
+    input one symbol, from one row up where the model's code allows it (sizes 0 and 1
+    traced like any other), else from two (code that branches on a single row, such as
+    a GEMM's row-scale checks: :func:`_row_bounds` records the bound the package keeps)."""
+    if not dynamic_batch:
+        return torch.export.export(model, inputs)
+    from torch.fx.experimental import _config as fx_config
+    for least in (1, 2):
+        batch = torch.export.Dim("batch", min=least)
+        try:
+            with fx_config.patch(backed_size_oblivious=least == 1):
+                return torch.export.export(model, inputs,
+                                           dynamic_shapes=tuple({0: batch} for _ in inputs))
+        except torch._dynamo.exc.UserError:
+            if least == 2 or min(t.shape[0] for t in inputs) < 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def aot_compile(model: nn.Module, example_inputs: Sequence[torch.Tensor],
@@ -155,15 +248,20 @@ def aot_compile(model: nn.Module, example_inputs: Sequence[torch.Tensor],
                 inductor_configs: Optional[Dict[str, Any]] = None,
                 single_threaded: bool = False) -> AOTModel:
     """Export ``model``'s forward on ``example_inputs`` and compile it with AOTInductor into
-    the package ``path`` (written whole or not at all), then load it.
+    the package ``path``, load it and check it against the eager model; the package
+    reaches ``path`` only when all of that succeeded (written beside it, moved into place).
 
     Args:
-        model: the model in eval mode; for an FP8 serving plan, after
-            ``loka.apply(model, plan, inference=True)``.
-        example_inputs: the positional tensors of one call, on the device to serve on.
-        path: where to write the ``.pt2`` package (its folder must exist).
-        dynamic_batch: let the first dimension of every input vary (from 1 row up);
-            otherwise the package serves the example's shapes only.
+        model: the model, every module in eval mode; for an FP8 serving plan, after
+            ``loka.apply(model, plan, inference=True)``. It runs once, eagerly, on a copy of
+            the example (the reference of the check).
+        example_inputs: the positional tensors of one call, on the device to serve on
+            (made contiguous for the export).
+        path: the ``.pt2`` file to write; its folder must exist and be writable.
+        dynamic_batch: let the first dimension of every input vary, the same for all, from
+            one row up, or from two where the model's code branches on a single row (the
+            range the export proves is recorded and checked at every call); otherwise the
+            package serves the example's shapes only.
         inductor_configs: Inductor options for the compilation (as ``torch.compile``'s
             ``options``).
         single_threaded: run without the package's locking, for one serving thread
@@ -176,14 +274,17 @@ def aot_compile(model: nn.Module, example_inputs: Sequence[torch.Tensor],
         model gives the package's bits).
 
     Raises:
-        ValueError: the model is in training mode, an input is not a non-empty tensor, the
-            path's folder does not exist, or the outputs are not finite where the eager
-            model's are.
+        ValueError: a module is in training mode, an input is not a tensor with rows,
+            ``path`` does not end in ``.pt2`` or its folder is missing or read-only, the
+            package's outputs are not finite where the eager model's are, or it returns
+            other values.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if model.training:
-        raise ValueError("aot_compile compiles a serving forward: call model.eval() first")
+    training = [n or type(model).__name__ for n, m in model.named_modules() if m.training]
+    if training:
+        raise ValueError(f"aot_compile compiles a serving forward: call model.eval() first "
+                         f"(in training mode: {', '.join(training[:3])})")
     inputs = tuple(example_inputs)
     if not inputs:
         raise ValueError("example_inputs is empty: give the tensors of one call")
@@ -193,61 +294,56 @@ def aot_compile(model: nn.Module, example_inputs: Sequence[torch.Tensor],
         if t.numel() == 0 or (t.dim() and t.shape[0] == 0):
             raise ValueError(f"example input {i} is empty (shape {tuple(t.shape)})")
     path = Path(path)
-    if not path.parent.is_dir():
-        raise ValueError(f"the folder of {path} does not exist")
     if path.is_dir():
         raise ValueError(f"{path} is a folder: give the package's file name (.pt2)")
-    dynamic_shapes = None
+    if path.suffix != ".pt2":
+        raise ValueError(f"the package's file name must end in .pt2, got {path.name}")
+    if not path.parent.is_dir():
+        raise ValueError(f"the folder of {path} does not exist")
+    if not os.access(path.parent, os.W_OK):
+        raise ValueError(f"the folder of {path} is not writable")
     if dynamic_batch:
         if any(t.dim() == 0 for t in inputs):
             raise ValueError("dynamic_batch needs every input to have a batch dimension")
-        batch = torch.export.Dim("batch", min=1)
-        dynamic_shapes = tuple({0: batch} for _ in inputs)
-    specs = [InputSpec(tuple(None if dynamic_batch and d == 0 else int(n)
-                             for d, n in enumerate(t.shape)), str(t.dtype), str(t.device))
-             for t in inputs]
+        if len({t.shape[0] for t in inputs}) != 1:
+            raise ValueError("dynamic_batch needs every input to hold the same rows, got "
+                             f"{[t.shape[0] for t in inputs]}")
+    inputs = tuple(t.contiguous() for t in inputs)
     sites = _fp8_sites(model)
+    with torch.no_grad():
+        ref = model(*(t.clone() for t in inputs))
+        exported = _export(model, inputs, dynamic_batch)
+    lo, hi = _row_bounds(exported) if dynamic_batch else (None, None)
+    specs = [InputSpec(tuple(None if dynamic_batch and d == 0 else int(n)
+                             for d, n in enumerate(t.shape)), str(t.dtype), str(t.device),
+                       lo, hi) for t in inputs]
     meta = {METADATA_KEY: json.dumps({"inputs": [s.to_dict() for s in specs],
                                       "fp8_sites": sites})}
     configs = dict(inductor_configs or {})
     configs["aot_inductor.metadata"] = {**configs.get("aot_inductor.metadata", {}), **meta}
-    with torch.no_grad():
-        ref = model(*inputs)
-        exported = torch.export.export(model, inputs, dynamic_shapes=dynamic_shapes)
-    # compiled beside its destination under its own name (the package's archive is named
-    # after the file), then moved into place whole
+    # compiled, loaded and checked beside its destination under its own name (the package's
+    # archive is named after the file), then moved into place whole
     scratch = tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         tmp = os.path.join(scratch, path.name)
         torch._inductor.aoti_compile_and_package(exported, package_path=tmp,
                                                  inductor_configs=configs)
-        os.replace(tmp, path)
+        served = AOTModel(tmp, single_threaded=single_threaded, device=inputs[0].device)
+        with torch.no_grad():
+            served.check = _compare(served(*inputs), ref)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # the loaded package no longer reads its file
+        served.path = path
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    served = AOTModel(path, single_threaded=single_threaded)
-    with torch.no_grad():
-        out = served(*inputs)
-    check = {"rel_err_vs_eager": 0.0, "max_abs_diff": 0.0}
-    for i, (o, r) in enumerate(zip(_leaves(out), _leaves(ref))):
-        fin = torch.isfinite(r)
-        bad = fin & ~torch.isfinite(o)
-        if bool(bad.any()):
-            raise ValueError(f"the compiled package's output {i} is not finite where the eager "
-                             f"model's is ({int(bad.sum())} elements)")
-        if r.is_floating_point() and bool(fin.any()):
-            o, r = o[fin].double(), r[fin].double()
-            check["rel_err_vs_eager"] = max(check["rel_err_vs_eager"], _rel_err(o, r))
-            check["max_abs_diff"] = max(check["max_abs_diff"], float((o - r).abs().max()))
-    served.check = check
     return served
 
 
-def _leaves(out) -> List[torch.Tensor]:
-    from torch.utils import _pytree as pytree
-    return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
-
-
-def load_aot(path: "str | os.PathLike", single_threaded: bool = False) -> AOTModel:
-    """Load a package :func:`aot_compile` wrote (see :class:`AOTModel`). Raises
-    FileNotFoundError for a missing file and ValueError for one that is not such a package."""
-    return AOTModel(path, single_threaded=single_threaded)
+def load_aot(path: "str | os.PathLike", single_threaded: bool = False,
+             device: "torch.device | str | None" = None) -> AOTModel:
+    """Load a package :func:`aot_compile` wrote (see :class:`AOTModel`): on ``device``
+    (a GPU's index; default: the current one), which its inputs must then be on. Raises
+    FileNotFoundError for a missing file and ValueError for one that is not such a package
+    or was compiled for another device type."""
+    return AOTModel(path, single_threaded=single_threaded, device=device)

@@ -791,8 +791,11 @@ class Linear(nn.Linear):
         m, k = x2d.shape
         grid = (1 if br == -1 else -(-m // br), 1 if bc == -1 else -(-k // bc))
         table = self._xs_table
-        # a slice of the table is a view; shapes are fixed per compiled graph
-        scale = table[:grid[0]] if grid[0] <= table.shape[0] else table[:1].expand(grid)
+        # a slice of the table is a view; shapes are fixed per compiled graph. A row count
+        # traced as a symbol (an export with a dynamic batch) takes the first row broadcast:
+        # the same values (the table holds one scale), and no guard on the count
+        scale = (table[:grid[0]] if not isinstance(m, torch.SymInt) and grid[0] <= table.shape[0]
+                 else table[:1].expand(grid))
         # checked once, in set_input_amax: no host synchronization per call
         return quantize(x2d, fmt, gran, "a", scale=scale, check_scale=False)
 

@@ -108,9 +108,11 @@ def _make_static_gemm(scaling: str, a_format: str, fast_accum: bool,
 
     def static_gemm(x2d, w, table, w_scale, out_dtype):
         m = x2d.shape[0]
-        # rowwise: (M, 1) row scales, a slice of the table or its first row broadcast
+        # rowwise: (M, 1) row scales, a slice of the table or its first row broadcast (as
+        # loka.Linear._quantize_input: always for a row count traced as a symbol)
         sa = (table.reshape(()) if scaling == "tensorwise" else
-              table[:m] if m <= table.shape[0] else table[:1].expand(m, 1))
+              table[:m] if not isinstance(m, torch.SymInt) and m <= table.shape[0]
+              else table[:1].expand(m, 1))
         # row-major as cuBLAS needs it (a view of a transpose casts column-major)
         a = row_major((x2d.float() / sa).clamp(-fmax, fmax).to(fp8))
         y = _gemm(a, col_major(w), sa, w_scale, _lib_dtype(gemm_out_dtype, out_dtype),
