@@ -308,15 +308,24 @@ def test_static_scales_serve_every_plan_timed_and_the_one_returned():
         optimize(_model(), _batches(), _loss, config=_config(), static_scales=True)
 
 
-def test_a_serving_probe_measures_forwards_only():
+def test_a_serving_probe_measures_forwards_only(monkeypatch):
     """``optimize(inference=True)`` without a config probes the forwards alone (a serving
     plan runs nothing else): the report holds the forward of every site and no other role,
     and the plan is the one a full report gives for serving; training probes all roles, and
-    a config given is used as it is."""
+    a config given is used as it is. (The default config's other fields are made cheap
+    here, the same for both Probes: the roles are what is tested.)"""
+    import functools
+    import importlib
+
+    optimize_module = importlib.import_module("loka.dispatch.optimize")  # (not the function)
+    cheap = dict(kernels=KERNELS, num_samples=4, timing=False, every_n_steps=1)
+    monkeypatch.setattr(optimize_module, "ProbeConfig",
+                        functools.partial(loka.ProbeConfig, **cheap))
     served = optimize(_model(), _batches(), _loss, inference=True)
     assert all(list(s.roles) == [loka.Role.FWD] for s in served.report.sites.values())
+    assert served.report.config["num_samples"] == 4  # the default path, made cheap
     full = loka.probe(_model(), _batches(), _loss,
-                      config=loka.ProbeConfig(progress=False))
+                      config=loka.ProbeConfig(progress=False, **cheap))
     assert {n: sp.roles[loka.Role.FWD].kernel for n, sp in served.untuned.sites.items()} == \
         {n: sp.roles[loka.Role.FWD].kernel
          for n, sp in loka.plan(full, inference=True, assume_fast=True).sites.items()}
