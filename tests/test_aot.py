@@ -113,7 +113,7 @@ def test_the_package_computes_the_compiled_models_bits_and_fp8s_error(package):
     assert 1e-3 < rel(out, exact) < 0.08
     assert served.fp8_sites == ("inp", "hid")
     assert 0 < served.check["rel_err_vs_eager"] < 0.08
-    assert served.check["max_abs_diff"] > 0  # FP8 casts Inductor fuses: a few roundings apart
+    assert served.check["max_abs_diff"] > 0  # casts of values Inductor computes otherwise
     assert served.device == torch.device("cpu")
     assert [tuple(i.shape) for i in served.inputs] == [(ROWS, 16), (ROWS, 3, 16)]
     assert served.inputs[0].dtype == "torch.float32"

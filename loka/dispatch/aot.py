@@ -269,9 +269,10 @@ def aot_compile(model: nn.Module, example_inputs: Sequence[torch.Tensor],
 
     Returns:
         The loaded :class:`AOTModel`, its ``check`` the relative error of its output
-        against the eager model's on the example (FP8 casts that Inductor fuses may round
-        a few elements one FP8 step apart from eager PyTorch; ``torch.compile`` of the same
-        model gives the package's bits).
+        against the eager model's on the example (not zero with FP8: Inductor's code
+        computes what a cast reads a little differently, in float32 where eager rounds to
+        bf16, and a value moved across an FP8 rounding step moves by a whole step;
+        ``torch.compile`` of the same model gives the package's bits).
 
     Raises:
         ValueError: a module is in training mode, an input is not a tensor with rows,

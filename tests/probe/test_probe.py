@@ -182,7 +182,9 @@ def test_timing_is_shared_by_identical_shapes_and_gives_speedups():
         assert kg.time_us == b.kernels[name].time_us
         assert kg.timing == "cpu-wallclock"
         assert kg.speedup == pytest.approx(g.baseline_us / kg.time_us)
-        assert kg.fast == (kg.speedup > 1.05)
+        # a CPU wall clock says nothing of FP8 speed on a GPU: never fast, whatever the
+        # timing (a stalled baseline once made an emulated kernel 29x "faster")
+        assert kg.fast is False
     assert g.kernels["bf16"].speedup == 1.0
     # the forward is timed again with the weight quantized beforehand (inference); the
     # baseline has no weight quantizer
