@@ -200,18 +200,21 @@ def test_a_dynamic_batch_package_serves_other_row_counts(tmp_path):
                          dynamic_batch=True)
 
 
-def test_a_dynamic_batch_serves_a_single_row_where_the_code_allows(tmp_path):
+def test_a_dynamic_batch_is_exported_from_a_single_row_where_the_code_allows():
+    """Sizes 0 and 1 traced like any other: a model whose code does not branch on a single
+    row is exported for one row up (the range the package then keeps), and from an
+    example of one row too. (The export alone: the compile is the rowwise test's.)"""
+    from loka.dispatch.aot import _export, _row_bounds
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
-    served = loka.aot_compile(model, (torch.randn(8, 16),), tmp_path / "mlp.pt2",
-                              dynamic_batch=True)
-    assert served.inputs[0].min_rows == 1 and served.fp8_sites == ()
-    for rows in (1, 8, 100):
-        x = torch.randn(rows, 16)
-        with torch.no_grad():
-            assert torch.allclose(served(x), model(x), rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="input 0 has 0 rows; the package serves at least 1"):
-        served(torch.randn(0, 16))
+    with torch.no_grad():
+        for rows in (8, 1):
+            exported = _export(model, (torch.randn(rows, 16),), dynamic_batch=True)
+            assert _row_bounds(exported) == (1, None)
+            x = torch.randn(5, 16)
+            assert torch.allclose(exported.module()(x), model(x), rtol=1e-5, atol=1e-6)
+        assert _row_bounds(_export(model, (torch.randn(8, 16),), False)) == (None, None)
 
 
 def test_compile_refuses_bad_input(tmp_path):

@@ -603,9 +603,11 @@ def test_train_then_resume(tmp_path, capsys):
 
 def test_bench_on_the_cpu_end_to_end(tmp_path, capsys):
     out = tmp_path / "b.json"
+    # the Probe measures two kernels (the bench's own tests run its default list)
     code = cli.main(["bench", "--device", "cpu", "--preset", "tiny", "--steps", "1", "--warmup",
                      "1", "--train-variants", "bf16,bf16+mods,loka+mods", "--infer-variants",
-                     "bf16,loka+mods", "--out", str(out), "--no-plot"])
+                     "bf16,loka+mods", "--probe-kernels", "bf16,emulated-rowwise-e4m3",
+                     "--out", str(out), "--no-plot"])
     assert code == 0
     text = capsys.readouterr().out
     assert "== train (wukong tiny, cpu) ==" in text and f"wrote {out}" in text
