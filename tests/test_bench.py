@@ -546,8 +546,10 @@ def test_automerge_variant_merges_where_the_timing_says_so(tmp_path, monkeypatch
         return real(tokens, timer=timer, **kw)
 
     monkeypatch.setattr("loka.bench.models.merge_pays", scripted)
+    # (the Probe of the loka row measures two kernels: the merge decisions are the test)
     cfg = _cfg(tmp_path, train_variants=["bf16+mods+automerge", "loka+mods+automerge"],
-               infer_variants=["bf16+mods+automerge"], steps=1, warmup=1)
+               infer_variants=["bf16+mods+automerge"], steps=1, warmup=1,
+               probe_kernels=("bf16", "emulated-rowwise-e4m3"))
     result = bench.run(cfg, progress=lambda s: None)
     for row in result["train"] + result["infer"]:
         assert "error" not in row, row.get("traceback")

@@ -1204,7 +1204,8 @@ def test_probe_time_profiles_a_probe_on_fresh_caches(tmp_path):
                            "--scale", "tiny", "--batch-size", "32", "--probe-batches", "2",
                            "--device", "cpu", "--top", "7", "--report-out",
                            str(tmp_path / "r.json"), "--probe-config",
-                           '{"num_samples": 2, "progress": false}', "--out", str(out)],
+                           '{"num_samples": 2, "progress": false, '
+                           '"kernels": ["bf16", "emulated-rowwise-e4m3"]}', "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(out.read_text())
