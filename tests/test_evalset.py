@@ -995,6 +995,16 @@ def test_the_optimize_static_row_takes_the_static_plan_through_loka_optimize(pro
     assert "loka-optimize-static" not in lev.VARIANTS["train"]
 
 
+def _serve_tiny_dlrm(out, variants: str, *extra: str) -> int:
+    """``bench/eval_set.py``'s main in this process: the tiny DLRM's serving rows at batch
+    32, one untimed and one timed step, no CUDA graphs, ``variants`` and ``extra``."""
+    from loka.bench import evalset as lev
+
+    return lev.main(["--scale", "tiny", "--models", "dlrm", "--batch-sizes", "32", "--modes",
+                     "serve", "--variants", variants, "--steps", "1", "--warmup", "1",
+                     "--no-graphs", "--out", str(out), *extra], eval_set=str(BENCH / "evalset"))
+
+
 def test_the_probe_runs_before_any_row_of_its_case(tmp_path, monkeypatch):
     """Every row of a case, the bf16 baseline's included, is timed after its Probe: a host
     the Probe leaves slower for a while slows every row alike, not the LoKA rows alone.
@@ -1014,20 +1024,14 @@ def test_the_probe_runs_before_any_row_of_its_case(tmp_path, monkeypatch):
     monkeypatch.setattr(lev, "probe_case", probe_case)
     monkeypatch.setattr(lev, "run_row", run_row)
     out = tmp_path / "e.json"
-    assert lev.main(["--scale", "tiny", "--models", "dlrm", "--batch-sizes", "32", "--modes",
-                     "serve", "--variants", "bf16,loka-static", "--steps", "1", "--warmup", "1",
-                     "--no-graphs", "--backend", "aot_eager", "--out", str(out)],
-                    eval_set=str(BENCH / "evalset")) == 0
+    assert _serve_tiny_dlrm(out, "bf16,loka-static", "--backend", "aot_eager") == 0
     assert order == [("probe", "dlrm"), ("bf16", "serve"), ("loka-static", "serve")]
     rows = json.loads(out.read_text())["rows"]
     assert [r["status"] for r in rows] == ["ok", "ok"], [r["reason"] for r in rows]
     assert all(r["loadavg_1m"] >= 0 for r in rows)
     # only baselines asked for: no Probe at all
     order.clear()
-    assert lev.main(["--scale", "tiny", "--models", "dlrm", "--batch-sizes", "32", "--modes",
-                     "serve", "--variants", "bf16", "--steps", "1", "--warmup", "1",
-                     "--no-graphs", "--backend", "aot_eager", "--out", str(out)],
-                    eval_set=str(BENCH / "evalset")) == 0
+    assert _serve_tiny_dlrm(out, "bf16", "--backend", "aot_eager") == 0
     assert order == [("bf16", "serve")]
     # CUDA-graph rows alone need a CUDA device; with --no-graphs they contradict each other
     bads = [["--graphs-only", "--no-graphs"], ["--graph-capture", "step", "--no-graphs"],
@@ -1312,10 +1316,7 @@ def test_aoti_serving_rows_run_the_model_as_a_package(tmp_path, monkeypatch):
         return real(model, example, path, **kw)
     monkeypatch.setattr(lev, "aot_compile", spy)
     out = tmp_path / "e.json"
-    assert lev.main(["--scale", "tiny", "--models", "dlrm", "--batch-sizes", "32", "--modes",
-                     "serve", "--variants", "bf16", "--steps", "1", "--warmup", "1",
-                     "--no-graphs", "--serve-runtime", "aoti", "--out", str(out)],
-                    eval_set=str(BENCH / "evalset")) == 0
+    assert _serve_tiny_dlrm(out, "bf16", "--serve-runtime", "aoti") == 0
     doc = json.loads(out.read_text())
     (row,) = doc["rows"]
     assert row["status"] == "ok", row["reason"]

@@ -39,6 +39,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..config import BASELINE
+from ..numerics.metrics import relative_frobenius
 from .linear import Linear
 
 __all__ = ["AOTModel", "aot_compile", "load_aot", "METADATA_KEY"]
@@ -90,8 +91,7 @@ class AOTModel:
     """
 
     def __init__(self, path: "str | os.PathLike", single_threaded: bool = False,
-                 device: "torch.device | str | None" = None,
-                 check: Optional[Dict[str, float]] = None) -> None:
+                 device: "torch.device | str | None" = None) -> None:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"no AOTInductor package at {self.path}")
@@ -121,7 +121,7 @@ class AOTModel:
         self.device = (torch.device(kind) if kind == "cpu" else
                        torch.device(kind, index if index >= 0 else
                                     getattr(torch, kind).current_device()))
-        self.check = check
+        self.check: Optional[Dict[str, float]] = None  # set by aot_compile
         self._shapes = tuple(i.shape for i in self.inputs)
         self._dtypes = tuple(getattr(torch, i.dtype.replace("torch.", "")) for i in self.inputs)
         self._dynamic = tuple(bool(i.shape) and i.shape[0] is None for i in self.inputs)
@@ -182,10 +182,6 @@ class AOTModel:
                 f"fp8_sites={len(self.fp8_sites)})")
 
 
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
 def _compare(out, ref) -> Dict[str, float]:
     """The package's outputs against the eager model's, leaf by leaf (a number the model
     returns comes back from the package as a tensor)."""
@@ -204,7 +200,8 @@ def _compare(out, ref) -> Dict[str, float]:
                              f"model's is ({int(bad.sum())} elements)")
         if r.is_floating_point() and bool(fin.any()):
             o, r = o[fin].double(), r[fin].double()
-            check["rel_err_vs_eager"] = max(check["rel_err_vs_eager"], _rel_err(o, r))
+            check["rel_err_vs_eager"] = max(check["rel_err_vs_eager"],
+                                            relative_frobenius(o, r))
             check["max_abs_diff"] = max(check["max_abs_diff"], float((o - r).abs().max()))
     return check
 
