@@ -48,10 +48,15 @@ def _cfg(tmp_path, **kw):
     return bench.BenchConfig(**base)
 
 
+FIXTURE_KERNELS = ("bf16", "emulated-tensorwise-e4m3", "emulated-rowwise-e4m3")
+
+
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
-    result = bench.run(_cfg(tmp), progress=lambda s: None)
+    # a shortlist without the CPU build's FP8 GEMM (slow here); what is checked here is the
+    # harness (test_the_probe_shortlist_defaults_to_the_benchmarks checks the default)
+    result = bench.run(_cfg(tmp, probe_kernels=FIXTURE_KERNELS), progress=lambda s: None)
     return tmp, result
 
 
@@ -96,9 +101,9 @@ def test_cpu_run_measures_every_row_and_writes_plan_and_report(first_run):
     assert any(".merged" in s for s in merged.sites)
     assert Plan.load(str(tmp / "run.merge.infer-plan.json")).budget["inference"] is True
     assert on_disk["loka_merge_plan"] == merged.to_dict()
-    # the Probe measured the benchmark's shortlist only (what of it runs on this machine)
+    # the Probe measured the run's shortlist, all of it (each runs on the CPU)
     measured = {k for s in report.sites.values() for rr in s.roles.values() for k in rr.kernels}
-    assert measured and measured <= set(bench.PROBE_KERNELS)
+    assert measured == set(FIXTURE_KERNELS)
     # each Probe-made plan audited against its report: every site-role it measured
     oracle = on_disk["checks"]["oracle"]
     assert set(oracle) == {"plain/train", "plain/infer", "merge/train", "merge/infer"}
@@ -112,6 +117,30 @@ def test_cpu_run_measures_every_row_and_writes_plan_and_report(first_run):
     assert oracle["plain/train"]["site_roles"] == 3 * len(plan.sites) - 2 * 2
     assert all(o["ok"] for o in oracle.values())
     assert on_disk["checks"]["search_gap"] == []  # no +search rows in this run
+
+
+def test_the_probe_shortlist_defaults_to_the_benchmarks(tmp_path, monkeypatch):
+    """Without ``probe_kernels``, the Probe gets the bench's shortlist, less what this
+    device lacks (fbgemm and Triton's GPU kernels are absent on the CPU)."""
+    from loka.bench import plans
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_probe(model, batches, loss, config, optimizer):
+        seen["kernels"], seen["all"] = config.kernels, config.all_kernels
+        raise Stop
+    monkeypatch.setattr(plans, "run_probe", fake_probe)
+    cfg = _cfg(tmp_path)
+    assert cfg.probe_kernels == bench.PROBE_KERNELS
+    model = bench.build_model(cfg, _mods("loka+mods"), torch.device("cpu"))
+    with pytest.raises(Stop):  # the batch reaches only the (faked) Probe
+        plans.probe_and_plan(model, None, cfg, torch.device("cpu"), {})
+    on_cpu = {k.name for k in loka.kernels.registry.available(torch.device("cpu"))}
+    assert seen["all"] is False
+    assert sorted(seen["kernels"]) == sorted(k for k in bench.PROBE_KERNELS if k in on_cpu)
+    assert "cublas-tensorwise" in seen["kernels"] and "fbgemm-rowwise" not in seen["kernels"]
 
 
 def test_checks_compare_each_tuned_row_with_its_search_twin():
