@@ -44,13 +44,20 @@ def _run(cmd, timeout=240, cwd=ROOT):
     return proc
 
 
-@pytest.mark.slow
-def test_bench_runs_on_one_and_two_ranks_and_reports_every_field(tmp_path):
-    one, two = tmp_path / "w1.json", tmp_path / "w2.json"
+@pytest.fixture(scope="module")
+def eager_runs(tmp_path_factory):
+    """The eager script on one rank, then on two against it: (folder, r1, r2)."""
+    tmp = tmp_path_factory.mktemp("eager")
+    one, two = tmp / "w1.json", tmp / "w2.json"
     _run([sys.executable, "bench/distributed/run.py", *SMOKE, *NE, "--out", str(one)])
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
           "bench/distributed/run.py", *SMOKE, *NE, "--baseline", str(one), "--out", str(two)])
-    r1, r2 = json.loads(one.read_text()), json.loads(two.read_text())
+    return tmp, json.loads(one.read_text()), json.loads(two.read_text())
+
+
+@pytest.mark.slow
+def test_bench_runs_on_one_and_two_ranks_and_reports_every_field(eager_runs):
+    tmp_path, r1, r2 = eager_runs
     # the NE check: the same 128 held-out examples scored after 3 steps of the same global
     # batches; two ranks change only the order of the gradients' sums (bf16 arm) or also
     # gather the weights in FP8 and scale each rank's rows alone (loka arm): the paired
@@ -98,20 +105,18 @@ def test_bench_runs_on_one_and_two_ranks_and_reports_every_field(tmp_path):
 
 
 @pytest.mark.slow
-def test_compiled_step_gathers_fp8_weights_on_two_ranks_and_keeps_the_ne(tmp_path):
+def test_compiled_step_gathers_fp8_weights_on_two_ranks_and_keeps_the_ne(tmp_path, eager_runs):
     """``--compile``: the loka arm's blocks and the root's children under torch.compile,
     FSDP2's hooks eager between their graphs; on two ranks its weights still all-gather
     in FP8 into the compiled regions, as many bytes as eager, and the NE of the same
     held-out examples matches the compiled one-rank run's."""
-    one, two, eager = tmp_path / "c1.json", tmp_path / "c2.json", tmp_path / "e2.json"
+    one, two = tmp_path / "c1.json", tmp_path / "c2.json"
     arms = ["--arms", "loka", "--compile"]
     _run([sys.executable, "bench/distributed/run.py", *SMOKE, *NE, *arms, "--out", str(one)],
          timeout=600)
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
           "bench/distributed/run.py", *SMOKE, *NE, *arms, "--baseline", str(one),
           "--out", str(two)], timeout=600)
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-          "bench/distributed/run.py", *SMOKE, "--arms", "loka", "--out", str(eager)])
     r1, r2 = json.loads(one.read_text()), json.loads(two.read_text())
     assert r1["compile"] is True and r2["compile_scope"] == "children"
     assert r2["ne_settings"]["compile"] is True
@@ -119,8 +124,9 @@ def test_compiled_step_gathers_fp8_weights_on_two_ranks_and_keeps_the_ne(tmp_pat
     assert a1["compiled_graphs"] >= 1 and a2["compiled_graphs"] >= 1
     # every Linear of the tiny Wukong but the logit (1 output) gathers FP8 on two ranks
     assert a2["note"] == "6 of 7 planned Linears all-gather FP8"
+    # as many bytes as the eager two-rank run of the same model and batch
     assert a1["all_gather_bytes_per_step"] == 0 < a2["all_gather_bytes_per_step"] == \
-        json.loads(eager.read_text())["arms"]["loka"]["all_gather_bytes_per_step"]
+        eager_runs[2]["arms"]["loka"]["all_gather_bytes_per_step"]
     assert 0.5 < a1["ne"] < 1.5 and a1["ne_examples"] == a2["ne_examples"] == 128
     cmp = a2["ne_vs_baseline"]
     low, high = cmp["interval_95"]
