@@ -203,7 +203,8 @@ def test_a_dynamic_batch_package_serves_other_row_counts(tmp_path):
 def test_a_dynamic_batch_is_exported_from_a_single_row_where_the_code_allows():
     """Sizes 0 and 1 traced like any other: a model whose code does not branch on a single
     row is exported for one row up (the range the package then keeps), and from an
-    example of one row too. (The export alone: the compile is the rowwise test's.)"""
+    example of one row too (which aot_compile refuses: see the next test). (The export
+    alone: the compile is the rowwise test's.)"""
     from loka.dispatch.aot import _export, _row_bounds
 
     torch.manual_seed(0)
@@ -215,6 +216,67 @@ def test_a_dynamic_batch_is_exported_from_a_single_row_where_the_code_allows():
             x = torch.randn(5, 16)
             assert torch.allclose(exported.module()(x), model(x), rtol=1e-5, atol=1e-6)
         assert _row_bounds(_export(model, (torch.randn(8, 16),), False)) == (None, None)
+
+
+class SqueezeHead(nn.Module):
+    """One logit per row, squeezed over every size-1 dimension: at one row, a 0-d tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 1)
+
+    def forward(self, x):
+        return self.lin(x).squeeze()
+
+
+def test_code_that_computes_otherwise_at_one_row_is_compiled_from_two(tmp_path):
+    """The size-oblivious export traces ``squeeze()`` as if the rows were never one, and
+    Inductor compiles it so: at one row the first package returns a (1,) tensor where the
+    model returns a 0-d one. It is compiled again from two rows; an example of one row is
+    refused."""
+    torch.manual_seed(0)
+    model = SqueezeHead().eval()
+    served = loka.aot_compile(model, (torch.randn(8, 16),), tmp_path / "sq.pt2",
+                              dynamic_batch=True)
+    assert (served.inputs[0].min_rows, served.inputs[0].max_rows) == (2, None)
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        assert torch.allclose(served(x), model(x), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="input 0 has 1 rows; the package serves at least 2"):
+        served(torch.randn(1, 16))
+    assert sorted(os.listdir(tmp_path)) == ["sq.pt2"]
+    with pytest.raises(ValueError, match="at least 2 rows"):
+        loka.aot_compile(model, (torch.randn(1, 16),), tmp_path / "m.pt2", dynamic_batch=True)
+    assert sorted(os.listdir(tmp_path)) == ["sq.pt2"]
+
+
+class Counter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return x + self.calls
+
+
+class Doubler(nn.Module):
+    def forward(self, x):
+        x.mul_(2)
+        return x + 1
+
+
+@pytest.mark.parametrize("model, what", [(Counter(), "buffer calls"), (Doubler(), "input x")])
+def test_a_forward_that_writes_to_a_buffer_or_an_input_is_refused(tmp_path, model, what):
+    """A package would freeze the buffer at its exported value and write into the caller's
+    tensor; refused before the model ever runs, so neither changes."""
+    x = torch.ones(4, 3)
+    with pytest.raises(ValueError, match=f"writes to no buffer or input; this one writes to "
+                                         f"{what}"):
+        loka.aot_compile(model.eval(), (x,), tmp_path / "m.pt2")
+    assert torch.equal(x, torch.ones(4, 3))
+    assert all(float(b.sum()) == 0 for b in model.buffers())
+    assert os.listdir(tmp_path) == []
 
 
 def test_compile_refuses_bad_input(tmp_path):
@@ -241,6 +303,10 @@ def test_compile_refuses_bad_input(tmp_path):
         loka.aot_compile(model, inputs(), tmp_path)
     with pytest.raises(ValueError, match="batch dimension"):
         loka.aot_compile(model, (torch.tensor(1.0),), tmp_path / "m.pt2", dynamic_batch=True)
+    with pytest.raises(TypeError, match=r"pass \(x,\), not x"):
+        loka.aot_compile(model, inputs()[0], tmp_path / "m.pt2")
+    with pytest.raises(ValueError, match=r"several devices \(cpu, meta\)"):
+        loka.aot_compile(model, (inputs()[0], inputs()[1].to("meta")), tmp_path / "m.pt2")
     assert os.listdir(tmp_path) == []
 
 
@@ -292,6 +358,87 @@ def test_the_check_pairs_outputs_by_position_numbers_included():
         _compare((y,), (8, y))
     with pytest.raises(ValueError, match="output 1 is not finite"):
         _compare((torch.tensor(8), torch.full((3,), float("inf"))), (8, y))
+
+
+def test_the_check_compares_shapes_dtypes_integers_and_numbers():
+    from loka.dispatch.aot import _compare
+
+    y = torch.tensor([1.0, 2.0])
+    with pytest.raises(ValueError, match=r"output 0 is \(\) torch.float32 where the eager "
+                                         r"model's is \(2,\) torch.float32"):
+        _compare((torch.tensor(1.0),), (y,))
+    with pytest.raises(ValueError, match="output 0 is .* torch.float64 where"):
+        _compare((y.double(),), (y,))
+    with pytest.raises(ValueError, match="output 1 differs from the eager model's in 1 of 2"):
+        _compare((y, torch.tensor([3, 5])), (y, torch.tensor([3, 4])))
+    with pytest.raises(ValueError, match="differs .* in 1 of 1"):
+        _compare((torch.tensor([True]),), (torch.tensor([False]),))
+    with pytest.raises(ValueError, match="output 0 is 9 where the eager model's is 8"):
+        _compare((torch.tensor(9), y), (8, y))
+    assert _compare((torch.tensor([3, 4]), None), (torch.tensor([3, 4]), None)) == {
+        "rel_err_vs_eager": 0.0, "max_abs_diff": 0.0}
+
+
+def test_input_descriptions_are_validated():
+    from loka.dispatch.aot import InputSpec
+
+    good = {"shape": [None, 16], "dtype": "torch.float32", "device": "cpu", "min_rows": 1,
+            "max_rows": None}
+    assert InputSpec.from_dict(good) == InputSpec((None, 16), "torch.float32", "cpu", 1, None)
+    for change, match in [({"shape": "16"}, "shape '16' is not a list of sizes"),
+                          ({"shape": [2, -1]}, "not a list of sizes"),
+                          ({"shape": [True]}, "not a list of sizes"),
+                          ({"dtype": "torch.nonsense"}, "'torch.nonsense' is not a torch dtype"),
+                          ({"dtype": "Tensor"}, "is not a torch dtype"),
+                          ({"dtype": None}, "None is not a torch dtype"),
+                          ({"device": "gpu9"}, "'gpu9' is not a device"),
+                          ({"min_rows": "2"}, "not a range of row counts"),
+                          ({"min_rows": 5, "max_rows": 3}, "not a range of row counts")]:
+        with pytest.raises(ValueError, match=match):
+            InputSpec.from_dict({**good, **change})
+    with pytest.raises(KeyError):
+        InputSpec.from_dict({k: v for k, v in good.items() if k != "device"})
+    with pytest.raises(ValueError, match="described by list"):
+        InputSpec.from_dict([1])
+
+
+def _rewritten(made, tmp_path, name, value):
+    """A copy of the package ``made`` with its LoKA metadata entry set to ``value``."""
+    import json
+
+    out = tmp_path / name / made.name
+    out.parent.mkdir()
+    with zipfile.ZipFile(made) as zin, zipfile.ZipFile(out, "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info)
+            if info.filename.endswith("_metadata.json"):
+                meta = json.loads(data)
+                meta[loka.dispatch.aot.METADATA_KEY] = value
+                data = json.dumps(meta).encode()
+            zout.writestr(info, data)
+    return out
+
+
+def test_a_package_whose_description_is_corrupt_is_refused_in_one_line(package, tmp_path):
+    import json
+
+    _, _, served, made = package
+    spec = served.inputs[0].to_dict()
+    assert loka.load_aot(_rewritten(made, tmp_path, "same", json.dumps(
+        {"inputs": [i.to_dict() for i in served.inputs], "fp8_sites": ["inp"]}))).fp8_sites == \
+        ("inp",)
+    for name, value, match in [
+            ("empty", json.dumps({"inputs": []}), "it lists no inputs"),
+            ("dtype", json.dumps({"inputs": [dict(spec, dtype="torch.nonsense")]}),
+             "is not a torch dtype"),
+            ("device", json.dumps({"inputs": [dict(spec, device="gpu9")]}), "not a device"),
+            ("sites", json.dumps({"inputs": [spec], "fp8_sites": "inp"}),
+             "fp8_sites is not a list of names"),
+            ("mixed", json.dumps({"inputs": [spec, dict(spec, device="meta")]}),
+             "several device types"),
+            ("json", "{not json", "Expecting property name")]:
+        with pytest.raises(ValueError, match=f"not made by loka.aot_compile .*{match}"):
+            loka.load_aot(_rewritten(made, tmp_path, name, value))
 
 
 def test_loading_what_is_not_a_package_says_so(package, tmp_path):

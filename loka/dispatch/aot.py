@@ -66,11 +66,37 @@ class InputSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "InputSpec":
-        return cls(tuple(None if s is None else int(s) for s in d["shape"]), str(d["dtype"]),
-                   str(d["device"]), d.get("min_rows"), d.get("max_rows"))
+        """Parse and validate one input's description; ValueError names what is wrong."""
+        if not isinstance(d, dict):
+            raise ValueError(f"an input is described by {type(d).__name__}, not an object")
+        shape = d["shape"]
+        if not isinstance(shape, list) or not all(s is None or _count(s) for s in shape):
+            raise ValueError(f"shape {shape!r} is not a list of sizes")
+        _dtype(d["dtype"])
+        try:
+            torch.device(d["device"])
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device {d['device']!r} is not a device") from None
+        lo, hi = d.get("min_rows"), d.get("max_rows")
+        if not all(b is None or _count(b) for b in (lo, hi)) or (
+                lo is not None and hi is not None and lo > hi):
+            raise ValueError(f"row bounds {lo!r}, {hi!r} are not a range of row counts")
+        return cls(tuple(shape), d["dtype"], d["device"], lo, hi)
 
     def shown(self) -> tuple:
         return tuple("*" if s is None else s for s in self.shape)
+
+
+def _count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _dtype(name: object) -> torch.dtype:
+    """``torch.float32`` from its name, ``"torch.float32"``."""
+    got = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
+    if not isinstance(got, torch.dtype):
+        raise ValueError(f"dtype {name!r} is not a torch dtype")
+    return got
 
 
 def _fp8_sites(model: nn.Module) -> List[str]:
@@ -109,12 +135,21 @@ class AOTModel:
         meta = self._package.get_metadata()
         try:
             described = json.loads(meta[METADATA_KEY])
-            self.inputs = tuple(InputSpec.from_dict(d) for d in described["inputs"])
-            self.fp8_sites = tuple(str(s) for s in described.get("fp8_sites", ()))
+            listed = described["inputs"]
+            if not isinstance(listed, list) or not listed:
+                raise ValueError("it lists no inputs")
+            self.inputs = tuple(InputSpec.from_dict(d) for d in listed)
+            sites = described.get("fp8_sites", [])
+            if not isinstance(sites, list) or not all(isinstance(n, str) for n in sites):
+                raise ValueError("fp8_sites is not a list of names")
+            self.fp8_sites = tuple(sites)
+            kinds = {torch.device(i.device).type for i in self.inputs}
+            if len(kinds) != 1:
+                raise ValueError(f"its inputs are on several device types: {sorted(kinds)}")
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{self.path} was not made by loka.aot_compile (its metadata "
                              f"has no valid {METADATA_KEY!r}: {e})") from None
-        kind = torch.device(self.inputs[0].device).type
+        kind = kinds.pop()
         if want is not None and want.type != kind:
             raise ValueError(f"{self.path} was compiled for {kind}, not {want.type}")
         # the package binds to the given GPU, else to the current one when loaded
@@ -123,7 +158,7 @@ class AOTModel:
                                     getattr(torch, kind).current_device()))
         self.check: Optional[Dict[str, float]] = None  # set by aot_compile
         self._shapes = tuple(i.shape for i in self.inputs)
-        self._dtypes = tuple(getattr(torch, i.dtype.replace("torch.", "")) for i in self.inputs)
+        self._dtypes = tuple(_dtype(i.dtype) for i in self.inputs)
         self._dynamic = tuple(bool(i.shape) and i.shape[0] is None for i in self.inputs)
         # the launcher and the layout of the outputs, decoded once: the package's own
         # __call__ decodes the layouts from JSON at every call
@@ -183,8 +218,10 @@ class AOTModel:
 
 
 def _compare(out, ref) -> Dict[str, float]:
-    """The package's outputs against the eager model's, leaf by leaf (a number the model
-    returns comes back from the package as a tensor)."""
+    """The package's outputs against the eager model's, leaf by leaf: the same count, each
+    tensor of the same shape and dtype, integer and boolean tensors equal, floating ones
+    finite where eager's are (their error is what is returned), numbers equal (a number
+    the model returns comes back from the package as a tensor). ValueError otherwise."""
     got, want = pytree.tree_leaves(out), pytree.tree_leaves(ref)
     if len(got) != len(want):
         raise ValueError(f"the compiled package returns {len(got)} values where the eager "
@@ -192,13 +229,30 @@ def _compare(out, ref) -> Dict[str, float]:
     check = {"rel_err_vs_eager": 0.0, "max_abs_diff": 0.0}
     for i, (o, r) in enumerate(zip(got, want)):
         if not isinstance(r, torch.Tensor):
+            value = o.item() if isinstance(o, torch.Tensor) and o.numel() == 1 else o
+            if r is not None and value != r and not (
+                    isinstance(r, float) and isinstance(value, float)
+                    and abs(value - r) <= 1e-3 * abs(r)):
+                raise ValueError(f"the compiled package's output {i} is {value!r} where the "
+                                 f"eager model's is {r!r}")
             continue
-        fin = torch.isfinite(r) if r.is_floating_point() else torch.ones_like(r, dtype=torch.bool)
+        if not isinstance(o, torch.Tensor) or o.shape != r.shape or o.dtype != r.dtype:
+            shown = (f"{tuple(o.shape)} {o.dtype}" if isinstance(o, torch.Tensor)
+                     else type(o).__name__)
+            raise ValueError(f"the compiled package's output {i} is {shown} where the eager "
+                             f"model's is {tuple(r.shape)} {r.dtype}")
+        o = o.to(r.device)
+        if not r.is_floating_point():
+            if not torch.equal(o, r):
+                raise ValueError(f"the compiled package's output {i} differs from the eager "
+                                 f"model's in {int((o != r).sum())} of {r.numel()} elements")
+            continue
+        fin = torch.isfinite(r)
         bad = fin & ~torch.isfinite(o)
         if bool(bad.any()):
             raise ValueError(f"the compiled package's output {i} is not finite where the eager "
                              f"model's is ({int(bad.sum())} elements)")
-        if r.is_floating_point() and bool(fin.any()):
+        if bool(fin.any()):
             o, r = o[fin].double(), r[fin].double()
             check["rel_err_vs_eager"] = max(check["rel_err_vs_eager"],
                                             relative_frobenius(o, r))
@@ -220,24 +274,91 @@ def _row_bounds(exported) -> Tuple[Optional[int], Optional[int]]:
     return None, None
 
 
-def _export(model: nn.Module, inputs: Tuple[torch.Tensor, ...], dynamic_batch: bool):
-    """``torch.export`` of ``model`` on ``inputs``; with ``dynamic_batch`` the rows of every
-    input one symbol, from one row up where the model's code allows it (sizes 0 and 1
-    traced like any other), else from two (code that branches on a single row, such as
-    a GEMM's row-scale checks: :func:`_row_bounds` records the bound the package keeps)."""
-    if not dynamic_batch:
-        return torch.export.export(model, inputs)
-    from torch.fx.experimental import _config as fx_config
-    for least in (1, 2):
-        batch = torch.export.Dim("batch", min=least)
+def _mutated_state(exported) -> List[str]:
+    """The buffers and inputs the exported forward writes to (a package would run on a
+    copy of the buffers' values frozen at export, and write into the caller's inputs)."""
+    sig = exported.run_decompositions({}).graph_signature
+    return ([f"buffer {b}" for b in sorted(set(sig.buffers_to_mutate.values()))]
+            + [f"input {n}" for n in sorted(set(sig.user_inputs_to_mutate.values()))])
+
+
+def _with_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t`` with ``n`` rows, its own rows repeated in turn."""
+    return t[torch.arange(n, device=t.device) % t.shape[0]]
+
+
+def _rows_disagree(model: nn.Module, served: "AOTModel",
+                   inputs: Tuple[torch.Tensor, ...]) -> Optional[str]:
+    """Where the package, run at its fewest rows and at one row more than the example
+    (the example's rows repeated), returns other values than the model: another count,
+    shape or dtype, other integers, or (at one row more) a larger error than on the
+    example; None where it agrees."""
+    rows, least = inputs[0].shape[0], served.inputs[0].min_rows or 1
+    for n in sorted({least, rows + 1}):
+        x = tuple(_with_rows(t, n) for t in inputs)
         try:
-            with fx_config.patch(backed_size_oblivious=least == 1):
-                return torch.export.export(model, inputs,
-                                           dynamic_shapes=tuple({0: batch} for _ in inputs))
-        except torch._dynamo.exc.UserError:
-            if least == 2 or min(t.shape[0] for t in inputs) < 2:
-                raise
-    raise AssertionError("unreachable")
+            with torch.no_grad():
+                check = _compare(served(*x), model(*x))
+        except (ValueError, RuntimeError) as e:
+            return f"at {n} rows: {str(e).strip().splitlines()[0][:200]}"
+        # (one row's error is one row's: only the count with the example's rows in it is
+        # held to the example's)
+        if n > rows and check["rel_err_vs_eager"] > 4 * served.check["rel_err_vs_eager"] + 1e-3:
+            return (f"at {n} rows: relative error {check['rel_err_vs_eager']:.2e} against "
+                    f"{served.check['rel_err_vs_eager']:.2e} on the example")
+    return None
+
+
+def _package(exported, inputs: Tuple[torch.Tensor, ...], ref, sites: List[str],
+             configs: Dict[str, Any], single_threaded: bool, tmp: str) -> "AOTModel":
+    """Compile ``exported`` into the package ``tmp`` (its folder made), its description in
+    the metadata, load it and check it against the eager outputs ``ref`` on the example."""
+    dynamic = any(isinstance(d, torch.SymInt) for node in exported.graph.nodes
+                  if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor)
+                  for d in node.meta["val"].shape[:1])
+    lo, hi = _row_bounds(exported) if dynamic else (None, None)
+    specs = [InputSpec(tuple(None if dynamic and d == 0 else int(n)
+                             for d, n in enumerate(t.shape)), str(t.dtype), str(t.device),
+                       lo, hi) for t in inputs]
+    meta = {METADATA_KEY: json.dumps({"inputs": [s.to_dict() for s in specs],
+                                      "fp8_sites": sites})}
+    configs = {**configs, "aot_inductor.metadata": {
+        **configs.get("aot_inductor.metadata", {}), **meta}}
+    os.makedirs(os.path.dirname(tmp))
+    torch._inductor.aoti_compile_and_package(exported, package_path=tmp,
+                                             inductor_configs=configs)
+    served = AOTModel(tmp, single_threaded=single_threaded, device=inputs[0].device)
+    with torch.no_grad():
+        served.check = _compare(served(*(t.clone() for t in inputs)), ref)
+    return served
+
+
+def _export(model: nn.Module, inputs: Tuple[torch.Tensor, ...], dynamic_batch: bool,
+            least: int = 1):
+    """``torch.export`` of ``model`` on ``inputs``, refused where the forward writes to a
+    buffer or an input. With ``dynamic_batch`` the rows of every input are one symbol,
+    from one row up (``least``) where the model's code allows it (sizes 0 and 1 traced
+    like any other), else from two (code that branches on a single row, such as a GEMM's
+    row-scale checks: :func:`_row_bounds` records the bound the package keeps)."""
+    if not dynamic_batch:
+        exported = torch.export.export(model, inputs)
+    else:
+        from torch.fx.experimental import _config as fx_config
+        for low in range(least, 3):
+            batch = torch.export.Dim("batch", min=low)
+            try:
+                with fx_config.patch(backed_size_oblivious=low == 1):
+                    exported = torch.export.export(
+                        model, inputs, dynamic_shapes=tuple({0: batch} for _ in inputs))
+                break
+            except torch._dynamo.exc.UserError:
+                if low == 2:
+                    raise
+    written = _mutated_state(exported)
+    if written:
+        raise ValueError("aot_compile serves a forward that writes to no buffer or input; "
+                         f"this one writes to {', '.join(written[:3])}")
+    return exported
 
 
 def aot_compile(model: nn.Module, example_inputs: Sequence[torch.Tensor],
@@ -256,9 +377,11 @@ def aot_compile(model: nn.Module, example_inputs: Sequence[torch.Tensor],
             (made contiguous for the export).
         path: the ``.pt2`` file to write; its folder must exist and be writable.
         dynamic_batch: let the first dimension of every input vary, the same for all, from
-            one row up, or from two where the model's code branches on a single row (the
-            range the export proves is recorded and checked at every call); otherwise the
-            package serves the example's shapes only.
+            one row up, or from two where the model's code branches on a single row or
+            computes otherwise at one (the package is run at its fewest rows and at one
+            more than the example's, and compiled again from two rows where it disagrees
+            with the model); the range is recorded and checked at every call. Otherwise
+            the package serves the example's shapes only.
         inductor_configs: Inductor options for the compilation (as ``torch.compile``'s
             ``options``).
         single_threaded: run without the package's locking, for one serving thread
@@ -272,10 +395,16 @@ def aot_compile(model: nn.Module, example_inputs: Sequence[torch.Tensor],
         ``torch.compile`` of the same model gives the package's bits).
 
     Raises:
-        ValueError: a module is in training mode, an input is not a tensor with rows,
-            ``path`` does not end in ``.pt2`` or its folder is missing or read-only, the
-            package's outputs are not finite where the eager model's are, or it returns
-            other values.
+        TypeError: ``model`` is not a module, or ``example_inputs`` is one tensor, not a
+            sequence of them.
+        ValueError: a module is in training mode; an input is not a tensor with rows; the
+            inputs are on several devices; ``dynamic_batch`` with an example of one row;
+            the forward writes to a buffer or an input (a package would freeze the
+            buffer's value and write into the caller's tensors); with ``dynamic_batch``,
+            the package computes otherwise than the model at another row count from two
+            rows up; ``path`` does not end in ``.pt2`` or its folder is missing
+            or read-only; the package's outputs differ from the eager model's in number,
+            shapes or dtypes, integer values, or finiteness.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -283,6 +412,9 @@ def aot_compile(model: nn.Module, example_inputs: Sequence[torch.Tensor],
     if training:
         raise ValueError(f"aot_compile compiles a serving forward: call model.eval() first "
                          f"(in training mode: {', '.join(training[:3])})")
+    if isinstance(example_inputs, torch.Tensor):
+        raise TypeError("example_inputs is the sequence of one call's tensors: pass (x,), "
+                        "not x")
     inputs = tuple(example_inputs)
     if not inputs:
         raise ValueError("example_inputs is empty: give the tensors of one call")
@@ -300,38 +432,49 @@ def aot_compile(model: nn.Module, example_inputs: Sequence[torch.Tensor],
         raise ValueError(f"the folder of {path} does not exist")
     if not os.access(path.parent, os.W_OK):
         raise ValueError(f"the folder of {path} is not writable")
+    devices = {t.device for t in inputs}
+    if len(devices) > 1:
+        raise ValueError(f"the example inputs are on several devices "
+                         f"({', '.join(sorted(map(str, devices)))}): a package serves one")
     if dynamic_batch:
         if any(t.dim() == 0 for t in inputs):
             raise ValueError("dynamic_batch needs every input to have a batch dimension")
         if len({t.shape[0] for t in inputs}) != 1:
             raise ValueError("dynamic_batch needs every input to hold the same rows, got "
                              f"{[t.shape[0] for t in inputs]}")
+        if inputs[0].shape[0] < 2:
+            raise ValueError("dynamic_batch needs an example of at least 2 rows (at one, "
+                             "the export may trace a size of one for the batch)")
     inputs = tuple(t.contiguous() for t in inputs)
     sites = _fp8_sites(model)
-    with torch.no_grad():
-        ref = model(*(t.clone() for t in inputs))
-        exported = _export(model, inputs, dynamic_batch)
-    lo, hi = _row_bounds(exported) if dynamic_batch else (None, None)
-    specs = [InputSpec(tuple(None if dynamic_batch and d == 0 else int(n)
-                             for d, n in enumerate(t.shape)), str(t.dtype), str(t.device),
-                       lo, hi) for t in inputs]
-    meta = {METADATA_KEY: json.dumps({"inputs": [s.to_dict() for s in specs],
-                                      "fp8_sites": sites})}
     configs = dict(inductor_configs or {})
-    configs["aot_inductor.metadata"] = {**configs.get("aot_inductor.metadata", {}), **meta}
+    with torch.no_grad():
+        # exported (and refused if it writes to a buffer or an input) before the model runs
+        exported = _export(model, inputs, dynamic_batch)
+        ref = model(*(t.clone() for t in inputs))
     # compiled, loaded and checked beside its destination under its own name (the package's
     # archive is named after the file), then moved into place whole
     scratch = tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.")
     try:
-        tmp = os.path.join(scratch, path.name)
-        torch._inductor.aoti_compile_and_package(exported, package_path=tmp,
-                                                 inductor_configs=configs)
-        served = AOTModel(tmp, single_threaded=single_threaded, device=inputs[0].device)
-        with torch.no_grad():
-            served.check = _compare(served(*inputs), ref)
-        with open(tmp, "rb") as f:
+        served = _package(exported, inputs, ref, sites, configs, single_threaded,
+                          os.path.join(scratch, "1", path.name))
+        if dynamic_batch:
+            why = _rows_disagree(model, served, inputs)
+            if why is not None and served.inputs[0].min_rows == 1:
+                # Inductor took a size-oblivious trace at its word where the model's code
+                # computes otherwise at one row (a squeeze() over the rows): from two
+                with torch.no_grad():
+                    exported = _export(model, inputs, True, least=2)
+                served = _package(exported, inputs, ref, sites, configs, single_threaded,
+                                  os.path.join(scratch, "2", path.name))
+                why = _rows_disagree(model, served, inputs)
+            if why is not None:
+                raise ValueError(f"dynamic_batch: the package computes otherwise than the "
+                                 f"model {why}; compile for the example's rows "
+                                 f"(dynamic_batch=False)")
+        with open(served.path, "rb") as f:
             os.fsync(f.fileno())
-        os.replace(tmp, path)  # the loaded package no longer reads its file
+        os.replace(served.path, path)  # the loaded package no longer reads its file
         served.path = path
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
