@@ -369,14 +369,13 @@ def test_the_check_compares_shapes_dtypes_integers_and_numbers():
         _compare((torch.tensor(1.0),), (y,))
     with pytest.raises(ValueError, match="output 0 is .* torch.float64 where"):
         _compare((y.double(),), (y,))
-    with pytest.raises(ValueError, match="output 1 differs from the eager model's in 1 of 2"):
-        _compare((y, torch.tensor([3, 5])), (y, torch.tensor([3, 4])))
-    with pytest.raises(ValueError, match="differs .* in 1 of 1"):
-        _compare((torch.tensor([True]),), (torch.tensor([False]),))
+    # integers and booleans counted where they differ (a top-k of FP8 values may)
+    assert _compare((y, torch.tensor([3, 5]), torch.tensor([True])),
+                    (y, torch.tensor([3, 4]), torch.tensor([False])))["unequal_integers"] == 2
     with pytest.raises(ValueError, match="output 0 is 9 where the eager model's is 8"):
         _compare((torch.tensor(9), y), (8, y))
     assert _compare((torch.tensor([3, 4]), None), (torch.tensor([3, 4]), None)) == {
-        "rel_err_vs_eager": 0.0, "max_abs_diff": 0.0}
+        "rel_err_vs_eager": 0.0, "max_abs_diff": 0.0, "unequal_integers": 0}
 
 
 def test_input_descriptions_are_validated():

@@ -219,14 +219,15 @@ class AOTModel:
 
 def _compare(out, ref) -> Dict[str, float]:
     """The package's outputs against the eager model's, leaf by leaf: the same count, each
-    tensor of the same shape and dtype, integer and boolean tensors equal, floating ones
-    finite where eager's are (their error is what is returned), numbers equal (a number
-    the model returns comes back from the package as a tensor). ValueError otherwise."""
+    tensor of the same shape and dtype, floating ones finite where eager's are, numbers
+    equal (a number the model returns comes back from the package as a tensor);
+    ValueError otherwise. Returned: the floating outputs' largest relative error and
+    absolute difference, and how many integer or boolean elements differ."""
     got, want = pytree.tree_leaves(out), pytree.tree_leaves(ref)
     if len(got) != len(want):
         raise ValueError(f"the compiled package returns {len(got)} values where the eager "
                          f"model returns {len(want)}")
-    check = {"rel_err_vs_eager": 0.0, "max_abs_diff": 0.0}
+    check = {"rel_err_vs_eager": 0.0, "max_abs_diff": 0.0, "unequal_integers": 0}
     for i, (o, r) in enumerate(zip(got, want)):
         if not isinstance(r, torch.Tensor):
             value = o.item() if isinstance(o, torch.Tensor) and o.numel() == 1 else o
@@ -243,9 +244,9 @@ def _compare(out, ref) -> Dict[str, float]:
                              f"model's is {tuple(r.shape)} {r.dtype}")
         o = o.to(r.device)
         if not r.is_floating_point():
-            if not torch.equal(o, r):
-                raise ValueError(f"the compiled package's output {i} differs from the eager "
-                                 f"model's in {int((o != r).sum())} of {r.numel()} elements")
+            # (counted, not refused: indices or labels computed from FP8 values, a top-k
+            # or a threshold, may differ where eager's float values round otherwise)
+            check["unequal_integers"] += int((o != r).sum())
             continue
         fin = torch.isfinite(r)
         bad = fin & ~torch.isfinite(o)
@@ -291,8 +292,8 @@ def _rows_disagree(model: nn.Module, served: "AOTModel",
                    inputs: Tuple[torch.Tensor, ...]) -> Optional[str]:
     """Where the package, run at its fewest rows and at one row more than the example
     (the example's rows repeated), returns other values than the model: another count,
-    shape or dtype, other integers, or (at one row more) a larger error than on the
-    example; None where it agrees."""
+    shape or dtype, or (at one row more) a larger error than on the example; None where
+    it agrees."""
     rows, least = inputs[0].shape[0], served.inputs[0].min_rows or 1
     for n in sorted({least, rows + 1}):
         x = tuple(_with_rows(t, n) for t in inputs)
