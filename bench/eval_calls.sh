@@ -37,12 +37,14 @@ serve)  # every serving row with graphs captured: Wukong at 4096, all at 16384
     --report "$R16" --variants $V --graphs-only --graph-capture step --time-budget-s 330 \
     --out $OUT/serve_step_b16384.json > $OUT/serve_step_b16384.log 2>&1 ;;
 aoti)  # serving without CUDA graphs: AOTInductor packages, then torch.compile beside them
-  # (AOTI_S: seconds for the packages' rows, 300 unless set; torch.compile's get 120)
+  # (AOTI_S: seconds for the packages' rows, 300 unless set; torch.compile's get 120;
+  # AOTI_MODELS: the models, dcnv2,dlrm unless set)
   A_S=${AOTI_S:-300}
-  timeout $((A_S + 60)) python3 bench/eval_set.py $S --models dcnv2,dlrm --batch-sizes 4096 \
+  M=${AOTI_MODELS:-dcnv2,dlrm}
+  timeout $((A_S + 60)) python3 bench/eval_set.py $S --models $M --batch-sizes 4096 \
     --report "$R4" --variants $V --no-graphs --serve-runtime aoti --time-budget-s $A_S \
     --out $OUT/serve_aoti.json > $OUT/serve_aoti.log 2>&1
-  timeout 150 python3 bench/eval_set.py $S --models dcnv2,dlrm --batch-sizes 4096 --report "$R4" \
+  timeout 150 python3 bench/eval_set.py $S --models $M --batch-sizes 4096 --report "$R4" \
     --variants bf16,loka-static --no-graphs --time-budget-s 120 \
     --out $OUT/serve_compile.json > $OUT/serve_compile.log 2>&1 ;;
 loaded)
