@@ -18,6 +18,9 @@ NE = ["--ne-steps", "3", "--ne-batch", "64", "--ne-eval-batches", "2"]
 
 
 TEARDOWN_ABORT = "terminate called without an active exception"
+TOL_COMPILED_NE = 1e-5
+"""compiled against eager NE after 3 steps (6e-10 apart on the CPU build): Inductor may
+round what FP8 casts read otherwise, and a value moved across a rounding step moves a step"""
 
 
 def _env() -> dict:
@@ -109,28 +112,24 @@ def test_compiled_step_gathers_fp8_weights_on_two_ranks_and_keeps_the_ne(tmp_pat
     """``--compile``: the loka arm's blocks and the root's children under torch.compile,
     FSDP2's hooks eager between their graphs; on two ranks its weights still all-gather
     in FP8 into the compiled regions, as many bytes as eager, and the NE of the same
-    held-out examples matches the compiled one-rank run's."""
-    one, two = tmp_path / "c1.json", tmp_path / "c2.json"
-    arms = ["--arms", "loka", "--compile"]
-    _run([sys.executable, "bench/distributed/run.py", *SMOKE, *NE, *arms, "--out", str(one)],
-         timeout=600)
+    held-out examples after the same steps is the eager two-rank run's, to FP8 rounding.
+    (Each rank's timed and NE steps both hold 32 rows: one compiled shape.)"""
+    two = tmp_path / "c2.json"
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-          "bench/distributed/run.py", *SMOKE, *NE, *arms, "--baseline", str(one),
+          "bench/distributed/run.py", *SMOKE, *NE, "--arms", "loka", "--compile",
           "--out", str(two)], timeout=600)
-    r1, r2 = json.loads(one.read_text()), json.loads(two.read_text())
-    assert r1["compile"] is True and r2["compile_scope"] == "children"
+    r2 = json.loads(two.read_text())
+    eager = eager_runs[2]["arms"]["loka"]
+    assert r2["compile"] is True and r2["compile_scope"] == "children"
     assert r2["ne_settings"]["compile"] is True
-    a1, a2 = r1["arms"]["loka"], r2["arms"]["loka"]
-    assert a1["compiled_graphs"] >= 1 and a2["compiled_graphs"] >= 1
+    a2 = r2["arms"]["loka"]
+    assert a2["compiled_graphs"] >= 1
     # every Linear of the tiny Wukong but the logit (1 output) gathers FP8 on two ranks
     assert a2["note"] == "6 of 7 planned Linears all-gather FP8"
     # as many bytes as the eager two-rank run of the same model and batch
-    assert a1["all_gather_bytes_per_step"] == 0 < a2["all_gather_bytes_per_step"] == \
-        eager_runs[2]["arms"]["loka"]["all_gather_bytes_per_step"]
-    assert 0.5 < a1["ne"] < 1.5 and a1["ne_examples"] == a2["ne_examples"] == 128
-    cmp = a2["ne_vs_baseline"]
-    low, high = cmp["interval_95"]
-    assert cmp["comparable"] and cmp["matches"] and high - low < 0.01
+    assert 0 < a2["all_gather_bytes_per_step"] == eager["all_gather_bytes_per_step"]
+    assert a2["ne_examples"] == eager["ne_examples"] == 128
+    assert a2["ne"] == pytest.approx(eager["ne"], rel=TOL_COMPILED_NE)
 
 
 @pytest.mark.slow
