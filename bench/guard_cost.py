@@ -44,15 +44,16 @@ PROFILED_CALLS = 10
 
 
 def measure(model: torch.nn.Module, inputs, repeats: int, train: bool = False,
-            no_grad: bool = False) -> dict:
+            no_grad: bool = False, backend: str = "inductor") -> dict:
     """Compile ``model``, call it once (with a backward for ``train``), and time its
     cached frame's guard check; a serving forward runs under ``inference_mode`` (as the
     evaluation set's rows run it), or under ``no_grad`` (as ``loka.optimize``'s timer
-    does by default)."""
+    does by default). The guards are Dynamo's: ``backend`` changes what runs between
+    them, not them."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     torch._dynamo.reset()
-    compiled = torch.compile(model)
+    compiled = torch.compile(model, backend=backend)
     mode = (contextlib.nullcontext() if train else
             torch.no_grad() if no_grad else torch.inference_mode())
     with mode:
@@ -96,6 +97,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                    help="serve under torch.no_grad instead of torch.inference_mode")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--backend", default="inductor",
+                   help="torch.compile's backend (the guards are Dynamo's whatever it is; "
+                        "aot_eager skips Inductor's code generation)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.batch_size < 1 or args.repeats < 1:
@@ -110,15 +114,17 @@ def main(argv: Optional[List[str]] = None) -> int:
     torch.manual_seed(0)
     model = es.EVAL_MODELS[args.model](args.scale).train(args.train)
     inputs = model.make_batch(args.batch_size, "cpu", torch.float32, seed=0)[0]
-    rows = {"as written": measure(model, inputs, args.repeats, args.train, args.no_grad)}
+    rows = {"as written": measure(model, inputs, args.repeats, args.train, args.no_grad,
+                                  args.backend)}
     loka.apply(model, plan, inference=not args.train)
-    rows["plan"] = measure(model, inputs, args.repeats, args.train, args.no_grad)
+    rows["plan"] = measure(model, inputs, args.repeats, args.train, args.no_grad, args.backend)
     rows["plan"]["fp8_site_roles"] = sum(c.kernel != plan.baseline for sp in plan.sites.values()
                                          for c in sp.roles.values())
     doc = {"schema": "loka.bench.guard_cost", "version": 1,
            "command": " ".join(["bench/guard_cost.py"]
                                + (argv if argv is not None else sys.argv[1:])),
            "torch": torch.__version__, "model": args.model, "scale": args.scale,
+           "backend": args.backend,
            "mode": "train" if args.train else "serve",
            "grad_mode": "grad" if args.train else "no_grad" if args.no_grad else "inference_mode",
            "rows": rows}
