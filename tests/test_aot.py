@@ -468,3 +468,20 @@ def test_a_package_made_without_loka_is_refused(tmp_path):
                                                     package_path=str(tmp_path / "plain.pt2"))
     with pytest.raises(ValueError, match="not made by loka.aot_compile"):
         loka.load_aot(path)
+
+
+def test_the_smoke_script_records_each_stage_and_the_one_that_failed():
+    """bench/aot_smoke.py's stages (its GPU run names the stage a crash happened in)."""
+    import importlib.util
+
+    from tests.conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("aot_smoke", ROOT / "bench" / "aot_smoke.py")
+    smoke = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(smoke)
+    log = []
+    assert smoke.stage(log, "one", lambda: 3) == 3
+    with pytest.raises(ZeroDivisionError):
+        smoke.stage(log, "two", lambda: 1 / 0)
+    assert [(e["stage"], e["ok"]) for e in log] == [("one", True), ("two", False)]
+    assert log[1]["error"] == "ZeroDivisionError: division by zero" and log[0]["s"] >= 0
