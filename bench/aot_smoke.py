@@ -1,6 +1,7 @@
-"""AOTInductor packages on this device, stage by stage: one Linear, then the evaluation
-set's model in bf16 (export, compile, load, call), each stage printed before it runs and
-faults traced (``faulthandler``), so a crash names its stage.
+"""AOTInductor packages on this device, stage by stage: one Linear (torch's own API, then
+``loka.aot_compile`` with and without the package's locking), then the evaluation set's
+model in bf16 as its serving rows make it, each stage printed before it runs and faults
+traced (``faulthandler``), so a crash names its stage.
 
     python bench/aot_smoke.py --out smoke.json [--model dcnv2] [--batch 4096]
 """
@@ -67,12 +68,17 @@ def main(argv=None) -> int:
             served = stage(log, "linear loka.aot_compile",
                            lambda: loka.aot_compile(lin, x, os.path.join(folder, "lin.pt2")))
             stage(log, "linear AOTModel call", lambda: served(*x))
+            # as the evaluation set's rows load it: without the package's locking
+            single = stage(log, "linear loka.aot_compile, single_threaded",
+                           lambda: loka.aot_compile(lin, x, os.path.join(folder, "lin1.pt2"),
+                                                    single_threaded=True))
+            stage(log, "linear AOTModel call, single_threaded", lambda: single(*x))
             save()
             import evalset
             model = evalset.EVAL_MODELS[args.model]("paper").to(dev).to(dtype).eval()
             batch = model.make_batch(args.batch, dev, dtype, seed=0)[0]
             served = stage(log, f"{args.model} loka.aot_compile", lambda: loka.aot_compile(
-                model, batch, os.path.join(folder, "m.pt2")))
+                model, batch, os.path.join(folder, "m.pt2"), single_threaded=True))
             doc["check"] = served.check
             stage(log, f"{args.model} AOTModel call", lambda: served(*batch))
             if dev == "cuda":
