@@ -70,8 +70,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=30, help="timed steps per round")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--backend", default="inductor",
+                   help="torch.compile's backend (aot_eager: Dynamo and AOTAutograd without "
+                        "Inductor's code, for a CPU smoke run)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if args.graphs and args.backend != "inductor":
+        p.error("--graphs compiles with Inductor's CUDA graphs: drop --backend")
     if args.rounds < 2 or args.steps < 1 or args.warmup < 1 or args.batch_size < 1:
         p.error("--rounds must be >= 2, --steps, --warmup and --batch-size >= 1")
     if args.static_b and args.mode != "serve":
@@ -99,7 +104,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     steps = {}
     for name, m in models.items():
         m.train(not serve)
-        steps[name] = make_step(torch.compile(m, mode=mode), m, args.mode, batch, args.graphs,
+        steps[name] = make_step(torch.compile(m, mode=mode, backend=args.backend), m, args.mode,
+                                batch, args.graphs,
                                 device, es.loss_fn)
         for _ in range(args.warmup):
             steps[name]()
@@ -114,6 +120,7 @@ def main(argv: Optional[List[str]] = None) -> int:
            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "model": args.model, "scale": args.scale, "batch_size": args.batch_size,
            "mode": args.mode, "graphs": args.graphs, "static_b": args.static_b,
+           "backend": args.backend,
            "fp8_site_roles": {v: sum(c.kernel != plan.baseline for sp in plan.sites.values()
                                      for c in sp.roles.values()) for v, plan in plans.items()},
            "order": round_order(args.rounds), "round_ms": medians, **summarize(medians),

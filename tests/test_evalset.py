@@ -513,10 +513,11 @@ def test_ab_steps_alternates_the_two_compiled_steps(probed, tmp_path):
     out = tmp_path / "ab.json"
     args = ["--model", "dlrm", "--scale", "tiny", "--batch-size", "64", "--mode", "serve",
             "--report", str(report), "--assume-fast", "--rounds", "2", "--steps", "2",
-            "--warmup", "1", "--device", "cpu", "--out", str(out)]
+            "--warmup", "1", "--device", "cpu", "--backend", "aot_eager", "--out", str(out)]
     assert ab_steps.main(args) == 0
     doc = json.loads(out.read_text())
     assert doc["order"] == ["A", "B", "B", "A"] and doc["fp8_site_roles"]["B"] > 0
+    assert doc["backend"] == "aot_eager"
     assert "A" not in doc["fp8_site_roles"]  # the model as written
     assert len(doc["round_ms"]["A"]) == len(doc["round_ms"]["B"]) == 2
     # two saved plans side by side: B's plan on A too, and a plan with no FP8 role on B
