@@ -405,7 +405,7 @@ def aot_compile(model: nn.Module, example_inputs: Sequence[torch.Tensor],
             the package computes otherwise than the model at another row count from two
             rows up; ``path`` does not end in ``.pt2`` or its folder is missing
             or read-only; the package's outputs differ from the eager model's in number,
-            shapes or dtypes, integer values, or finiteness.
+            shapes or dtypes, returned numbers, or finiteness.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
