@@ -104,9 +104,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     steps = {}
     for name, m in models.items():
         m.train(not serve)
-        steps[name] = make_step(torch.compile(m, mode=mode, backend=args.backend), m, args.mode,
-                                batch, args.graphs,
-                                device, es.loss_fn)
+        compiled = torch.compile(m, mode=mode, backend=args.backend)
+        steps[name] = make_step(compiled, m, args.mode, batch, args.graphs, device, es.loss_fn)
         for _ in range(args.warmup):
             steps[name]()
         synchronize(device)

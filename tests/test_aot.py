@@ -7,6 +7,7 @@ one package per module serves most tests.
 
 from __future__ import annotations
 
+import json
 import os
 import zipfile
 
@@ -403,8 +404,6 @@ def test_input_descriptions_are_validated():
 
 def _rewritten(made, tmp_path, name, value):
     """A copy of the package ``made`` with its LoKA metadata entry set to ``value``."""
-    import json
-
     out = tmp_path / name / made.name
     out.parent.mkdir()
     with zipfile.ZipFile(made) as zin, zipfile.ZipFile(out, "w") as zout:
@@ -419,8 +418,6 @@ def _rewritten(made, tmp_path, name, value):
 
 
 def test_a_package_whose_description_is_corrupt_is_refused_in_one_line(package, tmp_path):
-    import json
-
     _, _, served, made = package
     spec = served.inputs[0].to_dict()
     assert loka.load_aot(_rewritten(made, tmp_path, "same", json.dumps(

@@ -603,7 +603,8 @@ def test_train_then_resume(tmp_path, capsys):
 
 def test_bench_on_the_cpu_end_to_end(tmp_path, capsys):
     out = tmp_path / "b.json"
-    # the Probe measures two kernels (the bench's own tests run its default list)
+    # the Probe measures two kernels (tests/test_bench.py checks that the default list
+    # reaches the Probe)
     code = cli.main(["bench", "--device", "cpu", "--preset", "tiny", "--steps", "1", "--warmup",
                      "1", "--train-variants", "bf16,bf16+mods,loka+mods", "--infer-variants",
                      "bf16,loka+mods", "--probe-kernels", "bf16,emulated-rowwise-e4m3",

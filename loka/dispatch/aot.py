@@ -311,12 +311,11 @@ def _rows_disagree(model: nn.Module, served: "AOTModel",
 
 
 def _package(exported, inputs: Tuple[torch.Tensor, ...], ref, sites: List[str],
-             configs: Dict[str, Any], single_threaded: bool, tmp: str) -> "AOTModel":
-    """Compile ``exported`` into the package ``tmp`` (its folder made), its description in
-    the metadata, load it and check it against the eager outputs ``ref`` on the example."""
-    dynamic = any(isinstance(d, torch.SymInt) for node in exported.graph.nodes
-                  if node.op == "placeholder" and isinstance(node.meta.get("val"), torch.Tensor)
-                  for d in node.meta["val"].shape[:1])
+             configs: Dict[str, Any], single_threaded: bool, dynamic: bool,
+             tmp: str) -> "AOTModel":
+    """Compile ``exported`` (its batch a symbol where ``dynamic``) into the package ``tmp``
+    (its folder made), its description in the metadata, load it and check it against the
+    eager outputs ``ref`` on the example."""
     lo, hi = _row_bounds(exported) if dynamic else (None, None)
     specs = [InputSpec(tuple(None if dynamic and d == 0 else int(n)
                              for d, n in enumerate(t.shape)), str(t.dtype), str(t.device),
@@ -458,7 +457,7 @@ def aot_compile(model: nn.Module, example_inputs: Sequence[torch.Tensor],
     scratch = tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         served = _package(exported, inputs, ref, sites, configs, single_threaded,
-                          os.path.join(scratch, "1", path.name))
+                          dynamic_batch, os.path.join(scratch, "1", path.name))
         if dynamic_batch:
             why = _rows_disagree(model, served, inputs)
             if why is not None and served.inputs[0].min_rows == 1:
@@ -467,7 +466,7 @@ def aot_compile(model: nn.Module, example_inputs: Sequence[torch.Tensor],
                 with torch.no_grad():
                     exported = _export(model, inputs, True, least=2)
                 served = _package(exported, inputs, ref, sites, configs, single_threaded,
-                                  os.path.join(scratch, "2", path.name))
+                                  True, os.path.join(scratch, "2", path.name))
                 why = _rows_disagree(model, served, inputs)
             if why is not None:
                 raise ValueError(f"dynamic_batch: the package computes otherwise than the "
